@@ -1,0 +1,58 @@
+"""Ring rotation: the only module of the ring that talks to the network.
+
+A rotation is one functional collective (``funcol.permute_tensor``): rank i of the group sends a flat
+buffer to rank i+1 and receives one from rank i-1. In eager mode the result is an
+``AsyncCollectiveTensor`` that waits on first use, so posting the rotation before the block's compute
+overlaps the two; under ``torch.compile`` it is an ``all_to_all_single`` + ``wait_tensor`` pair that
+Inductor schedules around the attention kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import Tensor
+
+__all__ = ["RingComm", "pack", "unpack"]
+
+
+class RingComm:
+    """The ring of ``group``: who this rank is, and a non-blocking one-step rotation."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self._next = [(i + 1) % self.world for i in range(self.world)]
+
+    def src_at(self, step: int) -> int:
+        """The rank whose block this rank holds at ring step ``step``."""
+        return (self.rank - step) % self.world
+
+    def rotate(self, buf: Tensor) -> Tensor:
+        """Post the send of ``buf`` (1-D) to the next rank; returns the buffer from the previous one."""
+        # permute_tensor splits by numel along dim 0, so the buffer must be flat.
+        assert buf.dim() == 1, "ring buffers are flat; see pack()"
+        return funcol.permute_tensor(buf, self._next, self.group)
+
+    @staticmethod
+    def wait(buf: Tensor) -> Tensor:
+        """Block until a rotated buffer has arrived. Every rotation is waited on exactly once, at the
+        point where its data is next needed -- after the current step's compute."""
+        return funcol.wait_tensor(buf)
+
+
+def pack(*xs: Tensor) -> Tensor:
+    """Concatenate tensors of one dtype into one flat buffer (one message per ring step)."""
+    return torch.cat([x.reshape(-1) for x in xs])
+
+
+def unpack(buf: Tensor, *likes: Tensor) -> list[Tensor]:
+    """Views of ``buf`` shaped like ``likes`` (inverse of :func:`pack`; no copy)."""
+    out, offset = [], 0
+    for like in likes:
+        n = like.numel()
+        out.append(buf.narrow(0, offset, n).view(like.shape))
+        offset += n
+    return out

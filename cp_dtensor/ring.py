@@ -1,0 +1,151 @@
+"""The ring loop, forward and backward, parameterised by layout: one loop for every layout.
+
+Note [Online softmax merge]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Softmax over a row needs the whole row, but a ring rank only ever sees one K/V block of it at a time.
+Each block's kernel returns its normalised output o_b and its log-sum-exp lse_b = log sum_j exp(s_j).
+Two partial results of disjoint key sets combine exactly:
+
+    lse = logaddexp(lse_a, lse_b)
+    o   = o_a * exp(lse_a - lse) + o_b * exp(lse_b - lse)
+        = o_a - sigmoid(lse_b - lse_a) * (o_a - o_b)            # stable merge: no exp() can overflow
+
+We accumulate o and lse in fp32 whatever the input dtype, and start from the local (diagonal) block,
+which every row attends to, so no row ever merges two -inf log-sum-exps.
+
+Note [Ring backward]
+~~~~~~~~~~~~~~~~~~~~
+With the final o and lse of the forward, the kernel's backward on one block yields exactly that
+block's share of dq, dk, dv (P = exp(s - lse) and D = rowsum(do * o) are those of the full rows).
+dq stays local. K/V rotate again as in the forward; the dK/dV of the block a rank holds at step t >= 1
+travel in an accumulator that rides one step behind: rank r adds its share of block (r - t) and sends
+the sum to r + 1, which holds that block at step t + 1. After the last step the accumulator arrives
+at the block's owner, which adds its own (step 0) share. So K/V and dK/dV each travel P - 1 times.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .checks import check_ring_args
+from .comm import RingComm, pack, unpack
+from .layout import step_block
+from .ops import block_attn, block_attn_backward
+
+__all__ = ["ring_attention", "ring_forward", "ring_backward"]
+
+
+def _merge_(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
+    # See Note [Online softmax merge]. out: [B, H, S, D] fp32 (a view), lse: [B, H, S] fp32 (a view)
+    w = torch.sigmoid(lse_b - lse).unsqueeze(-1)
+    out.lerp_(out_b.to(out.dtype), w)  # out + w * (out_b - out)
+    lse.copy_(torch.logaddexp(lse, lse_b))
+
+
+def ring_forward(
+    q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup, layout: str, is_causal: bool, scale: float
+) -> tuple[Tensor, Tensor]:
+    """Unchecked ring forward on local shards. q: [B, Hq, S, D]; k, v: [B, Hkv, S, D].
+    Returns out: [B, Hq, S, D] in q's dtype and lse: [B, Hq, S] fp32."""
+    comm = RingComm(group)
+    world, rank, s_local = comm.world, comm.rank, q.shape[2]
+    out = lse = None
+    kv = pack(k, v) if world > 1 else None
+    for step in range(world):
+        if step + 1 < world:
+            kv_next = comm.rotate(kv)  # posted before this step's compute: overlap
+        kb, vb = (k, v) if step == 0 else unpack(kv, k, v)
+        blk = step_block(layout, rank=rank, src=comm.src_at(step), world=world, s_local=s_local, is_causal=is_causal)
+        if blk is not None:
+            q_rows, kv_rows = (slice(None), slice(None), blk.q_rows), (slice(None), slice(None), blk.kv_rows)
+            out_b, lse_b = block_attn(q[q_rows], kb[kv_rows], vb[kv_rows], blk.causal, scale)
+            if out is None:  # step 0: the diagonal block covers every row
+                out, lse = out_b.float(), lse_b.clone()
+            else:
+                _merge_(out[q_rows], lse[q_rows], out_b, lse_b)
+        if step + 1 < world:
+            kv = comm.wait(kv_next)
+    return out.to(q.dtype), lse
+
+
+def ring_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+    *, group: dist.ProcessGroup, layout: str, is_causal: bool, scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Unchecked ring backward on local shards; see Note [Ring backward]. Returns dq, dk, dv."""
+    comm = RingComm(group)
+    world, rank, s_local = comm.world, comm.rank, q.shape[2]
+    dout = dout.contiguous()
+    dq = torch.zeros_like(q, dtype=torch.float32)
+    dk = dv = None
+    kv = pack(k, v) if world > 1 else None
+    dkv = None  # the accumulator received from the previous rank, for the block held next
+    for step in range(world):
+        if step + 1 < world:
+            kv_next = comm.rotate(kv)
+        kb, vb = (k, v) if step == 0 else unpack(kv, k, v)
+        blk = step_block(layout, rank=rank, src=comm.src_at(step), world=world, s_local=s_local, is_causal=is_causal)
+        if blk is not None:
+            q_rows, kv_rows = (slice(None), slice(None), blk.q_rows), (slice(None), slice(None), blk.kv_rows)
+            dq_b, dk_b, dv_b = block_attn_backward(
+                dout[q_rows], q[q_rows], kb[kv_rows], vb[kv_rows], out[q_rows], lse[q_rows], blk.causal, scale
+            )
+            dq[q_rows] += dq_b
+        if step == 0:
+            dk, dv = dk_b.float(), dv_b.float()
+        else:
+            acc = comm.wait(dkv) if dkv is not None else torch.zeros_like(kv)
+            if blk is not None:
+                dk_acc, dv_acc = unpack(acc, k, v)
+                dk_acc[kv_rows] += dk_b
+                dv_acc[kv_rows] += dv_b
+            dkv = comm.rotate(acc)
+        if step + 1 < world:
+            kv = comm.wait(kv_next)
+    if dkv is not None:  # our own block's accumulator, home after P - 1 hops
+        dk_home, dv_home = unpack(comm.wait(dkv), k, v)
+        dk += dk_home
+        dv += dv_home
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, layout, is_causal, scale):
+        out, lse = ring_forward(q, k, v, group=group, layout=layout, is_causal=is_causal, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.opts = dict(group=group, layout=layout, is_causal=is_causal, scale=scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, **ctx.opts)
+        return dq, dk, dv, None, None, None, None
+
+
+def ring_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    layout: str = "striped",
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> Tensor:
+    """Exact attention over a sequence sharded across the ranks of ``group`` (default: world).
+
+    q: [B, Hq, S_local, D]; k, v: [B, Hkv, S_local, D] with Hq % Hkv == 0 -- this rank's shards in
+    ``layout`` ("striped", "headtail" or "contiguous"; see Note [Sequence layouts] in layout.py).
+    Returns this rank's output shard [B, Hq, S_local, D] in q's dtype, equal to full-sequence
+    ``F.scaled_dot_product_attention`` with ``is_causal`` masking by global position. Differentiable
+    in q, k and v. Only K/V heads travel: (P - 1) * 2 * S_local * D * Hkv * itemsize bytes per
+    forward per rank.
+    """
+    group = group if group is not None else dist.group.WORLD
+    scale = check_ring_args(q, k, v, group=group, layout=layout, is_causal=is_causal, scale=scale)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    return _RingAttention.apply(q, k, v, group, layout, is_causal, scale)
