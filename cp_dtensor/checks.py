@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
+from .comm import lost_peer
 from .layout import LAYOUTS
 
 __all__ = ["check_ring_args"]
@@ -96,7 +97,10 @@ def check_ring_args(q, k, v, *, group: dist.ProcessGroup, layout: str, is_causal
         if dist.get_backend(group) == "nccl" and device.type != "cuda":
             device = torch.device("cuda", torch.cuda.current_device())
         mine = torch.tensor(_fingerprint(q, k, layout, is_causal, scale, err is None), device=device)
-        every = funcol.all_gather_single(mine, 0, group).view(world, -1).cpu()
+        try:
+            every = funcol.wait_tensor(funcol.all_gather_single(mine, 0, group)).view(world, -1).cpu()
+        except RuntimeError as e:
+            raise lost_peer(e, group) from e
         if not bool((every[:, 0] == 1).all()):
             errors = [None] * world
             dist.all_gather_object(errors, err, group=group)

@@ -14,7 +14,17 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
-__all__ = ["RingComm", "pack", "unpack"]
+__all__ = ["RingComm", "lost_peer", "pack", "unpack"]
+
+
+def lost_peer(e: RuntimeError, group: dist.ProcessGroup) -> RuntimeError:
+    """The error to raise when a collective of the CP group fails under us."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    return RuntimeError(
+        f"cp_dtensor ring: rank {rank} of {world} lost a transfer of its CP group -- a rank died or "
+        "stalled past the process group's timeout (set it with init_process_group(timeout=...); NCCL "
+        f"also needs TORCH_NCCL_ASYNC_ERROR_HANDLING). Cause: {e}"
+    )
 
 
 class RingComm:
@@ -34,13 +44,26 @@ class RingComm:
         """Post the send of ``buf`` (1-D) to the next rank; returns the buffer from the previous one."""
         # permute_tensor splits by numel along dim 0, so the buffer must be flat.
         assert buf.dim() == 1, "ring buffers are flat; see pack()"
-        return funcol.permute_tensor(buf, self._next, self.group)
+        if torch.compiler.is_compiling():
+            return funcol.permute_tensor(buf, self._next, self.group)
+        try:
+            return funcol.permute_tensor(buf, self._next, self.group)
+        except RuntimeError as e:
+            raise lost_peer(e, self.group) from e
 
-    @staticmethod
-    def wait(buf: Tensor) -> Tensor:
+    def wait(self, buf: Tensor) -> Tensor:
         """Block until a rotated buffer has arrived. Every rotation is waited on exactly once, at the
-        point where its data is next needed -- after the current step's compute."""
-        return funcol.wait_tensor(buf)
+        point where its data is next needed -- after the current step's compute.
+
+        A dead or stuck neighbour surfaces here: gloo fails as soon as the peer's socket closes, and
+        otherwise every transfer gives up after the process group's timeout
+        (``init_process_group(..., timeout=...)``, NCCL also with TORCH_NCCL_ASYNC_ERROR_HANDLING)."""
+        if torch.compiler.is_compiling():
+            return funcol.wait_tensor(buf)
+        try:
+            return funcol.wait_tensor(buf)
+        except RuntimeError as e:
+            raise lost_peer(e, self.group) from e
 
 
 def pack(*xs: Tensor) -> Tensor:

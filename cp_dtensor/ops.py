@@ -39,14 +39,15 @@ def block_attn(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float) -
     if q.device.type == "cpu":
         # GQA is native here: Hq % Hkv == 0 is enough.
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
-        return out, lse
+        # The kernel returns [B, S, H, ...]-major strides; the op promises contiguous results.
+        return out.contiguous(), lse.contiguous()
     groups = q.shape[1] // k.shape[1]
     k, v = _expand_kv(k, groups), _expand_kv(v, groups)
     if _cuda_use_flash(q):
         res = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)
-        return res[0], res[1]
+        return res[0].contiguous(), res[1].contiguous()
     out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, is_causal, scale=scale)[:2]
-    return out, lse[..., : q.shape[2]].contiguous()  # the efficient kernel pads lse to a multiple of 32
+    return out.contiguous(), lse[..., : q.shape[2]].contiguous()  # the kernel pads lse to a multiple of 32
 
 
 @block_attn.register_fake
@@ -62,9 +63,10 @@ def block_attn_backward(
     kernel's D = rowsum(dout * out) and P = exp(s - lse) are then those of the full attention, so the
     block's dq, dk, dv are exactly its share of the full gradients."""
     if q.device.type == "cpu":
-        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grads = aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, is_causal, scale=scale
         )
+        return tuple(g.contiguous() for g in grads)
     groups = q.shape[1] // k.shape[1]
     ke, ve = _expand_kv(k, groups), _expand_kv(v, groups)
     sq, sk = q.shape[2], k.shape[2]
@@ -79,7 +81,7 @@ def block_attn_backward(
         dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
             dout, q, ke, ve, None, out, lse, empty, empty, 0.0, [True, True, True, False], is_causal, scale=scale
         )
-    return dq, _reduce_kv_grad(dk, groups), _reduce_kv_grad(dv, groups)
+    return dq.contiguous(), _reduce_kv_grad(dk, groups).contiguous(), _reduce_kv_grad(dv, groups).contiguous()
 
 
 @block_attn_backward.register_fake

@@ -1,0 +1,133 @@
+"""apply_context_parallel on a small transformer: CP=2 and CP=4 training matches the CP=1 run."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.debug import CommDebugMode
+
+from _dist import run_ranks
+from _ref import rel_err
+from cp_dtensor.dispatch import install_sdpa_handlers
+from cp_dtensor.module import apply_context_parallel, reduce_gradients, shard_batch, unshard_sequence
+
+TOL = 1e-5  # fp32, relative to the largest magnitude
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [B, H, S, hd]; cos, sin: [B, 1, S, hd/2]
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int, kv_heads: int):
+        super().__init__()
+        self.heads, self.kv_heads, self.hd = heads, kv_heads, dim // heads
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.wq = nn.Linear(dim, heads * self.hd, bias=False)
+        self.wkv = nn.Linear(dim, 2 * kv_heads * self.hd, bias=False)
+        self.wo = nn.Linear(heads * self.hd, dim, bias=False)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x, cos, sin):
+        b, s, _ = x.shape
+        h = self.norm1(x)
+        q = self.wq(h).view(b, s, self.heads, self.hd).transpose(1, 2)
+        k, v = self.wkv(h).view(b, s, 2 * self.kv_heads, self.hd).transpose(1, 2).chunk(2, dim=1)
+        o = F.scaled_dot_product_attention(rope(q, cos, sin), rope(k, cos, sin), v, is_causal=True, enable_gqa=True)
+        x = x + self.wo(o.transpose(1, 2).reshape(b, s, -1))
+        return x + self.mlp(self.norm2(x))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab=32, dim=32, heads=4, kv_heads=2, layers=2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads, kv_heads) for _ in range(layers))
+        self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, dim // heads, 2) / (dim // heads)))
+
+    def forward(self, tokens, positions):
+        # tokens, positions: [B, S] -- positions are global, so RoPE follows the layout
+        freqs = positions[:, None, :, None].float() * self.inv_freq  # [B, 1, S, hd/2]
+        cos, sin = freqs.cos(), freqs.sin()
+        x = self.embed(tokens)
+        for blk in self.blocks:
+            x = blk(x, cos, sin)
+        return self.head(self.norm(x))
+
+
+def _loss(logits, labels, n_tokens):
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / n_tokens
+
+
+def _check_training(rank: int, world: int) -> None:
+    install_sdpa_handlers()
+    torch.manual_seed(0)
+    base = TinyLM()
+    b, n, steps = 2, 16, 3
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 32, (b, n), generator=g), torch.randint(0, 32, (b, n), generator=g))
+               for _ in range(steps)]
+    positions = torch.arange(n).expand(b, n)
+
+    # CP=1: the plain model on the full sequence, on every rank alike
+    ref, ref_losses, ref_grads, ref_logits = copy.deepcopy(base), [], [], []
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for tokens, labels in batches:
+        logits = ref(tokens, positions)
+        loss = _loss(logits, labels, b * n)
+        opt.zero_grad()
+        loss.backward()
+        ref_losses.append(loss.item())
+        ref_grads.append([p.grad.clone() for p in ref.parameters()])
+        ref_logits.append(logits.detach())
+        opt.step()
+
+    meshes = {4: init_device_mesh("cpu", (4,)), 2: init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))["cp"]}
+    for cp, layout in ((cp, layout) for cp in (2, 4) for layout in ("striped", "headtail", "contiguous")):
+        cp_mesh = meshes[cp]
+        model = apply_context_parallel(copy.deepcopy(base), cp_mesh, layout=layout)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        for step, (tokens, labels) in enumerate(batches):
+            tok, lab, pos = shard_batch(cp_mesh, tokens, labels, positions, layout=layout)
+            logits = model(tok, pos)
+            loss = _loss(logits, lab, b * n)
+            opt.zero_grad()
+            loss.backward()
+            reduce_gradients(model, cp_mesh)
+            total = loss.detach().clone()
+            dist.all_reduce(total, group=cp_mesh.get_group())
+            where = f"cp={cp} {layout} step {step}"
+            assert abs(total.item() - ref_losses[step]) <= TOL * abs(ref_losses[step]), where
+            for (name, p), want in zip(model.named_parameters(), ref_grads[step]):
+                assert rel_err(p.grad, want) <= TOL, f"{where} grad {name}: {rel_err(p.grad, want):.2e}"
+            full = unshard_sequence(logits.detach(), cp_mesh, layout=layout, dim=1)
+            assert rel_err(full, ref_logits[step]) <= TOL, where
+            opt.step()
+
+    # attn_mask / dropout inside a CP model: a clear error before any communication
+    class Bad(nn.Module):
+        def forward(self, x, **kw):
+            return F.scaled_dot_product_attention(x, x, x, **kw)
+
+    bad = apply_context_parallel(Bad(), meshes[4], layout="striped")
+    x = torch.randn(1, 2, 4, 8)
+    for kw in (dict(dropout_p=0.1), dict(attn_mask=torch.ones(16, 16, dtype=torch.bool))):
+        with CommDebugMode() as cm, pytest.raises(ValueError, match="attn_mask nor dropout_p"):
+            bad(x, **kw)
+        assert cm.get_total_counts() == 0
+        assert not torch._C._is_torch_function_mode_enabled()  # the failed forward left no mode behind
+    with pytest.raises(ValueError, match="already applied"):
+        apply_context_parallel(bad, meshes[4])
+
+
+def test_transformer_training_matches_cp1():
+    run_ranks(4, _check_training)
