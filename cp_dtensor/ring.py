@@ -30,7 +30,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .checks import check_ring_args
-from .comm import RingComm, pack, unpack
+from .comm import RingComm, unpack
+from .payload import decode_kv, encode_kv
 from .layout import step_block
 from .ops import block_attn, block_attn_backward
 
@@ -45,18 +46,19 @@ def _merge_(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
 
 
 def ring_forward(
-    q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup, layout: str, is_causal: bool, scale: float
+    q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup, layout: str, is_causal: bool, scale: float,
+    comm_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Unchecked ring forward on local shards. q: [B, Hq, S, D]; k, v: [B, Hkv, S, D].
     Returns out: [B, Hq, S, D] in q's dtype and lse: [B, Hq, S] fp32."""
     comm = RingComm(group)
     world, rank, s_local = comm.world, comm.rank, q.shape[2]
     out = lse = None
-    kv = pack(k, v) if world > 1 else None
+    kv = encode_kv(k, v, comm_dtype) if world > 1 else None
     for step in range(world):
         if step + 1 < world:
             kv_next = comm.rotate(kv)  # posted before this step's compute: overlap
-        kb, vb = (k, v) if step == 0 else unpack(kv, k, v)
+        kb, vb = (k, v) if step == 0 else decode_kv(kv, k, v, comm_dtype)
         blk = step_block(layout, rank=rank, src=comm.src_at(step), world=world, s_local=s_local, is_causal=is_causal)
         if blk is not None:
             q_rows, kv_rows = (slice(None), slice(None), blk.q_rows), (slice(None), slice(None), blk.kv_rows)
@@ -72,7 +74,7 @@ def ring_forward(
 
 def ring_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-    *, group: dist.ProcessGroup, layout: str, is_causal: bool, scale: float,
+    *, group: dist.ProcessGroup, layout: str, is_causal: bool, scale: float, comm_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Unchecked ring backward on local shards; see Note [Ring backward]. Returns dq, dk, dv."""
     comm = RingComm(group)
@@ -80,12 +82,12 @@ def ring_backward(
     dout = dout.contiguous()
     dq = torch.zeros_like(q, dtype=torch.float32)
     dk = dv = None
-    kv = pack(k, v) if world > 1 else None
+    kv = encode_kv(k, v, comm_dtype) if world > 1 else None
     dkv = None  # the accumulator received from the previous rank, for the block held next
     for step in range(world):
         if step + 1 < world:
             kv_next = comm.rotate(kv)
-        kb, vb = (k, v) if step == 0 else unpack(kv, k, v)
+        kb, vb = (k, v) if step == 0 else decode_kv(kv, k, v, comm_dtype)
         blk = step_block(layout, rank=rank, src=comm.src_at(step), world=world, s_local=s_local, is_causal=is_causal)
         if blk is not None:
             q_rows, kv_rows = (slice(None), slice(None), blk.q_rows), (slice(None), slice(None), blk.kv_rows)
@@ -96,7 +98,7 @@ def ring_backward(
         if step == 0:
             dk, dv = dk_b.float(), dv_b.float()
         else:
-            acc = comm.wait(dkv) if dkv is not None else torch.zeros_like(kv)
+            acc = comm.wait(dkv) if dkv is not None else k.new_zeros(2 * k.numel())
             if blk is not None:
                 dk_acc, dv_acc = unpack(acc, k, v)
                 dk_acc[kv_rows] += dk_b
@@ -113,17 +115,18 @@ def ring_backward(
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, layout, is_causal, scale):
-        out, lse = ring_forward(q, k, v, group=group, layout=layout, is_causal=is_causal, scale=scale)
+    def forward(ctx, q, k, v, group, layout, is_causal, scale, comm_dtype):
+        opts = dict(group=group, layout=layout, is_causal=is_causal, scale=scale, comm_dtype=comm_dtype)
+        out, lse = ring_forward(q, k, v, **opts)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.opts = dict(group=group, layout=layout, is_causal=is_causal, scale=scale)
+        ctx.opts = opts
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = ring_backward(dout, q, k, v, out, lse, **ctx.opts)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 def ring_attention(
@@ -135,6 +138,7 @@ def ring_attention(
     layout: str = "striped",
     is_causal: bool = False,
     scale: float | None = None,
+    comm_dtype: torch.dtype | None = None,
 ) -> Tensor:
     """Exact attention over a sequence sharded across the ranks of ``group`` (default: world).
 
@@ -143,9 +147,13 @@ def ring_attention(
     Returns this rank's output shard [B, Hq, S_local, D] in q's dtype, equal to full-sequence
     ``F.scaled_dot_product_attention`` with ``is_causal`` masking by global position. Differentiable
     in q, k and v. Only K/V heads travel: (P - 1) * 2 * S_local * D * Hkv * itemsize bytes per
-    forward per rank.
+    forward per rank. ``comm_dtype`` (off by default) sends K/V in another dtype; a float8 dtype
+    sends float8 with power-of-two row scales, about half the bytes of bf16 -- see
+    Note [float8 ring payload] in payload.py.
     """
     group = group if group is not None else dist.group.WORLD
-    scale = check_ring_args(q, k, v, group=group, layout=layout, is_causal=is_causal, scale=scale)
+    scale = check_ring_args(
+        q, k, v, group=group, layout=layout, is_causal=is_causal, scale=scale, comm_dtype=comm_dtype
+    )
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    return _RingAttention.apply(q, k, v, group, layout, is_causal, scale)
+    return _RingAttention.apply(q, k, v, group, layout, is_causal, scale, comm_dtype)

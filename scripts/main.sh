@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# The main job: set up .venv/ (create or reuse), then run context-parallel work on 4 CPU ranks.
+# The main job: set up .venv/ (create or reuse), then train torchtitan's llama3 debug model with
+# context parallelism (cp_dtensor striped ring attention) on CPU ranks, from the shipped TOML,
+# tokenizer and data. Extra arguments go to torchtitan, e.g. --parallelism.context_parallel_degree 4.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export OMP_NUM_THREADS=1
-exec .venv/bin/torchrun --standalone --nproc_per_node=4 scripts/demo.py "$@"
+NPROC=${NPROC:-2}
+exec .venv/bin/torchrun --standalone --nproc_per_node="$NPROC" --local-ranks-filter 0 \
+    -m cp_dtensor.titan.train --job.config_file titan_configs/llama3_debug.toml "$@"

@@ -1,0 +1,147 @@
+"""Running torchtitan 0.2.2 on CPU with gloo, without forking it.
+
+Note [torchtitan on CPU]
+~~~~~~~~~~~~~~~~~~~~~~~~
+torchtitan 0.2.2 assumes an accelerator in three places; each fix below is applied only when there is
+no accelerator (or, for 3, only on gloo), so a CUDA run is untouched.
+
+1. Import. ``import torchtitan`` imports its MoE kernels, which ``import triton`` at module level.
+   triton is a GPU compiler (~1 GB) that nothing here would run, so we do not install it, and we do
+   not fake a ``triton`` package either: torch probes for one to decide what torch.compile may use,
+   and a fake would mislead it. Instead, before torchtitan is imported, we register a stand-in for
+   the one module that needs it, ``torchtitan.models.moe.kernels``, whose functions raise. Dense
+   models (llama3) never call them. This has to happen before the first ``import torchtitan``,
+   which is why ``python -m cp_dtensor.titan.train`` is the CPU entry point.
+2. Device. ``torchtitan.tools.utils`` picks ``device_type = _get_available_device_type() or "cuda"``
+   at import and other modules copy that name (and ``device_module``). We rebind those names to
+   "cpu" and to ``CpuDeviceModule``, which answers the few device-module calls torchtitan makes
+   (memory "stats" are the process's peak RSS). The trainer reads ``utils.device_type`` after
+   ``[experimental] custom_import``, so importing ``cp_dtensor.titan`` there is early enough.
+3. Gradient reduction. torchtitan divides gradients itself and sets FSDP's gradient divide factor to
+   1.0; FSDP2 then reduce-scatters with ``ReduceOp.PREMUL_SUM(1.0)``, which gloo does not implement.
+   ``set_force_sum_reduction_for_comms(True)`` makes it a plain SUM followed by a division by the
+   factor, 1.0, which is skipped: the same gradients.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import platform
+import resource
+import sys
+import types
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+__all__ = ["install_triton_stand_in", "use_cpu_device", "use_sum_reduction_on_gloo", "CpuDeviceModule"]
+
+_KERNELS = "torchtitan.models.moe.kernels"
+
+
+def install_triton_stand_in() -> bool:
+    """Step 1 of Note [torchtitan on CPU]. Returns whether the stand-in was installed."""
+    if importlib.util.find_spec("triton") is not None or _KERNELS in sys.modules:
+        return False
+    if "torchtitan" in sys.modules:
+        raise RuntimeError(
+            "torchtitan was imported before cp_dtensor.titan and triton is not installed, so its MoE "
+            "kernels failed to import. Start training with `python -m cp_dtensor.titan.train` "
+            "(or import cp_dtensor.titan before torchtitan)."
+        )
+
+    def _needs_triton(*args, **kwargs):
+        raise RuntimeError(
+            "torchtitan's MoE permutation kernels need triton, which is not installed "
+            "(cp_dtensor registered a stand-in for torchtitan.models.moe.kernels so that dense models "
+            "train on CPU). Install triton on a GPU machine to train MoE models."
+        )
+
+    stand_in = types.ModuleType(_KERNELS, "cp_dtensor stand-in: torchtitan MoE kernels without triton")
+    stand_in.generate_permute_indices = _needs_triton
+    stand_in.fill_indices_wrapper = _needs_triton
+    stand_in.__all__ = ["generate_permute_indices", "fill_indices_wrapper"]
+    sys.modules[_KERNELS] = stand_in
+    return True
+
+
+class CpuDeviceModule:
+    """The device-module calls torchtitan makes (``torch.cuda.*`` style), answered for the CPU."""
+
+    @staticmethod
+    def set_device(device) -> None:
+        pass
+
+    @staticmethod
+    def current_device() -> int:
+        return 0
+
+    @staticmethod
+    def device_count() -> int:
+        return 1
+
+    @staticmethod
+    def is_available() -> bool:
+        return True
+
+    @staticmethod
+    def synchronize(device=None) -> None:
+        pass
+
+    @staticmethod
+    def empty_cache() -> None:
+        pass
+
+    @staticmethod
+    def reset_peak_memory_stats(device=None) -> None:
+        pass  # peak RSS cannot be reset; the reported peak is the process's
+
+    @staticmethod
+    def get_device_name(device=None) -> str:
+        return f"CPU ({platform.processor() or platform.machine()})"
+
+    @staticmethod
+    def get_device_properties(device=None) -> types.SimpleNamespace:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return types.SimpleNamespace(total_memory=total, name=CpuDeviceModule.get_device_name())
+
+    @staticmethod
+    def memory_stats(device=None) -> dict[str, int]:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+        return {"active_bytes.all.peak": peak, "reserved_bytes.all.peak": peak, "num_alloc_retries": 0, "num_ooms": 0}
+
+
+# modules of torchtitan 0.2.2 that copied ``device_type`` / ``device_module`` at import
+_DEVICE_NAME_HOLDERS = (
+    "torchtitan.tools.utils",
+    "torchtitan.components.metrics",
+    "torchtitan.distributed.parallel_dims",
+    "torchtitan.distributed.utils",
+    "torchtitan.tools.profiling",
+)
+
+
+def use_cpu_device() -> bool:
+    """Step 2 of Note [torchtitan on CPU]: point torchtitan at the CPU when there is no accelerator."""
+    if torch.accelerator.is_available():
+        return False
+    for name in _DEVICE_NAME_HOLDERS:
+        module = importlib.import_module(name)
+        if hasattr(module, "device_type"):
+            module.device_type = "cpu"
+        if hasattr(module, "device_module"):
+            module.device_module = CpuDeviceModule
+    return True
+
+
+def use_sum_reduction_on_gloo(model: nn.Module) -> None:
+    """Step 3 of Note [torchtitan on CPU]: plain-SUM gradient reduce-scatter for every FSDP module."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not dist.is_initialized() or dist.get_backend() != "gloo":
+        return
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)

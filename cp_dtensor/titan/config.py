@@ -1,0 +1,114 @@
+"""The ``[cp_dtensor]`` TOML section, and the start-up checks of a torchtitan job that uses it.
+
+torchtitan merges this module's ``JobConfig`` into its own when the TOML says
+``[job] custom_config_module = "cp_dtensor.titan.config"``. (No ``from __future__ import
+annotations`` here: tyro resolves the field types in torchtitan's namespace.)
+"""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..layout import LAYOUTS, layout_unit
+
+__all__ = ["COMM_DTYPES", "CPDTensor", "JobConfig", "check_job_config", "cp_section"]
+
+COMM_DTYPES = {  # [cp_dtensor] comm_dtype -> the K/V ring payload dtype (see Note [float8 ring payload])
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
+
+
+@dataclass
+class CPDTensor:
+    """Context parallelism through cp_dtensor's ring attention (active when context_parallel_degree > 1)."""
+
+    layout: str = "striped"
+    """How the sequence is split over the CP ranks: "striped", "headtail" or "contiguous"."""
+
+    comm_dtype: str | None = None
+    """dtype of the K/V blocks on the ring, e.g. "float8_e4m3fn" (about half of bf16's bytes); unset: the input dtype."""
+
+    def __post_init__(self):
+        if self.layout not in LAYOUTS:
+            raise ValueError(
+                f"[cp_dtensor] layout must be one of {', '.join(LAYOUTS)}; got {self.layout!r}. "
+                'Set e.g. layout = "striped" in the TOML or pass --cp_dtensor.layout striped.'
+            )
+        if self.comm_dtype is not None and self.comm_dtype not in COMM_DTYPES:
+            raise ValueError(
+                f"[cp_dtensor] comm_dtype must be one of {', '.join(COMM_DTYPES)} or unset (the input dtype); "
+                f'got {self.comm_dtype!r}. Set e.g. comm_dtype = "float8_e4m3fn" in the TOML, pass '
+                "--cp_dtensor.comm_dtype float8_e4m3fn, or remove the key."
+            )
+
+    @property
+    def comm_torch_dtype(self) -> torch.dtype | None:
+        """``comm_dtype`` as the torch dtype ``ring_attention`` takes (None: the input dtype)."""
+        return None if self.comm_dtype is None else COMM_DTYPES[self.comm_dtype]
+
+
+@dataclass
+class JobConfig:
+    cp_dtensor: CPDTensor = field(default_factory=CPDTensor)
+    """cp_dtensor's context-parallel options."""
+
+
+def cp_section(job_config: Any) -> CPDTensor:
+    """The ``[cp_dtensor]`` section of a parsed torchtitan config, or a clear error without it."""
+    section = getattr(job_config, "cp_dtensor", None)
+    if section is None:
+        raise ValueError(
+            "context_parallel_degree > 1 with cp_dtensor needs its config section: add "
+            '[job] custom_config_module = "cp_dtensor.titan.config" to the TOML (or pass '
+            "--job.custom_config_module cp_dtensor.titan.config)."
+        )
+    return section
+
+
+def check_job_config(job_config: Any, world_size: int) -> None:
+    """Raise on every rank, before any collective, for a job cp_dtensor cannot run as configured."""
+    par, training = job_config.parallelism, job_config.training
+    cp, tp = par.context_parallel_degree, par.tensor_parallel_degree
+    if cp < 1:
+        raise ValueError(f"context_parallel_degree must be >= 1; got {cp}.")
+    if world_size % cp != 0:
+        raise ValueError(
+            f"context_parallel_degree ({cp}) must divide the number of ranks ({world_size}). "
+            f"Launch a multiple of {cp} ranks or change [parallelism] context_parallel_degree."
+        )
+    if cp == 1:
+        return
+    layout = cp_section(job_config).layout
+    unit = layout_unit(layout, cp)
+    seq_len = training.seq_len
+    if seq_len % (unit * tp) != 0:
+        why = f"the {layout} layout on {cp} CP ranks needs a multiple of {unit}"
+        if tp > 1:
+            why += f", times tensor_parallel_degree ({tp}) for sequence parallelism"
+        raise ValueError(
+            f"[training] seq_len ({seq_len}) does not fit: {why}. Use seq_len = a multiple of {unit * tp}."
+        )
+    if seq_len % (2 * cp * tp) != 0:
+        raise ValueError(
+            f"[training] seq_len ({seq_len}) must be divisible by 2 * context_parallel_degree * "
+            f"tensor_parallel_degree = {2 * cp * tp}: torchtitan 0.2.2's parallelize_llama asserts this "
+            "for every layout. Round seq_len up to that multiple."
+        )
+
+    unsupported = []
+    if par.pipeline_parallel_degree > 1:
+        unsupported.append("[parallelism] pipeline_parallel_degree > 1")
+    if par.expert_parallel_degree > 1:
+        unsupported.append("[parallelism] expert_parallel_degree > 1")
+    if job_config.model.name != "llama3":
+        unsupported.append(f'[model] name = "{job_config.model.name}" (only "llama3" is wired)')
+    if unsupported:
+        raise ValueError(
+            "cp_dtensor context parallelism does not support: " + "; ".join(unsupported)
+            + ". Turn these off or set context_parallel_degree = 1."
+        )

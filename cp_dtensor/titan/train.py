@@ -1,0 +1,28 @@
+"""Entry point: torchtitan's Trainer with cp_dtensor's context parallelism, on CPU (gloo) or GPU.
+
+    torchrun --standalone --nproc_per_node=2 -m cp_dtensor.titan.train \
+        --job.config_file titan_configs/llama3_debug.toml [torchtitan CLI overrides]
+
+Importing ``cp_dtensor.titan`` first is what lets torchtitan import without triton on a CPU machine
+(Note [torchtitan on CPU]); otherwise this is torchtitan's own ``main``, with the job's CP settings
+checked before the process group starts.
+"""
+
+from __future__ import annotations
+
+import os
+
+from cp_dtensor.titan import check_job_config  # registers the plugin before torchtitan.train is imported
+from torchtitan.train import Trainer, main as titan_main
+
+
+class CPTrainer(Trainer):
+    """torchtitan's Trainer; fails fast, on every rank, on a CP setup cp_dtensor cannot run."""
+
+    def init_distributed(self):
+        check_job_config(self.job_config, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        return super().init_distributed()
+
+
+if __name__ == "__main__":
+    titan_main(CPTrainer)
