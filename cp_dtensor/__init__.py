@@ -5,6 +5,15 @@ from then on ``F.scaled_dot_product_attention`` on sequence-sharded DTensors run
 """
 
 from . import dispatch as _dispatch  # noqa: F401  (installs the SDPA handlers)
+from .checkpoint import (
+    export_hf_safetensors,
+    latest_checkpoint,
+    load_hf_safetensors,
+    load_sequence_sharded,
+    relayout,
+    save_checkpoint,
+    save_sequence_sharded,
+)
 from .layout import LAYOUTS
 from .module import apply_context_parallel, reduce_gradients, shard_batch, unshard_sequence
 from .placement import HeadTail, Striped, sequence_placement, shard_sequence, to_mesh
@@ -15,8 +24,15 @@ __all__ = [
     "HeadTail",
     "Striped",
     "apply_context_parallel",
+    "export_hf_safetensors",
+    "latest_checkpoint",
+    "load_hf_safetensors",
+    "load_sequence_sharded",
     "reduce_gradients",
+    "relayout",
     "ring_attention",
+    "save_checkpoint",
+    "save_sequence_sharded",
     "sequence_placement",
     "shard_batch",
     "shard_sequence",

@@ -13,15 +13,21 @@ from __future__ import annotations
 import os
 
 from cp_dtensor.titan import check_job_config  # registers the plugin before torchtitan.train is imported
+from cp_dtensor.titan.resume import check_resume
 from torchtitan.train import Trainer, main as titan_main
 
 
 class CPTrainer(Trainer):
-    """torchtitan's Trainer; fails fast, on every rank, on a CP setup cp_dtensor cannot run."""
+    """torchtitan's Trainer; fails fast, on every rank, on a CP setup cp_dtensor cannot run or a
+    resume that would skip or repeat data (Note [Resume across CP degrees] in resume.py)."""
 
     def init_distributed(self):
         check_job_config(self.job_config, world_size=int(os.environ.get("WORLD_SIZE", "1")))
         return super().init_distributed()
+
+    def train(self):
+        check_resume(self.checkpointer, self.parallel_dims, load_step=self.job_config.checkpoint.load_step)
+        return super().train()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,297 @@
+"""Checkpoints across CP sizes and layouts, crash safety, and HF safetensors export -- checked against
+index formulas written out here, the original tensors, and a CP=1 model, never against checkpoint.py."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import signal
+import threading
+import time
+from unittest import mock
+
+import pytest
+import torch
+from safetensors import safe_open
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from _dist import RankFailure, run_ranks
+from cp_dtensor.checkpoint import (
+    export_hf_safetensors, latest_checkpoint, load_hf_safetensors, load_sequence_sharded, relayout,
+    save_checkpoint, save_sequence_sharded,
+)
+from cp_dtensor.placement import HeadTail, sequence_placement, shard_sequence
+
+LAYOUTS = ("striped", "headtail", "contiguous")
+SHAPE, SEQ_DIM = (2, 2, 32, 4), 2  # a KV cache: [B, Hkv, N, D], sharded along N
+
+
+def data(seed: int) -> torch.Tensor:
+    return torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed))
+
+
+def expected_local(x: torch.Tensor, layout: str, rank: int, world: int, dim: int = SEQ_DIM) -> torch.Tensor:
+    """The layouts of Note [Sequence layouts], spelled out independently."""
+    n = x.shape[dim]
+    s = n // world
+    if layout == "contiguous":
+        pos = list(range(rank * s, rank * s + s))
+    elif layout == "striped":
+        pos = list(range(rank, n, world))
+    else:
+        c = s // 2
+        pos = list(range(rank * c, rank * c + c)) + list(range((2 * world - 1 - rank) * c, (2 * world - rank) * c))
+    return x.index_select(dim, torch.tensor(pos))
+
+
+def like(mesh, layout: str, dim: int = SEQ_DIM) -> DTensor:
+    """A meta-device DTensor that only describes the target: mesh, layout, shape, dtype."""
+    p = sequence_placement(layout, dim, seq_len=SHAPE[dim], cp=mesh.size())
+    local = expected_local(torch.empty(SHAPE, device="meta"), "contiguous", 0, mesh.size())
+    return DTensor.from_local(local, mesh, [p], run_check=False, shape=torch.Size(SHAPE),
+                              stride=torch.empty(SHAPE, device="meta").stride())
+
+
+class PeakLocalNumel(TorchDispatchMode):
+    """The largest tensor (a DTensor counts its local shard) any op produces while active. Byte
+    tensors (DCP's pickled plans, not tensor data) and meta tensors (no memory) are skipped."""
+
+    def __init__(self):
+        super().__init__()
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.dtype != torch.uint8 and not t.is_meta:
+                self.peak = max(self.peak, (t._local_tensor if isinstance(t, DTensor) else t).numel())
+        return out
+
+
+def _save_at_4(rank: int, world: int, path: str) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    state = {f"kv.{layout}": shard_sequence(data(i), mesh, dim=SEQ_DIM, layout=layout)
+             for i, layout in enumerate(LAYOUTS)}
+    state["bias"] = torch.arange(8.0)  # a plain tensor, replicated
+    mesh2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    striped2d = sequence_placement("striped", SEQ_DIM, seq_len=SHAPE[SEQ_DIM], cp=2)
+    local2d = expected_local(expected_local(data(9), "contiguous", mesh2d.get_local_rank("dp"), 2, dim=0),
+                             "striped", mesh2d.get_local_rank("cp"), 2)
+    state["kv.2d"] = DTensor.from_local(local2d, mesh2d, [Shard(0), striped2d], run_check=False,
+                                        shape=torch.Size(SHAPE), stride=data(9).stride())
+
+    # every layout to every other on the same mesh, against the formulas
+    for i, src in enumerate(LAYOUTS):
+        for dst in LAYOUTS:
+            moved = relayout(state[f"kv.{src}"], [sequence_placement(dst, SEQ_DIM, seq_len=32, cp=world)])
+            assert torch.equal(moved.to_local(), expected_local(data(i), dst, rank, world)), (src, dst)
+    with pytest.raises(ValueError, match="changes sequence layouts only"):
+        relayout(state["kv.striped"], [Shard(1)])
+    short = DTensor.from_local(torch.zeros(2, 2, 3, 4), mesh, [Shard(2)], shape=torch.Size((2, 2, 12, 4)),
+                               stride=(96, 48, 4, 1))
+    with pytest.raises(ValueError, match="headtail layout on 4 ranks needs the sequence length divisible by 8"):
+        relayout(short, [HeadTail(2)])
+    with pytest.raises(TypeError, match="tensors only"):
+        save_sequence_sharded({"step": 3}, path)
+
+    # O(shard): nothing the save or the load creates is larger than one shard...
+    shard = state["kv.striped"].to_local().numel()
+    with PeakLocalNumel() as meter:
+        save_sequence_sharded(state, path)
+    assert 0 < meter.peak <= shard, (meter.peak, shard)
+    targets = {f"kv.{layout}": like(mesh, layout) for layout in LAYOUTS}
+    with PeakLocalNumel() as meter:
+        got = load_sequence_sharded(path, targets)
+    assert 0 < meter.peak <= shard, (meter.peak, shard)
+    for i, layout in enumerate(LAYOUTS):
+        assert torch.equal(got[f"kv.{layout}"].to_local(), expected_local(data(i), layout, rank, world))
+    # ...while DTensor's own striped -> Shard redistribute gathers the full tensor: the meter can fail
+    with PeakLocalNumel() as meter:
+        state["kv.striped"].redistribute(mesh, [Shard(SEQ_DIM)])
+    assert meter.peak >= shard * world
+
+
+def _load_at_2(rank: int, world: int, path: str) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    for i, saved in enumerate(LAYOUTS):
+        for layout in LAYOUTS:  # the saved layout, and a layout change on load
+            got = load_sequence_sharded(path, {f"kv.{saved}": like(mesh, layout)})[f"kv.{saved}"]
+            assert got.placements == (sequence_placement(layout, SEQ_DIM, seq_len=32, cp=world),)
+            assert torch.equal(got.to_local(), expected_local(data(i), layout, rank, world)), (saved, layout)
+    got = load_sequence_sharded(path, {"kv.2d": like(mesh, "headtail"), "bias": torch.empty(8)})
+    assert torch.equal(got["kv.2d"].to_local(), expected_local(data(9), "headtail", rank, world))
+    assert torch.equal(got["bias"], torch.arange(8.0))
+
+
+def _load_at_1(rank: int, world: int, path: str) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    want = {f"kv.{layout}": data(i) for i, layout in enumerate(LAYOUTS)} | {"kv.2d": data(9)}
+    got = load_sequence_sharded(path, {k: like(mesh, "striped") for k in want})
+    plain = load_sequence_sharded(path, {k: torch.empty(SHAPE) for k in want})  # plain DCP boxes, full tensors
+    for k, x in want.items():
+        assert torch.equal(got[k].full_tensor(), x) and torch.equal(plain[k], x), k
+
+
+def test_reshard_across_cp_sizes_and_layouts(tmp_path):
+    path = str(tmp_path / "ckpt")
+    run_ranks(4, _save_at_4, path)
+    files = sorted(os.listdir(path))
+    assert files == [f"shard-0000{r}-model-00001-of-00001.safetensors" for r in range(1, 5)]
+    shard = SHAPE[0] * SHAPE[1] * SHAPE[3] * SHAPE[SEQ_DIM] // 4
+    for name in files:  # what reached storage: one box of at most one shard per tensor per rank
+        with safe_open(os.path.join(path, name), framework="pt") as f:
+            assert all(f.get_slice(k).get_shape() and torch.Size(f.get_slice(k).get_shape()).numel() <= shard
+                       for k in f.keys())
+    run_ranks(2, _load_at_2, path)
+    run_ranks(1, _load_at_1, path)
+
+
+# ---- crash safety: kill -9 of one rank during a save ----
+
+def _save_step(rank: int, world: int, root: str, step: int, seed: int, victim: int | None, marker: str) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    if rank == victim:
+        def stall(fd):  # the victim stalls after writing its file, before it is synced and committed
+            with open(marker, "w") as f:
+                f.write(str(os.getpid()))
+            time.sleep(60)
+        os.fsync = stall  # forked rank: patches this process only
+    save_checkpoint({"kv": shard_sequence(data(seed), mesh, dim=SEQ_DIM, layout="striped")}, root, step=step)
+
+
+def _resume(rank: int, world: int, root: str) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    assert latest_checkpoint(root) == os.path.join(root, "step-1")
+    got = load_sequence_sharded(latest_checkpoint(root), {"kv": like(mesh, "headtail")})["kv"]
+    assert torch.equal(got.to_local(), expected_local(data(1), "headtail", rank, world))
+    # the next save of step 2 replaces the partial one and commits
+    save_checkpoint({"kv": shard_sequence(data(2), mesh, dim=SEQ_DIM, layout="headtail")}, root, step=2)
+    assert latest_checkpoint(root) == os.path.join(root, "step-2")
+    got = load_sequence_sharded(latest_checkpoint(root), {"kv": like(mesh, "striped")})["kv"]
+    assert torch.equal(got.to_local(), expected_local(data(2), "striped", rank, world))
+
+
+def test_save_killed_mid_write_leaves_previous_checkpoint(tmp_path):
+    root, marker = str(tmp_path / "run"), str(tmp_path / "victim.pid")
+    run_ranks(2, _save_step, root, 1, 1, None, marker)
+    assert latest_checkpoint(root) == os.path.join(root, "step-1")
+
+    killed = []
+
+    def kill_victim():  # kill -9 from outside, once the victim is inside its write
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if os.path.exists(marker) and open(marker).read():
+                pid = int(open(marker).read())
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+                return
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=kill_victim)
+    watcher.start()
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(2, _save_step, root, 2, 2, 1, marker, timeout=60)
+    watcher.join()
+    assert "rank 0 of 2 failed" in str(failure.value)  # the survivor errors out: its peer is gone
+    assert killed, "the victim never reached its write"
+    assert sorted(os.listdir(root)) == ["step-1", "step-2.tmp"]
+    assert latest_checkpoint(root) == os.path.join(root, "step-1")
+    run_ranks(2, _resume, root)  # resumes at another layout, then saves step 2 for real
+    assert sorted(os.listdir(root)) == ["step-1", "step-2"]
+
+
+# ---- HF safetensors export of llama3 weights, loaded back at CP=1 and through the ring at CP=2 ----
+
+def _llama(seed: int):
+    import cp_dtensor.titan  # noqa: F401  (torchtitan without triton; see Note [torchtitan on CPU])
+    from torchtitan.models.llama3.model.args import TransformerModelArgs
+    from torchtitan.models.llama3.model.model import Transformer
+    from torchtitan.models.llama3.model.state_dict_adapter import Llama3StateDictAdapter
+
+    args = TransformerModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, max_seq_len=64,
+                                rope_theta=500000)
+    torch.manual_seed(seed)
+    model = Transformer(args)
+    with torch.no_grad():
+        model.init_weights()
+    return model.eval(), Llama3StateDictAdapter(args, None)
+
+
+def hf_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Meta's rotary layout -> HF's (rotate-half) layout of a q/k projection, written out here."""
+    rows, cols = w.shape
+    return w.view(heads, rows // heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+TOKENS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+
+
+def _forbid(*args, **kwargs):
+    raise RuntimeError("a checkpoint load unpickled something")
+
+
+@contextlib.contextmanager
+def no_unpickling():
+    """Every way to unpickle a file raises while active (pickle.load/loads/Unpickler, torch.load)."""
+    with mock.patch.multiple(pickle, load=_forbid, loads=_forbid, Unpickler=_forbid), \
+            mock.patch.object(torch, "load", _forbid):
+        yield
+
+
+def _export_and_ring(rank: int, world: int, path: str) -> None:
+    import cp_dtensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    source, adapter = _llama(0)
+    with torch.no_grad():
+        want = source(TOKENS)
+    export_hf_safetensors(source.state_dict(), path, adapter=adapter)  # every rank holds the same weights
+
+    target, _ = _llama(1)
+    with no_unpickling():
+        load_hf_safetensors(target, path, adapter=adapter)
+    for k, v in source.state_dict().items():
+        assert torch.equal(target.state_dict()[k], v), k
+
+    positions = torch.arange(TOKENS.shape[1]).expand_as(TOKENS)
+    tokens, pos = cp_dtensor.shard_batch(mesh, TOKENS, positions, layout="headtail")
+    logits = []
+    for model in (source, target):
+        cp_dtensor.apply_context_parallel(model, mesh, layout="headtail")
+        with torch.no_grad():
+            logits.append(cp_dtensor.unshard_sequence(model(tokens, positions=pos), mesh, layout="headtail"))
+    assert torch.equal(logits[0], logits[1])  # identical weights, identical ring
+    torch.testing.assert_close(logits[1], want, rtol=1e-5, atol=1e-5)  # and the ring is the model
+
+
+def test_hf_safetensors_export_load_llama3(tmp_path):
+    path = str(tmp_path / "hf")
+    source, adapter = _llama(0)  # imports torchtitan once, before the ranks fork
+    with torch.no_grad():
+        want = source(TOKENS)
+    run_ranks(2, _export_and_ring, path)  # (tensors do not travel back: the ranks exit first)
+    assert sorted(os.listdir(path)) == ["model-00001-of-00001.safetensors", "model.safetensors.index.json"]
+    with safe_open(os.path.join(path, "model-00001-of-00001.safetensors"), framework="pt") as f:
+        assert "model.layers.1.self_attn.k_proj.weight" in f.keys() and "lm_head.weight" in f.keys()
+        assert torch.equal(f.get_tensor("model.layers.1.self_attn.k_proj.weight"),
+                           hf_permute(source.layers["1"].attention.wk.weight, 2))
+
+    # CP=1, no process group: bitwise the same logits
+    target, _ = _llama(2)
+    with torch.no_grad():
+        assert not torch.equal(target(TOKENS), want)
+    with no_unpickling():
+        load_hf_safetensors(target, path, adapter=adapter)
+    with torch.no_grad():
+        assert torch.equal(target(TOKENS), want)
+
+    # the guard can fail: DCP's default reader unpickles its .metadata file
+    dcp.save({"w": torch.ones(3)}, checkpoint_id=str(tmp_path / "pickled"))
+    with no_unpickling(), pytest.raises(BaseException, match="a checkpoint load unpickled"):  # DCP wraps it
+        dcp.load({"w": torch.zeros(3)}, checkpoint_id=str(tmp_path / "pickled"))

@@ -1,0 +1,146 @@
+"""torchtitan runs resumed at another CP degree: saved at CP=2 after step 2, resumed at CP=1 (and, with
+CP_DTENSOR_SLOW=1, at CP=4), steps 3-4 must log the losses of the uninterrupted CP=2 run (rel 1e-5, the
+tolerance of test_titan.py; measured here: identical to the printed 5 decimals). Plus the batch-degree
+check of cp_dtensor.titan.resume against hand-written checkpoints."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+if importlib.util.find_spec("torchtitan") is None:
+    pytest.skip("torchtitan is not installed", allow_module_level=True)
+
+import cp_dtensor.titan  # noqa: E402, F401  before any torchtitan import: see Note [torchtitan on CPU]
+from cp_dtensor.titan.resume import check_resume, checkpoint_to_resume, saved_batch_degree  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "titan_configs" / "llama3_debug.toml"
+STEPS, SAVED_AT, RTOL = 4, 2, 1e-5
+_STEP_LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([0-9.]+)")
+
+
+def _torchrun(nproc: int, dump: Path, *overrides: str) -> str:
+    """One training job of the debug config; returns its output, or fails the test with its tail."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "cp_dtensor.titan.train", "--job.config_file", str(CONFIG), "--job.dump_folder", str(dump),
+           *overrides]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=420)
+    out = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        pytest.fail(f"exit {proc.returncode}: {' '.join(cmd)}\n...\n{out[-6000:]}")
+    return out
+
+
+def _losses(out: str, *, first: int = 1) -> list[float]:
+    """Steps first..STEPS from torchtitan's step log lines; every rank must log the same loss."""
+    by_step: dict[int, set[float]] = {}
+    for step, loss in _STEP_LINE.findall(out):
+        by_step.setdefault(int(step), set()).add(float(loss))
+    assert sorted(by_step) == list(range(first, STEPS + 1)), f"steps logged: {sorted(by_step)}\n{out[-3000:]}"
+    assert all(len(v) == 1 for v in by_step.values()), f"ranks disagree on the loss: {by_step}"
+    return [by_step[s].pop() for s in range(first, STEPS + 1)]
+
+
+@pytest.fixture(scope="module")
+def cp2_run(tmp_path_factory) -> tuple[Path, list[float]]:
+    """An uninterrupted CP=2 run of 4 steps that saves a full checkpoint after step 2."""
+    dump = tmp_path_factory.mktemp("cp2")
+    out = _torchrun(2, dump, "--parallelism.context_parallel_degree", "2", "--training.steps", str(STEPS),
+                    "--checkpoint.enable", "--checkpoint.interval", str(SAVED_AT))
+    return dump / "checkpoint" / f"step-{SAVED_AT}", _losses(out)
+
+
+def _resume(cp: int, cp2_run, tmp_path: Path, *extra: str) -> None:
+    step_dir, want = cp2_run
+    dump = tmp_path / f"cp{cp}"
+    shutil.copytree(step_dir, dump / "checkpoint" / step_dir.name)  # the checkpointer resumes from its newest step
+    out = _torchrun(cp, dump, "--parallelism.context_parallel_degree", str(cp), "--training.steps", str(STEPS),
+                    "--checkpoint.enable", "--checkpoint.interval", "100", *extra)
+    assert f"Loading the checkpoint from {dump / 'checkpoint' / step_dir.name}" in out
+    got = _losses(out, first=SAVED_AT + 1)
+    assert got == pytest.approx(want[SAVED_AT:], rel=RTOL), f"resumed at CP={cp}: {got} vs CP=2: {want[SAVED_AT:]}"
+
+
+def test_cp2_checkpoint_resumes_at_cp1(cp2_run, tmp_path):
+    assert saved_batch_degree(cp2_run[0]) == 1
+    _resume(1, cp2_run, tmp_path)
+
+
+@pytest.mark.skipif(os.environ.get("CP_DTENSOR_SLOW") != "1", reason="4 ranks on 2 CPU cores: ~70 s; set CP_DTENSOR_SLOW=1")
+def test_cp2_checkpoint_resumes_at_cp4(cp2_run, tmp_path):
+    _resume(4, cp2_run, tmp_path, "--cp_dtensor.layout", "headtail")  # saved striped: the layout may change too
+
+
+# ---- the batch-degree check, on checkpoints shaped like torchtitan's (no ranks started) ----
+
+def _titan_like_checkpoint(path: Path, batch_degree: int) -> None:
+    """The dataloader entries torchtitan 0.2.2 saves: one per batch rank, plus the batch degree."""
+    loader = {f"dp_rank_{b}": b"state" for b in range(batch_degree)} | {"world_size": batch_degree}
+    dcp.save({"dataloader": loader, "model.w": torch.ones(2)}, checkpoint_id=str(path))
+
+
+def _dims(dp_replicate: int, dp_shard: int, cp: int) -> types.SimpleNamespace:
+    return types.SimpleNamespace(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp,
+                                 world_size=dp_replicate * dp_shard * cp)
+
+
+def test_check_resume_names_the_batch_degree(tmp_path):
+    folder = tmp_path / "checkpoint"
+    _titan_like_checkpoint(folder / "step-10", 2)
+    _titan_like_checkpoint(folder / "step-20", 2)
+    (folder / "step-30").mkdir()  # a save that never wrote its metadata: torchtitan skips it too
+    assert checkpoint_to_resume(folder) == str(folder / "step-20")
+    assert checkpoint_to_resume(folder, load_step=10) == str(folder / "step-10")
+    assert saved_batch_degree(folder / "step-20") == 2
+    checkpointer = types.SimpleNamespace(enable=True, folder=str(folder))
+
+    check_resume(checkpointer, _dims(1, 2, 4))  # CP 2 -> 4 at the same batch degree: fine
+    check_resume(checkpointer, _dims(2, 1, 1))  # replicate instead of shard: same data ranks
+    with pytest.raises(ValueError, match=r"saved with a batch \(data-parallel\) degree of 2; this job has 1 .*"
+                                         r"data_parallel_shard_degree 2"):
+        check_resume(checkpointer, _dims(1, 1, 4))  # dp_shard=-1 on 4 ranks at CP=4 resolves to 1
+    check_resume(types.SimpleNamespace(enable=True, folder=str(tmp_path / "none")), _dims(1, 1, 4))  # fresh run
+    check_resume(types.SimpleNamespace(enable=False, folder=str(folder)), _dims(1, 1, 4))  # no checkpointing
+
+
+@pytest.mark.skipif(os.environ.get("CP_DTENSOR_SLOW") != "1", reason="~40 s on 2 CPU cores; set CP_DTENSOR_SLOW=1")
+def test_trainer_hook_rejects_a_changed_batch_degree(cp2_run, tmp_path):
+    # The hook the trainer needs (CPTrainer.train calling check_resume before torchtitan's load), in a
+    # launcher of its own. Saved at CP=2 on 2 ranks (batch degree 1); CP=1 on 2 ranks makes it 2.
+    launcher = tmp_path / "train_with_resume_check.py"
+    launcher.write_text(
+        "import cp_dtensor.titan  # noqa: F401\n"
+        "from cp_dtensor.titan.resume import check_resume\n"
+        "from cp_dtensor.titan.train import CPTrainer\n"
+        "from torchtitan.train import main\n\n"
+        "class Trainer(CPTrainer):\n"
+        "    def train(self):\n"
+        "        check_resume(self.checkpointer, self.parallel_dims, load_step=self.job_config.checkpoint.load_step)\n"
+        "        return super().train()\n\n"
+        "main(Trainer)\n"
+    )
+    dump = tmp_path / "dump"
+    shutil.copytree(cp2_run[0], dump / "checkpoint" / cp2_run[0].name)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(launcher),
+           "--job.config_file", str(CONFIG), "--job.dump_folder", str(dump), "--checkpoint.enable",
+           "--parallelism.context_parallel_degree", "1"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "HF_DATASETS_OFFLINE": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert out.count("was saved with a batch (data-parallel) degree of 1; this job has 2") >= 2, out[-3000:]
+    assert "Missing key in checkpoint" not in out  # it stopped before torchtitan's load
