@@ -76,6 +76,13 @@ def check_job_config(job_config: Any, world_size: int) -> None:
     cp, tp = par.context_parallel_degree, par.tensor_parallel_degree
     if cp < 1:
         raise ValueError(f"context_parallel_degree must be >= 1; got {cp}.")
+    old_names = {"float8": "quantize.linear.float8", "mx": "quantize.linear.mx"}  # older torchtitan names
+    for name in getattr(job_config.model, "converters", None) or []:
+        if name in old_names:
+            raise ValueError(
+                f'[model] converters: torchtitan 0.2.2 has no converter "{name}"; its float8 / MX linears are '
+                f'"{old_names[name]}". Write converters = ["{old_names[name]}"].'
+            )
     if world_size % cp != 0:
         raise ValueError(
             f"context_parallel_degree ({cp}) must divide the number of ranks ({world_size}). "

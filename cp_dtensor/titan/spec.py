@@ -26,6 +26,7 @@ import types
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 import torch.nn as nn
 import torchtitan.distributed.context_parallel as titan_cp
 import torchtitan.models.llama3 as titan_llama3
@@ -60,7 +61,7 @@ def _ring_in_place(attention_modules, cp_mesh, attention_type: str) -> None:
     logger.info(f"Applied cp_dtensor ring attention (layout={first.layout}) to the model; K/V ring payload {payload}")
 
 
-def _attach_ring(model: nn.Module, cp_mesh, layout: str, comm_dtype=None) -> None:
+def _attach_ring(model: nn.Module, cp_mesh, layout: str, comm_dtype: torch.dtype | None = None) -> None:
     attn_type = getattr(model.model_args, "attn_type", "sdpa")
     if attn_type != "sdpa":
         raise ValueError(
