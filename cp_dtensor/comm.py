@@ -4,7 +4,20 @@ A rotation is one functional collective (``funcol.permute_tensor``): rank i of t
 buffer to rank i+1 and receives one from rank i-1. In eager mode the result is an
 ``AsyncCollectiveTensor`` that waits on first use, so posting the rotation before the block's compute
 overlaps the two; under ``torch.compile`` it is an ``all_to_all_single`` + ``wait_tensor`` pair that
-Inductor schedules around the attention kernels.
+Inductor schedules around the attention kernels -- see Note [Ring under torch.compile].
+
+Note [Ring under torch.compile]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+When traced, ``funcol``'s wrappers (``permute_tensor`` included) put a ``wait_tensor`` right after
+the collective, because a traced graph has no ``AsyncCollectiveTensor`` to wait lazily. That wait
+would serialise every ring step in the compiled graph. So under compile ``rotate`` issues the raw
+``_c10d_functional.all_to_all_single`` (the op ``permute_tensor`` lowers to, same split sizes) and
+``wait`` adds the only ``wait_tensor``: the graph then reads ``all_to_all_single(k/v of step t+1)
+-> block_attn(step t) -> wait_tensor``. tests/test_compile.py checks that order in the FX graph and in
+Inductor's code (with ``torch._inductor.config.reorder_for_peak_memory = False``; by default that pass
+may move a wait up). In the backward, AOTAutograd merges the K/V rotations with the forward's and
+keeps the blocks received there (it never recomputes a collective): compiled, only dK/dV travel back.
+Eager mode is unchanged.
 """
 
 from __future__ import annotations
@@ -45,7 +58,11 @@ class RingComm:
         # permute_tensor splits by numel along dim 0, so the buffer must be flat.
         assert buf.dim() == 1, "ring buffers are flat; see pack()"
         if torch.compiler.is_compiling():
-            return funcol.permute_tensor(buf, self._next, self.group)
+            # See Note [Ring under torch.compile]: no wait here, the caller's wait() is the only one.
+            n, nxt, prev = buf.numel(), self._next[self.rank], (self.rank - 1) % self.world
+            send = [n if r == nxt else 0 for r in range(self.world)]
+            recv = [n if r == prev else 0 for r in range(self.world)]
+            return torch.ops._c10d_functional.all_to_all_single(buf, recv, send, self.group.group_name)
         try:
             return funcol.permute_tensor(buf, self._next, self.group)
         except RuntimeError as e:

@@ -158,7 +158,9 @@ def step_block(layout: str, *, rank: int, src: int, world: int, s_local: int, is
         if src < rank:
             return _DIAG
         # See Note [Causal ring steps]: the striped shift.
-        return Block(slice(1, None), slice(0, s_local - 1), True) if s_local > 1 else None
+        # k[:-1], not k[:s_local - 1]: a slice bound made from S_local would make torch.compile
+        # specialise on the sequence length (see tests/test_compile.py).
+        return Block(slice(1, None), slice(None, -1), True) if s_local > 1 else None
     c = s_local // 2
     if src < rank:
         return Block(slice(None), slice(0, c), False)

@@ -52,7 +52,8 @@ def block_attn(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float) -
 
 @block_attn.register_fake
 def _(q, k, v, is_causal, scale):
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+    # new_empty, not empty_like: the results are contiguous whatever q's strides (empty_like keeps them)
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("cp_dtensor::block_attn_backward", mutates_args=())
@@ -86,7 +87,7 @@ def block_attn_backward(
 
 @block_attn_backward.register_fake
 def _(dout, q, k, v, out, lse, is_causal, scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as the kernel's
 
 
 def _setup_context(ctx, inputs, output):
