@@ -53,7 +53,7 @@ def block_attn(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float) -
 @block_attn.register_fake
 def _(q, k, v, is_causal, scale):
     # new_empty, not empty_like: the results are contiguous whatever q's strides (empty_like keeps them)
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.promote_types(q.dtype, torch.float32))
 
 
 @torch.library.custom_op("cp_dtensor::block_attn_backward", mutates_args=())

@@ -50,9 +50,10 @@ def ring_forward(
     comm_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Unchecked ring forward on local shards. q: [B, Hq, S, D]; k, v: [B, Hkv, S, D].
-    Returns out: [B, Hq, S, D] in q's dtype and lse: [B, Hq, S] fp32."""
+    Returns out: [B, Hq, S, D] in q's dtype and lse: [B, Hq, S] fp32 (fp64 for fp64 inputs)."""
     comm = RingComm(group)
     world, rank, s_local = comm.world, comm.rank, q.shape[2]
+    acc_dtype = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
     out = lse = None
     kv = encode_kv(k, v, comm_dtype) if world > 1 else None
     for step in range(world):
@@ -64,9 +65,11 @@ def ring_forward(
             q_rows, kv_rows = (slice(None), slice(None), blk.q_rows), (slice(None), slice(None), blk.kv_rows)
             out_b, lse_b = block_attn(q[q_rows], kb[kv_rows], vb[kv_rows], blk.causal, scale)
             if out is None:  # step 0: the diagonal block covers every row
-                out, lse = out_b.float(), lse_b.clone()
+                out, lse = out_b.to(acc_dtype), lse_b.to(acc_dtype)
             else:
                 _merge_(out[q_rows], lse[q_rows], out_b, lse_b)
+            del out_b, lse_b
+        del kb, vb  # views of the block just used: free it before the next one arrives
         if step + 1 < world:
             kv = comm.wait(kv_next)
     return out.to(q.dtype), lse
@@ -80,7 +83,8 @@ def ring_backward(
     comm = RingComm(group)
     world, rank, s_local = comm.world, comm.rank, q.shape[2]
     dout = dout.contiguous()
-    dq = torch.zeros_like(q, dtype=torch.float32)
+    acc_dtype = torch.promote_types(q.dtype, torch.float32)
+    dq = torch.zeros_like(q, dtype=acc_dtype)
     dk = dv = None
     kv = encode_kv(k, v, comm_dtype) if world > 1 else None
     dkv = None  # the accumulator received from the previous rank, for the block held next
@@ -96,14 +100,20 @@ def ring_backward(
             )
             dq[q_rows] += dq_b
         if step == 0:
-            dk, dv = dk_b.float(), dv_b.float()
+            dk, dv = dk_b.to(acc_dtype), dv_b.to(acc_dtype)
         else:
             acc = comm.wait(dkv) if dkv is not None else k.new_zeros(2 * k.numel())
             if blk is not None:
                 dk_acc, dv_acc = unpack(acc, k, v)
                 dk_acc[kv_rows] += dk_b
                 dv_acc[kv_rows] += dv_b
+                del dk_acc, dv_acc
             dkv = comm.rotate(acc)
+            del acc
+        # Free this step's block and its gradients before the next step allocates its own.
+        del kb, vb
+        if blk is not None:
+            del dq_b, dk_b, dv_b
         if step + 1 < world:
             kv = comm.wait(kv_next)
     if dkv is not None:  # our own block's accumulator, home after P - 1 hops

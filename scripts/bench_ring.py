@@ -1,13 +1,19 @@
-"""Benchmark the ring on CPU ranks (one thread each): causal forward+backward, side by side.
+"""Benchmark the ring on CPU ranks (one thread each): causal forward+backward, every layout, side by side.
 
-    .venv/bin/python scripts/bench_ring.py --world 2 --s-local 4096
+    .venv/bin/python scripts/bench_ring.py --s-local 512 1024 2048 4096 8192 --docs-img
 
-Reports, from one run (the machine is shared and noisy, so only ratios measured together count):
-  * ring time per layout (median of --iters, after a warm-up), and the bytes each rank sent vs the formula;
-  * P3 = contiguous time / striped time, next to its kernel ceiling
-    (T_causal + T_full) / (T_causal + T_strict) of single S_local blocks timed in the same run (P=2);
-  * P4 = ideal / ring time, ideal = one process running full-sequence SDPA fwd+bwd, divided by P.
-Writes a JSON record with --out.
+One run measures, and writes to --out-dir (JSON + PNG plots; --docs-img copies the plots to docs/img/):
+  * ring fwd+bwd time per layout and N/P on --world ranks (median over --iters of the slowest rank, after
+    a warm-up), bytes each rank sent against the formula, and every rank's attention-kernel time per
+    ring step (thread CPU time of each cp_dtensor.ops call, so oversubscribed ranks still count right);
+  * P2 = max/mean rank work (from exact kept pairs, from standalone block times, and in the ring);
+  * P3 = contiguous / striped time, next to its kernel ceiling (T_causal + T_full) / (T_causal + T_strict)
+    of single S_local blocks timed in the same run (P = 2);
+  * P4 = ideal / ring time, ideal = one process running full-sequence SDPA fwd+bwd on one thread, / P;
+  * the per-(rank, step) work heat map for --heat-worlds (blocks run standalone in this process);
+  * P5 = longest N whose ring fwd+bwd fits --mem-cap-mib per rank, for --mem-worlds (see _bench_mem.py);
+  * the planner's ring time (plan.py, TFLOP/s calibrated on one causal block) against every measurement.
+The machine may be shared: only numbers measured together in one run are compared.
 """
 
 from __future__ import annotations
@@ -15,28 +21,139 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
-import tempfile
 import time
-from datetime import timedelta
+from datetime import datetime, timezone
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 import cp_dtensor  # noqa: E402
+from cp_dtensor.comm import RingComm  # noqa: E402
 from cp_dtensor.debug import CommBytes  # noqa: E402
+from cp_dtensor.layout import step_block  # noqa: E402
 from cp_dtensor.ops import block_attn, block_attn_backward  # noqa: E402
+from cp_dtensor.plan import PlanInput, memory_bytes  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+import _bench_mem as mem  # noqa: E402
+import _bench_report as report  # noqa: E402
+import _bench_work as work  # noqa: E402
+from _bench_dist import run_ranks  # noqa: E402
+
+KERNELS = ("cp_dtensor::block_attn", "cp_dtensor::block_attn_backward")
 
 
-def _qkv(args, n, dtype, seed=0):
+class KernelClock(TorchDispatchMode):
+    """Every cp_dtensor block kernel call in call order: (name, thread CPU seconds, wall seconds)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[str, float, float]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name
+        if name not in KERNELS:
+            return func(*args, **(kwargs or {}))
+        t0, w0 = time.thread_time(), time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        self.calls.append((name, time.thread_time() - t0, time.perf_counter() - w0))
+        return out
+
+
+def per_step(calls, layout: str, rank: int, world: int, s_local: int, *, wall=False) -> list[float]:
+    """Kernel seconds per ring step (fwd + bwd; thread CPU time, or wall time with ``wall``) from one
+    fwd+bwd's calls; steps without a block get 0."""
+    steps = [t for t in range(world) if step_block(layout, rank=rank, src=(rank - t) % world, world=world,
+                                                  s_local=s_local, is_causal=True) is not None]
+    row = [0.0] * world
+    for name in KERNELS:
+        times = [w if wall else c for n, c, w in calls if n == name]
+        if len(times) != len(steps):
+            raise RuntimeError(f"{name}: {len(times)} calls for {len(steps)} causal ring steps on rank {rank}")
+        for t, dt in zip(steps, times):
+            row[t] += dt
+    return row
+
+
+def _qkv(shape, s, dtype, seed):
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(args.batch, args.q_heads, n, args.head_dim, generator=g).to(dtype)
-    k = torch.randn(args.batch, args.kv_heads, n, args.head_dim, generator=g).to(dtype)
-    v = torch.randn(args.batch, args.kv_heads, n, args.head_dim, generator=g).to(dtype)
-    return q, k, v
+    b, hq, hkv, d = shape["batch"], shape["q_heads"], shape["kv_heads"], shape["head_dim"]
+    return (torch.randn(b, h, s, d, generator=g).to(dtype) for h in (hq, hkv, hkv))
+
+
+def _profile(fwd_bwd) -> dict:
+    """One fwd+bwd under torch.profiler: wall seconds per op name (self time), and the printed table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fwd_bwd()
+    wall = time.perf_counter() - t0
+    avgs = prof.key_averages()
+    ops = {e.key: e.self_cpu_time_total / 1e6 for e in avgs}
+    return dict(wall_s=wall, self_s=ops, table=avgs.table(sort_by="self_cpu_time_total", row_limit=14))
+
+
+def _ring_rank(rank, world, sizes, layouts, shape, dtype, iters, profile_layout=None):
+    """Every rank: for each (S_local, layout) a warm-up, ``iters`` timed fwd+bwd, one counted for bytes."""
+    rec = {}
+    bar = tqdm(total=len(sizes) * len(layouts) * (iters + 2), desc=f"ring P={world}", disable=rank != 0)
+    for s in sizes:
+        q, k, v = _qkv(shape, s, dtype, seed=rank)
+        for layout in layouts:
+            ql, kl, vl = (x.clone().requires_grad_() for x in (q, k, v))
+
+            def fwd_bwd():
+                out = cp_dtensor.ring_attention(ql, kl, vl, layout=layout, is_causal=True)
+                out.backward(torch.ones_like(out))
+
+            walls, cpus, kernels, kernel_walls = [], [], [], []
+            for i in range(iters + 1):
+                dist.barrier()
+                clock = KernelClock()
+                t0, c0 = time.perf_counter(), time.process_time()
+                with clock:
+                    fwd_bwd()
+                wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+                if i:  # the first one is the warm-up
+                    walls.append(wall)
+                    cpus.append(cpu)
+                    kernels.append(per_step(clock.calls, layout, rank, world, s))
+                    kernel_walls.append(sum(per_step(clock.calls, layout, rank, world, s, wall=True)))
+                bar.update(1)
+            with CommBytes() as fwd_sent:
+                out = cp_dtensor.ring_attention(ql, kl, vl, layout=layout, is_causal=True)
+            with CommBytes() as all_sent:
+                out = cp_dtensor.ring_attention(ql, kl, vl, layout=layout, is_causal=True)
+                out.backward(torch.ones_like(out))
+            bar.update(1)
+            if profile_layout == layout and s == max(sizes):
+                rec["profile"] = _profile(fwd_bwd)
+            rec[(s, layout)] = dict(
+                wall=walls, cpu=cpus,
+                kernel_steps=[statistics.median(col) for col in zip(*kernels)],
+                kernel_wall=statistics.median(kernel_walls),
+                bytes_fwd=fwd_sent.by_op["all_to_all_single"], bytes_fwd_bwd=all_sent.by_op["all_to_all_single"],
+            )
+    # The link, as the ring sees it: one rotation of the largest K/V block (median of 5).
+    comm, s = RingComm(dist.group.WORLD), max(sizes)
+    buf = torch.zeros(2 * shape["batch"] * shape["kv_heads"] * s * shape["head_dim"], dtype=dtype)
+    times = []
+    for _ in range(6):
+        dist.barrier()
+        t0 = time.perf_counter()
+        comm.wait(comm.rotate(buf))
+        times.append(time.perf_counter() - t0)
+    rec["link_gbps"] = buf.numel() * buf.element_size() / statistics.median(times[1:]) / 1e9
+    bar.close()
+    return rec
 
 
 def _median_time(fn, iters):
@@ -60,45 +177,142 @@ def _sdpa_fwd_bwd(q, k, v):
     out.backward(torch.ones_like(out))
 
 
-def _rank(rank, world, init, args, queue):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(minutes=10))
-    dtype = getattr(torch, args.dtype)
-    s, n = args.s_local, args.s_local * world
-    scale = args.head_dim**-0.5
-    rec = {"rank": rank}
-    q, k, v = _qkv(args, s, dtype, seed=rank)
-    for layout in args.layouts:
-        ql, kl, vl = (x.clone().requires_grad_() for x in (q, k, v))
-
-        def step():
-            out = cp_dtensor.ring_attention(ql, kl, vl, layout=layout, is_causal=True)
-            out.backward(torch.ones_like(out))
-
-        dist.barrier()
-        rec[f"ring_{layout}"] = _median_time(step, args.iters)
-        with CommBytes() as sent:
-            cp_dtensor.ring_attention(ql, kl, vl, layout=layout, is_causal=True)
-        rec[f"bytes_{layout}"] = sent.by_op["all_to_all_single"]
-    # Single blocks and the ideal run on rank 0 while the others wait at the barrier.
+def _ideal_rank(rank, world, n, shape, dtype, iters):
+    """The ideal under the ring's conditions: every rank runs the full-sequence SDPA at the same time."""
+    q, k, v = _qkv(shape, n, dtype, seed=0)
     dist.barrier()
-    if rank == 0:
-        rec["T_causal"] = _median_time(lambda: _block_fwd_bwd(q, k, v, True, scale), args.iters)
-        rec["T_full"] = _median_time(lambda: _block_fwd_bwd(q, k, v, False, scale), args.iters)
+    return _median_time(lambda: _sdpa_fwd_bwd(q, k, v), iters)
+
+
+def ring_sweep(args, shape, dtype, world, sizes, iters, *, singles=True, ideal=True, profile=False):
+    """Ring runs on ``world`` ranks, then single blocks and the ideal run in this process, per S_local."""
+    recs = run_ranks(world, _ring_rank, sizes, args.layouts, shape, dtype, iters, profile and args.profile)
+    if profile and args.profile:
+        for r, rec in enumerate(recs):
+            path = os.path.join(args.out_dir, f"profile_{args.profile}_P{world}_rank{r}.txt")
+            with open(path, "w") as f:
+                f.write(f"{args.profile} N/P={max(sizes)} fwd+bwd, wall {rec['profile']['wall_s']:.3f} s\n")
+                f.write(rec["profile"]["table"])
+            print(f"profile of rank {r}: {path}")
+    rows = []
+    itemsize = dtype.itemsize
+    for s in tqdm(sizes, desc=f"single blocks P={world}"):
+        row = {"world": world, "s_local": s, "n": s * world}
+        formula = (world - 1) * 2 * shape["batch"] * s * shape["head_dim"] * shape["kv_heads"] * itemsize
+        row["formula_bytes_fwd"] = formula
+        for layout in args.layouts:
+            rr = [r[(s, layout)] for r in recs]
+            # a ring iteration lasts as long as its slowest rank
+            row[f"ring_{layout}_s"] = statistics.median(max(w) for w in zip(*(r["wall"] for r in rr)))
+            row[f"cpu_{layout}_s"] = [statistics.median(r["cpu"]) for r in rr]
+            table = [r["kernel_steps"] for r in rr]
+            row[f"kernel_{layout}_s"] = table
+            row[f"P2_ring_{layout}"] = work.balance(table)
+            # where the time goes: the busiest rank's wall time inside the attention kernels vs the ring time
+            row[f"kernel_wall_{layout}_s"] = [r["kernel_wall"] for r in rr]
+            row[f"kernel_share_{layout}"] = max(r["kernel_wall"] for r in rr) / row[f"ring_{layout}_s"]
+            row[f"bytes_ratio_fwd_{layout}"] = max(r["bytes_fwd"] for r in rr) / formula if formula else 1.0
+            row[f"bytes_ratio_fwd_bwd_{layout}"] = (
+                max(r["bytes_fwd_bwd"] for r in rr) / (3 * formula) if formula else 1.0)
+        if not singles:
+            rows.append(row)
+            continue
+        q, k, v = _qkv(shape, s, dtype, seed=0)
+        scale = shape["head_dim"] ** -0.5
+        row["T_causal_s"] = _median_time(lambda: _block_fwd_bwd(q, k, v, True, scale), iters)
+        row["T_full_s"] = _median_time(lambda: _block_fwd_bwd(q, k, v, False, scale), iters)
         qs, ks, vs = q[:, :, 1:], k[:, :, :-1], v[:, :, :-1]
-        rec["T_strict"] = _median_time(lambda: _block_fwd_bwd(qs, ks, vs, True, scale), args.iters)
-        if not args.skip_ideal:
-            qf, kf, vf = _qkv(args, n, dtype)
-            rec["T_full_sequence"] = _median_time(lambda: _sdpa_fwd_bwd(qf, kf, vf), args.iters)
-    dist.barrier()
-    queue.put(rec)
-    dist.destroy_process_group()
+        row["T_strict_s"] = _median_time(lambda: _block_fwd_bwd(qs, ks, vs, True, scale), iters)
+        if "striped" in args.layouts and "contiguous" in args.layouts:
+            tc, tf, ts = row["T_causal_s"], row["T_full_s"], row["T_strict_s"]
+            row["P3"] = row["ring_contiguous_s"] / row["ring_striped_s"]
+            row["P3_ceiling"] = (tc + tf) / (tc + ts) if world == 2 else None
+            row["P3_of_ceiling"] = row["P3"] / row["P3_ceiling"] if world == 2 else None
+            # striped's rank 1 does two causal blocks: its real P = 2 critical path is max(Tc + Ts, 2 Tc)
+            row["P3_ceiling_critical"] = (tc + tf) / max(tc + ts, 2 * tc) if world == 2 else None
+        # the kernels' own critical path: every (rank, step) block of the ring run standalone (best of 2)
+        for layout in args.layouts:
+            row[f"kernel_critical_{layout}_s"] = work.critical_path(work.measured_table(layout, world, q, k, v))
+        if ideal:
+            qf, kf, vf = _qkv(shape, s * world, dtype, seed=0)
+            row["ideal_s"] = _median_time(lambda: _sdpa_fwd_bwd(qf, kf, vf), iters) / world
+            if args.ideal_concurrent:
+                # P processes at once share the cores' caches, memory bandwidth and clock like the ring's ranks
+                row["ideal_concurrent_s"] = max(run_ranks(world, _ideal_rank, s * world, shape, dtype, iters)) / world
+            for layout in args.layouts:
+                row[f"P4_{layout}"] = row["ideal_s"] / row[f"ring_{layout}_s"]
+                if args.ideal_concurrent:
+                    row[f"P4_concurrent_{layout}"] = row["ideal_concurrent_s"] / row[f"ring_{layout}_s"]
+                # P4 = kernel ceiling (ideal / the blocks' critical path) x ring efficiency (that path / ring)
+                row[f"P4_ceiling_{layout}"] = row["ideal_s"] / row[f"kernel_critical_{layout}_s"]
+        rows.append(row)
+    return rows, statistics.median(r["link_gbps"] for r in recs)
+
+
+def heat_maps(args, shape, dtype):
+    """Exact pairs and standalone measured seconds per (rank, step), for each heat-map world and layout."""
+    out = []
+    bar = tqdm(total=sum(w * w for w in args.heat_worlds) * len(args.layouts), desc="heat-map blocks")
+    q, k, v = _qkv(shape, args.heat_s_local, dtype, seed=0)
+    cache = {}  # the same block shapes recur across layouts and worlds
+    for world in args.heat_worlds:
+        for layout in args.layouts:
+            pairs = work.work_table(layout, world, args.heat_s_local)
+            secs = work.measured_table(layout, world, q, k, v, repeats=args.iters, progress=bar, cache=cache)
+            out.append(dict(world=world, layout=layout, s_local=args.heat_s_local, pairs=pairs, seconds=secs,
+                            P2_pairs=work.balance(pairs), P2_measured=work.balance(secs),
+                            critical_pairs=work.critical_path(pairs), critical_s=work.critical_path(secs)))
+    bar.close()
+    return out
+
+
+def memory_search(args, shape, dtype):
+    """P5: for each P the largest S_local whose measured ring peak fits the cap (fresh ranks per probe)."""
+    cap = args.mem_cap_mib * 2**20
+    probes, best = [], {}
+    bar = tqdm(desc=f"memory probes Hq={shape['q_heads']} Hkv={shape['kv_heads']}")
+    for world in args.mem_worlds:
+        def fits(s, world=world):
+            peaks = run_ranks(world, mem.ring_peak, s, shape, dtype, "striped")
+            probes.append(dict(world=world, s_local=s, n=s * world, peak_bytes=max(peaks), peaks=peaks))
+            bar.update(1)
+            return max(peaks) <= cap
+
+        best[world] = world * mem.search_max(fits, start=args.mem_start, unit=64)
+    bar.close()
+    p5 = {w: best[w] / best[1] if best.get(1) else None for w in best}
+    for pr in probes:
+        pr["plan_bytes"] = memory_bytes(PlanInput(seq_len=pr["n"], cp=pr["world"], dtype=work.PLAN_DTYPES[dtype],
+                                                  **shape))["total"]
+    return dict(shape=shape, cap_bytes=cap, n_max=best, P5=p5, probes=probes,
+                malloc_env={k: v for k, v in os.environ.items() if k.startswith("MALLOC_")})
+
+
+def planner_check(rows, shape, dtype, link_gbps, calib_s):
+    """Calibrate TFLOP/s on the causal block at ``calib_s``, predict every ring time, report the error."""
+    calib = next(r for r in rows if r["s_local"] == calib_s)
+    tflops = work.calibrate_tflops(calib["T_causal_s"], s_local=calib_s, batch=shape["batch"],
+                                   q_heads=shape["q_heads"], head_dim=shape["head_dim"])
+    per_pair = calib["T_causal_s"] / work.tile_pairs(calib_s, calib_s, True)  # for the tile-aware model
+    checks = []
+    for r in rows:
+        for layout in ("striped", "headtail", "contiguous"):
+            if f"ring_{layout}_s" not in r:
+                continue
+            pred = work.plan_ring_seconds(layout=layout, world=r["world"], s_local=r["s_local"], dtype=dtype,
+                                          tflops=tflops, link_gbps=link_gbps, **shape)
+            meas = r[f"ring_{layout}_s"]
+            tile = work.tile_ring_seconds(layout, r["world"], r["s_local"], seconds_per_pair=per_pair)
+            checks.append(dict(world=r["world"], s_local=r["s_local"], layout=layout, predicted_s=pred,
+                               measured_s=meas, error=pred / meas - 1, tile_predicted_s=tile,
+                               tile_error=tile / meas - 1))
+    return dict(tflops=tflops, calib_s_local=calib_s, link_gbps=link_gbps, checks=checks)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--world", type=int, default=2)
-    p.add_argument("--s-local", type=int, default=4096)
+    p.add_argument("--world", type=int, default=2, help="ranks of the timing sweep (keep <= cores)")
+    p.add_argument("--s-local", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192], help="N/P values")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--q-heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
@@ -107,52 +321,62 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--layouts", nargs="+", default=list(cp_dtensor.LAYOUTS))
     p.add_argument("--skip-ideal", action="store_true")
-    p.add_argument("--out", help="write the JSON record here")
+    p.add_argument("--ideal-concurrent", action="store_true",
+                   help="also time the ideal with P copies running at once (same machine contention as the ring)")
+    p.add_argument("--calib-s-local", type=int, default=None, help="planner calibration block (default: middle N/P)")
+    p.add_argument("--balance-worlds", type=int, nargs="*", default=[4], help="extra in-ring balance runs")
+    p.add_argument("--balance-s-local", type=int, default=2048)
+    p.add_argument("--heat-worlds", type=int, nargs="*", default=[4, 8])
+    p.add_argument("--heat-s-local", type=int, default=2048)
+    p.add_argument("--mem-worlds", type=int, nargs="*", default=[1, 2, 4], help="P5 search; empty to skip")
+    p.add_argument("--mem-heads", nargs="+", default=["4:2", "32:4"], help="Hq:Hkv shapes of the P5 search")
+    p.add_argument("--mem-cap-mib", type=float, default=64.0)
+    p.add_argument("--mem-start", type=int, default=256, help="first S_local of the P5 doubling")
+    p.add_argument("--profile", choices=cp_dtensor.LAYOUTS, help="torch.profiler on every rank: one extra fwd+bwd "
+                   "of this layout at the largest N/P, tables to OUT_DIR/profile_*.txt")
+    p.add_argument("--out-dir", default="bench_out")
+    p.add_argument("--out", help="JSON path (default OUT_DIR/bench_ring.json)")
+    p.add_argument("--docs-img", action="store_true", help="copy the plots to docs/img/")
     args = p.parse_args()
+    torch.set_num_threads(1)  # the ideal run and the standalone blocks: one thread, like a rank
+    dtype = getattr(torch, args.dtype)
+    shape = dict(batch=args.batch, q_heads=args.q_heads, kv_heads=args.kv_heads, head_dim=args.head_dim)
+    os.makedirs(args.out_dir, exist_ok=True)
+    res = dict(config=vars(args), shape=shape, torch=torch.__version__, cpus=os.cpu_count(),
+               started=datetime.now(timezone.utc).isoformat(timespec="seconds"), load_avg_start=os.getloadavg(),
+               command=" ".join([".venv/bin/python scripts/bench_ring.py", *sys.argv[1:]]))
+    t0 = time.perf_counter()
+    res["memory"] = []  # first: the forked probes then inherit a small parent heap
+    for heads in args.mem_heads if args.mem_worlds else []:
+        hq, hkv = (int(x) for x in heads.split(":"))
+        res["memory"].append(memory_search(args, {**shape, "q_heads": hq, "kv_heads": hkv}, dtype))
+    res["timing"], link = ring_sweep(args, shape, dtype, args.world, args.s_local, args.iters,
+                                     ideal=not args.skip_ideal, profile=True)
+    calib = args.calib_s_local or sorted(args.s_local)[len(args.s_local) // 2]
+    res["planner"] = planner_check(res["timing"], shape, dtype, link, calib)
+    res["balance"] = []
+    for w in args.balance_worlds:
+        rows, _ = ring_sweep(args, shape, dtype, w, [args.balance_s_local], 1, singles=False, ideal=False)
+        res["balance"] += rows
+    res["heat"] = heat_maps(args, shape, dtype) if args.heat_worlds else []
+    res["load_avg_end"], res["seconds"] = os.getloadavg(), time.perf_counter() - t0
+    print(report.text(res))
+    out = args.out or os.path.join(args.out_dir, "bench_ring.json")
+    with open(out, "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    import _bench_plot as plot
 
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        init = f"file://{tmp}/rdzv"
-        procs = [ctx.Process(target=_rank, args=(r, args.world, init, args, queue)) for r in range(args.world)]
-        for proc in procs:
-            proc.start()
-        recs = sorted((queue.get() for _ in procs), key=lambda r: r["rank"])
-        for proc in procs:
-            proc.join()
-
-    world, s = args.world, args.s_local
-    itemsize = getattr(torch, args.dtype).itemsize
-    formula = (world - 1) * 2 * args.batch * s * args.head_dim * args.kv_heads * itemsize
-    r0 = recs[0]
-    res = {"config": vars(args), "formula_bytes": formula}
-    print(f"P={world}, S_local={s}, B={args.batch}, Hq={args.q_heads}, Hkv={args.kv_heads}, D={args.head_dim}, "
-          f"{args.dtype}, causal fwd+bwd, 1 thread per rank, median of {args.iters}")
-    for layout in args.layouts:
-        t = max(r[f"ring_{layout}"] for r in recs)  # a ring step lasts as long as its slowest rank
-        res[f"ring_{layout}_s"] = t
-        ratio = r0[f"bytes_{layout}"] / formula if formula else 1.0
-        res[f"bytes_ratio_{layout}"] = ratio
-        print(f"  ring {layout:<10} {t * 1e3:9.1f} ms   bytes sent / formula = {ratio:.3f}")
-    tc, tf, ts = r0["T_causal"], r0["T_full"], r0["T_strict"]
-    res.update(T_causal_s=tc, T_full_s=tf, T_strict_s=ts)
-    print(f"  single blocks: causal {tc * 1e3:.1f} ms, full {tf * 1e3:.1f} ms, strictly causal {ts * 1e3:.1f} ms")
-    if "striped" in args.layouts and "contiguous" in args.layouts:
-        p3 = res["ring_contiguous_s"] / res["ring_striped_s"]
-        ceiling = (tc + tf) / (tc + ts)
-        res.update(P3=p3, P3_ceiling=ceiling, P3_of_ceiling=p3 / ceiling)
-        print(f"  P3 contiguous/striped = {p3:.3f}; kernel ceiling (Tc+Tf)/(Tc+Ts) = {ceiling:.3f}; "
-              f"P3/ceiling = {p3 / ceiling:.3f} (target >= 0.95)")
-    if "T_full_sequence" in r0:
-        ideal = r0["T_full_sequence"] / world
-        res["ideal_s"] = ideal
-        for layout in args.layouts:
-            res[f"P4_{layout}"] = ideal / res[f"ring_{layout}_s"]
-        print(f"  ideal (full-sequence SDPA / P) {ideal * 1e3:.1f} ms; P4 ideal/ring: "
-              + ", ".join(f"{lay} {res[f'P4_{lay}']:.3f}" for lay in args.layouts) + " (target >= 0.9)")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=2)
+    paths = plot.all_plots(res, args.out_dir)
+    md = os.path.join(args.out_dir, "performance.md")
+    with open(md, "w") as f:
+        f.write(report.markdown(res))
+    paths_note = f"{md}, "
+    if args.docs_img:
+        os.makedirs("docs/img", exist_ok=True)
+        for path in paths:
+            shutil.copy(path, os.path.join("docs/img", os.path.basename(path)))
+    print(f"wrote {out}, {paths_note}{', '.join(paths)}" + (" (copied to docs/img/)" if args.docs_img else "")
+          + f" in {res['seconds']:.0f} s")
 
 
 if __name__ == "__main__":

@@ -46,11 +46,11 @@ def _run_case(rank, world, case, dtype, seed):
 def _accuracy(rank, world):
     worst = {}
     for i, case in enumerate(_cases(world)):
-        for dtype in (torch.float32, torch.bfloat16):
-            if dtype == torch.bfloat16 and case["hq"] == 8:
+        for dtype in (torch.float32, torch.bfloat16, torch.float64):
+            if dtype != torch.float32 and case["hq"] == 8:
                 continue
             err = _run_case(rank, world, case, dtype, seed=i)
-            tol = 2e-5 if dtype == torch.float32 else 2e-2
+            tol = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float64: 1e-10}[dtype]
             assert err <= tol, f"P={world} rank {rank} {case} {dtype}: relative error {err:.2e} > {tol}"
             worst[str(dtype)] = max(worst.get(str(dtype), 0.0), err)
     return worst
@@ -58,7 +58,7 @@ def _accuracy(rank, world):
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_forward_and_gradients_match_float64_reference(world):
-    """Every layout, causal and not, MHA/GQA/MQA, odd S_local, custom scale; fp32 and bf16."""
+    """Every layout, causal and not, MHA/GQA/MQA, odd S_local, custom scale; fp32, bf16 and fp64."""
     run_ranks(world, _accuracy)
 
 

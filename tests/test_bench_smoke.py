@@ -1,0 +1,117 @@
+"""The pure parts of scripts/bench_ring.py and scripts/gpu_check.py, against independent references."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from cp_dtensor.layout import LAYOUTS
+from cp_dtensor.plan import PlanInput, make_plan, step_pairs
+
+SCRIPTS = os.path.join(os.path.dirname(__file__), "..", "scripts")
+sys.path.insert(0, SCRIPTS)
+import _bench_mem as bench_mem  # noqa: E402
+import _bench_work as bench_work  # noqa: E402
+import gpu_check  # noqa: E402
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_work_table_is_the_exact_pair_count(layout):
+    """The heat map's table (from step_block's slices) against a brute-force count over global positions."""
+    for world in (1, 2, 3, 4, 8):
+        for s_local in (2, 4, 6):
+            table = bench_work.work_table(layout, world, s_local)
+            assert table == bench_work.brute_force_table(layout, world, s_local), (layout, world, s_local)
+            for r in range(world):  # and the planner's closed forms
+                for t in range(world):
+                    assert table[r][t] == step_pairs(layout, rank=r, src=(r - t) % world, s_local=s_local)
+
+
+def test_work_table_closed_forms():
+    """The docs' P = 4, N = 64 pair totals (how_it_works.md, section 4) and the balance ratios."""
+    totals = {lay: [sum(row) for row in bench_work.work_table(lay, 4, 16)] for lay in LAYOUTS}
+    assert totals["contiguous"] == [136, 392, 648, 904]
+    assert totals["striped"] == [496, 512, 528, 544]
+    assert totals["headtail"] == [520] * 4
+    assert bench_work.balance(bench_work.work_table("headtail", 8, 64)) == 1.0
+    contiguous = bench_work.work_table("contiguous", 8, 64)
+    assert bench_work.balance(contiguous) == pytest.approx(15 / 8, rel=0.01)  # (P - 1/2) / (P / 2)
+    assert bench_work.critical_path(contiguous) == 64 * 65 // 2 + 7 * 64 * 64
+
+
+def test_calibration_inverts_the_planner():
+    """A time made from the planner's own FLOPs at a rate must calibrate back to that rate."""
+    plan = make_plan(PlanInput(seq_len=1024, cp=1, head_dim=64, q_heads=4, kv_heads=2, dtype="fp32"))
+    t = plan.fwd_bwd_flops_max_rank / 2.5e10
+    assert bench_work.calibrate_tflops(t, s_local=1024, batch=1, q_heads=4, head_dim=64) == pytest.approx(0.025)
+    # a ring with free communication at that rate takes the critical path's FLOPs over the rate
+    pred = bench_work.plan_ring_seconds(layout="contiguous", world=2, s_local=1024, batch=1, q_heads=4,
+                                        kv_heads=2, head_dim=64, dtype=torch.float32, tflops=0.025, link_gbps=1e9)
+    pairs = 1024 * 1025 // 2 + 1024 * 1024  # step 0 causal, step 1 full on rank 1
+    assert pred == pytest.approx(pairs * 4 * 4 * 64 * 3.5 / 2.5e10, rel=1e-6)
+
+
+def test_search_max_finds_the_largest_fit():
+    for limit in (100, 200, 1000, 1024, 4095, 5000, 70000):
+        seen = []
+
+        def fits(s):
+            seen.append(s)
+            return s <= limit
+
+        best = bench_mem.search_max(fits, start=512, unit=64)
+        assert best <= limit and best % 64 == 0
+        assert limit - best < max(64, best / 64 + 64), (limit, best)
+        assert len(seen) < 20
+    assert bench_mem.search_max(lambda s: False, start=512, unit=64) == 0
+
+
+def test_peak_memory_sees_an_allocation():
+    base = bench_mem.reset_peak()
+    x = torch.ones(16 * 2**20 // 4)  # 16 MiB, touched
+    peak = bench_mem.peak_since(base)
+    del x
+    assert 15 * 2**20 < peak < 64 * 2**20
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_simulated_ring_matches_float64(layout):
+    """gpu_check's one-process ring (block kernels + ring.py's merge) in fp32 against float64 attention."""
+    g = torch.Generator().manual_seed(0)
+    q, do = (torch.randn(1, 4, 48, 16, generator=g) for _ in range(2))
+    k, v = (torch.randn(1, 2, 48, 16, generator=g) for _ in range(2))
+    ref = gpu_check.reference(q, k, v, do, scale=0.25, dtype=torch.float64)
+    for world in (1, 3, 4):
+        got = gpu_check.simulate(q, k, v, do, layout=layout, world=world, scale=0.25)
+        for name, x, r in zip(("out", "dq", "dk", "dv"), got, ref):
+            assert gpu_check.rel_err(x, r) < 2e-5, (layout, world, name)
+
+
+def test_gpu_check_runs_on_cpu(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    cmd = [sys.executable, os.path.join(SCRIPTS, "gpu_check.py"), "--device", "cpu", "--seq-len", "128",
+           "--world", "4", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "16", "--iters", "1", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res = json.loads(out.read_text())
+    assert [r["layout"] for r in res["correctness"]] == list(LAYOUTS)
+    assert all(r["ok"] for r in res["correctness"])
+
+
+def test_tile_pairs_counts_whole_kv_tiles():
+    """The tile model against a brute-force walk over the kernel's (query tile, kv tile) grid."""
+    for rows in (100, 256, 767, 768, 1000, 2048):
+        q_tile = 256 if rows >= 768 else 64 if rows >= 192 else 32
+        brute = 0
+        for m in range(0, rows, q_tile):
+            qb = min(q_tile, rows - m)
+            for n in range(0, rows, 512):  # a kv tile is computed iff its first key is visible to the tile's last row
+                if n <= m + qb - 1:
+                    brute += qb * min(512, rows - n)
+        assert bench_work.tile_pairs(rows, rows, True) == brute, rows
+    assert bench_work.tile_pairs(300, 200, False) == 60000
