@@ -23,25 +23,12 @@ if importlib.util.find_spec("torchtitan") is None:
 
 import cp_dtensor.titan  # noqa: E402, F401  before any torchtitan import: see Note [torchtitan on CPU]
 from cp_dtensor.titan.resume import check_resume, checkpoint_to_resume, saved_batch_degree  # noqa: E402
+from test_titan import _torchrun  # noqa: E402  one launcher for every end-to-end test
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "titan_configs" / "llama3_debug.toml"
 STEPS, SAVED_AT, RTOL = 4, 2, 1e-5
 _STEP_LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([0-9.]+)")
-
-
-def _torchrun(nproc: int, dump: Path, *overrides: str) -> str:
-    """One training job of the debug config; returns its output, or fails the test with its tail."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "cp_dtensor.titan.train", "--job.config_file", str(CONFIG), "--job.dump_folder", str(dump),
-           *overrides]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=420)
-    out = proc.stdout + proc.stderr
-    if proc.returncode != 0:
-        pytest.fail(f"exit {proc.returncode}: {' '.join(cmd)}\n...\n{out[-6000:]}")
-    return out
 
 
 def _losses(out: str, *, first: int = 1) -> list[float]:
