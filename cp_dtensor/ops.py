@@ -5,8 +5,11 @@ device (CPU: ``_scaled_dot_product_flash_attention_for_cpu``; CUDA: flash for fp
 efficient otherwise) behind one schema with fake implementations, so the ring loop around them traces
 under ``torch.compile(fullgraph=True)`` and Inductor sees the functional collectives between them.
 
-Shapes: q: [B, Hq, Sq, D]; k, v: [B, Hkv, Sk, D] with Hq % Hkv == 0; out: [B, Hq, Sq, D] in q's dtype;
-lse: [B, Hq, Sq] float32. ``is_causal`` is only used for square blocks (Sq == Sk), where top-left and
+Shapes: q: [B, Hq, Sq, D]; k, v: [B, Hkv, Sk, D] with Hq % Hkv == 0; out: [B, Hq, Sq, D] in q's dtype,
+contiguous; lse: [B, Hq, Sq] float32. The gradients dq, dk, dv come back in the layout the CPU kernel
+writes them, sequence-major ([B, S, H, D] memory seen as [B, H, S, D]; see :func:`_seq_major`), so the
+ring never copies them just to change strides: copying a block's three gradients costs as much memory
+as one more K/V block at the peak of the backward. ``is_causal`` is only used for square blocks (Sq == Sk), where top-left and
 bottom-right alignment agree -- see Note [Causal ring steps] in layout.py.
 """
 
@@ -28,6 +31,16 @@ def _expand_kv(x: Tensor, groups: int) -> Tensor:
 def _reduce_kv_grad(g: Tensor, groups: int) -> Tensor:
     # [B, Hkv * groups, S, D] -> [B, Hkv, S, D]
     return g if groups == 1 else g.unflatten(1, (-1, groups)).sum(2)
+
+
+def _seq_major(x: Tensor) -> Tensor:
+    """``x`` [B, H, S, D] laid out as [B, S, H, D] in memory (a copy only if it is not already)."""
+    return x if x.transpose(1, 2).is_contiguous() else x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _empty_seq_major(like: Tensor) -> Tensor:
+    b, h, s, d = like.shape
+    return like.new_empty(b, s, h, d).transpose(1, 2)
 
 
 def _cuda_use_flash(q: Tensor) -> bool:
@@ -67,7 +80,7 @@ def block_attn_backward(
         grads = aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, is_causal, scale=scale
         )
-        return tuple(g.contiguous() for g in grads)
+        return tuple(_seq_major(g) for g in grads)  # already sequence-major: no copy
     groups = q.shape[1] // k.shape[1]
     ke, ve = _expand_kv(k, groups), _expand_kv(v, groups)
     sq, sk = q.shape[2], k.shape[2]
@@ -82,12 +95,12 @@ def block_attn_backward(
         dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
             dout, q, ke, ve, None, out, lse, empty, empty, 0.0, [True, True, True, False], is_causal, scale=scale
         )
-    return dq.contiguous(), _reduce_kv_grad(dk, groups).contiguous(), _reduce_kv_grad(dv, groups).contiguous()
+    return _seq_major(dq), _seq_major(_reduce_kv_grad(dk, groups)), _seq_major(_reduce_kv_grad(dv, groups))
 
 
 @block_attn_backward.register_fake
 def _(dout, q, k, v, out, lse, is_causal, scale):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as the kernel's
+    return _empty_seq_major(q), _empty_seq_major(k), _empty_seq_major(v)  # sequence-major, as the kernel's
 
 
 def _setup_context(ctx, inputs, output):

@@ -32,8 +32,12 @@ What ring attention itself holds on a rank, in the compute dtype unless stated:
 
 * saved for backward, every layer: q, k, v, out, and lse (fp32);
 * one layer's ring working set, the larger of
-  forward:  2 K/V step buffers (in use + arriving), the fp32 out and lse accumulators;
-  backward: 2 K/V step buffers, 2 dK/dV accumulators in flight, the owner's fp32 dK/dV, fp32 dQ, dO.
+  forward:  2 K/V step buffers (in use + arriving), the fp32 out and lse accumulators, and the
+            block's own output before it is merged;
+  backward: 2 K/V step buffers, 2 dK/dV accumulators in flight (leaving + arriving), this step's
+            dK/dV share, the owner's fp32 dK/dV, fp32 dQ, dO, and the kernel's fresh dQ, dK, dV of
+            one block. On CPU the ring calls the backward kernel per group of KV heads (Note
+            [Backward in head chunks] in ring.py), so there the last term is smaller than modelled.
 
 Weights, optimizer state, MLP/norm activations, kernel workspace and allocator slack are not
 modelled: pass them as ``reserved_gib``.
@@ -190,8 +194,9 @@ def memory_bytes(inp: PlanInput) -> dict[str, int]:
     lse = b * inp.q_heads * s * 4
     saved = (2 * q + kv) * e + lse
     kv_buf = kv_step_bytes(inp)
-    fwd_work = 2 * kv_buf + q * 4 + lse
-    bwd_work = 2 * kv_buf + 2 * dkv_step_bytes(inp) + kv * 4 + q * 4 + q * e
+    fwd_work = 2 * kv_buf + q * 4 + lse + q * e
+    kernel_grads = (q + kv) * e
+    bwd_work = 2 * kv_buf + 3 * dkv_step_bytes(inp) + kv * 4 + q * 4 + q * e + kernel_grads
     work = max(fwd_work, bwd_work)
     reserved = int(inp.reserved_gib * GIB)
     return {

@@ -21,6 +21,18 @@ dq stays local. K/V rotate again as in the forward; the dK/dV of the block a ran
 travel in an accumulator that rides one step behind: rank r adds its share of block (r - t) and sends
 the sum to r + 1, which holds that block at step t + 1. After the last step the accumulator arrives
 at the block's owner, which adds its own (step 0) share. So K/V and dK/dV each travel P - 1 times.
+
+Note [Backward in head chunks]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The backward's peak memory is reached inside a step t >= 1: the K/V block held and the next one
+arriving, the accumulator being sent and the next one arriving, plus the kernel's fresh dq, dk, dv
+for the block. dq alone is as big as q, Hq heads -- for Llama-like GQA (Hq = 8 Hkv) four times the
+whole K/V block. On CPU the backward kernel parallelises over (batch, head) pairs only, so calling it
+per group of KV heads (with their Hq / Hkv query heads) loses no parallelism as long as every call
+still has one pair per thread; each call's dq then goes straight into the accumulator, and the
+transient shrinks to one group's. dk and dv go straight into the accumulator's layout, so there is no
+separate copy for the send. CUDA (whose kernels want every head at once) and compiled graphs
+(Inductor plans memory itself) call the kernel once per block.
 """
 
 from __future__ import annotations
@@ -75,6 +87,46 @@ def ring_forward(
     return out.to(q.dtype), lse
 
 
+def _head_chunks(q: Tensor, k: Tensor) -> list[tuple[slice, slice]]:
+    """(q heads, kv heads) per backward kernel call; see Note [Backward in head chunks]."""
+    b, hq, hkv = q.shape[0], q.shape[1], k.shape[1]
+    if q.device.type != "cpu" or torch.compiler.is_compiling():
+        return [(slice(None), slice(None))]
+    groups = hq // hkv
+    n = min(hkv, -(-torch.get_num_threads() // (b * groups)))  # kv heads per call: >= one (b, head) per thread
+    while hkv % n:
+        n += 1
+    return [(slice(i * groups, (i + n) * groups), slice(i, i + n)) for i in range(0, hkv, n)]
+
+
+def _block_backward_(
+    dq: Tensor | None, dkv: Tensor, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+    blk, scale: float, acc_dtype: torch.dtype,
+) -> Tensor:
+    """One ring step's backward: adds the block's dq into ``dq`` (allocated when None) and writes its
+    dk, dv into ``dkv`` (flat, [dk | dv] shaped like k and v; rows outside ``blk.kv_rows`` untouched).
+    Returns dq."""
+    q_rows, kv_rows = blk.q_rows, blk.kv_rows
+    dk_out, dv_out = unpack(dkv, k, v)
+    chunks = _head_chunks(q, k)
+    first = dq is None  # step 0, whose diagonal block covers every row
+    if first and len(chunks) > 1:
+        dq = q.new_empty(q.shape, dtype=acc_dtype)
+    for hq, hkv in chunks:
+        qi, ki = (slice(None), hq, q_rows), (slice(None), hkv, kv_rows)
+        dq_c, dk_c, dv_c = block_attn_backward(dout[qi], q[qi], k[ki], v[ki], out[qi], lse[qi], blk.causal, scale)
+        if first and len(chunks) == 1:  # the whole block: the kernel's dq is the accumulator
+            dq = dq_c.to(acc_dtype)
+        elif first:
+            dq[qi] = dq_c
+        else:
+            dq[qi] += dq_c
+        dk_out[ki] = dk_c
+        dv_out[ki] = dv_c
+        del dq_c, dk_c, dv_c
+    return dq
+
+
 def ring_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
     *, group: dist.ProcessGroup, layout: str, is_causal: bool, scale: float, comm_dtype: torch.dtype | None = None,
@@ -84,8 +136,8 @@ def ring_backward(
     world, rank, s_local = comm.world, comm.rank, q.shape[2]
     dout = dout.contiguous()
     acc_dtype = torch.promote_types(q.dtype, torch.float32)
-    dq = torch.zeros_like(q, dtype=acc_dtype)
-    dk = dv = None
+    dq = None  # started by step 0, whose diagonal block covers every row
+    own = None  # [dk | dv] of this rank's block: step 0's share, then the accumulator coming home
     kv = encode_kv(k, v, comm_dtype) if world > 1 else None
     dkv = None  # the accumulator received from the previous rank, for the block held next
     for step in range(world):
@@ -93,33 +145,31 @@ def ring_backward(
             kv_next = comm.rotate(kv)
         kb, vb = (k, v) if step == 0 else decode_kv(kv, k, v, comm_dtype)
         blk = step_block(layout, rank=rank, src=comm.src_at(step), world=world, s_local=s_local, is_causal=is_causal)
-        if blk is not None:
-            q_rows, kv_rows = (slice(None), slice(None), blk.q_rows), (slice(None), slice(None), blk.kv_rows)
-            dq_b, dk_b, dv_b = block_attn_backward(
-                dout[q_rows], q[q_rows], kb[kv_rows], vb[kv_rows], out[q_rows], lse[q_rows], blk.causal, scale
-            )
-            dq[q_rows] += dq_b
         if step == 0:
-            dk, dv = dk_b.to(acc_dtype), dv_b.to(acc_dtype)
+            own = k.new_empty(2 * k.numel(), dtype=acc_dtype)
+            dq = _block_backward_(dq, own, dout, q, k, v, out, lse, blk, scale, acc_dtype)
         else:
-            acc = comm.wait(dkv) if dkv is not None else k.new_zeros(2 * k.numel())
+            mine = None  # this rank's share of the block it holds, in the accumulator's layout and dtype
             if blk is not None:
-                dk_acc, dv_acc = unpack(acc, k, v)
-                dk_acc[kv_rows] += dk_b
-                dv_acc[kv_rows] += dv_b
-                del dk_acc, dv_acc
+                partial = blk.kv_rows != slice(None)
+                mine = (k.new_zeros if partial else k.new_empty)(2 * k.numel())
+                dq = _block_backward_(dq, mine, dout, q, kb, vb, out, lse, blk, scale, acc_dtype)
+            if dkv is None:  # the first accumulator of this block starts here
+                acc = mine if mine is not None else k.new_zeros(2 * k.numel())
+            else:
+                acc = comm.wait(dkv)
+                if mine is not None:
+                    acc += mine
+            del mine
             dkv = comm.rotate(acc)
             del acc
-        # Free this step's block and its gradients before the next step allocates its own.
+        # Free this step's block before the next one arrives.
         del kb, vb
-        if blk is not None:
-            del dq_b, dk_b, dv_b
         if step + 1 < world:
             kv = comm.wait(kv_next)
     if dkv is not None:  # our own block's accumulator, home after P - 1 hops
-        dk_home, dv_home = unpack(comm.wait(dkv), k, v)
-        dk += dk_home
-        dv += dv_home
+        own += comm.wait(dkv)
+    dk, dv = unpack(own, k, v)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

@@ -11,6 +11,11 @@ is its own mapping, returned when freed: the peak is the live memory, not the hi
 (with glibc's default dynamic threshold, freed blocks stay resident and the fwd+bwd peak of a P = 4
 rank is about 1.4x higher; see the report).
 
+Two workloads: the attention op alone (``ring_peak``: q/k/v in, gradients out), and a stack of
+Llama-style layers around it (``layers_peak``: RMSNorm, q/k/v/o projections, the ring, a SwiGLU MLP,
+residuals), which is what a training rank holds. Weights and their gradient buffers are allocated
+before the line, so both measure what grows with the sequence.
+
 Search (P5): for each P, the per-rank shard length S (a multiple of ``unit``) doubles from ``start``
 while the probe fits the cap (or halves until it does), then bisects between the last fit and the first miss down to ``grain``
 (S/64, so about 1.6 %); N_max(P) = P * S_max and P5(P) = N_max(P) / N_max(1).
@@ -88,6 +93,49 @@ def ring_peak(rank: int, world: int, s_local: int, shape: dict, dtype: torch.dty
 
     _libc_live_memory()
     fwd_bwd(2)  # warm-up at S_local = 2: gloo connections, lazy state
+    base = reset_peak()
+    fwd_bwd(s_local)
+    return peak_since(base)
+
+
+def _rms_norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def layers_peak(rank: int, world: int, s_local: int, shape: dict, dtype: torch.dtype, layout: str,
+                layers: int = 4, ffn_mult: int = 3) -> int:
+    """Peak resident bytes of one fwd+bwd of ``layers`` Llama-style blocks (dim = Hq * D, SwiGLU hidden
+    ``ffn_mult`` * dim) on this rank's S_local tokens, attention through the ring; weights and their
+    gradients are below the line."""
+    b, hq, hkv, d = shape["batch"], shape["q_heads"], shape["kv_heads"], shape["head_dim"]
+    dim, hidden = hq * d, ffn_mult * hq * d
+    g = torch.Generator().manual_seed(0)  # the same weights on every rank
+
+    def w(i, o):
+        return (torch.randn(i, o, generator=g, dtype=dtype) * i ** -0.5).requires_grad_()
+
+    blocks = [dict(wq=w(dim, dim), wk=w(dim, hkv * d), wv=w(dim, hkv * d), wo=w(dim, dim),
+                   w1=w(dim, hidden), w3=w(dim, hidden), w2=w(hidden, dim)) for _ in range(layers)]
+    for blk in blocks:
+        for p in blk.values():
+            p.grad = torch.zeros_like(p)
+
+    def fwd_bwd(s):
+        x = torch.randn(b, s, dim, generator=torch.Generator().manual_seed(rank), dtype=dtype).requires_grad_()
+        h = x
+        for blk in blocks:
+            a = _rms_norm(h)
+            q = (a @ blk["wq"]).view(b, s, hq, d).transpose(1, 2)
+            k = (a @ blk["wk"]).view(b, s, hkv, d).transpose(1, 2)
+            v = (a @ blk["wv"]).view(b, s, hkv, d).transpose(1, 2)
+            o = cp_dtensor.ring_attention(q, k, v, layout=layout, is_causal=True)
+            h = h + o.transpose(1, 2).reshape(b, s, dim) @ blk["wo"]
+            m = _rms_norm(h)
+            h = h + (torch.nn.functional.silu(m @ blk["w1"]) * (m @ blk["w3"])) @ blk["w2"]
+        h.sum().backward()
+
+    _libc_live_memory()
+    fwd_bwd(2)
     base = reset_peak()
     fwd_bwd(s_local)
     return peak_since(base)

@@ -39,6 +39,10 @@ def text(res: dict) -> str:
             f"N/P={r['s_local']} ideal {r['ideal_concurrent_s'] * 1e3:.1f} ms " + " ".join(
                 f"{lay[:3]} {r[f'P4_concurrent_{lay}']:.3f}" for lay in lays)
             for r in res["timing"] if "ideal_concurrent_s" in r))
+    for r in res.get("paired", []):
+        out.append(f"  P4 same window (ring and ideal back to back, median of {r['iters']} pairs) N/P={r['s_local']}: "
+                   + ", ".join(f"{lay} {r[f'P4_{lay}']:.3f}" for lay in lays)
+                   + f"; machine parallel efficiency of {r['world']} busy ranks {r['parallel_efficiency']:.3f}")
     out.append("  kernel share of the ring time (busiest rank's wall time in block kernels / ring time): "
                + "; ".join(f"N/P={r['s_local']} " + " ".join(f"{lay[:3]} {r[f'kernel_share_{lay}']:.2f}"
                                                             for lay in lays) for r in res["timing"]))
@@ -50,7 +54,8 @@ def text(res: dict) -> str:
                    f"measured blocks {h['P2_measured']:.3f}; critical path {h['critical_s'] * 1e3:.1f} ms "
                    f"({h['critical_pairs'] / h['s_local'] ** 2:.2f} S^2 pairs)")
     for m in res.get("memory", []):
-        out.append(f"  P5 Hq={m['shape']['q_heads']} Hkv={m['shape']['kv_heads']}, cap {m['cap_bytes'] / 2**20:.0f} MiB "
+        what = f"{m['layers']} Llama-style layers" if m.get("layers") else "the attention op"
+        out.append(f"  P5 {what}, Hq={m['shape']['q_heads']} Hkv={m['shape']['kv_heads']}, cap {m['cap_bytes'] / 2**20:.0f} MiB "
                    "per rank (striped ring fwd+bwd peak RSS): "
                    + ", ".join(f"P={w} N_max={n} ({m['P5'][w]:.2f}x = {m['P5'][w] / w:.2f} P)"
                                for w, n in m["n_max"].items()))
@@ -91,6 +96,14 @@ def markdown(res: dict) -> str:
         cells.append(" / ".join(f"{err[(r['s_local'], lay)][0]:+.0%} ({err[(r['s_local'], lay)][1]:+.0%})"
                                 for lay in lays if (r["s_local"], lay) in err))
         out.append("| " + " | ".join(cells) + " |")
+    if res.get("paired"):
+        out += ["", "P4 in one time window (each iteration: the ring on every rank, then the ideal alone, then one "
+                "causal block on every rank at once and alone; medians of per-iteration ratios):", "",
+                "| N/P | " + " | ".join(f"P4 {lay}" for lay in lays) + " | machine parallel efficiency |",
+                "|" + "---|" * (2 + len(lays))]
+        for r in res["paired"]:
+            out.append(f"| {r['s_local']} | " + " | ".join(f"{r[f'P4_{lay}']:.2f}" for lay in lays)
+                       + f" | {r['parallel_efficiency']:.2f} |")
     if res.get("heat"):
         out += ["", "| layout | P | N/P | P2 exact pairs | P2 measured blocks | critical path (S^2 pairs) |",
                 "|---|---|---|---|---|---|"]
@@ -98,7 +111,8 @@ def markdown(res: dict) -> str:
             out.append(f"| {h['layout']} | {h['world']} | {h['s_local']} | {h['P2_pairs']:.3f} | "
                        f"{h['P2_measured']:.3f} | {h['critical_s'] * 1e3:.0f} ms ({h['critical_pairs'] / h['s_local'] ** 2:.2f}) |")
     for m in res.get("memory", []):
-        out += ["", f"P5, cap {m['cap_bytes'] / 2**20:.0f} MiB per rank, Hq={m['shape']['q_heads']} "
+        what = f"{m['layers']} Llama-style layers (RMSNorm, projections, ring, SwiGLU)" if m.get("layers") else "attention op"
+        out += ["", f"P5, {what}, cap {m['cap_bytes'] / 2**20:.0f} MiB per rank, Hq={m['shape']['q_heads']} "
                 f"Hkv={m['shape']['kv_heads']}: " + ", ".join(
                     f"P={w}: N_max {n} ({m['P5'][w]:.2f}x)" for w, n in m["n_max"].items())]
     return "\n".join(out) + "\n"

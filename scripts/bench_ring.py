@@ -10,6 +10,9 @@ One run measures, and writes to --out-dir (JSON + PNG plots; --docs-img copies t
   * P3 = contiguous / striped time, next to its kernel ceiling (T_causal + T_full) / (T_causal + T_strict)
     of single S_local blocks timed in the same run (P = 2);
   * P4 = ideal / ring time, ideal = one process running full-sequence SDPA fwd+bwd on one thread, / P;
+    also measured pairwise in one time window (--paired-s-local), next to the machine's parallel
+    efficiency: one causal block alone vs the same block on every rank at once, timed in the same
+    iterations -- the share of P cores' speed that P busy processes actually get here, which bounds P4;
   * the per-(rank, step) work heat map for --heat-worlds (blocks run standalone in this process);
   * P5 = longest N whose ring fwd+bwd fits --mem-cap-mib per rank, for --mem-worlds (see _bench_mem.py);
   * the planner's ring time (plan.py, TFLOP/s calibrated on one causal block) against every measurement.
@@ -74,10 +77,11 @@ def per_step(calls, layout: str, rank: int, world: int, s_local: int, *, wall=Fa
     row = [0.0] * world
     for name in KERNELS:
         times = [w if wall else c for n, c, w in calls if n == name]
-        if len(times) != len(steps):
+        per = len(times) // len(steps)  # the backward may run per group of heads (ring._head_chunks)
+        if per * len(steps) != len(times):
             raise RuntimeError(f"{name}: {len(times)} calls for {len(steps)} causal ring steps on rank {rank}")
-        for t, dt in zip(steps, times):
-            row[t] += dt
+        for i, t in enumerate(steps):
+            row[t] += sum(times[i * per:(i + 1) * per])
     return row
 
 
@@ -184,6 +188,62 @@ def _ideal_rank(rank, world, n, shape, dtype, iters):
     return _median_time(lambda: _sdpa_fwd_bwd(q, k, v), iters)
 
 
+def _paired_rank(rank, world, sizes, layouts, shape, dtype, iters):
+    """P4 in one time window: every iteration times the ring (all ranks), then the ideal (rank 0 alone,
+    the others parked in a barrier), then the machine's own parallelism: one causal S_local block on
+    every rank at once, then the same block on rank 0 alone."""
+    rec = {}
+    scale = shape["head_dim"] ** -0.5
+    bar = tqdm(total=len(sizes) * (iters + 1), desc=f"paired ring/ideal P={world}", disable=rank != 0)
+    for s in sizes:
+        q, k, v = _qkv(shape, s, dtype, seed=rank)
+        ql, kl, vl = (x.clone().requires_grad_() for x in (q, k, v))
+        full = tuple(_qkv(shape, s * world, dtype, seed=0)) if rank == 0 else None
+        r = dict(ring={lay: [] for lay in layouts}, ideal=[], together=[], alone=[])
+        for i in range(iters + 1):  # the first is the warm-up
+            for layout in layouts:
+                dist.barrier()
+                t0 = time.perf_counter()
+                out = cp_dtensor.ring_attention(ql, kl, vl, layout=layout, is_causal=True)
+                out.backward(torch.ones_like(out))
+                r["ring"][layout].append(time.perf_counter() - t0)
+            for key, fn, everyone in (
+                ("ideal", lambda: _sdpa_fwd_bwd(*full), False),
+                ("together", lambda: _block_fwd_bwd(q, k, v, True, scale), True),
+                ("alone", lambda: _block_fwd_bwd(q, k, v, True, scale), False),
+            ):
+                dist.barrier()
+                if everyone or rank == 0:
+                    t0 = time.perf_counter()
+                    fn()
+                    r[key].append(time.perf_counter() - t0)
+                dist.barrier()
+            bar.update(1)
+        rec[s] = r
+    bar.close()
+    return rec
+
+
+def paired_sweep(args, shape, dtype, world, sizes, iters):
+    """Per N/P: the median over iterations of ideal / ring measured back to back, and the machine's
+    parallel efficiency (one block alone / the same block on every rank at once, slowest rank)."""
+    recs = run_ranks(world, _paired_rank, sizes, args.layouts, shape, dtype, iters)
+    rows = []
+    for s in sizes:
+        rr = [rec[s] for rec in recs]
+        row = dict(world=world, s_local=s, n=s * world, iters=iters)
+        ideal = rr[0]["ideal"][1:]
+        for lay in args.layouts:
+            ring = [max(ts) for ts in zip(*(r["ring"][lay] for r in rr))][1:]
+            row[f"ring_{lay}_s"] = statistics.median(ring)
+            row[f"P4_{lay}"] = statistics.median(i / world / t for i, t in zip(ideal, ring))
+        row["ideal_s"] = statistics.median(ideal) / world
+        together = [max(ts) for ts in zip(*(r["together"] for r in rr))][1:]
+        row["parallel_efficiency"] = statistics.median(a / t for a, t in zip(rr[0]["alone"][1:], together))
+        rows.append(row)
+    return rows
+
+
 def ring_sweep(args, shape, dtype, world, sizes, iters, *, singles=True, ideal=True, profile=False):
     """Ring runs on ``world`` ranks, then single blocks and the ideal run in this process, per S_local."""
     recs = run_ranks(world, _ring_rank, sizes, args.layouts, shape, dtype, iters, profile and args.profile)
@@ -266,14 +326,18 @@ def heat_maps(args, shape, dtype):
     return out
 
 
-def memory_search(args, shape, dtype):
-    """P5: for each P the largest S_local whose measured ring peak fits the cap (fresh ranks per probe)."""
-    cap = args.mem_cap_mib * 2**20
+def memory_search(args, shape, dtype, *, layers=0):
+    """P5: for each P the largest S_local whose measured ring peak fits the cap (fresh ranks per probe);
+    the attention op alone, or with ``layers`` a stack of Llama-style layers around it."""
+    cap = (args.layers_cap_mib if layers else args.mem_cap_mib) * 2**20
     probes, best = [], {}
-    bar = tqdm(desc=f"memory probes Hq={shape['q_heads']} Hkv={shape['kv_heads']}")
+    bar = tqdm(desc=f"memory probes Hq={shape['q_heads']} Hkv={shape['kv_heads']}" + (f" {layers} layers" if layers else ""))
     for world in args.mem_worlds:
         def fits(s, world=world):
-            peaks = run_ranks(world, mem.ring_peak, s, shape, dtype, "striped")
+            if layers:
+                peaks = run_ranks(world, mem.layers_peak, s, shape, dtype, "striped", layers)
+            else:
+                peaks = run_ranks(world, mem.ring_peak, s, shape, dtype, "striped")
             probes.append(dict(world=world, s_local=s, n=s * world, peak_bytes=max(peaks), peaks=peaks))
             bar.update(1)
             return max(peaks) <= cap
@@ -284,7 +348,7 @@ def memory_search(args, shape, dtype):
     for pr in probes:
         pr["plan_bytes"] = memory_bytes(PlanInput(seq_len=pr["n"], cp=pr["world"], dtype=work.PLAN_DTYPES[dtype],
                                                   **shape))["total"]
-    return dict(shape=shape, cap_bytes=cap, n_max=best, P5=p5, probes=probes,
+    return dict(shape=shape, layers=layers, cap_bytes=cap, n_max=best, P5=p5, probes=probes,
                 malloc_env={k: v for k, v in os.environ.items() if k.startswith("MALLOC_")})
 
 
@@ -323,6 +387,9 @@ def main() -> None:
     p.add_argument("--skip-ideal", action="store_true")
     p.add_argument("--ideal-concurrent", action="store_true",
                    help="also time the ideal with P copies running at once (same machine contention as the ring)")
+    p.add_argument("--paired-s-local", type=int, nargs="*", default=[4096],
+                   help="N/P of the same-window P4 runs (ring and ideal back to back each iteration); empty to skip")
+    p.add_argument("--paired-iters", type=int, default=5)
     p.add_argument("--calib-s-local", type=int, default=None, help="planner calibration block (default: middle N/P)")
     p.add_argument("--balance-worlds", type=int, nargs="*", default=[4], help="extra in-ring balance runs")
     p.add_argument("--balance-s-local", type=int, default=2048)
@@ -331,6 +398,9 @@ def main() -> None:
     p.add_argument("--mem-worlds", type=int, nargs="*", default=[1, 2, 4], help="P5 search; empty to skip")
     p.add_argument("--mem-heads", nargs="+", default=["4:2", "32:4"], help="Hq:Hkv shapes of the P5 search")
     p.add_argument("--mem-cap-mib", type=float, default=64.0)
+    p.add_argument("--layers", type=int, default=4, help="P5 also for this many Llama-style layers around the "
+                   "ring (Hq=--q-heads, Hkv=--kv-heads); 0 to skip")
+    p.add_argument("--layers-cap-mib", type=float, default=256.0)
     p.add_argument("--mem-start", type=int, default=256, help="first S_local of the P5 doubling")
     p.add_argument("--profile", choices=cp_dtensor.LAYOUTS, help="torch.profiler on every rank: one extra fwd+bwd "
                    "of this layout at the largest N/P, tables to OUT_DIR/profile_*.txt")
@@ -350,8 +420,12 @@ def main() -> None:
     for heads in args.mem_heads if args.mem_worlds else []:
         hq, hkv = (int(x) for x in heads.split(":"))
         res["memory"].append(memory_search(args, {**shape, "q_heads": hq, "kv_heads": hkv}, dtype))
+    if args.mem_worlds and args.layers:
+        res["memory"].append(memory_search(args, shape, dtype, layers=args.layers))
     res["timing"], link = ring_sweep(args, shape, dtype, args.world, args.s_local, args.iters,
                                      ideal=not args.skip_ideal, profile=True)
+    res["paired"] = (paired_sweep(args, shape, dtype, args.world, args.paired_s_local, args.paired_iters)
+                     if args.paired_s_local and not args.skip_ideal else [])
     calib = args.calib_s_local or sorted(args.s_local)[len(args.s_local) // 2]
     res["planner"] = planner_check(res["timing"], shape, dtype, link, calib)
     res["balance"] = []

@@ -134,27 +134,31 @@ def test_memory_exercise_1_by_hand():
     s = 16384
     q, kv, lse = s * 64 * 128 * 2, 2 * s * 8 * 128 * 2, 64 * s * 4
     assert m["saved_per_layer"] == 2 * q + kv + lse == 580 * MiB
-    # K/V in flight, two bf16 dK/dV accumulators (held + in flight), fp32 dK/dV, fp32 dq, dout
-    bwd = 2 * 64 * MiB + 2 * (2 * s * 8 * 128 * 2) + 2 * s * 8 * 128 * 4 + s * 64 * 128 * 4 + q
-    assert m["backward_working_set"] == bwd == 1152 * MiB
-    assert m["total"] == 4 * 580 * MiB + 1152 * MiB + GiB
+    # K/V in flight, three bf16 dK/dV buffers (leaving, arriving, this step's share), fp32 dK/dV,
+    # fp32 dq, dout, and the kernel's bf16 dq, dk, dv of one block
+    bwd = 2 * 64 * MiB + 3 * (2 * s * 8 * 128 * 2) + 2 * s * 8 * 128 * 4 + s * 64 * 128 * 4 + q + q + kv
+    assert m["backward_working_set"] == bwd == 1536 * MiB
+    assert m["forward_working_set"] == 2 * 64 * MiB + s * 64 * 128 * 4 + lse + q == 896 * MiB + lse
+    assert m["total"] == 4 * 580 * MiB + 1536 * MiB + GiB
 
 
 def _hand_total(n, p, d=128, hq=32, hkv=8, layers=32, e=2):
     s = n // p
     saved = (2 * s * hq * d + 2 * s * hkv * d) * e + hq * s * 4
-    fwd = 2 * (2 * s * hkv * d * e) + s * hq * d * 4 + hq * s * 4
-    bwd = 2 * (2 * s * hkv * d * e) + 2 * (2 * s * hkv * d * 4) + 2 * s * hkv * d * 4 + s * hq * d * 4 + s * hq * d * e
+    q, kv = s * hq * d, 2 * s * hkv * d  # elements
+    fwd = 2 * kv * e + q * 4 + hq * s * 4 + q * e
+    # K/V held + arriving, dK/dV leaving + arriving + this step's, fp32 dK/dV, fp32 dq, dout, kernel dq dk dv
+    bwd = 2 * kv * e + 3 * kv * e + kv * 4 + q * 4 + q * e + (q + kv) * e
     return layers * saved + max(fwd, bwd)
 
 
 def test_smallest_cp_search():
     n = P.parse_tokens("128k")
     base = dict(seq_len=n, cp=1, head_dim=128, q_heads=32, kv_heads=8, layers=32)
-    # by hand the total is 87.5 GiB / P: 64 GiB of q and out, 12 GiB of k, v and lse saved over
-    # 32 layers, plus an 11.5 GiB backward working set
-    assert _hand_total(n, 1) == 87.5 * GiB and _hand_total(n, 8) == 87.5 / 8 * GiB
-    for budget, want in ((12.0, 8), (6.0, 16), (87.5, 1)):
+    # by hand the total is 88.5 GiB / P: 64 GiB of q and out, 16 GiB of k and v, 0.5 GiB of lse saved
+    # over 32 layers, plus an 8 GiB backward working set
+    assert _hand_total(n, 1) == 88.5 * GiB and _hand_total(n, 8) == 88.5 / 8 * GiB
+    for budget, want in ((12.0, 8), (6.0, 16), (88.5, 1)):
         assert want == next(p for p in range(1, 4097) if n % p == 0 and _hand_total(n, p) <= budget * GiB)
         assert P.smallest_cp(P.PlanInput(**base), mem_budget_gib=budget) == want
     assert P.smallest_cp(P.PlanInput(**base), mem_budget_gib=12.0, max_cp=4) is None

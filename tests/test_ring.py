@@ -102,3 +102,27 @@ def test_single_rank_is_plain_sdpa():
         assert rel_err(got, want) < 1e-6
 
     run_ranks(1, fn)
+
+
+@pytest.mark.parametrize("b,hq,hkv,threads", [(1, 4, 2, 1), (1, 4, 4, 2), (2, 8, 4, 4), (1, 32, 8, 16), (1, 6, 3, 2)])
+def test_backward_head_chunks_cover_every_head_once(b, hq, hkv, threads):
+    # Note [Backward in head chunks]: each call keeps >= one (batch, head) pair per thread, whole KV groups
+    from cp_dtensor.ring import _head_chunks
+
+    q, k = torch.empty(b, hq, 2, 8), torch.empty(b, hkv, 2, 8)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        chunks = _head_chunks(q, k)
+    finally:
+        torch.set_num_threads(old)
+    groups = hq // hkv
+    q_heads = [h for qs, _ in chunks for h in range(hq)[qs]]
+    kv_heads = [h for _, ks in chunks for h in range(hkv)[ks]]
+    assert q_heads == list(range(hq)) and kv_heads == list(range(hkv))
+    for qs, ks in chunks:
+        n_kv = len(range(hkv)[ks])
+        assert range(hq)[qs] == range(ks.start * groups, (ks.start + n_kv) * groups)
+        assert b * n_kv * groups >= min(threads, b * hq)
+    # one call per block where the kernel wants every head at once
+    assert _head_chunks(q.to("meta"), k.to("meta")) == [(slice(None), slice(None))]
