@@ -42,7 +42,9 @@ def text(res: dict) -> str:
     for r in res.get("paired", []):
         out.append(f"  P4 same window (ring and ideal back to back, median of {r['iters']} pairs) N/P={r['s_local']}: "
                    + ", ".join(f"{lay} {r[f'P4_{lay}']:.3f}" for lay in lays)
-                   + f"; machine parallel efficiency of {r['world']} busy ranks {r['parallel_efficiency']:.3f}")
+                   + f"; machine parallel efficiency of {r['world']} busy ranks {r['parallel_efficiency']:.3f}"
+                   + (f"; P3 {r['P3']:.3f} vs ceiling {r['P3_ceiling']:.3f} -> {r['P3_of_ceiling']:.3f} of it"
+                      if "P3" in r else ""))
     out.append("  kernel share of the ring time (busiest rank's wall time in block kernels / ring time): "
                + "; ".join(f"N/P={r['s_local']} " + " ".join(f"{lay[:3]} {r[f'kernel_share_{lay}']:.2f}"
                                                             for lay in lays) for r in res["timing"]))
@@ -97,12 +99,14 @@ def markdown(res: dict) -> str:
                                 for lay in lays if (r["s_local"], lay) in err))
         out.append("| " + " | ".join(cells) + " |")
     if res.get("paired"):
-        out += ["", "P4 in one time window (each iteration: the ring on every rank, then the ideal alone, then one "
-                "causal block on every rank at once and alone; medians of per-iteration ratios):", "",
-                "| N/P | " + " | ".join(f"P4 {lay}" for lay in lays) + " | machine parallel efficiency |",
-                "|" + "---|" * (2 + len(lays))]
+        out += ["", f"P3 and P4 in one time window (each of {res['paired'][0]['iters']} iterations: the ring of every "
+                "layout on every rank, then the ideal alone, then one causal block on every rank at once and alone, "
+                "then the full and strictly causal blocks alone; medians of per-iteration ratios):", "",
+                "| N/P | P3 (ceiling) → of ceiling | " + " | ".join(f"P4 {lay}" for lay in lays)
+                + " | machine parallel efficiency |", "|" + "---|" * (3 + len(lays))]
         for r in res["paired"]:
-            out.append(f"| {r['s_local']} | " + " | ".join(f"{r[f'P4_{lay}']:.2f}" for lay in lays)
+            p3 = f"{r['P3']:.2f} ({r['P3_ceiling']:.2f}) → {r['P3_of_ceiling']:.2f}" if "P3" in r else "-"
+            out.append(f"| {r['s_local']} | {p3} | " + " | ".join(f"{r[f'P4_{lay}']:.2f}" for lay in lays)
                        + f" | {r['parallel_efficiency']:.2f} |")
     if res.get("heat"):
         out += ["", "| layout | P | N/P | P2 exact pairs | P2 measured blocks | critical path (S^2 pairs) |",

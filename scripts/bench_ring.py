@@ -189,9 +189,9 @@ def _ideal_rank(rank, world, n, shape, dtype, iters):
 
 
 def _paired_rank(rank, world, sizes, layouts, shape, dtype, iters):
-    """P4 in one time window: every iteration times the ring (all ranks), then the ideal (rank 0 alone,
-    the others parked in a barrier), then the machine's own parallelism: one causal S_local block on
-    every rank at once, then the same block on rank 0 alone."""
+    """P3 and P4 in one time window: every iteration times the ring (all ranks, every layout), then the
+    ideal (rank 0 alone, the others parked in a barrier), then the machine's own parallelism: one causal
+    S_local block on every rank at once, then alone on rank 0, then P3's full and strictly causal blocks."""
     rec = {}
     scale = shape["head_dim"] ** -0.5
     bar = tqdm(total=len(sizes) * (iters + 1), desc=f"paired ring/ideal P={world}", disable=rank != 0)
@@ -199,7 +199,8 @@ def _paired_rank(rank, world, sizes, layouts, shape, dtype, iters):
         q, k, v = _qkv(shape, s, dtype, seed=rank)
         ql, kl, vl = (x.clone().requires_grad_() for x in (q, k, v))
         full = tuple(_qkv(shape, s * world, dtype, seed=0)) if rank == 0 else None
-        r = dict(ring={lay: [] for lay in layouts}, ideal=[], together=[], alone=[])
+        qs, ks, vs = q[:, :, 1:], k[:, :, :-1], v[:, :, :-1]  # the striped shift's strictly causal block
+        r = dict(ring={lay: [] for lay in layouts}, ideal=[], together=[], alone=[], full=[], strict=[])
         for i in range(iters + 1):  # the first is the warm-up
             for layout in layouts:
                 dist.barrier()
@@ -210,7 +211,9 @@ def _paired_rank(rank, world, sizes, layouts, shape, dtype, iters):
             for key, fn, everyone in (
                 ("ideal", lambda: _sdpa_fwd_bwd(*full), False),
                 ("together", lambda: _block_fwd_bwd(q, k, v, True, scale), True),
-                ("alone", lambda: _block_fwd_bwd(q, k, v, True, scale), False),
+                ("alone", lambda: _block_fwd_bwd(q, k, v, True, scale), False),  # T_causal
+                ("full", lambda: _block_fwd_bwd(q, k, v, False, scale), False),
+                ("strict", lambda: _block_fwd_bwd(qs, ks, vs, True, scale), False),
             ):
                 dist.barrier()
                 if everyone or rank == 0:
@@ -239,7 +242,15 @@ def paired_sweep(args, shape, dtype, world, sizes, iters):
             row[f"P4_{lay}"] = statistics.median(i / world / t for i, t in zip(ideal, ring))
         row["ideal_s"] = statistics.median(ideal) / world
         together = [max(ts) for ts in zip(*(r["together"] for r in rr))][1:]
-        row["parallel_efficiency"] = statistics.median(a / t for a, t in zip(rr[0]["alone"][1:], together))
+        tc, tf, ts = (rr[0][key][1:] for key in ("alone", "full", "strict"))
+        row["parallel_efficiency"] = statistics.median(a / t for a, t in zip(tc, together))
+        if "striped" in args.layouts and "contiguous" in args.layouts and world == 2:
+            striped = [max(t) for t in zip(*(r["ring"]["striped"] for r in rr))][1:]
+            contiguous = [max(t) for t in zip(*(r["ring"]["contiguous"] for r in rr))][1:]
+            p3 = [c / s_ for c, s_ in zip(contiguous, striped)]
+            ceiling = [(c + f) / (c + t) for c, f, t in zip(tc, tf, ts)]
+            row.update(P3=statistics.median(p3), P3_ceiling=statistics.median(ceiling),
+                       P3_of_ceiling=statistics.median(a / b for a, b in zip(p3, ceiling)))
         rows.append(row)
     return rows
 
