@@ -167,6 +167,7 @@ def ring_backward(
         del kb, vb
         if step + 1 < world:
             kv = comm.wait(kv_next)
+    kv = None  # the last block held: free it before the accumulator comes home
     if dkv is not None:  # our own block's accumulator, home after P - 1 hops
         own += comm.wait(dkv)
     dk, dv = unpack(own, k, v)

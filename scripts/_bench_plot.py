@@ -88,7 +88,8 @@ def memory_vs_n(res: dict, path: str) -> str:
                 ax.plot(ns, [p["plan_bytes"] / 2**20 for p in probes], ":", color=line.get_color(), alpha=0.8)
             ax.axvline(m["n_max"][world], color=line.get_color(), alpha=0.25)
         ax.axhline(m["cap_bytes"] / 2**20, color="k", ls="--", label=f"cap {m['cap_bytes'] / 2**20:.0f} MiB")
-        ax.plot([], [], "k:", label="plan.py memory estimate")
+        if not m.get("layers"):
+            ax.plot([], [], "k:", label="plan.py memory estimate")
         sh = m["shape"]
         ax.set(xscale="log", xlabel="global sequence length N (tokens)", ylabel="peak MiB per rank",
                title=f"Hq={sh['q_heads']} Hkv={sh['kv_heads']} D={sh['head_dim']} {res['config']['dtype']}"
