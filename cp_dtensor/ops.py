@@ -9,8 +9,8 @@ Shapes: q: [B, Hq, Sq, D]; k, v: [B, Hkv, Sk, D] with Hq % Hkv == 0; out: [B, Hq
 contiguous; lse: [B, Hq, Sq] float32. The gradients dq, dk, dv come back in the layout the CPU kernel
 writes them, sequence-major ([B, S, H, D] memory seen as [B, H, S, D]; see :func:`_seq_major`), so the
 ring never copies them just to change strides: copying a block's three gradients costs as much memory
-as one more K/V block at the peak of the backward. ``is_causal`` is only used for square blocks (Sq == Sk), where top-left and
-bottom-right alignment agree -- see Note [Causal ring steps] in layout.py.
+as one more K/V block at the peak of the backward. ``is_causal`` is only used for square blocks
+(Sq == Sk), where top-left and bottom-right alignment agree -- see Note [Causal ring steps] in layout.py.
 """
 
 from __future__ import annotations

@@ -115,7 +115,7 @@ def _block_backward_(
     for hq, hkv in chunks:
         qi, ki = (slice(None), hq, q_rows), (slice(None), hkv, kv_rows)
         dq_c, dk_c, dv_c = block_attn_backward(dout[qi], q[qi], k[ki], v[ki], out[qi], lse[qi], blk.causal, scale)
-        if first and len(chunks) == 1:  # the whole block: the kernel's dq is the accumulator
+        if dq is None:  # the whole block in one call: the kernel's dq is the accumulator
             dq = dq_c.to(acc_dtype)
         elif first:
             dq[qi] = dq_c

@@ -234,21 +234,24 @@ def paired_sweep(args, shape, dtype, world, sizes, iters):
     rows = []
     for s in sizes:
         rr = [rec[s] for rec in recs]
+
+        def slowest(times_per_rank):  # per iteration, the slowest rank; the warm-up dropped
+            return [max(ts) for ts in zip(*times_per_rank)][1:]
+
         row = dict(world=world, s_local=s, n=s * world, iters=iters)
         ideal = rr[0]["ideal"][1:]
-        for lay in args.layouts:
-            ring = [max(ts) for ts in zip(*(r["ring"][lay] for r in rr))][1:]
+        rings = {lay: slowest(r["ring"][lay] for r in rr) for lay in args.layouts}
+        for lay, ring in rings.items():
             row[f"ring_{lay}_s"] = statistics.median(ring)
             row[f"P4_{lay}"] = statistics.median(i / world / t for i, t in zip(ideal, ring))
             # best of N, as timeit reports: on a shared machine noise only ever adds time
             row[f"P4_best_{lay}"] = min(ideal) / world / min(ring)
         row["ideal_s"] = statistics.median(ideal) / world
-        together = [max(ts) for ts in zip(*(r["together"] for r in rr))][1:]
+        together = slowest(r["together"] for r in rr)
         tc, tf, ts = (rr[0][key][1:] for key in ("alone", "full", "strict"))
         row["parallel_efficiency"] = statistics.median(a / t for a, t in zip(tc, together))
         if "striped" in args.layouts and "contiguous" in args.layouts and world == 2:
-            striped = [max(t) for t in zip(*(r["ring"]["striped"] for r in rr))][1:]
-            contiguous = [max(t) for t in zip(*(r["ring"]["contiguous"] for r in rr))][1:]
+            striped, contiguous = rings["striped"], rings["contiguous"]
             p3 = [c / s_ for c, s_ in zip(contiguous, striped)]
             ceiling = [(c + f) / (c + t) for c, f, t in zip(tc, tf, ts)]
             row.update(P3=statistics.median(p3), P3_ceiling=statistics.median(ceiling),

@@ -34,8 +34,13 @@ from cp_dtensor.ops import block_attn, block_attn_backward  # noqa: E402
 from cp_dtensor.ring import _merge_  # noqa: E402  (the ring's own merge, so this checks ring.py's math)
 
 
-def _rows(blk):
-    return (slice(None), slice(None), blk.q_rows), (slice(None), slice(None), blk.kv_rows)
+def _steps(world: int, rank: int, s: int, layout: str):
+    """Rank ``rank``'s causal ring steps in order: (source rank, q rows, kv rows, causal), skipped ones left out."""
+    for t in range(world):
+        src = (rank - t) % world
+        blk = step_block(layout, rank=rank, src=src, world=world, s_local=s, is_causal=True)
+        if blk is not None:
+            yield src, (slice(None), slice(None), blk.q_rows), (slice(None), slice(None), blk.kv_rows), blk.causal
 
 
 def ring_forward_sim(qs, ks, vs, *, layout: str, scale: float):
@@ -45,13 +50,8 @@ def ring_forward_sim(qs, ks, vs, *, layout: str, scale: float):
     outs, lses = [], []
     for r in range(world):
         out = lse = None
-        for t in range(world):
-            src = (r - t) % world
-            blk = step_block(layout, rank=r, src=src, world=world, s_local=s, is_causal=True)
-            if blk is None:
-                continue
-            qr, kr = _rows(blk)
-            out_b, lse_b = block_attn(qs[r][qr], ks[src][kr], vs[src][kr], blk.causal, scale)
+        for src, qr, kr, causal in _steps(world, r, s, layout):
+            out_b, lse_b = block_attn(qs[r][qr], ks[src][kr], vs[src][kr], causal, scale)
             if out is None:  # step 0, the diagonal block, covers every row
                 out, lse = out_b.float(), lse_b.clone()
             else:
@@ -68,14 +68,9 @@ def ring_backward_sim(dos, qs, ks, vs, outs, lses, *, layout: str, scale: float)
     dks = [torch.zeros_like(k, dtype=torch.float32) for k in ks]
     dvs = [torch.zeros_like(v, dtype=torch.float32) for v in vs]
     for r in range(world):
-        for t in range(world):
-            src = (r - t) % world
-            blk = step_block(layout, rank=r, src=src, world=world, s_local=s, is_causal=True)
-            if blk is None:
-                continue
-            qr, kr = _rows(blk)
+        for src, qr, kr, causal in _steps(world, r, s, layout):
             dq_b, dk_b, dv_b = block_attn_backward(dos[r][qr], qs[r][qr], ks[src][kr], vs[src][kr], outs[r][qr],
-                                                   lses[r][qr], blk.causal, scale)
+                                                   lses[r][qr], causal, scale)
             dqs[r][qr] += dq_b
             dks[src][kr] += dk_b
             dvs[src][kr] += dv_b
