@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
-__all__ = ["RingComm", "lost_peer", "pack", "unpack"]
+__all__ = ["RingComm", "gather_ids", "lost_peer", "pack", "unpack"]
 
 
 def lost_peer(e: RuntimeError, group: dist.ProcessGroup) -> RuntimeError:
@@ -47,24 +47,24 @@ class RingComm:
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self._next = [(i + 1) % self.world for i in range(self.world)]
 
     def src_at(self, step: int) -> int:
         """The rank whose block this rank holds at ring step ``step``."""
         return (self.rank - step) % self.world
 
-    def rotate(self, buf: Tensor) -> Tensor:
-        """Post the send of ``buf`` (1-D) to the next rank; returns the buffer from the previous one."""
+    def rotate(self, buf: Tensor, *, shift: int = 1) -> Tensor:
+        """Post the send of ``buf`` (1-D) to rank + ``shift``; returns the buffer from rank - ``shift``."""
         # permute_tensor splits by numel along dim 0, so the buffer must be flat.
         assert buf.dim() == 1, "ring buffers are flat; see pack()"
+        dst = [(i + shift) % self.world for i in range(self.world)]
         if torch.compiler.is_compiling():
             # See Note [Ring under torch.compile]: no wait here, the caller's wait() is the only one.
-            n, nxt, prev = buf.numel(), self._next[self.rank], (self.rank - 1) % self.world
+            n, nxt, prev = buf.numel(), dst[self.rank], (self.rank - shift) % self.world
             send = [n if r == nxt else 0 for r in range(self.world)]
             recv = [n if r == prev else 0 for r in range(self.world)]
             return torch.ops._c10d_functional.all_to_all_single(buf, recv, send, self.group.group_name)
         try:
-            return funcol.permute_tensor(buf, self._next, self.group)
+            return funcol.permute_tensor(buf, dst, self.group)
         except RuntimeError as e:
             raise lost_peer(e, self.group) from e
 
@@ -96,3 +96,29 @@ def unpack(buf: Tensor, *likes: Tensor) -> list[Tensor]:
         out.append(buf.narrow(0, offset, n).view(like.shape))
         offset += n
     return out
+
+
+def gather_ids(ids: Tensor, group: dist.ProcessGroup, id_range: tuple[int, int] | None) -> Tensor:
+    """Every rank's document ids, [P, B, S_local], from this rank's ids [B, S_local]: one all-gather,
+    in the narrowest integer type that holds the global (min, max) ``id_range`` (None: unknown, int64).
+    Only equality of ids matters downstream, so they stay shifted by the global minimum.
+    See Note [Masks in the ring] in ring.py."""
+    world = dist.get_world_size(group)
+    small = ids.to(torch.int64)
+    if id_range is not None:
+        lo, hi = id_range
+        span = hi - lo
+        for dtype in (torch.uint8, torch.int16, torch.int32):
+            if span <= torch.iinfo(dtype).max:
+                small = (small - lo).to(dtype)
+                break
+    if world == 1:
+        return small.unsqueeze(0)
+    dtype = small.dtype
+    try:  # as bytes: gloo gathers no int16
+        every = funcol.all_gather_single(small.contiguous().view(torch.uint8), 0, group)
+        if not torch.compiler.is_compiling():
+            every = funcol.wait_tensor(every)
+    except RuntimeError as e:
+        raise lost_peer(e, group) from e
+    return every.view(dtype).view(world, *ids.shape)

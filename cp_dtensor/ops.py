@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["block_attn", "block_attn_backward"]
+__all__ = ["block_attn", "block_attn_backward", "masked_block_attn", "masked_block_attn_backward", "merge_"]
 
 aten = torch.ops.aten
 
@@ -47,26 +47,87 @@ def _cuda_use_flash(q: Tensor) -> bool:
     return q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0
 
 
-@torch.library.custom_op("cp_dtensor::block_attn", mutates_args=())
-def block_attn(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+def _pad_last(x: Tensor, d: int) -> Tensor:
+    return x if x.shape[-1] == d else torch.nn.functional.pad(x, (0, d - x.shape[-1]))
+
+
+def _kernel_fwd(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float, mask: Tensor | None = None):
+    """One fused-kernel call: out [B, Hq, Sq, Dv] (kernel strides), lse [B, Hq, Sq] fp32.
+
+    See Note [Value head size]: the kernels want one head size, so the narrower side is zero-padded."""
+    dqk, dv = q.shape[-1], v.shape[-1]
+    if dv < dqk:
+        v = _pad_last(v, dqk)
+    elif dv > dqk:
+        q, k = _pad_last(q, dv), _pad_last(k, dv)
     if q.device.type == "cpu":
         # GQA is native here: Hq % Hkv == 0 is enough.
-        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
-        # The kernel returns [B, S, H, ...]-major strides; the op promises contiguous results.
-        return out.contiguous(), lse.contiguous()
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale
+        )[:2]
+        return out[..., :dv], lse
     groups = q.shape[1] // k.shape[1]
     k, v = _expand_kv(k, groups), _expand_kv(v, groups)
-    if _cuda_use_flash(q):
-        res = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)
-        return res[0].contiguous(), res[1].contiguous()
-    out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, is_causal, scale=scale)[:2]
-    return out.contiguous(), lse[..., : q.shape[2]].contiguous()  # the kernel pads lse to a multiple of 32
+    if mask is None and _cuda_use_flash(q):
+        out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)[:2]
+        return out[..., :dv], lse
+    bias = None if mask is None else _cuda_bias(mask, q)
+    out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, is_causal, scale=scale)[:2]
+    return out[..., :dv], lse[..., : q.shape[2]]  # the kernel pads lse to a multiple of 32
+
+
+def _kernel_bwd(dout, q, k, v, out, lse, is_causal: bool, scale: float, mask: Tensor | None = None):
+    """The backward of :func:`_kernel_fwd` given the rows' final out and lse: dq, dk, dv (kernel strides)."""
+    dqk, dv_size = q.shape[-1], v.shape[-1]
+    if dv_size < dqk:  # zero columns of v, out and dout change neither rowsum(dout * out) nor dq, dk
+        v, out, dout = _pad_last(v, dqk), _pad_last(out, dqk), _pad_last(dout, dqk)
+    elif dv_size > dqk:  # zero columns of q and k change no score
+        q, k = _pad_last(q, dv_size), _pad_last(k, dv_size)
+    if q.device.type == "cpu":
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale
+        )
+    else:
+        groups = q.shape[1] // k.shape[1]
+        ke, ve = _expand_kv(k, groups), _expand_kv(v, groups)
+        sq, sk = q.shape[2], k.shape[2]
+        # Without dropout the kernels never read the philox state: pass empty tensors.
+        empty = q.new_empty(0, dtype=torch.int64)
+        if mask is None and _cuda_use_flash(q):
+            dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
+                dout, q, ke, ve, out, lse, None, None, sq, sk, 0.0, is_causal, empty, empty, scale=scale
+            )
+        else:
+            bias = None if mask is None else _cuda_bias(mask, q)
+            lse = torch.nn.functional.pad(lse, (0, (-sq) % 32))  # back to the kernel's padded length
+            dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+                dout, q, ke, ve, bias, out, lse, empty, empty, 0.0, [True, True, True, False], is_causal, scale=scale
+            )
+        dk, dv = _reduce_kv_grad(dk, groups), _reduce_kv_grad(dv, groups)
+    return dq[..., :dqk], dk[..., :dqk], dv[..., :dv_size]
+
+
+def _cuda_bias(mask: Tensor, q: Tensor) -> Tensor:
+    """An additive [Sq, Sk] mask as the memory-efficient kernel's attn_bias: [B, H, Sq, Sk] (expanded),
+    its rows padded to a multiple of 16 elements, as the kernel requires of the bias' memory."""
+    sq, sk = mask.shape
+    padded = mask.new_zeros(sq, sk + (-sk) % 16)
+    padded[:, :sk] = mask
+    return padded[:, :sk].expand(q.shape[0], q.shape[1], sq, sk)
+
+
+@torch.library.custom_op("cp_dtensor::block_attn", mutates_args=())
+def block_attn(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    out, lse = _kernel_fwd(q, k, v, is_causal, scale)
+    # The kernels return [B, S, H, ...]-major strides; the op promises contiguous results.
+    return out.contiguous(), lse.contiguous()
 
 
 @block_attn.register_fake
 def _(q, k, v, is_causal, scale):
     # new_empty, not empty_like: the results are contiguous whatever q's strides (empty_like keeps them)
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.promote_types(q.dtype, torch.float32))
+    out = q.new_empty((*q.shape[:3], v.shape[3]))
+    return out, q.new_empty(q.shape[:3], dtype=torch.promote_types(q.dtype, torch.float32))
 
 
 @torch.library.custom_op("cp_dtensor::block_attn_backward", mutates_args=())
@@ -76,26 +137,8 @@ def block_attn_backward(
     """Gradients of one block given the *final* out and lse of the rows (not the block's own): the
     kernel's D = rowsum(dout * out) and P = exp(s - lse) are then those of the full attention, so the
     block's dq, dk, dv are exactly its share of the full gradients."""
-    if q.device.type == "cpu":
-        grads = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, is_causal, scale=scale
-        )
-        return tuple(_seq_major(g) for g in grads)  # already sequence-major: no copy
-    groups = q.shape[1] // k.shape[1]
-    ke, ve = _expand_kv(k, groups), _expand_kv(v, groups)
-    sq, sk = q.shape[2], k.shape[2]
-    # Without dropout the kernels never read the philox state: pass empty tensors.
-    empty = q.new_empty(0, dtype=torch.int64)
-    if _cuda_use_flash(q):
-        dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
-            dout, q, ke, ve, out, lse, None, None, sq, sk, 0.0, is_causal, empty, empty, scale=scale
-        )
-    else:
-        lse = torch.nn.functional.pad(lse, (0, (-sq) % 32))  # back to the kernel's padded length
-        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-            dout, q, ke, ve, None, out, lse, empty, empty, 0.0, [True, True, True, False], is_causal, scale=scale
-        )
-    return _seq_major(dq), _seq_major(_reduce_kv_grad(dk, groups)), _seq_major(_reduce_kv_grad(dv, groups))
+    grads = _kernel_bwd(dout, q, k, v, out, lse, is_causal, scale)
+    return tuple(_seq_major(g) for g in grads)  # on CPU already sequence-major: no copy
 
 
 @block_attn_backward.register_fake
@@ -117,3 +160,131 @@ def _backward(ctx, dout, dlse):
 
 
 block_attn.register_autograd(_backward, setup_context=_setup_context)
+
+
+def merge_(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
+    """Fold a partial result over other keys into (out, lse), in place; see Note [Online softmax merge]
+    in ring.py. out: [B, H, S, Dv] fp32 (a view), lse: [B, H, S] fp32 (a view); lse may be -inf (no key
+    yet), lse_b may not."""
+    # stable merge: out + sigmoid(lse_b - lse) * (out_b - out); no exp() can overflow
+    w = torch.sigmoid(lse_b - lse).unsqueeze(-1)
+    out.lerp_(out_b.to(out.dtype), w)
+    lse.copy_(torch.logaddexp(lse, lse_b))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Masked blocks: documents and windows. See Note [Masked ring steps] in masks.py.
+
+
+def _segments(ids: Tensor) -> list[tuple[int, int, int]]:
+    """(start, end, id) of the runs of equal ids in a 1-D tensor. Reads the ids on the host."""
+    n = ids.shape[0]
+    starts = [0] + (torch.nonzero(ids[1:] != ids[:-1]).flatten() + 1).tolist()
+    values = ids[starts].tolist()
+    return [(s, e, d) for s, e, d in zip(starts, starts[1:] + [n], values)]
+
+
+def _batch_rects(q_ids, k_ids, q_runs: list[int], k_runs: list[int], lo, hi):
+    """[(batch slice, rectangles)]: one entry for the whole batch when every row has the same ids."""
+    from .masks import block_rects, unflat_runs
+
+    qr, kr = unflat_runs(q_runs), unflat_runs(k_runs)
+    if q_ids is None:
+        return [(slice(None), block_rects(qr, kr, lo, hi))]
+    same = q_ids.shape[0] == 1 or bool((q_ids == q_ids[:1]).all() and (k_ids == k_ids[:1]).all())
+    rows = [slice(None)] if same else [slice(b, b + 1) for b in range(q_ids.shape[0])]
+    return [(b, block_rects(qr, kr, lo, hi, _segments(q_ids[b][0]), _segments(k_ids[b][0]))) for b in rows]
+
+
+class _Masks:
+    """The additive mask of each "mask" rectangle, built once per band and size within one call."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device):
+        self.dtype, self.device, self.cache = dtype, device, {}
+
+    def __call__(self, rect) -> Tensor | None:
+        if rect.kind != "mask":
+            return None
+        nq, nk = rect.q1 - rect.q0, rect.k1 - rect.k0
+        key = (nq, nk, *rect.band)
+        if key not in self.cache:
+            lo, hi = rect.band
+            d = torch.arange(nk, device=self.device)[None, :] - torch.arange(nq, device=self.device)[:, None]
+            keep = torch.ones(nq, nk, dtype=torch.bool, device=self.device)
+            if lo is not None:
+                keep &= d >= lo
+            if hi is not None:
+                keep &= d <= hi
+            self.cache[key] = torch.zeros(nq, nk, dtype=self.dtype, device=self.device).masked_fill_(~keep, float("-inf"))
+        return self.cache[key]
+
+
+@torch.library.custom_op("cp_dtensor::masked_block_attn", mutates_args=())
+def masked_block_attn(
+    q: Tensor, k: Tensor, v: Tensor, q_ids: Tensor | None, k_ids: Tensor | None,
+    q_runs: list[int], k_runs: list[int], lo: int | None, hi: int | None, scale: float,
+) -> tuple[Tensor, Tensor]:
+    """One ring step under a mask: q [B, Hq, Sq, Dqk] against k [B, Hkv, Sk, Dqk], v [B, Hkv, Sk, Dv],
+    keeping the pairs of the same document (ids [B, S] or None) with lo <= pos_k - pos_q <= hi, the
+    positions given by the runs (masks.flat_runs). Returns out [B, Hq, Sq, Dv] and lse [B, Hq, Sq] in
+    fp32 (fp64 for fp64 inputs); rows with no kept key get out 0 and lse -inf. One kernel call per
+    rectangle of masks.block_rects, none where nothing is kept."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    out = q.new_zeros((*q.shape[:3], v.shape[3]), dtype=acc)
+    lse = q.new_full(q.shape[:3], float("-inf"), dtype=acc)
+    masks = _Masks(q.dtype, q.device)
+    for b, rects in _batch_rects(q_ids, k_ids, q_runs, k_runs, lo, hi):
+        for r in rects:
+            qs, ks = (b, slice(None), slice(r.q0, r.q1)), (b, slice(None), slice(r.k0, r.k1))
+            out_r, lse_r = _kernel_fwd(q[qs], k[ks], v[ks], r.kind == "causal", scale, masks(r))
+            merge_(out[qs], lse[qs], out_r, lse_r)
+    return out, lse
+
+
+@masked_block_attn.register_fake
+def _(q, k, v, q_ids, k_ids, q_runs, k_runs, lo, hi, scale):
+    acc = torch.promote_types(q.dtype, torch.float32)
+    return q.new_empty((*q.shape[:3], v.shape[3]), dtype=acc), q.new_empty(q.shape[:3], dtype=acc)
+
+
+@torch.library.custom_op("cp_dtensor::masked_block_attn_backward", mutates_args=())
+def masked_block_attn_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_ids: Tensor | None,
+    k_ids: Tensor | None, q_runs: list[int], k_runs: list[int], lo: int | None, hi: int | None, scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The block's dq, dk, dv (fp32, fp64 for fp64 inputs) given the rows' *final* out and lse, as
+    :func:`block_attn_backward`; zeros where the mask keeps nothing."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    dq, dk, dv = (x.new_zeros(x.shape, dtype=acc) for x in (q, k, v))
+    masks = _Masks(q.dtype, q.device)
+    for b, rects in _batch_rects(q_ids, k_ids, q_runs, k_runs, lo, hi):
+        for r in rects:
+            qs, ks = (b, slice(None), slice(r.q0, r.q1)), (b, slice(None), slice(r.k0, r.k1))
+            g = _kernel_bwd(
+                dout[qs], q[qs], k[ks], v[ks], out[qs], lse[qs].contiguous(), r.kind == "causal", scale, masks(r)
+            )
+            dq[qs] += g[0]
+            dk[ks] += g[1]
+            dv[ks] += g[2]
+    return dq, dk, dv
+
+
+@masked_block_attn_backward.register_fake
+def _(dout, q, k, v, out, lse, q_ids, k_ids, q_runs, k_runs, lo, hi, scale):
+    acc = torch.promote_types(q.dtype, torch.float32)
+    return tuple(x.new_empty(x.shape, dtype=acc) for x in (q, k, v))
+
+
+def _masked_setup_context(ctx, inputs, output):
+    q, k, v, q_ids, k_ids, *static = inputs
+    ctx.save_for_backward(q, k, v, *output, q_ids, k_ids)
+    ctx.static = static
+
+
+def _masked_backward(ctx, dout, dlse):
+    q, k, v, out, lse, q_ids, k_ids = ctx.saved_tensors
+    dq, dk, dv = masked_block_attn_backward(dout.contiguous(), q, k, v, out.to(q.dtype), lse, q_ids, k_ids, *ctx.static)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
+
+
+masked_block_attn.register_autograd(_masked_backward, setup_context=_masked_setup_context)

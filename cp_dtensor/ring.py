@@ -33,6 +33,30 @@ still has one pair per thread; each call's dq then goes straight into the accumu
 transient shrinks to one group's. dk and dv go straight into the accumulator's layout, so there is no
 separate copy for the send. CUDA (whose kernels want every head at once) and compiled graphs
 (Inductor plans memory itself) call the kernel once per block.
+Note [Masks in the ring]
+~~~~~~~~~~~~~~~~~~~~~~~~
+Documents and windows (see Note [Masked ring steps] in masks.py) change what each step computes, not
+the loop: a masked step calls ``masked_block_attn`` (one kernel per kept rectangle) where an unmasked
+one calls ``block_attn`` on one slice. Three things follow from the mask:
+
+* Every query keeps at least itself, so the local step 0 still covers every row and starts the
+  accumulators; later steps may leave rows untouched (their lse is -inf and the merge keeps them).
+* A window shortens the ring: ``steps_needed`` (static, the same on every rank) is one more than the
+  last step whose block any rank needs; the K/V rotations stop there. In the backward, the dK/dV
+  accumulator of the last step goes straight home (rank r - t) instead of around the rest of the ring.
+* Document ids are gathered once per call, before any K/V moves (they also settle whether the ids
+  are valid, on every rank: Note [Agreeing before the ring] in checks.py), in the narrowest integer
+  type that holds the spread of the global ids: 1-4 bytes per token, against 2 * Hkv * D * itemsize
+  for its K/V. Every step then reads the ids of the block it holds from that gathered table.
+
+Note [Attention sinks]
+~~~~~~~~~~~~~~~~~~~~~~
+A sink (gpt-oss) adds exp(sink_h) to every softmax denominator of head h, with no value: it is one
+more "block" whose output is 0 and whose lse is sink_h. It joins once, after the ring:
+lse' = logaddexp(lse, sink), out' = out * exp(lse - lse'). The backward kernels, given out' and lse',
+already yield the exact dq, dk, dv (P = exp(s - lse') are the probabilities with the sink, and
+D = rowsum(dout * out') is unchanged by a value-less key), and d sink_h = -sum_i exp(sink_h - lse'_i)
+* rowsum(dout_i * out'_i) over this rank's queries.
 """
 
 from __future__ import annotations
@@ -41,50 +65,97 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .checks import check_ring_args
-from .comm import RingComm, unpack
-from .payload import decode_kv, encode_kv
+from .checks import check_documents, check_ring_args
+from .comm import RingComm, gather_ids, unpack
 from .layout import step_block
-from .ops import block_attn, block_attn_backward
+from .masks import flat_runs, has_pairs, mask_bounds, runs, steps_needed
+from .ops import block_attn, block_attn_backward, masked_block_attn, masked_block_attn_backward, merge_
+from .payload import decode_kv, encode_kv
 
 __all__ = ["ring_attention", "ring_forward", "ring_backward"]
 
 
-def _merge_(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
-    # See Note [Online softmax merge]. out: [B, H, S, D] fp32 (a view), lse: [B, H, S] fp32 (a view)
-    w = torch.sigmoid(lse_b - lse).unsqueeze(-1)
-    out.lerp_(out_b.to(out.dtype), w)  # out + w * (out_b - out)
-    lse.copy_(torch.logaddexp(lse, lse_b))
+class _Mask:
+    """What a call masks, for the ring loop: the window's bounds and the gathered document ids.
+    ``ids``: [P, B, S_local] (every rank's ids, any integer dtype) or None."""
+
+    def __init__(self, layout: str, world: int, s_local: int, is_causal: bool, window, ids: Tensor | None):
+        self.lo, self.hi = mask_bounds(is_causal, window)
+        self.ids = ids
+        self.layout, self.world, self.s_local = layout, world, s_local
+        # a window with no lower bound and at most the causal upper bound is plain (non-)causal attention
+        self.active = ids is not None or self.lo is not None or (self.hi is not None and not (is_causal and self.hi == 0))
+        self.steps = steps_needed(layout, world, s_local, self.lo, self.hi) if self.active else world
+
+    def keeps(self, rank: int, src: int) -> bool:
+        return has_pairs(self.layout, rank, src, self.world, self.s_local, self.lo, self.hi)
+
+    def args(self, rank: int, src: int) -> tuple:
+        """masked_block_attn's arguments after q, k, v (before scale)."""
+        q_ids = k_ids = None
+        if self.ids is not None:
+            q_ids, k_ids = self.ids[rank], self.ids[src]
+        rs = (flat_runs(runs(self.layout, r, self.world, self.s_local)) for r in (rank, src))
+        return (q_ids, k_ids, *rs, self.lo, self.hi)
+
+
+def _no_mask(layout: str, world: int, s_local: int, is_causal: bool) -> _Mask:
+    return _Mask(layout, world, s_local, is_causal, None, None)
 
 
 def ring_forward(
     q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup, layout: str, is_causal: bool, scale: float,
-    comm_dtype: torch.dtype | None = None,
+    comm_dtype: torch.dtype | None = None, mask: _Mask | None = None, sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Unchecked ring forward on local shards. q: [B, Hq, S, D]; k, v: [B, Hkv, S, D].
-    Returns out: [B, Hq, S, D] in q's dtype and lse: [B, Hq, S] fp32 (fp64 for fp64 inputs)."""
+    """Unchecked ring forward on local shards. q, k: [B, H, S, Dqk]; v: [B, Hkv, S, Dv].
+    Returns out: [B, Hq, S, Dv] in q's dtype and lse: [B, Hq, S] fp32 (fp64 for fp64 inputs), both
+    with the sinks (Note [Attention sinks]) when given."""
     comm = RingComm(group)
     world, rank, s_local = comm.world, comm.rank, q.shape[2]
+    mask = mask if mask is not None else _no_mask(layout, world, s_local, is_causal)
     acc_dtype = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
     out = lse = None
-    kv = encode_kv(k, v, comm_dtype) if world > 1 else None
-    for step in range(world):
-        if step + 1 < world:
+    kv = encode_kv(k, v, comm_dtype) if mask.steps > 1 else None
+    for step in range(mask.steps):
+        if step + 1 < mask.steps:
             kv_next = comm.rotate(kv)  # posted before this step's compute: overlap
         kb, vb = (k, v) if step == 0 else decode_kv(kv, k, v, comm_dtype)
-        blk = step_block(layout, rank=rank, src=comm.src_at(step), world=world, s_local=s_local, is_causal=is_causal)
-        if blk is not None:
-            q_rows, kv_rows = (slice(None), slice(None), blk.q_rows), (slice(None), slice(None), blk.kv_rows)
-            out_b, lse_b = block_attn(q[q_rows], kb[kv_rows], vb[kv_rows], blk.causal, scale)
-            if out is None:  # step 0: the diagonal block covers every row
-                out, lse = out_b.to(acc_dtype), lse_b.to(acc_dtype)
-            else:
-                _merge_(out[q_rows], lse[q_rows], out_b, lse_b)
-            del out_b, lse_b
+        src = comm.src_at(step)
+        if mask.active:  # See Note [Masks in the ring]
+            if mask.keeps(rank, src):
+                out_b, lse_b = masked_block_attn(q, kb, vb, *mask.args(rank, src), scale)
+                if out is None:
+                    out, lse = out_b, lse_b
+                else:
+                    merge_(out, lse, out_b, lse_b)
+                del out_b, lse_b
+        else:
+            blk = step_block(layout, rank=rank, src=src, world=world, s_local=s_local, is_causal=is_causal)
+            if blk is not None:
+                q_rows, kv_rows = (slice(None), slice(None), blk.q_rows), (slice(None), slice(None), blk.kv_rows)
+                out_b, lse_b = block_attn(q[q_rows], kb[kv_rows], vb[kv_rows], blk.causal, scale)
+                if out is None:  # step 0: the diagonal block covers every row
+                    out, lse = out_b.to(acc_dtype), lse_b.to(acc_dtype)
+                else:
+                    merge_(out[q_rows], lse[q_rows], out_b, lse_b)
+                del out_b, lse_b
         del kb, vb  # views of the block just used: free it before the next one arrives
-        if step + 1 < world:
+        if step + 1 < mask.steps:
             kv = comm.wait(kv_next)
+    if sinks is not None:  # See Note [Attention sinks]
+        sink = sinks.to(acc_dtype)[None, :, None]
+        total = torch.logaddexp(lse, sink)
+        out = out * torch.exp(lse - total).unsqueeze(-1)
+        lse = total
     return out.to(q.dtype), lse
+
+
+def sinks_grad(dout: Tensor, out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
+    """d loss / d sinks [Hq] from this rank's queries; see Note [Attention sinks]."""
+    acc = lse.dtype
+    p_sink = torch.exp(sinks.to(acc)[None, :, None] - lse)  # [B, Hq, S]
+    d = (dout.to(acc) * out.to(acc)).sum(-1)
+    return -(p_sink * d).sum((0, 2)).to(sinks.dtype)
 
 
 def _head_chunks(q: Tensor, k: Tensor) -> list[tuple[slice, slice]]:
@@ -127,48 +198,66 @@ def _block_backward_(
     return dq
 
 
+def _flat_kv(k: Tensor, v: Tensor, dtype: torch.dtype, *, zero: bool) -> Tensor:
+    """A flat [dk | dv] buffer shaped for k and v (v's head size may differ from k's)."""
+    return (k.new_zeros if zero else k.new_empty)(k.numel() + v.numel(), dtype=dtype)
+
+
 def ring_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
     *, group: dist.ProcessGroup, layout: str, is_causal: bool, scale: float, comm_dtype: torch.dtype | None = None,
+    mask: _Mask | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Unchecked ring backward on local shards; see Note [Ring backward]. Returns dq, dk, dv."""
+    """Unchecked ring backward on local shards; see Note [Ring backward]. ``out`` and ``lse`` are the
+    forward's final ones (with sinks, if any). Returns dq, dk, dv."""
     comm = RingComm(group)
     world, rank, s_local = comm.world, comm.rank, q.shape[2]
+    mask = mask if mask is not None else _no_mask(layout, world, s_local, is_causal)
+    steps = mask.steps
     dout = dout.contiguous()
     acc_dtype = torch.promote_types(q.dtype, torch.float32)
     dq = None  # started by step 0, whose diagonal block covers every row
     own = None  # [dk | dv] of this rank's block: step 0's share, then the accumulator coming home
-    kv = encode_kv(k, v, comm_dtype) if world > 1 else None
+    kv = encode_kv(k, v, comm_dtype) if steps > 1 else None
     dkv = None  # the accumulator received from the previous rank, for the block held next
-    for step in range(world):
-        if step + 1 < world:
+    for step in range(steps):
+        if step + 1 < steps:
             kv_next = comm.rotate(kv)
         kb, vb = (k, v) if step == 0 else decode_kv(kv, k, v, comm_dtype)
-        blk = step_block(layout, rank=rank, src=comm.src_at(step), world=world, s_local=s_local, is_causal=is_causal)
-        if step == 0:
-            own = k.new_empty(2 * k.numel(), dtype=acc_dtype)
-            dq = _block_backward_(dq, own, dout, q, k, v, out, lse, blk, scale, acc_dtype)
+        src = comm.src_at(step)
+        mine = None  # this rank's share of the block it holds, in the accumulator's layout
+        if mask.active:  # See Note [Masks in the ring]
+            if step == 0 or mask.keeps(rank, src):
+                g = masked_block_attn_backward(dout, q, kb, vb, out, lse, *mask.args(rank, src), scale)
+                dq = g[0] if dq is None else dq.add_(g[0])
+                mine = torch.cat([g[1].reshape(-1), g[2].reshape(-1)])
+                del g
         else:
-            mine = None  # this rank's share of the block it holds, in the accumulator's layout and dtype
+            blk = step_block(layout, rank=rank, src=src, world=world, s_local=s_local, is_causal=is_causal)
             if blk is not None:
-                partial = blk.kv_rows != slice(None)
-                mine = (k.new_zeros if partial else k.new_empty)(2 * k.numel())
+                mine = _flat_kv(k, v, acc_dtype if step == 0 else k.dtype, zero=blk.kv_rows != slice(None))
                 dq = _block_backward_(dq, mine, dout, q, kb, vb, out, lse, blk, scale, acc_dtype)
+        if step == 0:
+            own = mine.to(acc_dtype)
+        else:
+            if mine is not None:
+                mine = mine.to(k.dtype)
             if dkv is None:  # the first accumulator of this block starts here
-                acc = mine if mine is not None else k.new_zeros(2 * k.numel())
+                acc = mine if mine is not None else _flat_kv(k, v, k.dtype, zero=True)
             else:
                 acc = comm.wait(dkv)
                 if mine is not None:
                     acc += mine
             del mine
-            dkv = comm.rotate(acc)
+            # on to the rank that holds this block next; from the last step, straight to its owner
+            dkv = comm.rotate(acc, shift=1 if step + 1 < steps else -step)
             del acc
         # Free this step's block before the next one arrives.
         del kb, vb
-        if step + 1 < world:
+        if step + 1 < steps:
             kv = comm.wait(kv_next)
     kv = None  # the last block held: free it before the accumulator comes home
-    if dkv is not None:  # our own block's accumulator, home after P - 1 hops
+    if dkv is not None:  # our own block's accumulator, home
         own += comm.wait(dkv)
     dk, dv = unpack(own, k, v)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
@@ -176,18 +265,20 @@ def ring_backward(
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, layout, is_causal, scale, comm_dtype):
-        opts = dict(group=group, layout=layout, is_causal=is_causal, scale=scale, comm_dtype=comm_dtype)
-        out, lse = ring_forward(q, k, v, **opts)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, sinks, group, layout, is_causal, scale, comm_dtype, window, ids):
+        mask = _Mask(layout, dist.get_world_size(group), q.shape[2], is_causal, window, ids)
+        opts = dict(group=group, layout=layout, is_causal=is_causal, scale=scale, comm_dtype=comm_dtype, mask=mask)
+        out, lse = ring_forward(q, k, v, sinks=sinks, **opts)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.opts = opts
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         dq, dk, dv = ring_backward(dout, q, k, v, out, lse, **ctx.opts)
-        return dq, dk, dv, None, None, None, None, None
+        dsinks = sinks_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[3] else None
+        return dq, dk, dv, dsinks, None, None, None, None, None, None, None
 
 
 def ring_attention(
@@ -200,21 +291,45 @@ def ring_attention(
     is_causal: bool = False,
     scale: float | None = None,
     comm_dtype: torch.dtype | None = None,
+    document_ids: Tensor | None = None,
+    window_size: tuple[int, int] | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Exact attention over a sequence sharded across the ranks of ``group`` (default: world).
 
-    q: [B, Hq, S_local, D]; k, v: [B, Hkv, S_local, D] with Hq % Hkv == 0 -- this rank's shards in
-    ``layout`` ("striped", "headtail" or "contiguous"; see Note [Sequence layouts] in layout.py).
-    Returns this rank's output shard [B, Hq, S_local, D] in q's dtype, equal to full-sequence
-    ``F.scaled_dot_product_attention`` with ``is_causal`` masking by global position. Differentiable
-    in q, k and v. Only K/V heads travel: (P - 1) * 2 * S_local * D * Hkv * itemsize bytes per
-    forward per rank. ``comm_dtype`` (off by default) sends K/V in another dtype; a float8 dtype
-    sends float8 with power-of-two row scales, about half the bytes of bf16 -- see
-    Note [float8 ring payload] in payload.py.
+    q, k: [B, Hq | Hkv, S_local, Dqk]; v: [B, Hkv, S_local, Dv] with Hq % Hkv == 0 -- this rank's shards
+    in ``layout`` ("striped", "headtail" or "contiguous"; see Note [Sequence layouts] in layout.py).
+    Returns this rank's output shard [B, Hq, S_local, Dv] in q's dtype, equal to full-sequence
+    attention masked by global position. Differentiable in q, k, v and ``sinks``. Only K/V heads
+    travel: (P - 1) * S_local * (Dqk + Dv) * Hkv * itemsize bytes per forward per rank (fewer steps
+    under a window). ``comm_dtype`` (off by default) sends K/V in another dtype; a float8 dtype sends
+    float8 with power-of-two row scales, about half the bytes of bf16 -- see Note [float8 ring payload]
+    in payload.py.
+
+    Masks (Note [Masked ring steps] in masks.py); a pair is kept when every rule holds:
+
+    * ``is_causal``: key position <= query position.
+    * ``document_ids``: int [B, S_local], this rank's layout shard of global ids that never decrease
+      along the sequence: a query attends only to keys of its own document (packed sequences; llama4's
+      chunked attention is documents that also change every chunk).
+    * ``window_size=(left, right)``: query i attends keys i - left <= j <= i + right; -1 is unbounded
+      (flash-attn's convention).
+    * ``sinks``: [Hq] per-head logits (not multiplied by ``scale``, no value vector) added to every
+      softmax denominator (gpt-oss), the same on every rank. ``sinks.grad`` is *this rank's* queries'
+      contribution; like any replicated parameter's gradient it must be summed over the CP group (FSDP
+      and DDP over a mesh that includes CP do it; standalone, ``reduce_gradients``).
+
+    ``scale=None`` is 1/sqrt(Dqk), as in ``F.scaled_dot_product_attention``.
     """
     group = group if group is not None else dist.group.WORLD
-    scale = check_ring_args(
-        q, k, v, group=group, layout=layout, is_causal=is_causal, scale=scale, comm_dtype=comm_dtype
+    scale, id_span = check_ring_args(
+        q, k, v, group=group, layout=layout, is_causal=is_causal, scale=scale, comm_dtype=comm_dtype,
+        document_ids=document_ids, window_size=window_size, sinks=sinks,
     )
+    ids = None
+    if document_ids is not None:
+        ids = gather_ids(document_ids, group, id_span)  # [P, B, S_local], before any K/V moves
+        check_documents(ids, layout, group)
+    window = None if window_size is None else tuple(int(w) for w in window_size)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    return _RingAttention.apply(q, k, v, group, layout, is_causal, scale, comm_dtype)
+    return _RingAttention.apply(q, k, v, sinks, group, layout, is_causal, scale, comm_dtype, window, ids)

@@ -33,3 +33,41 @@ def reference(q, k, v, do, *, is_causal: bool, scale: float | None = None):
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| / max |b|."""
     return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+def masked_reference(q, k, v, do, *, is_causal: bool, scale=None, document_ids=None, window_size=None, sinks=None):
+    """Full-sequence float64 attention under a dense boolean mask (documents [B, N], window (left, right),
+    causal) with optional per-head sinks [Hq]; returns out, dq, dk, dv and dsinks (None without sinks)."""
+    q, k, v = (x.detach().double().requires_grad_() for x in (q, k, v))
+    sk = None if sinks is None else sinks.detach().double().requires_grad_()
+    groups = q.shape[1] // k.shape[1]
+    ke, ve = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    s = (q @ ke.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    n = q.shape[2]
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    keep = torch.ones(n, n, dtype=torch.bool)
+    if is_causal:
+        keep &= j <= i
+    if window_size is not None:
+        left, right = window_size
+        if left >= 0:
+            keep &= j >= i - left
+        if right >= 0:
+            keep &= j <= i + right
+    keep = keep.expand(q.shape[0], 1, n, n)
+    if document_ids is not None:
+        keep = keep & (document_ids[:, None, :, None] == document_ids[:, None, None, :])
+    s = s.masked_fill(~keep, float("-inf"))
+    if sk is not None:  # one more logit per row, with no value
+        p = torch.softmax(torch.cat([s, sk[None, :, None, None].expand(*s.shape[:3], 1)], -1), -1)[..., :-1]
+    else:
+        p = torch.softmax(s, -1)
+    out = p @ ve
+    out.backward(do.double())
+    return out.detach(), q.grad, k.grad, v.grad, (None if sk is None else sk.grad)
+
+
+def abs_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max(max |b|, 1): relative to the largest magnitude, absolute where the reference
+    is (near) zero -- e.g. the gradients of a query that attends only to itself."""
+    return ((a.double() - b.double()).abs().max() / max(b.double().abs().max().item(), 1.0)).item()
