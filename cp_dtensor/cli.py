@@ -47,6 +47,10 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=int, default=1, help="sequences per rank B (default 1)")
     p.add_argument("--layers", type=int, default=1, help="attention layers, for memory (default 1)")
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True, help="causal mask (default on)")
+    p.add_argument("--window", type=int, help="causal sliding window: each query sees the W tokens before it "
+                   "(flash-attn's (W, 0)); steps no rank needs are not sent")
+    p.add_argument("--mean-doc-len", type=_tokens, help="packed documents of this mean length (block-causal): "
+                   "fewer kept pairs, the same K/V bytes")
     p.add_argument("--link-gbps", type=float, help="ring link bandwidth per rank, GB/s (1e9 B/s)")
     p.add_argument("--tflops", type=float, help="sustained attention throughput, TFLOP/s")
     p.add_argument("--mem-budget-gib", type=float, help="per-rank memory budget (GiB): report the smallest CP that fits")
@@ -74,7 +78,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         seq_len=args.seq_len, head_dim=_head_dim(args), q_heads=args.q_heads,
         kv_heads=args.q_heads if args.kv_heads is None else args.kv_heads, dtype=args.dtype, comm_dtype=args.comm_dtype,
         grad_comm_dtype=args.grad_comm_dtype, layout=args.layout, batch=args.batch, layers=args.layers,
-        causal=args.causal, link_gbps=args.link_gbps, tflops=args.tflops, reserved_gib=args.reserved_gib,
+        causal=args.causal, window=args.window, mean_doc_len=args.mean_doc_len, link_gbps=args.link_gbps, tflops=args.tflops, reserved_gib=args.reserved_gib,
     )
     cp = args.cp
     if cp is None:
@@ -115,10 +119,14 @@ def format_plan(r: _plan.Plan) -> str:
     """The human-readable report of ``cp-dtensor plan``."""
     i = r.input
     p, fpp, mem = i.cp, r.flops_per_pair, r.memory
+    steps = len(r.steps)  # P, or fewer under a window
     scales = " + fp32 scale per row" if i.comm_dtype == "fp8" else ""
     out = [
         f"N={i.seq_len:,} tokens, CP={p} -> S_local={i.s_local:,}, layout {i.layout}, "
-        f"{'causal' if i.causal else 'full'} mask, batch {i.batch}",
+        f"{'causal' if i.causal else 'full'} mask"
+        + (f", window {i.window}" if i.window is not None else "")
+        + (f", documents of ~{i.mean_doc_len:,} tokens" if i.mean_doc_len is not None else "")
+        + f", batch {i.batch}",
         f"heads Hq={i.q_heads} Hkv={i.kv_heads}, D={i.head_dim}, dtype {i.dtype}, "
         f"K/V comm {i.comm_dtype} ({_plan.DTYPE_BYTES[i.comm_dtype]} B{scales}), "
         f"dK/dV comm {i.grad_comm_dtype} ({_plan.DTYPE_BYTES[i.grad_comm_dtype]} B)",
@@ -126,18 +134,19 @@ def format_plan(r: _plan.Plan) -> str:
         "communication per rank per layer (only K/V travel, never Q)",
         _row("K/V per ring step", f"{_bytes(r.kv_step_bytes)} = 2*B*S_local*D*Hkv*bytes"
              + (" + 2*B*S_local*Hkv*4 (scales)" if scales else "")),
-        _row(f"forward, {p - 1} steps", f"{_bytes(r.fwd_bytes)} = (P-1) * K/V step"),
+        _row(f"forward, {steps - 1} sends", f"{_bytes(r.fwd_bytes)} = "
+             + ("(P-1)" if steps == p else f"{steps - 1} (the window needs {steps} of {p} ring steps)") + " * K/V step"),
         _row("dK/dV hop", f"{_bytes(r.dkv_step_bytes)} = 2*B*S_local*D*Hkv*bytes(dK/dV comm)"),
-        _row("backward", f"{_bytes(r.bwd_bytes)} = (P-1) * (K/V step + dK/dV hop)"),
+        _row("backward", f"{_bytes(r.bwd_bytes)} = {'(P-1)' if steps == p else steps - 1} * (K/V step + dK/dV hop)"),
         _row("forward+backward", _bytes(r.fwd_bwd_bytes)),
         "",
         f"attention FLOPs per rank per layer ({fpp:,} = 4*B*Hq*D per kept (q,k) pair; "
         f"backward = {_plan.BWD_FLOP_FACTOR}x forward)",
         _row("step 0 (own block)", f"{_flops(r.steps[0].max_pairs * fpp)} on every rank"),
     ]
-    if p > 1:
+    if steps > 1:
         hi, lo = max(w.max_pairs for w in r.steps[1:]), min(w.min_pairs for w in r.steps[1:])
-        out.append(_row(f"steps 1..{p - 1}", f"slowest rank {_flops(hi * fpp)}, lightest rank {_flops(lo * fpp)}"))
+        out.append(_row(f"steps 1..{steps - 1}", f"slowest rank {_flops(hi * fpp)}, lightest rank {_flops(lo * fpp)}"))
     imbalance = r.rank_fwd_pairs_max / r.rank_fwd_pairs_mean
     work = max(mem["forward_working_set"], mem["backward_working_set"])
     out += [
@@ -155,8 +164,8 @@ def format_plan(r: _plan.Plan) -> str:
     t = r.timing
     if t is None:
         out.append("overlap: pass --link-gbps and --tflops to compare ring transfer with step compute")
-    elif p == 1:
-        out.append("overlap: CP=1 has no ring communication")
+    elif steps == 1:
+        out.append("overlap: no ring communication (CP=1, or a window within the local block)")
     else:
         out += [
             f"overlap at {i.link_gbps:g} GB/s and {i.tflops:g} TFLOP/s (a step lasts as long as its slowest rank)",

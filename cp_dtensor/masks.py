@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .layout import check_layout
+_LAYOUTS = ("striped", "headtail", "contiguous")  # layout.LAYOUTS, without importing torch (plan.py)
 
 __all__ = ["Rect", "Run", "band_rects", "block_rects", "mask_bounds", "runs", "steps_needed", "kept_pairs"]
 
@@ -56,7 +56,9 @@ class Run:
 
 def runs(layout: str, rank: int, world: int, s_local: int) -> tuple[Run, ...]:
     """The runs of ``rank``'s shard. See Note [Sequence layouts] in layout.py."""
-    if check_layout(layout) == "contiguous":
+    if layout not in _LAYOUTS:
+        raise ValueError(f"unknown sequence layout {layout!r}; expected one of {', '.join(_LAYOUTS)}.")
+    if layout == "contiguous":
         return (Run(0, s_local, rank * s_local, 1),)
     if layout == "striped":
         return (Run(0, s_local, rank, world),)
@@ -113,13 +115,24 @@ class Rect:
         return "mask"
 
     def kept(self) -> int:
-        """Kept pairs in the rectangle."""
+        """Kept pairs in the rectangle (closed form)."""
         nq, nk = self.q1 - self.q0, self.k1 - self.k0
         lo, hi = self.band
-        lo = -(nq - 1) if lo is None else max(lo, -(nq - 1))
-        hi = nk - 1 if hi is None else min(hi, nk - 1)
-        # rows r keep columns [max(0, r + lo), min(nk - 1, r + hi)]: sum over r in closed form by parts
-        return sum(max(0, min(nk - 1, r + hi) - max(0, r + lo) + 1) for r in range(nq))
+        upto = _pairs_upto  # pairs with col - row <= h
+        return (nq * nk if hi is None else upto(hi, nq, nk)) - (0 if lo is None else upto(lo - 1, nq, nk))
+
+
+def _pairs_upto(h: int, nq: int, nk: int) -> int:
+    """#{(r, c) in [0, nq) x [0, nk): c - r <= h} = sum over r of clamp(r + h + 1, 0, nk)."""
+
+    def tri(t: int) -> int:  # sum of clamp(x, 0, nk) for x <= t
+        if t <= 0:
+            return 0
+        if t <= nk:
+            return t * (t + 1) // 2
+        return nk * (nk + 1) // 2 + (t - nk) * nk
+
+    return tri(h + nq) - tri(h)
 
 
 def _ceil_div(a: int, b: int) -> int:

@@ -48,6 +48,8 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass, field
 
+from . import masks
+
 __all__ = [
     "DTYPE_BYTES",
     "BWD_FLOP_FACTOR",
@@ -112,6 +114,11 @@ class PlanInput:
     """Attention layers (memory saved for backward scales with this)."""
     causal: bool = True
     """Causal attention mask."""
+    window: int | None = None
+    """Sliding window: each query attends to the ``window`` tokens before it and itself (flash-attn's
+    ``(window, 0)``, causal); None: unbounded. Steps no rank needs are neither computed nor sent."""
+    mean_doc_len: int | None = None
+    """Packed documents of this mean length (block-causal): fewer kept pairs, the same K/V bytes."""
     link_gbps: float | None = None
     """Per-rank ring link bandwidth in GB/s (1e9 bytes/s), one direction."""
     tflops: float | None = None
@@ -148,6 +155,11 @@ class PlanInput:
         for name in ("link_gbps", "tflops"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive; got {getattr(self, name)}.")
+        for name in ("window", "mean_doc_len"):
+            if getattr(self, name) is not None and getattr(self, name) < (0 if name == "window" else 1):
+                raise ValueError(f"{name} must be {'>= 0' if name == 'window' else '>= 1'} or None; got {getattr(self, name)}.")
+        if self.window is not None and not self.causal:
+            raise ValueError("window models a causal sliding window (flash-attn's (window, 0)); drop --no-causal.")
         if self.reserved_gib < 0:
             raise ValueError(f"reserved_gib must be >= 0; got {self.reserved_gib}.")
 
@@ -242,7 +254,56 @@ class Plan:
         return asdict(self)
 
 
+def ring_steps(inp: PlanInput) -> int:
+    """Ring steps that run (the local one included): all P, fewer under a window. See Note [Masked ring
+    steps] in masks.py."""
+    if inp.window is None:
+        return inp.cp
+    return masks.steps_needed(inp.layout, inp.cp, inp.s_local, *masks.mask_bounds(True, (inp.window, 0)))
+
+
+def doc_factor(inp: PlanInput) -> float:
+    """Kept pairs with packed documents of ``mean_doc_len`` tokens / kept pairs without, per query on
+    average (documents of exactly that length; a query at offset i of its document keeps i + 1 keys,
+    or at most window + 1)."""
+    n, length = inp.seq_len, inp.mean_doc_len
+    if length is None or length >= n:
+        return 1.0
+    if not inp.causal:
+        return length / n
+    w = n if inp.window is None else inp.window + 1
+    with_docs = sum(min(i + 1, w) for i in range(length)) / length
+    without = sum(min(i + 1, w) for i in range(n)) / n
+    return with_docs / without
+
+
+def _window_pairs(inp: PlanInput) -> list[list[int]]:
+    """[rank][step] kept pairs under the window, exactly (masks.block_rects)."""
+    p, s = inp.cp, inp.s_local
+    lo, hi = masks.mask_bounds(True, (inp.window, 0))
+    out = []
+    for r in range(p):
+        q = masks.runs(inp.layout, r, p, s)
+        out.append([masks.kept_pairs(masks.block_rects(q, masks.runs(inp.layout, (r - t) % p, p, s), lo, hi))
+                    for t in range(ring_steps(inp))])
+    return out
+
+
+def _pairs_table(inp: PlanInput) -> list[list[float]]:
+    """[rank][step] forward pairs, documents counted on average (doc_factor)."""
+    f = doc_factor(inp)
+    if inp.window is not None:
+        return [[x * f for x in row] for row in _window_pairs(inp)]
+    kw = dict(s_local=inp.s_local, causal=inp.causal)
+    return [[f * step_pairs(inp.layout, rank=r, src=(r - t) % inp.cp, **kw) for t in range(inp.cp)]
+            for r in range(inp.cp)]
+
+
 def _step_work(inp: PlanInput) -> list[StepWork]:
+    if inp.window is not None or inp.mean_doc_len is not None:
+        table = _pairs_table(inp)
+        return [StepWork(t, round(max(row[t] for row in table)), round(min(row[t] for row in table)))
+                for t in range(len(table[0]))]
     # At step t rank r holds the block of src = (r - t) mod P: ranks r >= t see an earlier block
     # (src < r), the t ranks r < t a later one (src > r). Work depends only on that relation.
     p, s = inp.cp, inp.s_local
@@ -257,6 +318,8 @@ def _step_work(inp: PlanInput) -> list[StepWork]:
 
 def _rank_pairs(inp: PlanInput) -> list[int]:
     """Forward pairs of every rank over the whole ring: rank r has r earlier and P-1-r later blocks."""
+    if inp.window is not None or inp.mean_doc_len is not None:
+        return [round(sum(row)) for row in _pairs_table(inp)]
     kw = dict(s_local=inp.s_local, causal=inp.causal)
     diag = step_pairs(inp.layout, rank=0, src=0, **kw)
     below = step_pairs(inp.layout, rank=1, src=0, **kw)
@@ -269,7 +332,7 @@ def _timing(inp: PlanInput, steps: list[StepWork], fpp: int, kv: int, dkv: int) 
     flops_per_s, bytes_per_s = inp.tflops * 1e12, inp.link_gbps * 1e9
     fwd_c = [w.max_pairs * fpp / flops_per_s for w in steps]
     bwd_c = [c * BWD_FLOP_FACTOR for c in fwd_c]
-    kv_t, dkv_t, p = kv / bytes_per_s, dkv / bytes_per_s, inp.cp
+    kv_t, dkv_t, p = kv / bytes_per_s, dkv / bytes_per_s, len(steps)
     # forward: step t (< P-1) hides the send of block t+1; the last step sends nothing
     fwd = sum(max(c, kv_t) for c in fwd_c[:-1]) + fwd_c[-1]
     # backward: step 0 sends K/V; steps 1..P-2 send K/V and a dK/dV hop; step P-1's hop (the
@@ -297,7 +360,7 @@ def _timing(inp: PlanInput, steps: list[StepWork], fpp: int, kv: int, dkv: int) 
 
 def make_plan(inp: PlanInput, *, mem_budget_gib: float | None = None, max_cp: int = 4096) -> Plan:
     """Cost ``inp``; with ``mem_budget_gib`` also search the smallest CP whose memory fits."""
-    p = inp.cp
+    p = ring_steps(inp)  # sends: p - 1 per direction (P - 1 without a window)
     kv, dkv = kv_step_bytes(inp), dkv_step_bytes(inp)
     fpp = 4 * inp.batch * inp.q_heads * inp.head_dim
     steps = _step_work(inp)
@@ -324,7 +387,7 @@ def make_plan(inp: PlanInput, *, mem_budget_gib: float | None = None, max_cp: in
         flops_per_pair=fpp,
         steps=steps,
         rank_fwd_pairs_max=max(ranks),
-        rank_fwd_pairs_mean=sum(ranks) / p,
+        rank_fwd_pairs_mean=sum(ranks) / inp.cp,
         fwd_flops_max_rank=max(ranks) * fpp,
         fwd_bwd_flops_max_rank=max(ranks) * fpp * (1 + BWD_FLOP_FACTOR),
         memory=memory_bytes(inp),

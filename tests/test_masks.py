@@ -230,3 +230,48 @@ def test_bad_masks_raise_on_every_rank_before_kv_moves():
     assert "must not decrease" in per_rank[0]["ids decrease across ranks"]
     assert "window_left" in per_rank[1]["ranks disagree on the window"]
     assert "sinks" in per_rank[0]["sinks differ across ranks"]
+
+
+def _compiled(rank, world):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    backend = CompileCounterWithBackend("inductor")
+
+    @torch.compile(backend=backend, fullgraph=True)
+    def attn(q, k, v, ids, sinks):
+        return cp_dtensor.ring_attention(q, k, v, layout="striped", is_causal=True, document_ids=ids,
+                                         window_size=(5, 0), sinks=sinks)
+
+    worst = 0.0
+    for seed in range(3):  # new document boundaries (and values), same shapes: compiled once
+        c = dict(layout="striped", causal=True, hq=4, hkv=2, dqk=16, dv=8, s=8, b=1, docs=True, sinks=True,
+                 seed=seed, window=(5, 0))
+        n = c["s"] * world
+        g = torch.Generator().manual_seed(seed)
+        q = torch.randn(1, 4, n, 16, generator=g, dtype=torch.float64)
+        k = torch.randn(1, 2, n, 16, generator=g, dtype=torch.float64)
+        v = torch.randn(1, 2, n, 8, generator=g, dtype=torch.float64)
+        do = torch.randn(1, 4, n, 8, generator=g, dtype=torch.float64)
+        sinks = torch.randn(4, generator=g, dtype=torch.float64)
+        ids = _random_ids(random.Random(seed), 1, n)
+        want = masked_reference(q, k, v, do, is_causal=True, document_ids=ids, window_size=(5, 0), sinks=sinks)
+
+        def shard(x, dim=2):
+            return shard_tensor(x, dim=dim, layout="striped", rank=rank, world=world)
+
+        ql, kl, vl = (shard(x).float().requires_grad_() for x in (q, k, v))
+        sl = sinks.float().requires_grad_()
+        out = attn(ql, kl, vl, shard(ids, 1), sl)
+        out.backward(shard(do).float())
+        total = sl.grad.clone()
+        dist.all_reduce(total)
+        errs = [abs_rel_err(a, shard(b)) for a, b in zip((out, ql.grad, kl.grad, vl.grad), want[:4])]
+        worst = max(worst, *errs, abs_rel_err(total, want[4]))
+    assert worst <= TOL[torch.float32], worst
+    assert backend.frame_count == 1, backend.frame_count
+    return worst
+
+
+def test_compiled_masks_take_new_document_boundaries_without_recompiling():
+    """torch.compile(fullgraph=True), Inductor: documents + window + sinks + Dv != Dqk, fwd+bwd at P=2."""
+    run_ranks(2, _compiled)

@@ -231,3 +231,22 @@ def test_plan_does_not_import_torch():
     root = pathlib.Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root).stdout
     assert out.strip() == "False"
+
+
+def test_window_and_documents_in_the_plan():
+    """A window shortens the ring (contiguous: one neighbour block); documents cut pairs, not bytes.
+    References: the ring's own byte formula per send and brute-force pair counts."""
+    from cp_dtensor.plan import PlanInput, make_plan
+
+    base = dict(seq_len=1024, cp=4, head_dim=16, q_heads=4, kv_heads=2, dtype="fp32")
+    block = 2 * 256 * 16 * 2 * 4
+    win = make_plan(PlanInput(layout="contiguous", window=100, **base))
+    assert (len(win.steps), win.fwd_bytes, win.bwd_bytes) == (2, block, 2 * block)
+    # rank 3 keeps, per query i, min(i, 100) + 1 keys: brute force over its 256 queries
+    assert win.rank_fwd_pairs_max == sum(min(i, 100) + 1 for i in range(768, 1024))
+    assert make_plan(PlanInput(layout="striped", window=100, **base)).fwd_bytes == 3 * block
+    docs = make_plan(PlanInput(layout="striped", mean_doc_len=128, **base))
+    full = make_plan(PlanInput(layout="striped", **base))
+    assert docs.fwd_bytes == full.fwd_bytes
+    # documents of 128 tokens: 8 * 128 * 129 / 2 pairs instead of 1024 * 1025 / 2, balanced by striping
+    assert abs(docs.rank_fwd_pairs_mean * 4 - 8 * 128 * 129 / 2) <= 4
