@@ -175,7 +175,7 @@ def _describe(field: str, value: int):
 
 def check_ring_args(
     q, k, v, *, group: dist.ProcessGroup, layout: str, is_causal, scale, comm_dtype=None,
-    document_ids=None, window_size=None, sinks=None,
+    document_ids=None, window_size=None, sinks=None, error: str | None = None,
 ) -> tuple[float, tuple[int, int] | None]:
     """Validate ``ring_attention``'s arguments on every rank of ``group``. Returns the resolved scale and
     the global (min, max) document id (None without documents, or when not gathered: compiled)."""
@@ -184,7 +184,7 @@ def check_ring_args(
             "ring_attention was called on a rank that is not a member of its CP group "
             f"(global rank {dist.get_rank()}); call it only on the ranks of `group`, or pass their group."
         )
-    err = _local_error(q, k, v, layout, is_causal, scale, comm_dtype, document_ids, window_size, sinks)
+    err = error or _local_error(q, k, v, layout, is_causal, scale, comm_dtype, document_ids, window_size, sinks)
     world = dist.get_world_size(group)
     id_range = None
     if world > 1 and not torch.compiler.is_compiling():

@@ -10,9 +10,13 @@ token by token, so it needs nothing, provided position-dependent layers take the
 Attention is the one layer that mixes tokens. ``apply_context_parallel`` installs forward hooks that
 keep a ``TorchFunctionMode`` active while the model (or any of its submodules, so activation
 checkpointing's recomputation is covered too) runs forward. The mode turns each SDPA call on plain
-[B, H, S_local, D] tensors into the same call on sequence-sharded DTensors (``DTensor.from_local``, no
-communication), which dispatch.py sends to the ring, and returns the local output (``to_local``). Both
-wrappers are differentiable, so backward runs the ring backward.
+[B, H, S_local, D] tensors into ``ring_attention`` on the same local shards, so every call goes
+through the ring's agreement check (Note [Agreeing before the ring] in checks.py): a call that is
+bad on one rank only -- an explicit mask one rank's model built from its local shapes, say -- raises
+on every rank before any K/V moves. The masks the ring can express come from the hooks: document ids
+taken from the top-level call (``document_ids=``, or derived from ``position_ids`` that restart at 0)
+and kept until the next top-level call (activation checkpointing recomputes with them), and the
+model's window.
 
 Why not run the whole model on DTensors: in torch 2.13 a view that merges [B, S] fails when S carries
 a strided placement, and ``nn.Linear`` on [B, S, E] makes exactly that view, so striped and head-tail
@@ -34,10 +38,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
-from .layout import check_layout, layout_unit, shard_tensor, unshard_tensor
-from .placement import full_tensor, sequence_placement
+from .layout import check_layout, global_order, layout_unit, shard_tensor, unshard_tensor
+from .placement import full_tensor
+from .ring import _ring_attention
 
-__all__ = ["apply_context_parallel", "shard_batch", "unshard_sequence", "reduce_gradients"]
+__all__ = ["apply_context_parallel", "document_ids_from_positions", "shard_batch", "unshard_sequence", "reduce_gradients"]
 
 
 def _check_cp_mesh(cp_mesh: DeviceMesh) -> None:
@@ -47,11 +52,12 @@ def _check_cp_mesh(cp_mesh: DeviceMesh) -> None:
 
 
 class _RingSDPA(TorchFunctionMode):
-    """Routes SDPA on local sequence shards through the DTensor front door. See Note [Module context parallel]."""
+    """Routes SDPA on local sequence shards to the ring. See Note [Module context parallel]."""
 
-    def __init__(self, cp_mesh: DeviceMesh, layout: str):
+    def __init__(self, cp_mesh: DeviceMesh, layout: str, window_size, documents: str | None):
         super().__init__()
-        self.mesh, self.layout, self.depth = cp_mesh, layout, 0
+        self.mesh, self.layout, self.window, self.documents, self.depth = cp_mesh, layout, window_size, documents, 0
+        self.ids: Tensor | None = None  # this forward's document ids [B, S_local]; kept for recomputation
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -63,26 +69,29 @@ class _RingSDPA(TorchFunctionMode):
 
     def _sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         # query: [B, Hq, S_local, D]; key, value: [B, Hkv, S_local, D] -- this rank's tokens
+        error = None  # raised on every rank by the ring's agreement check, before any K/V moves
         if attn_mask is not None or dropout_p > 0.0:
-            raise ValueError(
-                "context parallel attention supports neither attn_mask nor dropout_p > 0; got "
-                f"attn_mask={'a tensor' if attn_mask is not None else None}, dropout_p={dropout_p}. Use "
-                "is_causal=True and set the attention dropout to 0 under context parallelism."
+            error = (
+                "context parallel attention takes no explicit attn_mask and no dropout_p > 0; got attn_mask="
+                f"{'a tensor' if attn_mask is not None else None}, dropout_p={dropout_p}. Masks come from "
+                "is_causal, document ids (apply_context_parallel(..., documents=...)) and window_size; set the "
+                "attention dropout to 0."
             )
-        if query.dim() != 4:
-            raise ValueError(f"context parallel attention needs 4-D [B, H, S_local, D] inputs; got {tuple(query.shape)}.")
-        cp = self.mesh.size()
-        seq_len = query.shape[2] * cp
-        placements = [sequence_placement(self.layout, 2, seq_len=seq_len, cp=cp)]
+        return _ring_attention(
+            query, key, value, group=self.mesh.get_group(), layout=self.layout, is_causal=bool(is_causal),
+            scale=scale, document_ids=self.ids, window_size=self.window, error=error,
+        )
 
-        def shard(x: Tensor) -> DTensor:
-            shape = (*x.shape[:2], seq_len, x.shape[3])
-            stride = (shape[1] * shape[2] * shape[3], shape[2] * shape[3], shape[3], 1)
-            return DTensor.from_local(x, self.mesh, placements, run_check=False, shape=shape, stride=stride)
-
-        out = F.scaled_dot_product_attention(shard(query), shard(key), shard(value), is_causal=is_causal,
-                                             scale=scale, enable_gqa=enable_gqa)
-        return out.to_local()
+    def take_documents(self, kwargs: dict) -> None:
+        """Set this forward's documents from the top-level call's keyword arguments."""
+        ids = kwargs.pop("document_ids", None)
+        if ids is None and self.documents == "position_ids":
+            pos = kwargs.get("position_ids", kwargs.get("positions"))
+            if pos is None:
+                raise ValueError("apply_context_parallel(documents='position_ids') needs the model to be called "
+                                 "with position_ids= (or positions=) restarting at 0 for every document.")
+            ids = document_ids_from_positions(pos, self.mesh, layout=self.layout)
+        self.ids = ids
 
 
 def _enter(mode: _RingSDPA, *_) -> None:
@@ -97,23 +106,57 @@ def _exit(mode: _RingSDPA, *_) -> None:
         mode.__exit__(None, None, None)
 
 
-def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, *, layout: str = "striped") -> nn.Module:
+def apply_context_parallel(
+    model: nn.Module, cp_mesh: DeviceMesh, *, layout: str = "striped", window_size: tuple[int, int] | None = None,
+    documents: str | None = None,
+) -> nn.Module:
     """Run ``model``'s ``F.scaled_dot_product_attention`` calls as ring attention over ``cp_mesh``.
 
     Feed the model its local shard of each batch (``shard_batch``), including positions for RoPE;
-    ``layout`` must match. Attention calls must use ``is_causal`` (no mask) and no dropout. See
-    Note [Module context parallel]. Returns ``model``, changed in place (forward hooks only).
+    ``layout`` must match. Attention calls use ``is_causal`` and no dropout; masks come from:
+
+    * ``document_ids=`` given to the model's forward (a keyword the hook takes away before the model
+      sees it): this rank's shard of the global [B, N] ids, non-decreasing (packed sequences);
+    * ``documents="position_ids"``: ids derived from the forward's ``position_ids`` (or ``positions``)
+      that restart at 0 for every document, the Hugging Face packed-sequence convention;
+    * ``window_size=(left, right)``: a sliding window on every attention call.
+
+    An SDPA call with an explicit ``attn_mask`` or dropout raises on every rank before any K/V moves.
+    See Note [Module context parallel]. Returns ``model``, changed in place (forward hooks only).
     """
     _check_cp_mesh(cp_mesh)
     check_layout(layout)
+    if documents not in (None, "position_ids"):
+        raise ValueError(f"documents must be None or 'position_ids'; got {documents!r}.")
     if getattr(model, "_cp_dtensor_mode", None) is not None:
         raise ValueError("apply_context_parallel was already applied to this model.")
-    mode = _RingSDPA(cp_mesh, layout)
+    mode = _RingSDPA(cp_mesh, layout, window_size, documents)
     model._cp_dtensor_mode = mode
+
+    def take(module, args, kwargs):
+        mode.take_documents(kwargs)
+        return args, kwargs
+
+    model.register_forward_pre_hook(take, with_kwargs=True)
     for m in model.modules():
         m.register_forward_pre_hook(lambda *a, mode=mode: _enter(mode))
         m.register_forward_hook(lambda *a, mode=mode: _exit(mode), always_call=True)
     return model
+
+
+def document_ids_from_positions(positions: Tensor, cp_mesh: DeviceMesh, *, layout: str = "striped") -> Tensor:
+    """Document ids [B, S_local] of this rank's tokens from their position ids [B, S_local] (or [1, S_local])
+    that restart at 0 for every document: a document starts at every position 0 of the *global* sequence,
+    so one all-gather of the start flags (one byte per token) gives every rank the global count."""
+    _check_cp_mesh(cp_mesh)
+    cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
+    starts = (positions == 0).to(torch.uint8).contiguous()  # [B, S_local]
+    every = funcol.all_gather_tensor(starts, gather_dim=0, group=cp_mesh).view(cp, *starts.shape)
+    b, s = starts.shape
+    full = torch.empty(b, cp * s, dtype=torch.int64, device=positions.device)
+    full[:, global_order(layout, cp, cp * s).to(positions.device)] = every.permute(1, 0, 2).reshape(b, cp * s).long()
+    ids = full.cumsum(1)
+    return shard_tensor(ids, dim=1, layout=layout, rank=rank, world=cp).contiguous()
 
 
 def shard_batch(cp_mesh: DeviceMesh, *tensors: Tensor, layout: str = "striped", seq_dim: int = 1) -> tuple[Tensor, ...]:

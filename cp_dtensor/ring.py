@@ -321,14 +321,22 @@ def ring_attention(
 
     ``scale=None`` is 1/sqrt(Dqk), as in ``F.scaled_dot_product_attention``.
     """
+    return _ring_attention(q, k, v, group=group, layout=layout, is_causal=is_causal, scale=scale,
+                           comm_dtype=comm_dtype, document_ids=document_ids, window_size=window_size, sinks=sinks)
+
+
+def _ring_attention(q, k, v, *, group, layout, is_causal, scale, comm_dtype=None, document_ids=None,
+                    window_size=None, sinks=None, error: str | None = None) -> Tensor:
+    """``ring_attention`` with a caller's own local ``error`` (e.g. an unsupported argument the module
+    path saw) that raises on every rank through the agreement check, like a bad argument."""
     group = group if group is not None else dist.group.WORLD
-    scale, id_span = check_ring_args(
+    scale, id_range = check_ring_args(
         q, k, v, group=group, layout=layout, is_causal=is_causal, scale=scale, comm_dtype=comm_dtype,
-        document_ids=document_ids, window_size=window_size, sinks=sinks,
+        document_ids=document_ids, window_size=window_size, sinks=sinks, error=error,
     )
     ids = None
     if document_ids is not None:
-        ids = gather_ids(document_ids, group, id_span)  # [P, B, S_local], before any K/V moves
+        ids = gather_ids(document_ids, group, id_range)  # [P, B, S_local], before any K/V moves
         check_documents(ids, layout, group)
     window = None if window_size is None else tuple(int(w) for w in window_size)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()

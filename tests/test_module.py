@@ -36,12 +36,13 @@ class Block(nn.Module):
         self.wo = nn.Linear(heads * self.hd, dim, bias=False)
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, mask=None, window=None):
         b, s, _ = x.shape
         h = self.norm1(x)
         q = self.wq(h).view(b, s, self.heads, self.hd).transpose(1, 2)
         k, v = self.wkv(h).view(b, s, 2 * self.kv_heads, self.hd).transpose(1, 2).chunk(2, dim=1)
-        o = F.scaled_dot_product_attention(rope(q, cos, sin), rope(k, cos, sin), v, is_causal=True, enable_gqa=True)
+        o = F.scaled_dot_product_attention(rope(q, cos, sin), rope(k, cos, sin), v, attn_mask=mask,
+                                           is_causal=mask is None, enable_gqa=True)
         x = x + self.wo(o.transpose(1, 2).reshape(b, s, -1))
         return x + self.mlp(self.norm2(x))
 
@@ -54,13 +55,13 @@ class TinyLM(nn.Module):
         self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
         self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, dim // heads, 2) / (dim // heads)))
 
-    def forward(self, tokens, positions):
+    def forward(self, tokens, positions, mask=None):
         # tokens, positions: [B, S] -- positions are global, so RoPE follows the layout
         freqs = positions[:, None, :, None].float() * self.inv_freq  # [B, 1, S, hd/2]
         cos, sin = freqs.cos(), freqs.sin()
         x = self.embed(tokens)
         for blk in self.blocks:
-            x = blk(x, cos, sin)
+            x = blk(x, cos, sin, mask)
         return self.head(self.norm(x))
 
 
@@ -120,10 +121,14 @@ def _check_training(rank: int, world: int) -> None:
 
     bad = apply_context_parallel(Bad(), meshes[4], layout="striped")
     x = torch.randn(1, 2, 4, 8)
-    for kw in (dict(dropout_p=0.1), dict(attn_mask=torch.ones(16, 16, dtype=torch.bool))):
-        with CommDebugMode() as cm, pytest.raises(ValueError, match="attn_mask nor dropout_p"):
+    # on every rank, or on one rank only (a mask built from one rank's local shapes): every rank raises,
+    # after the agreement check's all-gathers (fingerprints, then the error texts), before any K/V moves
+    for kw in (dict(dropout_p=0.1), dict(attn_mask=torch.ones(4, 4, dtype=torch.bool)),
+               dict(attn_mask=torch.ones(4, 4, dtype=torch.bool)) if rank == 1 else dict(is_causal=True)):
+        with CommDebugMode() as cm, pytest.raises(ValueError, match="no explicit attn_mask"):
             bad(x, **kw)
-        assert cm.get_total_counts() == 0
+        counts = {str(k).split(".")[-1]: n for k, n in cm.get_comm_counts().items()}
+        assert "all_to_all_single" not in counts and counts["all_gather_into_tensor"] == 1, counts
         assert not torch._C._is_torch_function_mode_enabled()  # the failed forward left no mode behind
     with pytest.raises(ValueError, match="already applied"):
         apply_context_parallel(bad, meshes[4])
@@ -131,3 +136,48 @@ def _check_training(rank: int, world: int) -> None:
 
 def test_transformer_training_matches_cp1():
     run_ranks(4, _check_training)
+
+
+def _dense_mask(ids: torch.Tensor, window: tuple[int, int] | None) -> torch.Tensor:
+    """[B, 1, N, N] boolean: same document, causal, inside the window -- the CP=1 reference's mask."""
+    n = ids.shape[1]
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    keep = (j <= i) & ((j >= i - window[0]) if window else True)
+    return (ids[:, None, :, None] == ids[:, None, None, :]) & keep
+
+
+def _check_packed(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    base = TinyLM()
+    b, n = 2, 24
+    g = torch.Generator().manual_seed(3)
+    tokens, labels = torch.randint(0, 32, (b, n), generator=g), torch.randint(0, 32, (b, n), generator=g)
+    lengths = [[5, 1, 11, 7], [24]]  # packed documents per row (HF convention: positions restart at 0)
+    positions = torch.stack([torch.cat([torch.arange(x) for x in row]) for row in lengths])
+    ids = torch.stack([torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row)) for row in lengths])
+    mesh = init_device_mesh("cpu", (world,))
+    for window in (None, (3, 0)):
+        ref = copy.deepcopy(base)
+        ref_logits = ref(tokens, positions, _dense_mask(ids, window))
+        _loss(ref_logits, labels, b * n).backward()
+        for layout in ("striped", "headtail", "contiguous"):
+            for how in ("document_ids", "position_ids"):
+                model = apply_context_parallel(copy.deepcopy(base), mesh, layout=layout, window_size=window,
+                                               documents="position_ids" if how == "position_ids" else None)
+                tok, lab, pos, lid = shard_batch(mesh, tokens, labels, positions, ids, layout=layout)
+                # the hook reads keyword arguments: positions by keyword for the position_ids path
+                logits = model(tok, pos, document_ids=lid) if how == "document_ids" else model(tok, positions=pos)
+                _loss(logits, lab, b * n).backward()
+                reduce_gradients(model, mesh)
+                where = f"P={world} {layout} {how} window={window}"
+                full = unshard_sequence(logits.detach(), mesh, layout=layout, dim=1)
+                assert rel_err(full, ref_logits.detach()) <= TOL, where
+                for (name, p), want in zip(model.named_parameters(), ref.parameters()):
+                    assert rel_err(p.grad, want.grad) <= TOL, f"{where} grad {name}"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_packed_documents_and_windows_match_cp1_dense_mask(world):
+    """Packed sequences (ids, or position ids restarting at 0) and a sliding window through
+    apply_context_parallel: logits and gradients equal a CP=1 model given the dense mask."""
+    run_ranks(world, _check_packed)
