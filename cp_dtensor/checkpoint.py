@@ -42,36 +42,56 @@ state: consolidation has one rank rewrite every byte of every tensor.
 
 Note [Crash-safe checkpoint directories]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-``save_checkpoint`` writes step N into ``step-N.tmp``; when every rank has written (DCP's save ends with
-a collective over all ranks' write results, and we add a barrier), rank 0 renames it to ``step-N`` and
-fsyncs the parent. A rename within one file system is atomic, so a directory named ``step-N`` is
-complete by construction and a save killed at any point leaves at worst a ``step-N.tmp``, which
-``latest_checkpoint`` ignores and the next save of step N replaces. Assumes every rank sees the same
-file system (as DCP itself does).
+A save never writes into its target. ``save_sequence_sharded(state, path)`` (and ``save_checkpoint``,
+whose target is ``root/step-N``) writes into ``path.tmp-<token>``, a fresh directory per save (rank 0
+draws the token and every rank learns it in the first agreement round). When every rank has written
+(DCP's save ends with a collective over all ranks' write results) and rank 0 has written the manifest
+(Note [Checkpoint manifest] in _manifest.py), rank 0 renames the directory to ``path`` and fsyncs the
+parent. A rename within one file system is atomic and fails when the target holds files, so:
+
+* a directory with a manifest is one complete save; a save killed at any point leaves at worst a
+  ``.tmp-<token>`` directory, which ``latest_checkpoint`` ignores and the next successful save of that
+  path removes (a save that fails on a live rank removes its own);
+* a target that already holds files is refused up front (``CheckpointExistsError``) unless
+  ``overwrite=True``, which moves the old directory aside, renames the new one in and then deletes the
+  old one: a crash between the two renames leaves ``path`` absent (and ``path.old-<token>``), never a
+  mix of two saves;
+* of two concurrent saves of one path, each writes its own directory; the first to commit wins, the
+  other's rename fails (or its temporary directory is removed under it by the winner's clean-up) and it
+  raises ``CheckpointError`` saying so. Nothing is ever mixed.
+Assumes every rank sees the same file system (as DCP itself does). Errors: Note [Agreeing on checkpoint
+errors] in _agree.py.
 """
 
 from __future__ import annotations
 
+import errno
+import glob
+import json
 import os
 import re
 import shutil
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
-from torch.distributed.tensor import DTensor, Partial, Shard
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from .layout import layout_unit, local_positions
+from . import _manifest
+from ._agree import agreed, dcp_call, rank_world
+from ._manifest import CheckpointError, CheckpointExistsError
 from .placement import as_layout_placements, placement_layout
+from .relayout import _box_placements, _layout_moves, relayout
 
 __all__ = [
+    "CheckpointError",
+    "CheckpointExistsError",
     "relayout",
     "save_sequence_sharded",
     "load_sequence_sharded",
@@ -82,116 +102,137 @@ __all__ = [
 ]
 
 
-# ---- the O(shard) all-to-all between layouts; see Note [Checkpointing layout shards] ----
-
-def _owners(layout: str, world: int, seq_len: int, positions: Tensor) -> Tensor:
-    """The rank that holds each global position in ``layout`` (inverse of ``local_positions``)."""
-    s_local = seq_len // world
-    if layout == "contiguous":
-        return positions // s_local
-    if layout == "striped":
-        return positions % world
-    chunk = positions // (s_local // 2)  # headtail: chunk c < P is rank c's head, else rank 2P-1-c's tail
-    return torch.where(chunk < world, chunk, 2 * world - 1 - chunk)
-
-
-def _exchange(local: Tensor, *, dim: int, seq_len: int, src: str, dst: str, group: tuple) -> Tensor:
-    """This rank's ``dst`` shard from its ``src`` shard along ``dim``: one all-to-all, O(shard) buffers."""
-    mesh, mesh_dim = group
-    world, rank = mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim)
-    if src == dst or world == 1:
-        return local
-    # local: [.., S_local (src order), ..] -> send: [S_local, ..] grouped by receiving rank
-    to = _owners(dst, world, seq_len, local_positions(src, rank, world, seq_len))
-    send = local.movedim(dim, 0).index_select(0, torch.argsort(to, stable=True).to(local.device))
-    wanted = local_positions(dst, rank, world, seq_len)
-    frm = _owners(src, world, seq_len, wanted)
-    recv = funcol.all_to_all_single(
-        send, torch.bincount(frm, minlength=world).tolist(), torch.bincount(to, minlength=world).tolist(),
-        group=group,
-    )
-    if isinstance(recv, funcol.AsyncCollectiveTensor):
-        recv = recv.wait()
-    # each sender's rows arrive in increasing position, senders in rank order: recv[k] is
-    # wanted[arrival[k]]; scatter them into dst order
-    arrival = torch.argsort(frm, stable=True).to(local.device)
-    out = torch.empty_like(local, memory_format=torch.contiguous_format)
-    out.movedim(dim, 0).index_copy_(0, arrival, recv)
-    return out
-
-
-_SEQ_SHARDS = (Shard, _StridedShard)  # _StridedShard is no Shard subclass in torch 2.13
-
-
-def _layout_moves(x: DTensor, placements: Sequence[Placement]) -> list[tuple[int, int, str, str]]:
-    """(mesh dim, tensor dim, src layout, dst layout) for every mesh dim whose placement changes.
-    Raises unless each change is between sequence layouts of one tensor dim no other mesh dim shards."""
-    mesh, src_pl = x.device_mesh, as_layout_placements(x.placements)
-    dst_pl = as_layout_placements(placements)
-    if len(dst_pl) != mesh.ndim:
-        raise ValueError(f"need one placement per mesh dim ({mesh.ndim}); got {list(dst_pl)}.")
-    if any(isinstance(p, Partial) for p in (*src_pl, *dst_pl)):
-        raise ValueError(f"cannot checkpoint or relayout a Partial DTensor ({list(src_pl)}); reduce it first.")
-    moves = []
-    for md, (p, q) in enumerate(zip(src_pl, dst_pl)):
-        if p == q and type(p) is type(q):
-            continue
-        if not (isinstance(p, _SEQ_SHARDS) and isinstance(q, _SEQ_SHARDS) and p.dim == q.dim):
-            raise ValueError(f"relayout changes sequence layouts only (Shard, Striped, HeadTail of one dim); "
-                             f"mesh dim {md} goes {p} -> {q}. Use DTensor.redistribute for other changes.")
-        d, n, cp = p.dim, x.shape[p.dim], mesh.size(md)
-        others = [o for i, o in enumerate(src_pl) if i != md and isinstance(o, _SEQ_SHARDS) and o.dim == d]
-        if others:
-            raise ValueError(f"tensor dim {d} is also sharded by {others}; a sequence layout must be the only "
-                             "placement sharding its dim.")
-        src, dst = placement_layout(p, seq_len=n, cp=cp), placement_layout(q, seq_len=n, cp=cp)
-        for layout in (src, dst):
-            if n % layout_unit(layout, cp):
-                raise ValueError(f"{layout} layout on {cp} ranks needs the sequence length divisible by "
-                                 f"{layout_unit(layout, cp)}; tensor dim {d} has {n}. Pad it or change the CP degree.")
-        moves.append((md, d, src, dst))
-    return moves
-
-
-def relayout(x: DTensor, placements: Sequence[Placement]) -> DTensor:
-    """``x`` in other sequence layouts on the same mesh (e.g. ``[Striped(...)]`` -> ``[Shard(1)]``), by
-    one all-to-all per changed mesh dim with O(shard) buffers -- never the full tensor."""
-    moves = _layout_moves(x, placements)  # validated on every rank before any collective
-    local = x.to_local()
-    for md, d, src, dst in moves:
-        local = _exchange(local, dim=d, seq_len=x.shape[d], src=src, dst=dst, group=(x.device_mesh, md))
-    return DTensor.from_local(local, x.device_mesh, as_layout_placements(placements), run_check=False,
-                              shape=x.shape, stride=x.stride())
-
-
-def _box_placements(placements: Sequence[Placement]) -> list[Placement]:
-    """Every striped / head-tail placement as the contiguous ``Shard`` of its dim: a DCP box."""
-    return [Shard(p.dim) if isinstance(p, _StridedShard) else p for p in placements]
-
-
 # ---- save / load of sequence-sharded state ----
 
 def _sorted_items(state: Mapping[str, Any]) -> list[tuple[str, Any]]:
     return sorted(state.items())  # one collective order on every rank, whatever the dict order
 
 
-def save_sequence_sharded(state: Mapping[str, Tensor], path: str | os.PathLike, *, thread_count: int = 1) -> None:
-    """Save ``state`` (DTensors in any layout, plain or replicated tensors) as sharded safetensors under
-    ``path``, loadable at any CP size and layout by ``load_sequence_sharded``. Every rank calls it.
-    Per-rank memory O(shard); see Note [Checkpointing layout shards]."""
-    boxes = {}
-    for key, value in _sorted_items(state):
-        if not isinstance(value, Tensor):
-            raise TypeError(f"save_sequence_sharded saves tensors only (safetensors); {key!r} is a "
-                            f"{type(value).__name__}. Save other state separately.")
-        if isinstance(value, DTensor):
-            value = relayout(value, _box_placements(value.placements))
-        boxes[key] = value
-    writer = HuggingFaceStorageWriter(str(path), save_distributed=True, thread_count=thread_count)
-    dcp.save(boxes, storage_writer=writer)
+def _saved_from(value: Tensor) -> str:
+    """'striped(2) on mesh (2,)': how a tensor was placed when saved (the files hold natural order)."""
+    if not isinstance(value, DTensor):
+        return "tensor"
+    mesh = value.device_mesh
+    names = []
+    for md, p in enumerate(as_layout_placements(value.placements)):
+        layout = None if isinstance(p, Replicate) else placement_layout(p, seq_len=value.shape[p.dim], cp=mesh.size(md))
+        names.append(f"{layout}({p.dim})" if layout else str(p).lower())
+    return f"{', '.join(names)} on mesh {tuple(mesh.shape)}"
 
 
-def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+def _occupied(path: str) -> bool:
+    return os.path.lexists(path) and (not os.path.isdir(path) or bool(os.listdir(path)))
+
+
+def _commit(tmp: str, path: str, *, overwrite: bool, token: str) -> None:
+    """Rank 0: rename the written directory into place; see Note [Crash-safe checkpoint directories]."""
+    if overwrite and _occupied(path):
+        old = f"{path}.old-{token}"
+        os.rename(path, old)
+        os.rename(tmp, path)
+        shutil.rmtree(old)
+    else:
+        try:
+            os.rename(tmp, path)  # replaces an empty directory; fails if another save filled it meanwhile
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            raise _lost_race(path) from None
+    fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)  # make the rename itself durable
+    finally:
+        os.close(fd)
+    for suffix in (".tmp-*", ".old-*"):  # saves of this path that died (or lost), replacements cut short
+        for left in glob.glob(glob.escape(path) + suffix):
+            shutil.rmtree(left, ignore_errors=True)
+
+
+def _lost_race(path: str) -> CheckpointError:
+    return CheckpointError(f"another save committed {path} while this one was writing (two concurrent saves "
+                           "of one path or step); this save was discarded and the directory holds the "
+                           "other one. Save each step from one job, or to distinct paths.")
+
+
+def _write(state: Mapping[str, Tensor], tmp: str, *, thread_count: int, path: str) -> None:
+    """Every rank's boxes into ``tmp`` (one safetensors file per rank that holds any)."""
+    boxes = {key: relayout(v, _box_placements(v.placements)) if isinstance(v, DTensor) else v
+             for key, v in _sorted_items(state)}
+    writer = HuggingFaceStorageWriter(tmp, save_distributed=True, thread_count=thread_count)
+    dcp_call("save", lambda: dcp.save(boxes, storage_writer=writer), path)
+
+
+def _save(state: Mapping[str, Tensor], path: str, *, overwrite: bool, checksum: str | None, thread_count: int,
+          exists_fix: str, check: Callable[[], None] = lambda: None) -> None:
+    rank, world = rank_world()
+    path = os.path.normpath(os.fspath(path))
+    saved_from: dict[str, str] = {}
+
+    def validate() -> str:
+        check()
+        if checksum not in (*_manifest.CHECKSUMS, None):
+            raise ValueError(f"checksum must be one of {_manifest.CHECKSUMS} or None; got {checksum!r}.")
+        for key, value in _sorted_items(state):
+            if not isinstance(value, Tensor):
+                raise ValueError(f"save_sequence_sharded saves tensors only (safetensors); {key!r} is a "
+                                 f"{type(value).__name__}. Save other state separately.")
+            if isinstance(value, DTensor):
+                _layout_moves(value, _box_placements(value.placements))
+            saved_from[key] = _saved_from(value)
+        if os.path.lexists(path) and not os.path.isdir(path):
+            raise ValueError(f"{path} is a file, not a checkpoint directory; save to another path.")
+        if _occupied(path) and not overwrite:
+            raise CheckpointExistsError(f"{path} already holds files; {exists_fix}")
+        return f"{os.urandom(6).hex()}\0{path}"
+
+    payloads = agreed(validate, f"checking the save to {path}", payload=lambda p: p)
+    token, paths = payloads[0].split("\0")[0], {p.split("\0")[1] for p in payloads}
+    if len(paths) > 1:
+        raise ValueError(f"the ranks save to different paths {sorted(paths)}; every rank must pass the same path.")
+    tmp = f"{path}.tmp-{token}"
+    agreed(lambda: rank == 0 and os.makedirs(tmp), f"creating {tmp}")
+    try:
+        _write(state, tmp, thread_count=thread_count, path=path)
+        # each rank describes (sizes, digests, headers) every world-th file; see Note [Checkpoint manifest]
+        files = agreed(lambda: _manifest.describe_files(tmp, sorted(os.listdir(tmp))[rank::world], checksum),
+                        f"checksumming the files in {tmp}", payload=json.dumps)
+
+        def commit() -> None:
+            if rank != 0:
+                return
+            described = {n: f for text in files for n, f in json.loads(text).items()}
+            manifest = _manifest.build(described, world_size=world, checksum=checksum, saved_from=saved_from)
+            with open(os.path.join(tmp, _manifest.MANIFEST), "w", encoding="utf-8") as f:
+                json.dump(manifest, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            _commit(tmp, path, overwrite=overwrite, token=token)
+
+        agreed(commit, f"committing {path}")
+    except BaseException as e:
+        lost = isinstance(e, CheckpointError) and not overwrite and _occupied(path)
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if lost and "another save committed" not in str(e):
+            raise _lost_race(path) from e
+        raise
+
+
+def save_sequence_sharded(state: Mapping[str, Tensor], path: str | os.PathLike, *, overwrite: bool = False,
+                          checksum: str | None = "sha256", thread_count: int = 1) -> None:
+    """Save ``state`` (DTensors in any layout, plain or replicated tensors) as sharded safetensors plus a
+    ``manifest.json`` under ``path``, loadable at any CP size and layout by ``load_sequence_sharded``.
+    Every rank calls it. Per-rank memory O(shard); see Note [Checkpointing layout shards].
+
+    ``path`` must be empty or absent unless ``overwrite=True``, which replaces it atomically: the save
+    is written beside and renamed into place (Note [Crash-safe checkpoint directories]). ``checksum``:
+    "sha256" (default), "crc32" (faster, accidents only) or None, one digest per file, verified on load.
+    Raises ValueError (arguments) or CheckpointError (files, DCP) on every rank."""
+    _save(state, path, overwrite=overwrite, checksum=checksum, thread_count=thread_count,
+          exists_fix="pass overwrite=True to replace it atomically, or save to an empty or new directory.")
+
+
+def _contiguous_stride(shape) -> tuple[int, ...]:
     stride, step = [], 1
     for n in reversed(shape):
         stride.append(step)
@@ -208,19 +249,38 @@ def _empty_box(like: DTensor) -> DTensor:
                               stride=_contiguous_stride(like.shape))
 
 
-def load_sequence_sharded(path: str | os.PathLike, like: Mapping[str, Tensor]) -> dict[str, Tensor]:
+def load_sequence_sharded(path: str | os.PathLike, like: Mapping[str, Tensor], *,
+                          checksums: bool = True) -> dict[str, Tensor]:
     """New tensors for every key of ``like``, with its mesh, placements (any layout), shape and dtype,
     read from a checkpoint of ``save_sequence_sharded`` saved at any CP size and layout. Every rank
-    calls it; ``like`` may live on the meta device. Reads only safetensors from ``path``: nothing in the
-    files is unpickled (DCP pickles only its plans, exchanged between the ranks)."""
+    calls it; ``like`` may live on the meta device.
+
+    Before reading any tensor data it checks the checkpoint against its manifest (Note [Checkpoint
+    manifest]): every file present, of its size, with its digest (``checksums=False`` skips only the
+    digests) and header, no extra file, every requested tensor covered exactly once at the requested
+    shape; any failure raises on every rank, naming the file. Reads JSON and safetensors only: nothing
+    from ``path`` is unpickled."""
+    root = os.path.normpath(os.fspath(path))
+    rank, world = rank_world()
+
+    def verify() -> None:
+        for value in like.values():
+            if isinstance(value, DTensor):
+                _layout_moves(value, _box_placements(value.placements))
+        manifest = _manifest.read(root)
+        _manifest.check_listing(root, manifest)
+        _manifest.check_request(root, manifest, {k: v.shape for k, v in like.items()})
+        needed = sorted({p["file"] for k in like for p in manifest["tensors"][k]["pieces"]})
+        _manifest.check_files(root, manifest, needed[rank::world], checksums=checksums)
+
+    agreed(verify, f"checking checkpoint {root}")
     buffers: dict[str, Tensor] = {}
     for key, value in _sorted_items(like):
         if isinstance(value, DTensor):
-            _layout_moves(value, _box_placements(value.placements))  # validate before any collective
             buffers[key] = _empty_box(value)
         else:
             buffers[key] = torch.empty(value.shape, dtype=value.dtype, device="cpu" if value.is_meta else value.device)
-    dcp.load(buffers, storage_reader=HuggingFaceStorageReader(str(path)))
+    dcp_call("load", lambda: dcp.load(buffers, storage_reader=HuggingFaceStorageReader(root)), root)
     out = {}
     for key, value in _sorted_items(like):
         box = buffers.pop(key)  # dropped as we go: one extra shard at a time
@@ -228,47 +288,51 @@ def load_sequence_sharded(path: str | os.PathLike, like: Mapping[str, Tensor]) -
     return out
 
 
-# ---- crash-safe step directories; see Note [Crash-safe checkpoint directories] ----
+# ---- step directories; see Note [Crash-safe checkpoint directories] ----
 
 _STEP_DIR = re.compile(r"step-(\d+)")
 
 
-def save_checkpoint(state: Mapping[str, Tensor], root: str | os.PathLike, *, step: int) -> str:
+def save_checkpoint(state: Mapping[str, Tensor], root: str | os.PathLike, *, step: int, overwrite: bool = False,
+                    checksum: str | None = "sha256") -> str:
     """``save_sequence_sharded`` into ``root/step-{step}``, committed atomically after every rank wrote.
     Every rank calls it; returns the committed directory."""
-    final = os.path.join(root, f"step-{step}")
-    tmp = final + ".tmp"
-    if step < 0:
-        raise ValueError(f"step must be >= 0; got {step}.")
-    if os.path.exists(final):  # the same answer on every rank: checked before any collective
-        raise FileExistsError(f"checkpoint {final} exists; pick a new step or delete it.")
-    is_leader = not dist.is_initialized() or dist.get_rank() == 0
-    if is_leader and os.path.exists(tmp):  # left by a save that died
-        shutil.rmtree(tmp)
-    if dist.is_initialized():
-        dist.barrier()  # nobody writes into a directory that is being removed
-    save_sequence_sharded(state, tmp)
-    if dist.is_initialized():
-        dist.barrier()  # every rank's files are written (and fsynced by DCP's writer)
-    if is_leader:
-        os.rename(tmp, final)
-        fd = os.open(root, os.O_RDONLY)
-        try:
-            os.fsync(fd)  # make the rename itself durable
-        finally:
-            os.close(fd)
-    if dist.is_initialized():
-        dist.barrier()  # no rank returns before the commit
+    final = os.path.join(os.fspath(root), f"step-{step}")
+
+    def check() -> None:
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be an int >= 0; got {step!r}.")
+
+    _save(state, final, overwrite=overwrite, checksum=checksum, thread_count=1, check=check,
+          exists_fix="pick a new step, or pass overwrite=True to replace it atomically.")
     return final
 
 
 def latest_checkpoint(root: str | os.PathLike) -> str | None:
-    """The committed ``step-N`` directory under ``root`` with the largest N (``.tmp`` ones are partial
-    saves and never count), or None."""
+    """The complete ``step-N`` directory under ``root`` with the largest N, or None. ``.tmp-*``
+    directories (saves in progress or killed) never count; a ``step-N`` without a valid manifest
+    (emptied, or written by something else) or with a non-canonical name (``step-007``) is skipped with
+    a warning."""
+    root = os.fspath(root)
     if not os.path.isdir(root):
         return None
-    steps = [int(m.group(1)) for name in os.listdir(root) if (m := _STEP_DIR.fullmatch(name))]
-    return os.path.join(root, f"step-{max(steps)}") if steps else None
+    best: tuple[int, str] | None = None
+    for name in sorted(os.listdir(root)):
+        if not (m := _STEP_DIR.fullmatch(name)):
+            continue
+        path, step = os.path.join(root, name), int(m.group(1))
+        if name != f"step-{step}":
+            warnings.warn(f"latest_checkpoint skips {path}: save_checkpoint names step {step} 'step-{step}'. "
+                          f"Rename it to step-{step} to resume from it.", stacklevel=2)
+            continue
+        try:
+            _manifest.read(path)
+        except CheckpointError as e:
+            warnings.warn(f"latest_checkpoint skips {path}: {e}", stacklevel=2)
+            continue
+        if best is None or step > best[0]:
+            best = (step, path)
+    return best[1] if best else None
 
 
 # ---- model weights as Hugging Face safetensors ----
@@ -283,7 +347,7 @@ def export_hf_safetensors(model_state: Mapping[str, Tensor], path: str | os.Path
     # each rank writes its share into path/sharded, then DCP consolidates full tensors into path
     writer = HuggingFaceStorageWriter(str(path), fqn_to_index_mapping=mapping, save_distributed=True,
                                       enable_consolidation=True)
-    dcp.save(state, storage_writer=writer)
+    dcp_call("save", lambda: dcp.save(state, storage_writer=writer), os.fspath(path))
     if not dist.is_initialized() or dist.get_rank() == 0:
         shutil.rmtree(os.path.join(path, "sharded"), ignore_errors=True)
     if dist.is_initialized():
@@ -296,6 +360,7 @@ def load_hf_safetensors(model: torch.nn.Module, path: str | os.PathLike, *, adap
     ``export_hf_safetensors``, plus ``from_hf``."""
     state = model.state_dict()
     hf_state = adapter.to_hf(state) if adapter is not None else state
-    dcp.load(hf_state, storage_reader=HuggingFaceStorageReader(str(path)), no_dist=True)
+    dcp_call("load", lambda: dcp.load(hf_state, storage_reader=HuggingFaceStorageReader(str(path)), no_dist=True),
+             os.fspath(path))
     if adapter is not None:
         model.load_state_dict(adapter.from_hf(hf_state), strict=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import pickle
 import re
 import shutil
 import subprocess
@@ -23,6 +24,7 @@ if importlib.util.find_spec("torchtitan") is None:
 
 import cp_dtensor.titan  # noqa: E402, F401  before any torchtitan import: see Note [torchtitan on CPU]
 from cp_dtensor.titan.resume import check_resume, checkpoint_to_resume, saved_batch_degree  # noqa: E402
+from torch.distributed.checkpoint import FileSystemReader  # noqa: E402
 from test_titan import _torchrun  # noqa: E402  one launcher for every end-to-end test
 
 REPO = Path(__file__).resolve().parents[1]
@@ -100,6 +102,51 @@ def test_check_resume_names_the_batch_degree(tmp_path):
         check_resume(checkpointer, _dims(1, 1, 4))  # dp_shard=-1 on 4 ranks at CP=4 resolves to 1
     check_resume(types.SimpleNamespace(enable=True, folder=str(tmp_path / "none")), _dims(1, 1, 4))  # fresh run
     check_resume(types.SimpleNamespace(enable=False, folder=str(folder)), _dims(1, 1, 4))  # no checkpointing
+
+
+class _Plant:
+    """Unpickling this creates ``marker``: what a crafted ``.metadata`` could do instead."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def _forbid(*args, **kwargs):
+    raise AssertionError("the resume check unpickled something")
+
+
+def test_resume_check_never_unpickles(tmp_path, monkeypatch):
+    folder = tmp_path / "checkpoint"
+    _titan_like_checkpoint(folder / "step-10", 3)  # a real DCP .metadata, batch degree 3
+    marker = tmp_path / "pwned"
+    # a crafted .metadata: DCP-looking keys (batch degree 2) whose values run code when unpickled
+    evil = {"state_dict_metadata": {"dataloader.dp_rank_0": _Plant(str(marker)), "dataloader.dp_rank_1": 0}}
+    (folder / "step-20").mkdir()
+    (folder / "step-20" / ".metadata").write_bytes(pickle.dumps(evil))
+    (folder / "step-30").mkdir()
+    (folder / "step-30" / ".metadata").write_bytes(b"\xffnot a pickle")
+
+    # the guard can fail: DCP's reader (the old code path) runs the planted code
+    with pytest.raises(Exception):
+        FileSystemReader(str(folder / "step-20")).read_metadata()
+    assert marker.exists()
+    marker.unlink()
+
+    for name in ("load", "loads", "Unpickler"):  # and every way to unpickle raises from here on
+        monkeypatch.setattr(pickle, name, _forbid)
+    monkeypatch.setattr(torch, "load", _forbid)
+    assert saved_batch_degree(folder / "step-10") == 3
+    assert saved_batch_degree(folder / "step-20") == 2  # read, not run
+    assert checkpoint_to_resume(folder, load_step=20) == str(folder / "step-20")
+    checkpointer = types.SimpleNamespace(enable=True, folder=str(folder))
+    with pytest.raises(ValueError, match="saved with a batch \\(data-parallel\\) degree of 2; this job has 1"):
+        check_resume(checkpointer, _dims(1, 1, 2), load_step=20)
+    with pytest.raises(ValueError, match=r"step-30/.metadata is not a readable DCP metadata file"):
+        check_resume(checkpointer, _dims(1, 1, 2))  # the newest step: garbage, named
+    assert not marker.exists()
 
 
 @pytest.mark.skipif(os.environ.get("CP_DTENSOR_SLOW") != "1", reason="~40 s on 2 CPU cores; set CP_DTENSOR_SLOW=1")

@@ -28,15 +28,27 @@ dataloader.dp_rank_1", measured: saved at CP=2 on 2 ranks, resumed at CP=1 on 2 
 trips ``assert dp_degree is inconsistent`` in the dataloader (from the code). ``check_resume`` reads the
 saved batch degree from the checkpoint's metadata (no tensor data) and raises, on every rank and before
 any load, an error that says which degree to set.
+
+Note [Reading DCP metadata without unpickling]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The saved state keys live only in ``step-N/.metadata``, a pickle (DCP's ``FileSystemReader.read_metadata``
+is ``pickle.load``; the ``.distcp`` data files hold bytes without names). Unpickling runs whatever the
+file says, so the check must not add that path before training starts. It does not need the objects,
+only the key strings, and a pickle states every string literally in its opcode stream:
+``pickletools.genops`` decodes the opcodes and their arguments without executing any of them (no
+import, no call, no object built), so we collect the strings that look like ``dataloader.dp_rank_<b>``.
+This works for any torchtitan checkpoint, including those saved by stock torchtitan, with no hook at
+save time. A crafted file can at worst make it report a wrong degree (a refused resume or a skipped
+check); torchtitan's own load will unpickle the file anyway -- see the README's security note.
 """
 
 from __future__ import annotations
 
 import os
+import pickletools
 import re
+from collections.abc import Iterator
 from typing import Any
-
-from torch.distributed.checkpoint import FileSystemReader
 
 __all__ = ["saved_batch_degree", "checkpoint_to_resume", "check_resume"]
 
@@ -46,12 +58,27 @@ _STEP_DIR = re.compile(r"step-(\d+)")
 
 def saved_batch_degree(step_dir: str | os.PathLike) -> int | None:
     """The batch (data-parallel) degree a torchtitan DCP checkpoint was saved with: how many batch ranks
-    saved dataloader state. None when it holds no dataloader state (model-only, seed or HF checkpoints)."""
-    if not os.path.isfile(os.path.join(step_dir, ".metadata")):
+    saved dataloader state. None when it holds no dataloader state (model-only, seed or HF checkpoints).
+    Reads ``.metadata`` without unpickling it (Note [Reading DCP metadata without unpickling])."""
+    path = os.path.join(step_dir, ".metadata")
+    if not os.path.isfile(path):
         return None
-    keys = FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
-    ranks = {int(m.group(1)) for k in keys if (m := _DATALOADER_KEY.fullmatch(k))}
+    ranks = {int(m.group(1)) for s in _pickled_strings(path) if (m := _DATALOADER_KEY.fullmatch(s))}
     return len(ranks) or None
+
+
+def _pickled_strings(path: str) -> Iterator[str]:
+    """Every string literal in the pickle at ``path``, decoded without unpickling it; see Note [Reading
+    DCP metadata without unpickling]."""
+    with open(path, "rb") as f:
+        try:
+            for opcode, arg, _ in pickletools.genops(f):
+                if isinstance(arg, str) and "UNICODE" in opcode.name:
+                    yield arg
+        except ValueError as e:  # an unknown opcode, a truncated argument: not a pickle we can read
+            raise ValueError(f"{path} is not a readable DCP metadata file ({e}), so the batch degree it was "
+                             "saved with is unknown. Restore the checkpoint, delete that step directory, or "
+                             "resume from another step (--checkpoint.load_step).") from None
 
 
 def checkpoint_to_resume(folder: str | os.PathLike, *, load_step: int = -1) -> str | None:
