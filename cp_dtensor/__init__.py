@@ -6,6 +6,8 @@ from then on ``F.scaled_dot_product_attention`` on sequence-sharded DTensors run
 
 from . import dispatch as _dispatch  # noqa: F401  (installs the SDPA handlers)
 from .checkpoint import (
+    CheckpointError,
+    CheckpointExistsError,
     export_hf_safetensors,
     latest_checkpoint,
     load_hf_safetensors,
@@ -15,15 +17,24 @@ from .checkpoint import (
     save_sequence_sharded,
 )
 from .layout import LAYOUTS
-from .module import apply_context_parallel, reduce_gradients, shard_batch, unshard_sequence
+from .module import (
+    apply_context_parallel,
+    document_ids_from_positions,
+    reduce_gradients,
+    shard_batch,
+    unshard_sequence,
+)
 from .placement import HeadTail, Striped, sequence_placement, shard_sequence, to_mesh
 from .ring import ring_attention
 
 __all__ = [
+    "CheckpointError",
+    "CheckpointExistsError",
     "LAYOUTS",
     "HeadTail",
     "Striped",
     "apply_context_parallel",
+    "document_ids_from_positions",
     "export_hf_safetensors",
     "latest_checkpoint",
     "load_hf_safetensors",
