@@ -16,6 +16,11 @@ reads it. Any other call -- sequence not sharded, e.g. heads-only tensor paralle
 went before: to the handler that was registered for the op before ours, if any, else DTensor's
 ordinary path.
 
+Compiled, the ring appears only when AOTAutograd traces through this handler, and it is different on
+every rank, while Dynamo's graph (SDPA on DTensors) is the same on all: installing the handlers also
+keys compiled DTensor graphs by the rank's mesh coordinate -- see Note [Rank-specialised compiled
+graphs] in _compat.py.
+
 Everything the handler checks comes from DTensor metadata (global shapes, placements) and the call's
 own arguments, which every rank has alike, so a bad call raises on every rank before any collective.
 
@@ -37,6 +42,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
+from ._compat import include_mesh_coordinate_in_cache_key
 from .checks import _local_error
 from .layout import layout_unit
 from .placement import as_layout_placements, install_headtail_propagation, placement_layout
@@ -204,6 +210,7 @@ def install_sdpa_handlers() -> None:
     """Route SDPA on sequence-sharded DTensors to the ring and keep ``HeadTail`` through sharding
     propagation (idempotent; done at ``import cp_dtensor``)."""
     install_headtail_propagation()
+    include_mesh_coordinate_in_cache_key()  # See Note [Rank-specialised compiled graphs] in _compat.py
     handlers = DTensor._op_dispatcher._custom_op_handlers
     for op in _FORWARD_OPS + _BACKWARD_OPS:
         if handlers.get(op) is not _sdpa_handler:
