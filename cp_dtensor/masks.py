@@ -20,9 +20,8 @@ So a ring step keeps, per document present on both sides, one band inside one re
 ``band_rects`` covers exactly that band with the rectangles the fused kernels compute without a
 mask, or with a small one:
 
-* no lower bound: the columns every row keeps (one full rectangle) and the rest, a causal triangle
-  that is a top-left causal square once its first row is dropped (plus a full rectangle where the
-  key range ends first);
+* no lower bound: the columns every row keeps (one full rectangle) and a top-left causal square (plus
+  a full rectangle where the key range ends first) -- one kernel call for a document inside a block;
 * a lower bound (sliding windows): query tiles of ``tile`` rows, each against the key range its rows
   need, with the band as an explicit mask over that tile-sized rectangle -- (W + T) / W times the kept
   pairs for a window of width W and tiles of T = W / 4 rows (measured on CPU: the fastest of W / 8 ..
@@ -168,20 +167,19 @@ def band_rects(i0: int, i1: int, j0: int, j1: int, a: int | None, b: int | None,
 
 
 def _causal_rects(i0: int, i1: int, j0: int, j1: int, b: int | None) -> list[Rect]:
-    """j - i <= b (or nothing) over rows [i0, i1) and keys [j0, j1): full + top-left causal pieces."""
+    """j - i <= b over rows [i0, i1) and keys [j0, j1) (rows already trimmed so that i0 + b >= j0):
+    the keys every row keeps (one full rectangle), then a top-left causal square from (i0, i0 + b),
+    then full rows below the square where the key range ends first."""
     if b is None:
         return [Rect(i0, i1, j0, j1, None, None)]
     out = []
-    c0 = min(j1, i0 + b + 1)  # keys [j0, c0) are kept by every row
+    c0 = i0 + b  # row i0 keeps keys [j0, c0]; row i0 + r keeps up to c0 + r
     if c0 > j0:
         out.append(Rect(i0, i1, j0, c0, None, None))
-    # keys [c0, j1): row i keeps j <= i + b; drop row i0 (it keeps none of them), then rows
-    # [i0 + 1, i0 + 1 + n) against keys [c0, c0 + n) is a top-left causal square
-    n = min(j1 - c0, i1 - i0 - 1)
-    if n > 0:
-        out.append(Rect(i0 + 1, i0 + 1 + n, c0, c0 + n, None, b))
-        if i0 + 1 + n < i1:  # rows past the square keep every key of [c0, j1) (the range ended)
-            out.append(Rect(i0 + 1 + n, i1, c0, c0 + n, None, None))
+    n = min(j1 - c0, i1 - i0)
+    out.append(Rect(i0, i0 + n, c0, c0 + n, None, b))
+    if i0 + n < i1:  # rows past the square keep every key of [c0, j1)
+        out.append(Rect(i0 + n, i1, c0, j1, None, None))
     return out
 
 
