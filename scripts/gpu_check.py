@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from cp_dtensor.layout import LAYOUTS, shard_tensor, step_block, unshard_tensor  # noqa: E402
 from cp_dtensor.ops import block_attn, block_attn_backward  # noqa: E402
-from cp_dtensor.ring import _merge_  # noqa: E402  (the ring's own merge, so this checks ring.py's math)
+from cp_dtensor.ops import merge_ as _merge_  # noqa: E402  (the ring's own merge, so this checks its math)
 
 
 def _steps(world: int, rank: int, s: int, layout: str):

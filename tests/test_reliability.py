@@ -228,3 +228,17 @@ def _property(rank, world):
 def test_property_random_shapes_layouts_gqa_scales(world):
     for failures in run_ranks(world, _property):
         assert not failures, failures
+
+
+def _outside_group(rank, world):
+    group = dist.new_group([0, 1])  # every rank creates it; rank 2 is not a member
+    q = torch.randn(1, 2, 4, 8)
+    if rank == 2:
+        with pytest.raises(ValueError, match="not a member of its CP group"):
+            cp_dtensor.ring_attention(q, q, q, group=group, is_causal=True)
+    else:
+        cp_dtensor.ring_attention(q, q, q, group=group, is_causal=True)
+
+
+def test_rank_outside_the_group_gets_a_clear_error():
+    run_ranks(3, _outside_group)
