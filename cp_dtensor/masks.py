@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 _LAYOUTS = ("striped", "headtail", "contiguous")  # layout.LAYOUTS, without importing torch (plan.py)
 
-__all__ = ["Rect", "Run", "band_rects", "block_rects", "mask_bounds", "runs", "steps_needed", "kept_pairs"]
+__all__ = ["Rect", "Run", "band_rects", "segments", "block_rects", "mask_bounds", "runs", "steps_needed", "kept_pairs"]
 
 
 @dataclass(frozen=True)
@@ -194,6 +194,16 @@ def _pair_band(qr: Run, kr: Run, lo: int | None, hi: int | None) -> tuple[int | 
 
 
 Segments = list[tuple[int, int, int]]  # (start, end, document id) in local indices, increasing
+
+
+def segments(ids: list[int]) -> Segments:
+    """(start, end, id) of each run of equal ids in a list of local ids."""
+    out, s = [], 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or ids[i] != ids[s]:
+            out.append((s, i, ids[s]))
+            s = i
+    return out
 
 
 def _match(qs: Segments, ks: Segments):

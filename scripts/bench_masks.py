@@ -32,7 +32,7 @@ from _bench_dist import run_ranks  # noqa: E402
 import cp_dtensor  # noqa: E402
 from cp_dtensor.debug import CommBytes  # noqa: E402
 from cp_dtensor.layout import shard_tensor  # noqa: E402
-from cp_dtensor.masks import block_rects, kept_pairs, mask_bounds, runs  # noqa: E402
+from cp_dtensor.masks import block_rects, kept_pairs, mask_bounds, runs, segments  # noqa: E402
 
 CASES = [  # name, layout, documents (mean length, None: none), window
     ("causal striped", "striped", None, None),
@@ -57,15 +57,6 @@ def doc_ids(n: int, length: int | None, *, lognormal: bool = False, seed: int = 
     return ids
 
 
-def _segments(ids: list[int]):
-    out, s = [], 0
-    for i in range(1, len(ids) + 1):
-        if i == len(ids) or ids[i] != ids[s]:
-            out.append((s, i, ids[s]))
-            s = i
-    return out
-
-
 def kept(layout: str, world: int, n: int, ids: torch.Tensor | None, window, *, area: bool = False) -> list[int]:
     """Per-rank kept pairs (or computed rectangle area) of a causal ring over every step."""
     lo, hi = mask_bounds(True, window)
@@ -76,7 +67,7 @@ def kept(layout: str, world: int, n: int, ids: torch.Tensor | None, window, *, a
     for r in range(world):
         total = 0
         for src in range(world):
-            segs = (None, None) if ids is None else (_segments(shards[r]), _segments(shards[src]))
+            segs = (None, None) if ids is None else (segments(shards[r]), segments(shards[src]))
             rects = block_rects(runs(layout, r, world, s), runs(layout, src, world, s), lo, hi, *segs)
             total += sum((x.q1 - x.q0) * (x.k1 - x.k0) for x in rects) if area else kept_pairs(rects)
         work.append(total)

@@ -12,20 +12,11 @@ import torch.distributed as dist
 import cp_dtensor
 from cp_dtensor.debug import CommBytes
 from cp_dtensor.layout import local_positions, shard_tensor
-from cp_dtensor.masks import block_rects, mask_bounds, runs, steps_needed
+from cp_dtensor.masks import block_rects, mask_bounds, runs, segments, steps_needed
 from _dist import run_ranks
 from _ref import abs_rel_err, masked_reference
 
 TOL = {torch.float32: 2e-5, torch.float64: 1e-10, torch.bfloat16: 3e-2, torch.float16: 5e-3}
-
-
-def _segments(ids: list[int]):
-    out, s = [], 0
-    for i in range(1, len(ids) + 1):
-        if i == len(ids) or ids[i] != ids[s]:
-            out.append((s, i, ids[s]))
-            s = i
-    return out
 
 
 def _random_ids(rng: random.Random, b: int, n: int) -> torch.Tensor:
@@ -58,7 +49,7 @@ def test_rectangles_cover_exactly_the_mask():
                 segs = (None, None)
                 if ids is not None:
                     want &= ids[qp][:, None] == ids[kp][None, :]
-                    segs = (_segments(ids[qp].tolist()), _segments(ids[kp].tolist()))
+                    segs = (segments(ids[qp].tolist()), segments(ids[kp].tolist()))
                 rects = block_rects(runs(layout, rank, world, s), runs(layout, src, world, s), lo, hi, *segs, tile=tile)
                 got = torch.zeros(s, s, dtype=torch.int64)
                 for r in rects:
