@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["block_attn", "block_attn_backward", "masked_block_attn", "masked_block_attn_backward", "merge_"]
+__all__ = ["block_attn", "block_attn_backward", "masked_block_attn", "masked_block_attn_backward", "masked_block_attn_merge_", "merge_"]
 
 aten = torch.ops.aten
 
@@ -196,6 +196,37 @@ def _batch_rects(q_ids, k_ids, q_runs: list[int], k_runs: list[int], lo, hi):
     return [(b, block_rects(qr, kr, lo, hi, _segments(q_ids[b][0]), _segments(k_ids[b][0]))) for b in rows]
 
 
+class _Fresh:
+    """Which row ranges a block op has written yet. A rectangle whose rows no earlier one touched is
+    copied into the (uninitialised) accumulator; otherwise its untouched rows are initialised first
+    (0 / -inf) and it is merged or added. Most rows of a document are touched once."""
+
+    def __init__(self):
+        self.done: list[tuple[int, int]] = []
+
+    def __call__(self, a: int, b: int) -> tuple[bool, list[slice]]:
+        """(whether [a, b) is untouched, the parts of [a, b) untouched so far)."""
+        new = [s for s in _gaps(self.done, a, b)]
+        self.done.append((a, b))
+        return (len(new) == 1 and (new[0].start, new[0].stop) == (a, b)), new
+
+    def gaps(self, n: int) -> list[slice]:
+        """The ranges of [0, n) no rectangle touched."""
+        return _gaps(self.done, 0, n)
+
+
+def _gaps(done: list[tuple[int, int]], lo: int, hi: int) -> list[slice]:
+    out, at = [], lo
+    for a, b in sorted(done):
+        a, b = max(a, lo), min(b, hi)
+        if a >= b:
+            continue
+        if a > at:
+            out.append(slice(at, a))
+        at = max(at, b)
+    return out + ([slice(at, hi)] if at < hi else [])
+
+
 class _Masks:
     """The additive mask of each "mask" rectangle, built once per band and size within one call."""
 
@@ -230,14 +261,24 @@ def masked_block_attn(
     fp32 (fp64 for fp64 inputs); rows with no kept key get out 0 and lse -inf. One kernel call per
     rectangle of masks.block_rects, none where nothing is kept."""
     acc = torch.promote_types(q.dtype, torch.float32)
-    out = q.new_zeros((*q.shape[:3], v.shape[3]), dtype=acc)
-    lse = q.new_full(q.shape[:3], float("-inf"), dtype=acc)
+    out = q.new_empty((*q.shape[:3], v.shape[3]), dtype=acc)
+    lse = q.new_empty(q.shape[:3], dtype=acc)
     masks = _Masks(q.dtype, q.device)
     for b, rects in _batch_rects(q_ids, k_ids, q_runs, k_runs, lo, hi):
+        fresh = _Fresh()
         for r in rects:
             qs, ks = (b, slice(None), slice(r.q0, r.q1)), (b, slice(None), slice(r.k0, r.k1))
             out_r, lse_r = _kernel_fwd(q[qs], k[ks], v[ks], r.kind == "causal", scale, masks(r))
+            whole, new = fresh(r.q0, r.q1)
+            if whole:
+                out[qs], lse[qs] = out_r, lse_r
+                continue
+            for rows in new:
+                out[b, :, rows], lse[b, :, rows] = 0, float("-inf")
             merge_(out[qs], lse[qs], out_r, lse_r)
+        for rows in fresh.gaps(q.shape[2]):
+            out[b, :, rows] = 0
+            lse[b, :, rows] = float("-inf")
     return out, lse
 
 
@@ -247,32 +288,74 @@ def _(q, k, v, q_ids, k_ids, q_runs, k_runs, lo, hi, scale):
     return q.new_empty((*q.shape[:3], v.shape[3]), dtype=acc), q.new_empty(q.shape[:3], dtype=acc)
 
 
+@torch.library.custom_op("cp_dtensor::masked_block_attn_merge_", mutates_args=("out", "lse"))
+def masked_block_attn_merge_(
+    out: Tensor, lse: Tensor, q: Tensor, k: Tensor, v: Tensor, q_ids: Tensor | None, k_ids: Tensor | None,
+    q_runs: list[int], k_runs: list[int], lo: int | None, hi: int | None, scale: float,
+) -> None:
+    """:func:`masked_block_attn`, merged straight into the ring's accumulators ``out`` [B, Hq, Sq, Dv]
+    and ``lse`` [B, Hq, Sq] (fp32): only the rows a rectangle keeps are touched, and no block-sized
+    result is allocated. See Note [Online softmax merge] in ring.py."""
+    masks = _Masks(q.dtype, q.device)
+    for b, rects in _batch_rects(q_ids, k_ids, q_runs, k_runs, lo, hi):
+        for r in rects:
+            qs, ks = (b, slice(None), slice(r.q0, r.q1)), (b, slice(None), slice(r.k0, r.k1))
+            out_r, lse_r = _kernel_fwd(q[qs], k[ks], v[ks], r.kind == "causal", scale, masks(r))
+            merge_(out[qs], lse[qs], out_r, lse_r)
+
+
+@masked_block_attn_merge_.register_fake
+def _(out, lse, q, k, v, q_ids, k_ids, q_runs, k_runs, lo, hi, scale):
+    return None
+
+
 @torch.library.custom_op("cp_dtensor::masked_block_attn_backward", mutates_args=())
 def masked_block_attn_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_ids: Tensor | None,
     k_ids: Tensor | None, q_runs: list[int], k_runs: list[int], lo: int | None, hi: int | None, scale: float,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """The block's dq, dk, dv (fp32, fp64 for fp64 inputs) given the rows' *final* out and lse, as
-    :func:`block_attn_backward`; zeros where the mask keeps nothing."""
+) -> tuple[Tensor, Tensor]:
+    """The block's dq and [dk | dv] (one flat buffer, the ring's accumulator layout; fp32, fp64 for fp64
+    inputs) given the rows' *final* out and lse, as :func:`block_attn_backward`; zeros where the mask
+    keeps nothing."""
     acc = torch.promote_types(q.dtype, torch.float32)
-    dq, dk, dv = (x.new_zeros(x.shape, dtype=acc) for x in (q, k, v))
+    dq = q.new_empty(q.shape, dtype=acc)
+    dkv = k.new_empty(k.numel() + v.numel(), dtype=acc)
+    dk, dv = dkv[: k.numel()].view(k.shape), dkv[k.numel() :].view(v.shape)
     masks = _Masks(q.dtype, q.device)
     for b, rects in _batch_rects(q_ids, k_ids, q_runs, k_runs, lo, hi):
+        fresh_q, fresh_k = _Fresh(), _Fresh()
         for r in rects:
             qs, ks = (b, slice(None), slice(r.q0, r.q1)), (b, slice(None), slice(r.k0, r.k1))
             g = _kernel_bwd(
                 dout[qs], q[qs], k[ks], v[ks], out[qs], lse[qs].contiguous(), r.kind == "causal", scale, masks(r)
             )
-            dq[qs] += g[0]
-            dk[ks] += g[1]
-            dv[ks] += g[2]
-    return dq, dk, dv
+            whole, new = fresh_q(r.q0, r.q1)
+            if whole:
+                dq[qs] = g[0]
+            else:
+                for rows in new:
+                    dq[b, :, rows] = 0
+                dq[qs] += g[0]
+            whole, new = fresh_k(r.k0, r.k1)
+            if whole:
+                dk[ks], dv[ks] = g[1], g[2]
+            else:
+                for rows in new:
+                    dk[b, :, rows], dv[b, :, rows] = 0, 0
+                dk[ks] += g[1]
+                dv[ks] += g[2]
+        for rows in fresh_q.gaps(q.shape[2]):
+            dq[b, :, rows] = 0
+        for rows in fresh_k.gaps(k.shape[2]):
+            dk[b, :, rows] = 0
+            dv[b, :, rows] = 0
+    return dq, dkv
 
 
 @masked_block_attn_backward.register_fake
 def _(dout, q, k, v, out, lse, q_ids, k_ids, q_runs, k_runs, lo, hi, scale):
     acc = torch.promote_types(q.dtype, torch.float32)
-    return tuple(x.new_empty(x.shape, dtype=acc) for x in (q, k, v))
+    return q.new_empty(q.shape, dtype=acc), k.new_empty(k.numel() + v.numel(), dtype=acc)
 
 
 def _masked_setup_context(ctx, inputs, output):
@@ -283,7 +366,8 @@ def _masked_setup_context(ctx, inputs, output):
 
 def _masked_backward(ctx, dout, dlse):
     q, k, v, out, lse, q_ids, k_ids = ctx.saved_tensors
-    dq, dk, dv = masked_block_attn_backward(dout.contiguous(), q, k, v, out.to(q.dtype), lse, q_ids, k_ids, *ctx.static)
+    dq, dkv = masked_block_attn_backward(dout.contiguous(), q, k, v, out.to(q.dtype), lse, q_ids, k_ids, *ctx.static)
+    dk, dv = dkv[: k.numel()].view(k.shape), dkv[k.numel() :].view(v.shape)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
 
 

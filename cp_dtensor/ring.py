@@ -69,7 +69,9 @@ from .checks import check_documents, check_ring_args
 from .comm import RingComm, gather_ids, unpack
 from .layout import step_block
 from .masks import flat_runs, has_pairs, mask_bounds, runs, steps_needed
-from .ops import block_attn, block_attn_backward, masked_block_attn, masked_block_attn_backward, merge_
+from .ops import (
+    block_attn, block_attn_backward, masked_block_attn, masked_block_attn_backward, masked_block_attn_merge_, merge_,
+)
 from .payload import decode_kv, encode_kv
 
 __all__ = ["ring_attention", "ring_forward", "ring_backward"]
@@ -122,13 +124,10 @@ def ring_forward(
         kb, vb = (k, v) if step == 0 else decode_kv(kv, k, v, comm_dtype)
         src = comm.src_at(step)
         if mask.active:  # See Note [Masks in the ring]
-            if mask.keeps(rank, src):
-                out_b, lse_b = masked_block_attn(q, kb, vb, *mask.args(rank, src), scale)
-                if out is None:
-                    out, lse = out_b, lse_b
-                else:
-                    merge_(out, lse, out_b, lse_b)
-                del out_b, lse_b
+            if out is None:  # step 0: every query keeps at least itself, so this covers every row
+                out, lse = masked_block_attn(q, kb, vb, *mask.args(rank, src), scale)
+            elif mask.keeps(rank, src):
+                masked_block_attn_merge_(out, lse, q, kb, vb, *mask.args(rank, src), scale)
         else:
             blk = step_block(layout, rank=rank, src=src, world=world, s_local=s_local, is_causal=is_causal)
             if blk is not None:
@@ -228,10 +227,9 @@ def ring_backward(
         mine = None  # this rank's share of the block it holds, in the accumulator's layout
         if mask.active:  # See Note [Masks in the ring]
             if step == 0 or mask.keeps(rank, src):
-                g = masked_block_attn_backward(dout, q, kb, vb, out, lse, *mask.args(rank, src), scale)
-                dq = g[0] if dq is None else dq.add_(g[0])
-                mine = torch.cat([g[1].reshape(-1), g[2].reshape(-1)])
-                del g
+                dq_b, mine = masked_block_attn_backward(dout, q, kb, vb, out, lse, *mask.args(rank, src), scale)
+                dq = dq_b if dq is None else dq.add_(dq_b)
+                del dq_b
         else:
             blk = step_block(layout, rank=rank, src=src, world=world, s_local=s_local, is_causal=is_causal)
             if blk is not None:
