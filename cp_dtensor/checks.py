@@ -54,6 +54,11 @@ def _local_error(
                 f"ring_attention: {name} has dtype {x.dtype}; supported: float32, bfloat16, float16 "
                 "(float64 on CPU). Cast the inputs."
             )
+    if q.dtype == torch.float64 and q.device.type == "cuda":
+        return (
+            "ring_attention: float64 has no fused attention kernel on CUDA (flash and memory-efficient take "
+            "fp16, bf16, fp32); cast q, k, v to float32. float64 runs on CPU."
+        )
     if not (q.dtype == k.dtype == v.dtype):
         return f"ring_attention: q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}."
     if not (q.device == k.device == v.device):

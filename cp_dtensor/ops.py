@@ -1,8 +1,7 @@
 """The compile boundary: one attention block with its log-sum-exp, as ``torch.library`` custom ops.
 
 ``cp_dtensor::block_attn`` and ``cp_dtensor::block_attn_backward`` wrap the fused SDPA kernel of the
-device (CPU: ``_scaled_dot_product_flash_attention_for_cpu``; CUDA: flash for fp16/bf16, memory-
-efficient otherwise) behind one schema with fake implementations, so the ring loop around them traces
+device (kernels.py, Note [Kernel contracts]) behind one schema with fake implementations, so the ring loop around them traces
 under ``torch.compile(fullgraph=True)`` and Inductor sees the functional collectives between them.
 
 Shapes: q: [B, Hq, Sq, D]; k, v: [B, Hkv, Sk, D] with Hq % Hkv == 0; out: [B, Hq, Sq, D] in q's dtype,
@@ -20,17 +19,7 @@ from torch import Tensor
 
 __all__ = ["block_attn", "block_attn_backward", "masked_block_attn", "masked_block_attn_backward", "masked_block_attn_merge_", "merge_"]
 
-aten = torch.ops.aten
-
-
-def _expand_kv(x: Tensor, groups: int) -> Tensor:
-    # [B, Hkv, S, D] -> [B, Hkv * groups, S, D]; only for kernels without native GQA, on the local copy
-    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
-
-
-def _reduce_kv_grad(g: Tensor, groups: int) -> Tensor:
-    # [B, Hkv * groups, S, D] -> [B, Hkv, S, D]
-    return g if groups == 1 else g.unflatten(1, (-1, groups)).sum(2)
+from .kernels import kernel_bwd, kernel_fwd
 
 
 def _seq_major(x: Tensor) -> Tensor:
@@ -43,82 +32,9 @@ def _empty_seq_major(like: Tensor) -> Tensor:
     return like.new_empty(b, s, h, d).transpose(1, 2)
 
 
-def _cuda_use_flash(q: Tensor) -> bool:
-    return q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0
-
-
-def _pad_last(x: Tensor, d: int) -> Tensor:
-    return x if x.shape[-1] == d else torch.nn.functional.pad(x, (0, d - x.shape[-1]))
-
-
-def _kernel_fwd(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float, mask: Tensor | None = None):
-    """One fused-kernel call: out [B, Hq, Sq, Dv] (kernel strides), lse [B, Hq, Sq] fp32.
-
-    See Note [Value head size]: the kernels want one head size, so the narrower side is zero-padded."""
-    dqk, dv = q.shape[-1], v.shape[-1]
-    if dv < dqk:
-        v = _pad_last(v, dqk)
-    elif dv > dqk:
-        q, k = _pad_last(q, dv), _pad_last(k, dv)
-    if q.device.type == "cpu":
-        # GQA is native here: Hq % Hkv == 0 is enough.
-        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale
-        )[:2]
-        return out[..., :dv], lse
-    groups = q.shape[1] // k.shape[1]
-    k, v = _expand_kv(k, groups), _expand_kv(v, groups)
-    if mask is None and _cuda_use_flash(q):
-        out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)[:2]
-        return out[..., :dv], lse
-    bias = None if mask is None else _cuda_bias(mask, q)
-    out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, is_causal, scale=scale)[:2]
-    return out[..., :dv], lse[..., : q.shape[2]]  # the kernel pads lse to a multiple of 32
-
-
-def _kernel_bwd(dout, q, k, v, out, lse, is_causal: bool, scale: float, mask: Tensor | None = None):
-    """The backward of :func:`_kernel_fwd` given the rows' final out and lse: dq, dk, dv (kernel strides)."""
-    dqk, dv_size = q.shape[-1], v.shape[-1]
-    if dv_size < dqk:  # zero columns of v, out and dout change neither rowsum(dout * out) nor dq, dk
-        v, out, dout = _pad_last(v, dqk), _pad_last(out, dqk), _pad_last(dout, dqk)
-    elif dv_size > dqk:  # zero columns of q and k change no score
-        q, k = _pad_last(q, dv_size), _pad_last(k, dv_size)
-    if q.device.type == "cpu":
-        dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale
-        )
-    else:
-        groups = q.shape[1] // k.shape[1]
-        ke, ve = _expand_kv(k, groups), _expand_kv(v, groups)
-        sq, sk = q.shape[2], k.shape[2]
-        # Without dropout the kernels never read the philox state: pass empty tensors.
-        empty = q.new_empty(0, dtype=torch.int64)
-        if mask is None and _cuda_use_flash(q):
-            dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
-                dout, q, ke, ve, out, lse, None, None, sq, sk, 0.0, is_causal, empty, empty, scale=scale
-            )
-        else:
-            bias = None if mask is None else _cuda_bias(mask, q)
-            lse = torch.nn.functional.pad(lse, (0, (-sq) % 32))  # back to the kernel's padded length
-            dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-                dout, q, ke, ve, bias, out, lse, empty, empty, 0.0, [True, True, True, False], is_causal, scale=scale
-            )
-        dk, dv = _reduce_kv_grad(dk, groups), _reduce_kv_grad(dv, groups)
-    return dq[..., :dqk], dk[..., :dqk], dv[..., :dv_size]
-
-
-def _cuda_bias(mask: Tensor, q: Tensor) -> Tensor:
-    """An additive [Sq, Sk] mask as the memory-efficient kernel's attn_bias: [B, H, Sq, Sk] (expanded),
-    its rows padded to a multiple of 16 elements, as the kernel requires of the bias' memory."""
-    sq, sk = mask.shape
-    padded = mask.new_zeros(sq, sk + (-sk) % 16)
-    padded[:, :sk] = mask
-    return padded[:, :sk].expand(q.shape[0], q.shape[1], sq, sk)
-
-
 @torch.library.custom_op("cp_dtensor::block_attn", mutates_args=())
 def block_attn(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-    out, lse = _kernel_fwd(q, k, v, is_causal, scale)
+    out, lse = kernel_fwd(q, k, v, is_causal, scale)
     # The kernels return [B, S, H, ...]-major strides; the op promises contiguous results.
     return out.contiguous(), lse.contiguous()
 
@@ -137,7 +53,7 @@ def block_attn_backward(
     """Gradients of one block given the *final* out and lse of the rows (not the block's own): the
     kernel's D = rowsum(dout * out) and P = exp(s - lse) are then those of the full attention, so the
     block's dq, dk, dv are exactly its share of the full gradients."""
-    grads = _kernel_bwd(dout, q, k, v, out, lse, is_causal, scale)
+    grads = kernel_bwd(dout, q, k, v, out, lse, is_causal, scale)
     return tuple(_seq_major(g) for g in grads)  # on CPU already sequence-major: no copy
 
 
@@ -268,7 +184,7 @@ def masked_block_attn(
         fresh = _Fresh()
         for r in rects:
             qs, ks = (b, slice(None), slice(r.q0, r.q1)), (b, slice(None), slice(r.k0, r.k1))
-            out_r, lse_r = _kernel_fwd(q[qs], k[ks], v[ks], r.kind == "causal", scale, masks(r))
+            out_r, lse_r = kernel_fwd(q[qs], k[ks], v[ks], r.kind == "causal", scale, masks(r))
             whole, new = fresh(r.q0, r.q1)
             if whole:
                 out[qs], lse[qs] = out_r, lse_r
@@ -300,7 +216,7 @@ def masked_block_attn_merge_(
     for b, rects in _batch_rects(q_ids, k_ids, q_runs, k_runs, lo, hi):
         for r in rects:
             qs, ks = (b, slice(None), slice(r.q0, r.q1)), (b, slice(None), slice(r.k0, r.k1))
-            out_r, lse_r = _kernel_fwd(q[qs], k[ks], v[ks], r.kind == "causal", scale, masks(r))
+            out_r, lse_r = kernel_fwd(q[qs], k[ks], v[ks], r.kind == "causal", scale, masks(r))
             merge_(out[qs], lse[qs], out_r, lse_r)
 
 
@@ -326,7 +242,7 @@ def masked_block_attn_backward(
         fresh_q, fresh_k = _Fresh(), _Fresh()
         for r in rects:
             qs, ks = (b, slice(None), slice(r.q0, r.q1)), (b, slice(None), slice(r.k0, r.k1))
-            g = _kernel_bwd(
+            g = kernel_bwd(
                 dout[qs], q[qs], k[ks], v[ks], out[qs], lse[qs].contiguous(), r.kind == "causal", scale, masks(r)
             )
             whole, new = fresh_q(r.q0, r.q1)

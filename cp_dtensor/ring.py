@@ -67,6 +67,7 @@ from torch import Tensor
 
 from .checks import check_documents, check_ring_args
 from .comm import RingComm, gather_ids, unpack
+from .kernels import backend
 from .layout import step_block
 from .masks import flat_runs, has_pairs, mask_bounds, runs, steps_needed
 from .ops import (
@@ -160,7 +161,7 @@ def sinks_grad(dout: Tensor, out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
 def _head_chunks(q: Tensor, k: Tensor) -> list[tuple[slice, slice]]:
     """(q heads, kv heads) per backward kernel call; see Note [Backward in head chunks]."""
     b, hq, hkv = q.shape[0], q.shape[1], k.shape[1]
-    if q.device.type != "cpu" or torch.compiler.is_compiling():
+    if backend(q) != "cpu" or torch.compiler.is_compiling():
         return [(slice(None), slice(None))]
     groups = hq // hkv
     n = min(hkv, -(-torch.get_num_threads() // (b * groups)))  # kv heads per call: >= one (b, head) per thread

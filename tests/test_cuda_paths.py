@@ -1,0 +1,220 @@
+"""The CUDA branches of kernels.py / ops.py / ring.py, run on CPU through strict stand-ins of the CUDA
+attention ops: each stand-in asserts the op's input contract (Note [Kernel contracts] in kernels.py)
+and computes by the textbook formula in float64. The ring's results are compared with float64
+single-device attention, as everywhere else.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import cp_dtensor
+import cp_dtensor.kernels as kernels
+import cp_dtensor.ring as ring
+from cp_dtensor.layout import shard_tensor
+from _dist import run_ranks
+from _ref import abs_rel_err, masked_reference
+
+_REAL = torch.ops.aten
+
+
+def _dense(x):
+    return x.stride(-1) == 1
+
+
+def _math(q, k, v, scale, is_causal, bias=None):
+    """Scores and probabilities in float64 with GQA by repetition; causal only on squares (asserted)."""
+    g = q.shape[1] // k.shape[1]
+    ke, ve = k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)
+    s = (q.double() @ ke.transpose(-1, -2)) * scale
+    if bias is not None:
+        s = s + bias.double()
+    if is_causal:
+        n = q.shape[2]
+        s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+    return s, ke, ve
+
+
+def _grads(dout, q, k, v, out, lse, scale, is_causal, bias=None):
+    """dq, dk, dv from the given out and lse (the kernel contract: P = exp(s - lse), D = rowsum(dO * O))."""
+    s, ke, ve = _math(q, k, v, scale, is_causal, bias)
+    p = torch.exp(s - lse.double().unsqueeze(-1))
+    do = dout.double()
+    dv = p.transpose(-1, -2) @ do
+    dp = do @ ve.transpose(-1, -2)
+    ds = p * (dp - (do * out.double()).sum(-1, keepdim=True))
+    dq = ds @ ke * scale
+    dk = ds.transpose(-1, -2) @ q.double() * scale
+    g = q.shape[1] // k.shape[1]
+    dk, dv = dk.unflatten(1, (-1, g)).sum(2), dv.unflatten(1, (-1, g)).sum(2)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class StrictCuda:
+    """Stand-ins for the CUDA attention ops kernels.py calls; records what each call received."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, int, int]] = []  # (op, q heads, k heads)
+
+    def _common(self, name, q, k, v, dropout_p, is_causal):
+        assert dropout_p == 0.0
+        assert q.dtype == k.dtype == v.dtype and all(_dense(x) for x in (q, k, v)), f"{name}: last dim not dense"
+        assert k.shape == v.shape, f"{name}: one head size for q, k, v"
+        assert q.shape[-1] == k.shape[-1]
+        if is_causal:
+            assert q.shape[2] == k.shape[2], f"{name}: is_causal on a non-square block {q.shape} x {k.shape}"
+        self.calls.append((name, q.shape[1], k.shape[1]))
+
+    def _flash_checks(self, q, k):
+        assert q.dtype in (torch.float16, torch.bfloat16), f"flash: dtype {q.dtype}"
+        assert q.shape[-1] <= 256 and q.shape[-1] % 8 == 0
+        assert q.shape[1] % k.shape[1] == 0
+
+    def _scaled_dot_product_flash_attention(self, q, k, v, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
+        self._common("flash", q, k, v, dropout_p, is_causal)
+        self._flash_checks(q, k)
+        s, _, ve = _math(q, k, v, scale, is_causal)
+        lse = torch.logsumexp(s, -1)
+        out = (torch.softmax(s, -1) @ ve).to(q.dtype).transpose(1, 2).contiguous().transpose(1, 2)
+        rng = torch.zeros(2, dtype=torch.int64)
+        return out, lse.float(), None, None, q.shape[2], k.shape[2], rng, torch.empty(()), torch.empty(0)
+
+    def _scaled_dot_product_flash_attention_backward(
+        self, dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout_p, is_causal, seed, offset, *, scale=None
+    ):
+        self._common("flash_bwd", q, k, v, dropout_p, is_causal)
+        self._flash_checks(q, k)
+        assert cum_q is None and cum_k is None, "flash backward: dense calls pass no cumulative lengths"
+        assert (max_q, max_k) == (q.shape[2], k.shape[2])
+        assert _dense(dout) and _dense(out) and out.shape == q.shape
+        # read through a raw pointer as a dense [B, H, Sq] fp32 array
+        assert lse.dtype == torch.float32 and lse.shape == q.shape[:3], lse.shape
+        assert lse.is_contiguous(), "flash backward: lse must be contiguous [B, H, Sq]"
+        return _grads(dout, q, k, v, out, lse, scale, is_causal)
+
+    def _eff_checks(self, q, k, bias):
+        assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), f"efficient: dtype {q.dtype}"
+        assert q.shape[1] == k.shape[1], f"efficient: no GQA (q heads {q.shape[1]}, k heads {k.shape[1]})"
+        if bias is not None:
+            assert bias.dtype == q.dtype and bias.shape == (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+            assert bias.stride(-1) == 1 and bias.stride(-2) % 16 == 0, f"efficient: bias rows unaligned {bias.stride()}"
+
+    def _scaled_dot_product_efficient_attention(self, q, k, v, bias, compute_lse, dropout_p=0.0, is_causal=False, *, scale=None):
+        self._common("efficient", q, k, v, dropout_p, is_causal)
+        self._eff_checks(q, k, bias)
+        assert compute_lse
+        s, _, ve = _math(q, k, v, scale, is_causal, bias)
+        lse = torch.logsumexp(s, -1).float()
+        pad = math.ceil(q.shape[2] / 32) * 32
+        lse = torch.cat([lse, lse.new_full((*lse.shape[:2], pad - q.shape[2]), float("nan"))], -1)  # padding: NaN
+        out = (torch.softmax(s, -1) @ ve).to(q.dtype)
+        return out, lse, torch.empty(()), torch.empty(())
+
+    def _scaled_dot_product_efficient_attention_backward(
+        self, dout, q, k, v, bias, out, lse, seed, offset, dropout_p, grad_mask, is_causal=False, *, scale=None
+    ):
+        self._common("efficient_bwd", q, k, v, dropout_p, is_causal)
+        self._eff_checks(q, k, bias)
+        assert lse.shape == (*q.shape[:2], math.ceil(q.shape[2] / 32) * 32) and lse.is_contiguous()
+        assert _dense(dout) and _dense(out)
+        dq, dk, dv = _grads(dout, q, k, v, out, lse[..., : q.shape[2]], scale, is_causal, bias)
+        return dq, dk, dv, None
+
+    def __getattr__(self, name):  # any other aten op (the CPU kernel included) must not be reached
+        raise AssertionError(f"the CUDA branch called aten.{name}")
+
+
+def _as_cuda(standin):
+    """Run the CUDA branches on CPU tensors: kernels.backend says "cuda", aten ops are the stand-ins."""
+    return mock.patch.multiple(kernels, aten=standin, backend=lambda x: "cuda"), mock.patch.object(ring, "backend", lambda x: "cuda")
+
+
+def _ring_cases(rank, world):
+    rng = random.Random(5)
+    standin = StrictCuda()
+    p1, p2 = _as_cuda(standin)
+    worst = {}
+    with p1, p2:
+        for i, (layout, (hq, hkv), dtype, masked) in enumerate(
+            (lay, h, dt, m) for lay in cp_dtensor.LAYOUTS for h in ((4, 2), (4, 4), (8, 1))
+            for dt in (torch.bfloat16, torch.float32) for m in (False, True)
+        ):
+            s, d = 8, 16
+            n = s * world
+            g = torch.Generator().manual_seed(i)
+            dv = 8 if masked else d  # MLA-style Dv != Dqk on the masked cases
+            q = torch.randn(1, hq, n, d, generator=g, dtype=torch.float64)
+            k = torch.randn(1, hkv, n, d, generator=g, dtype=torch.float64)
+            v = torch.randn(1, hkv, n, dv, generator=g, dtype=torch.float64)
+            do = torch.randn(1, hq, n, dv, generator=g, dtype=torch.float64)
+            opts = {}
+            if masked:
+                ids = torch.zeros(1, n, dtype=torch.int64)
+                for cut in sorted(rng.sample(range(1, n), 3)):
+                    ids[0, cut:] += 1
+                opts = dict(document_ids=ids, window_size=(5, 0), sinks=torch.randn(hq, generator=g, dtype=torch.float64))
+            causal = masked or i % 2 == 0
+            want = masked_reference(q, k, v, do, is_causal=causal, **opts)
+
+            def shard(x, dim=2):
+                return shard_tensor(x, dim=dim, layout=layout, rank=rank, world=world)
+
+            ql, kl, vl = (shard(x).to(dtype).requires_grad_() for x in (q, k, v))
+            kw = {}
+            if masked:
+                kw = dict(document_ids=shard(opts["document_ids"], 1), window_size=(5, 0),
+                          sinks=opts["sinks"].float().requires_grad_())
+            standin.calls.clear()
+            out = cp_dtensor.ring_attention(ql, kl, vl, layout=layout, is_causal=causal, **kw)
+            out.backward(shard(do).to(dtype))
+            err = max(abs_rel_err(a, shard(b)) for a, b in zip((out, ql.grad, kl.grad, vl.grad), want[:4]))
+            if masked:
+                total = kw["sinks"].grad.clone()
+                dist.all_reduce(total)
+                err = max(err, abs_rel_err(total, want[4]))
+            tol = 3e-2 if dtype == torch.bfloat16 else 2e-5
+            assert err <= tol, (layout, hq, hkv, dtype, masked, err)
+            # native GQA on flash (K/V with their own heads); efficient: one KV head's group at a time
+            for name, qh, kh in standin.calls:
+                if name.startswith("flash"):
+                    assert (qh, kh) == (hq, hkv), (name, qh, kh)
+                else:
+                    assert qh == kh == hq // hkv, (name, qh, kh)
+            kinds = {name.split("_")[0] for name, _, _ in standin.calls}
+            if dtype == torch.float32:
+                assert kinds == {"efficient"}, kinds  # no fp32 flash kernel
+            elif not masked:
+                assert kinds == {"flash"}, kinds
+            else:  # flash for full and causal rectangles, efficient (with a bias) for window tiles
+                assert kinds <= {"flash", "efficient"}, kinds
+            worst[str(dtype)] = max(worst.get(str(dtype), 0.0), err)
+    return worst
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_cuda_branches_through_strict_standins_match_float64(world):
+    """Every layout x GQA/MHA/MQA x bf16 (flash) / fp32 (efficient) x unmasked / masked (documents,
+    window, sinks, Dv != Dqk), forward and backward, through the CUDA calls with their contracts checked."""
+    run_ranks(world, _ring_cases)
+
+
+def test_standin_rejects_a_strided_lse():
+    """The contract the ring once broke: a slice of the ring's lse handed to the flash backward."""
+    standin = StrictCuda()
+    q = torch.randn(2, 4, 8, 16, dtype=torch.bfloat16)
+    out, lse = standin._scaled_dot_product_flash_attention(q, q, q, 0.0, True, scale=0.25)[:2]
+    with pytest.raises(AssertionError, match="lse must be contiguous"):
+        standin._scaled_dot_product_flash_attention_backward(
+            out[:, :, 1:], q[:, :, 1:], q[:, :, 1:], q[:, :, 1:], out[:, :, 1:], lse[:, :, 1:], None, None, 7, 7,
+            0.0, True, None, None, scale=0.25,
+        )
+    # and kernels.kernel_bwd hands it a contiguous copy
+    p1, _ = _as_cuda(standin)
+    with p1:
+        kernels.kernel_bwd(out[:, :, 1:], q[:, :, 1:], q[:, :, 1:], q[:, :, 1:], out[:, :, 1:], lse[:, :, 1:], True, 0.25)
