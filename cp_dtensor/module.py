@@ -94,6 +94,10 @@ class _RingSDPA(TorchFunctionMode):
         self.ids = ids
 
 
+def _is_transformers_model(model: nn.Module) -> bool:
+    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.") for c in type(model).__mro__)
+
+
 def _enter(mode: _RingSDPA, *_) -> None:
     if mode.depth == 0:
         mode.__enter__()
@@ -123,7 +127,18 @@ def apply_context_parallel(
 
     An SDPA call with an explicit ``attn_mask`` or dropout raises on every rank before any K/V moves.
     See Note [Module context parallel]. Returns ``model``, changed in place (forward hooks only).
+
+    A Hugging Face transformers model goes to ``cp_dtensor.hf.apply_context_parallel_hf`` instead: its
+    masks come from what the model declares (windows per layer, sinks, padding, packed position ids),
+    not from SDPA calls whose masks transformers built from local shapes.
     """
+    if _is_transformers_model(model):  # See Note [transformers under CP] in hf.py
+        if window_size is not None:
+            raise ValueError(f"a transformers model declares its own windows (config.sliding_window / layer_types); "
+                             f"got window_size={window_size!r}. Drop window_size.")
+        from .hf import apply_context_parallel_hf  # transformers is installed: the model is one of its
+
+        return apply_context_parallel_hf(model, cp_mesh, layout=layout)
     _check_cp_mesh(cp_mesh)
     check_layout(layout)
     if documents not in (None, "position_ids"):
