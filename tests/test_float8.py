@@ -145,12 +145,13 @@ def _wire_bytes(rank, world, comm_dtype):
     from torchtitan.models.llama3 import Transformer, llama3_args
 
     from cp_dtensor.debug import CommBytes
-    from cp_dtensor.titan.spec import _attach_ring
+    from cp_dtensor.titan import apply_ring_attention
 
     with torch.device("meta"):
         model = Transformer(llama3_args["debugmodel"])
-    # what parallelize_llama_cp does with the parsed [cp_dtensor] section
-    _attach_ring(model, types.SimpleNamespace(get_group=lambda: dist.group.WORLD), "striped", comm_dtype)
+    # what the plugin's parallelize function does with the parsed [cp_dtensor] section
+    cfg = types.SimpleNamespace(layout="striped", comm_torch_dtype=comm_dtype)
+    apply_ring_attention(model, types.SimpleNamespace(get_group=lambda: dist.group.WORLD), cfg)
     g = torch.Generator().manual_seed(rank)
     q, k, v = (torch.randn(2, 4, 16, 64, generator=g, dtype=torch.bfloat16) for _ in range(3))
     with CommBytes() as cb:

@@ -32,16 +32,17 @@ RTOL = 1e-5
 _STEP_LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([0-9.]+)")
 
 
-def _torchrun(nproc: int, dump: Path, *overrides: str, entry: list[str] | None = None) -> str:
+def _torchrun(nproc: int, dump: Path, *overrides: str, entry: list[str] | None = None, config: Path = CONFIG,
+              timeout: int = 420) -> str:
     """Run one training job; returns its combined output, or fails the test with its tail."""
     entry = entry or ["-m", "cp_dtensor.titan.train"]
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-        *entry, "--job.config_file", str(CONFIG), "--job.dump_folder", str(dump), *overrides,
+        *entry, "--job.config_file", str(config), "--job.dump_folder", str(dump), *overrides,
     ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=420)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     out = proc.stdout + proc.stderr
     if proc.returncode != 0:
         pytest.fail(f"exit {proc.returncode}: {' '.join(cmd)}\n...\n{out[-6000:]}")
@@ -207,7 +208,9 @@ def test_unknown_layout_is_rejected():
          r"striped layout on 4 CP ranks needs a multiple of 4"),
         (["--training.seq_len", "250"], 2, r"divisible by 2 \* context_parallel_degree \* tensor_parallel_degree = 4"),
         (["--parallelism.pipeline_parallel_degree", "2"], 4, r"does not support: \[parallelism\] pipeline_parallel"),
-        (["--model.name", "qwen3"], 2, r'only "llama3" is wired'),
+        (["--model.name", "flux"], 2, r'name = "flux" \(cp_dtensor serves llama3, qwen3, deepseek_v3, llama4, gpt_oss\)'),
+        (["--model.flavor", "debugmodel_varlen_attn"], 2, r'attn_type "varlen" \(the ring serves "sdpa" and "flex"'),
+        (["--model.name", "qwen3", "--model.flavor", "8B_flex"], 2, r'"8B_flex" is not a qwen3 flavor'),
     ],
 )
 def test_bad_cp_config_is_rejected(overrides, world, message):
@@ -265,13 +268,13 @@ def test_shard_cp_batch_keeps_tokens_with_positions(layout, world):
     assert sorted(torch.cat(seen).tolist()) == list(range(32))
 
 
-def test_flex_attention_flavor_is_rejected():
+def test_varlen_attention_flavor_is_rejected():
     import torch
     from torchtitan.models.llama3 import Transformer, llama3_args
 
-    from cp_dtensor.titan.spec import _attach_ring
+    from cp_dtensor.titan import CPDTensor, apply_ring_attention
 
     with torch.device("meta"):
-        model = Transformer(llama3_args["debugmodel_flex_attn"])
-    with pytest.raises(ValueError, match=r'supports attn_type "sdpa" only; this model flavor uses "flex"'):
-        _attach_ring(model, cp_mesh=None, layout="striped")
+        model = Transformer(llama3_args["debugmodel_varlen_attn"])
+    with pytest.raises(ValueError, match=r'supports attn_type "sdpa" and "flex"; this model flavor uses "varlen"'):
+        apply_ring_attention(model, None, CPDTensor())

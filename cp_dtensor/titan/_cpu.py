@@ -21,10 +21,22 @@ no accelerator (or, for 3, only on gloo), so a CUDA run is untouched.
    1.0; FSDP2 then reduce-scatters with ``ReduceOp.PREMUL_SUM(1.0)``, which gloo does not implement.
    ``set_force_sum_reduction_for_comms(True)`` makes it a plain SUM followed by a division by the
    factor, 1.0, which is skipped: the same gradients.
+4. MoE. (a) The routers count tokens per expert with ``torch.histc`` on int64 expert indices, which
+   torch has no CPU kernel for (``"histogram_cpu" not implemented for 'Long'``). On CPU,
+   ``torch.histc`` is rebound once, here, to a wrapper that computes integer histograms with
+   ``bincount`` (the same bins: width (max - min) / bins, max in the last bin, outside values dropped)
+   and passes every other call to torch's own. (b) The grouped-GEMM experts pad with torchtitan's
+   triton kernels (step 1); on CPU every MoE layer uses torchtitan's for-loop experts instead
+   (``use_grouped_mm = False``, what torchtitan's own args choose below SM90 for most families),
+   which also keeps them in the parameters' dtype instead of bf16.
+5. Parameter dtype. gpt_oss builds its blocks in bf16 (``.to(torch.bfloat16)``), which on CPU
+   without FSDP's casting meets fp32 activations (``mat1 and mat2 must have the same dtype``). On CPU,
+   floating parameters are built in ``[training] mixed_precision_param`` (fp32 in the debug TOMLs).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import platform
@@ -36,7 +48,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-__all__ = ["install_triton_stand_in", "use_cpu_device", "use_sum_reduction_on_gloo", "CpuDeviceModule"]
+__all__ = [
+    "install_triton_stand_in", "use_cpu_device", "use_sum_reduction_on_gloo", "CpuDeviceModule",
+    "allow_integer_histc", "use_for_loop_experts", "use_param_dtype",
+]
 
 _KERNELS = "torchtitan.models.moe.kernels"
 
@@ -145,3 +160,48 @@ def use_sum_reduction_on_gloo(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_force_sum_reduction_for_comms(True)
+
+
+def _integer_histc(histc):
+    @functools.wraps(histc)
+    def wrapped(input, bins=100, min=0, max=0, *, out=None):
+        if input.is_floating_point() or out is not None or input.device.type != "cpu" or min >= max:
+            return histc(input, bins=bins, min=min, max=max, **({} if out is None else {"out": out}))
+        x = input.reshape(-1).double()
+        keep = (x >= min) & (x <= max)
+        idx = ((x[keep] - min) * bins / (max - min)).long().clamp_(max=bins - 1)  # max falls in the last bin
+        return torch.bincount(idx, minlength=bins).to(input.dtype)
+
+    wrapped._cp_dtensor = True
+    return wrapped
+
+
+def allow_integer_histc() -> bool:
+    """Step 4a of Note [torchtitan on CPU]: integer ``torch.histc`` on CPU. Returns whether it was installed."""
+    if torch.accelerator.is_available() or getattr(torch.histc, "_cp_dtensor", False):
+        return False
+    torch.histc = _integer_histc(torch.histc)
+    return True
+
+
+def use_for_loop_experts(model: nn.Module) -> int:
+    """Step 4b of Note [torchtitan on CPU]: for-loop MoE experts on CPU. Returns how many were switched."""
+    if torch.accelerator.is_available():
+        return 0
+    switched = [m for m in model.modules() if getattr(m, "use_grouped_mm", False) is True]
+    for m in switched:
+        m.use_grouped_mm = False
+    return len(switched)
+
+
+def use_param_dtype(model: nn.Module, dtype: torch.dtype) -> int:
+    """Step 5 of Note [torchtitan on CPU]: floating parameters in ``dtype`` on CPU. Returns how many changed."""
+    if torch.accelerator.is_available():
+        return 0
+    n = 0
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and p.is_floating_point() and p.dtype != dtype:
+                module._parameters[name] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
+                n += 1
+    return n

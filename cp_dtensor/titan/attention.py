@@ -1,12 +1,14 @@
-"""What context parallelism changes inside a torchtitan llama3 step: the attention call and the batch.
+"""What context parallelism changes inside a torchtitan step: the attention call and the batch.
 
 Note [CP batch and positions]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 Every CP rank of a data-parallel group reads the same full batch; before the forward each keeps its
 ``layout`` shard of the sequence dimension of inputs [B, N] and labels [B, N] (N = seq_len), so each
 rank holds S_local = N / P tokens. RoPE must rotate a token by its *global* position, so the model
-also receives ``positions`` [1, S_local] = ``local_positions(layout, rank, P, N)``; torchtitan's
-llama3 indexes its RoPE table with them (``positions`` is already a forward argument there).
+also receives ``positions`` [1, S_local] = ``local_positions(layout, rank, P, N)``; llama3, llama4,
+qwen3 and deepseek_v3 index their RoPE tables with them (``positions`` is a forward argument there;
+gpt_oss, which has none, is handled in families.py). A flex flavor's masks (``RingMask``, Note [Flex
+masks as ring masks] in flex.py) carry global document ids [B, N]; they are sharded in the same layout.
 
 The loss needs no change: each rank's loss is the sum of cross entropy over its S_local tokens
 divided by the number of valid tokens of the whole global batch (counted by the trainer before
@@ -25,28 +27,60 @@ from torch import nn
 
 from ..layout import layout_unit, local_positions, shard_tensor
 from ..ring import ring_attention
+from .flex import RingMask, shard_masks
 
 __all__ = ["RingAttention", "shard_cp_batch"]
 
 
 class RingAttention(nn.Module):
-    """Drop-in for torchtitan's ``ScaledDotProductAttentionWrapper``: ring attention over ``group``."""
+    """Drop-in for torchtitan's inner attention modules (``ScaledDotProductAttentionWrapper``,
+    ``FlexAttentionWrapper``): ring attention over ``group``, with the mask the model passes.
 
-    def __init__(self, *, group: dist.ProcessGroup, layout: str, comm_dtype: torch.dtype | None = None):
+    ``mask_key`` picks this layer's mask from a dict the model passes whole (llama4 iRoPE: "rope" or
+    "nope"). ``sinks_of`` is the attention module whose ``sinks`` parameter (gpt_oss) joins the softmax;
+    it is read at every call (FSDP swaps the parameter object) and is not a submodule.
+    """
+
+    def __init__(self, *, group: dist.ProcessGroup, layout: str, comm_dtype: torch.dtype | None = None,
+                 mask_key: str | None = None, sinks_of: nn.Module | None = None):
         super().__init__()
         self.group, self.layout, self.comm_dtype = group, layout, comm_dtype  # comm_dtype None: K/V travel as they are
+        self.mask_key = mask_key
+        object.__setattr__(self, "_sinks_of", sinks_of)  # a reference, not a child module
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
         scale: float | None = None, enable_gqa: bool = False, is_causal: bool = True,
-    ) -> torch.Tensor:
-        # q: [B, Hq, S_local, D]; k, v: [B, Hkv, S_local, D] (GQA when Hq > Hkv, whatever enable_gqa says)
-        return ring_attention(
-            q, k, v, group=self.group, layout=self.layout, is_causal=is_causal, scale=scale, comm_dtype=self.comm_dtype
-        )
+        block_mask: RingMask | dict[str, RingMask] | None = None, score_mod=None, return_lse: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        # q, k: [B, Hq | Hkv, S_local, Dqk]; v: [B, Hkv, S_local, Dv] (GQA when Hq > Hkv, whatever enable_gqa says)
+        if score_mod is not None:
+            raise NotImplementedError("cp_dtensor ring attention takes no flex score_mod; torchtitan 0.2.2's models pass none.")
+        mask = block_mask[self.mask_key] if isinstance(block_mask, dict) else block_mask
+        ids, window = None, None
+        if mask is not None:
+            if not isinstance(mask, RingMask):
+                raise TypeError(f"cp_dtensor ring attention got a {type(mask).__name__} mask; it needs the plugin's "
+                                "RingMask (Note [Flex masks as ring masks]). Apply the plugin to the whole model.")
+            ids, window, is_causal = mask.ids, mask.window_size, mask.is_causal
+        sinks = None if self._sinks_of is None else self._sinks_of.sinks
+        out = ring_attention(
+            q, k, v, group=self.group, layout=self.layout, is_causal=is_causal, scale=scale,
+            comm_dtype=self.comm_dtype, document_ids=ids, window_size=window, sinks=sinks,
+        )  # out: [B, Hq, S_local, Dv]
+        if not return_lse:
+            return out
+        if self._sinks_of is None:
+            raise NotImplementedError("cp_dtensor ring attention returns an lse only for gpt_oss-style sinks "
+                                      "(Note [gpt_oss sinks] in families.py); this model asked for one without sinks.")
+        # gpt_oss rescales by sigmoid(lse - sinks) itself; the sinks are already in `out`, so hand it an
+        # lse of +inf: sigmoid(+inf) = 1 exactly and its gradient 0. See Note [gpt_oss sinks] in families.py.
+        return out, out.new_full(out.shape[:-1], float("inf"), dtype=torch.float32)
 
     def extra_repr(self) -> str:
-        return f"layout={self.layout!r}, cp={dist.get_world_size(self.group)}, comm_dtype={self.comm_dtype}"
+        extra = "" if self.mask_key is None else f", mask_key={self.mask_key!r}"
+        extra += "" if self._sinks_of is None else ", sinks"
+        return f"layout={self.layout!r}, cp={dist.get_world_size(self.group)}, comm_dtype={self.comm_dtype}{extra}"
 
 
 def shard_cp_batch(
@@ -63,10 +97,9 @@ def shard_cp_batch(
 
     Same signature as torchtitan's ``prepare_context_parallel_input`` (whose place it takes), plus
     ``layout``; ``load_balancer_type`` is ignored: the layout decides the balance.
-    inputs, labels: [B, N] -> [B, S_local]; adds extra_kwargs["positions"]: [1, S_local].
+    inputs, labels: [B, N] -> [B, S_local]; adds extra_kwargs["positions"]: [1, S_local]; the ids of
+    extra_kwargs["attention_masks"] (RingMask or a dict of them): [B, N] -> [B, S_local].
     """
-    if extra_kwargs.get("attention_masks") is not None:
-        raise NotImplementedError("cp_dtensor context parallelism supports SDPA attention only (no attention masks).")
     rank, world = cp_mesh.get_local_rank(), cp_mesh.size()
     seq_len = inputs.shape[1]
     if seq_len % layout_unit(layout, world) != 0:  # e.g. a validation seq_len that the start-up check did not see
@@ -74,6 +107,8 @@ def shard_cp_batch(
             f"{layout} layout on {world} CP ranks needs batches whose sequence length is a multiple of "
             f"{layout_unit(layout, world)}; got {seq_len}. Change [training]/[validation] seq_len."
         )
+    if extra_kwargs.get("attention_masks") is not None:
+        extra_kwargs["attention_masks"] = shard_masks(extra_kwargs["attention_masks"], layout=layout, rank=rank, world=world)
     inputs = shard_tensor(inputs, dim=1, layout=layout, rank=rank, world=world)
     labels = shard_tensor(labels, dim=1, layout=layout, rank=rank, world=world)
     extra_kwargs["positions"] = local_positions(layout, rank, world, seq_len).to(device).unsqueeze(0)

@@ -12,7 +12,9 @@ import torch
 
 from ..layout import LAYOUTS, layout_unit
 
-__all__ = ["COMM_DTYPES", "CPDTensor", "JobConfig", "check_job_config", "cp_section"]
+__all__ = ["COMM_DTYPES", "FAMILIES", "CPDTensor", "JobConfig", "check_job_config", "cp_section"]
+
+FAMILIES = ("llama3", "qwen3", "deepseek_v3", "llama4", "gpt_oss")  # torchtitan 0.2.2 model names the plugin serves
 
 COMM_DTYPES = {  # [cp_dtensor] comm_dtype -> the K/V ring payload dtype (see Note [float8 ring payload])
     "bfloat16": torch.bfloat16,
@@ -112,10 +114,24 @@ def check_job_config(job_config: Any, world_size: int) -> None:
         unsupported.append("[parallelism] pipeline_parallel_degree > 1")
     if par.expert_parallel_degree > 1:
         unsupported.append("[parallelism] expert_parallel_degree > 1")
-    if job_config.model.name != "llama3":
-        unsupported.append(f'[model] name = "{job_config.model.name}" (only "llama3" is wired)')
+    name = job_config.model.name
+    if name not in FAMILIES:
+        unsupported.append(f'[model] name = "{name}" (cp_dtensor serves {", ".join(FAMILIES)})')
+    elif (attn := _attn_type(name, job_config.model.flavor)) not in ("sdpa", "flex"):
+        unsupported.append(f'[model] flavor = "{job_config.model.flavor}" with attn_type "{attn}" (the ring serves '
+                           '"sdpa" and "flex" flavors, e.g. "debugmodel", "debugmodel_flex_attn")')
     if unsupported:
         raise ValueError(
             "cp_dtensor context parallelism does not support: " + "; ".join(unsupported)
             + ". Turn these off or set context_parallel_degree = 1."
         )
+
+
+def _attn_type(family: str, flavor: str) -> str:
+    import importlib
+
+    flavors = importlib.import_module(f"torchtitan.models.{family}").get_train_spec().model_args
+    if flavor not in flavors:
+        raise ValueError(f'[model] flavor "{flavor}" is not a {family} flavor of torchtitan; pick one of '
+                         f'{", ".join(sorted(flavors))}.')
+    return getattr(flavors[flavor], "attn_type", "sdpa")

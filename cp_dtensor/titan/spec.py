@@ -1,16 +1,19 @@
-"""cp_dtensor's llama3 train spec: torchtitan's own, with context parallelism through the ring.
+"""cp_dtensor's train specs: torchtitan's own for every family, with context parallelism through the ring.
 
 Note [How the plugin hooks torchtitan]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-Three hooks, none a fork; all take effect only when ``context_parallel_degree > 1``.
+Three hooks, none a fork, the same for every family in ``FAMILIES``.
 
-* Train spec. ``register_train_spec("llama3", ...)`` -- torchtitan looks up user-registered specs
-  before its own -- installs torchtitan's llama3 spec with ``parallelize_fn`` wrapped.
-* Attention. The wrapper puts a ``RingAttention`` in every block's ``attention.inner_attention`` (the
-  SDPA wrapper torchtitan calls with q, k, v), then runs torchtitan's ``parallelize_llama`` for TP,
-  activation checkpointing, compile and FSDP. During that call the CP step of ``parallelize_llama``
-  (``apply_cp_to_attention_module``, which would route SDPA through torch's CUDA-only CP) is
-  replaced by a check that the ring is in place.
+* Train spec. ``register_train_spec(name, ...)`` -- torchtitan looks up user-registered specs
+  before its own -- installs torchtitan's spec for the family with ``parallelize_fn`` wrapped, and
+  with each flavor's ``update_from_config`` run with CP hidden: deepseek_v3, llama4 and gpt_oss refuse
+  ``context_parallel_degree > 1`` with flex attention (gpt_oss at all) there, because *torch's* CP
+  cannot serve them; the ring can.
+* Attention. The wrapper applies ``apply_ring_attention`` (families.py) when CP is on or the flavor
+  uses flex attention, then runs the family's own parallelize function for TP, activation
+  checkpointing, compile and FSDP. During that call its CP step (``apply_cp_to_attention_module``,
+  which would route attention through torch's CUDA-only CP) is replaced by a check that the ring is
+  in place, and CP is hidden from its flex refusal.
 * Batch. The trainer (and the validator) shard each batch by calling the global name
   ``prepare_context_parallel_input`` of their module. The wrapper rebinds that name, in every loaded
   module that holds torchtitan's function, to ``shard_cp_batch`` with the configured layout -- in
@@ -20,24 +23,25 @@ Three hooks, none a fork; all take effect only when ``context_parallel_degree > 
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
+import importlib
 import sys
 import types
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 import torch.nn as nn
 import torchtitan.distributed.context_parallel as titan_cp
-import torchtitan.models.llama3 as titan_llama3
-import torchtitan.models.llama3.infra.parallelize as titan_parallelize
+from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.tools.logging import logger
 
-from ._cpu import use_sum_reduction_on_gloo
+from ._cpu import use_for_loop_experts, use_param_dtype, use_sum_reduction_on_gloo
 from .attention import RingAttention, shard_cp_batch
-from .config import check_job_config, cp_section
+from .config import FAMILIES, CPDTensor, check_job_config, cp_section
+from .families import apply_family_fixes, apply_ring_attention, attention_modules, tied_embedding_fsdp
 
-__all__ = ["parallelize_llama_cp", "llama3_train_spec"]
+__all__ = ["FAMILIES", "parallelize_with_ring", "train_spec"]
 
 _HOOK = "prepare_context_parallel_input"
 _TITAN_PREPARE = titan_cp.prepare_context_parallel_input
@@ -53,24 +57,19 @@ def _swapped(module: types.ModuleType, name: str, value: Any) -> Iterator[None]:
         setattr(module, name, old)
 
 
+@contextlib.contextmanager
+def _cp_hidden(job_config) -> Iterator[None]:
+    # torchtitan's refusals of CP with flex read context_parallel_degree; see Note [How the plugin hooks torchtitan]
+    with _swapped(job_config.parallelism, "context_parallel_degree", 1):
+        yield
+
+
 def _ring_in_place(attention_modules, cp_mesh, attention_type: str) -> None:
     # stands in for torchtitan's apply_cp_to_attention_module; see Note [How the plugin hooks torchtitan]
     assert all(isinstance(m, RingAttention) for m in attention_modules), "ring attention was not attached"
     first = attention_modules[0]
     payload = "as the input dtype" if first.comm_dtype is None else f"comm_dtype={str(first.comm_dtype)[6:]}"
     logger.info(f"Applied cp_dtensor ring attention (layout={first.layout}) to the model; K/V ring payload {payload}")
-
-
-def _attach_ring(model: nn.Module, cp_mesh, layout: str, comm_dtype: torch.dtype | None = None) -> None:
-    attn_type = getattr(model.model_args, "attn_type", "sdpa")
-    if attn_type != "sdpa":
-        raise ValueError(
-            f'cp_dtensor context parallelism supports attn_type "sdpa" only; this model flavor uses '
-            f'"{attn_type}". Pick an SDPA flavor (e.g. "debugmodel", "8B") or set context_parallel_degree = 1.'
-        )
-    group = cp_mesh.get_group()
-    for block in model.layers.values():
-        block.attention.inner_attention = RingAttention(group=group, layout=layout, comm_dtype=comm_dtype)
 
 
 def _bind_batch_sharding(layout: str) -> None:
@@ -91,24 +90,56 @@ def _bind_batch_sharding(layout: str) -> None:
         )
 
 
-def parallelize_llama_cp(model: nn.Module, parallel_dims, job_config) -> nn.Module:
-    """torchtitan's ``parallelize_llama`` with CP through cp_dtensor's ring attention."""
+def parallelize_with_ring(model: nn.Module, parallel_dims, job_config, *, titan_fn) -> nn.Module:
+    """``titan_fn`` (a family's own parallelize function) with CP through cp_dtensor's ring attention."""
     check_job_config(job_config, parallel_dims.world_size)
-    if parallel_dims.cp_enabled:
-        section = cp_section(job_config)
-        layout = section.layout
-        _attach_ring(model, parallel_dims.get_mesh("cp"), layout, section.comm_torch_dtype)
-        _bind_batch_sharding(layout)
-        with _swapped(titan_parallelize, "apply_cp_to_attention_module", _ring_in_place):
-            model = titan_parallelize.parallelize_llama(model, parallel_dims, job_config)
-    else:
-        model = titan_parallelize.parallelize_llama(model, parallel_dims, job_config)
+    titan_module = sys.modules[titan_fn.__module__]
+    param_dtype = TORCH_DTYPE_MAP[job_config.training.mixed_precision_param]
+    if n := use_param_dtype(model, param_dtype):
+        logger.info(f"cp_dtensor: {n} parameters built in another dtype now {param_dtype} (CPU; Note [torchtitan on CPU])")
+    if n := use_for_loop_experts(model):
+        logger.info(f"cp_dtensor: {n} MoE expert modules use torchtitan's for-loop experts (CPU; Note [torchtitan on CPU])")
+    apply_family_fixes(model)
+
+    flex = getattr(model.model_args, "attn_type", "sdpa") == "flex"
+    with contextlib.ExitStack() as stack:
+        if parallel_dims.cp_enabled or flex:
+            section = cp_section(job_config) if parallel_dims.cp_enabled else getattr(job_config, "cp_dtensor", CPDTensor())
+            apply_ring_attention(model, parallel_dims.get_mesh("cp") if parallel_dims.cp_enabled else None, section)
+            stack.enter_context(_cp_hidden(job_config))
+        if parallel_dims.cp_enabled:
+            _bind_batch_sharding(section.layout)
+            if hasattr(titan_module, "apply_cp_to_attention_module"):
+                stack.enter_context(_swapped(titan_module, "apply_cp_to_attention_module", _ring_in_place))
+            else:  # gpt_oss: its parallelize has no CP step
+                _ring_in_place([a.inner_attention for a in attention_modules(model)], None, "")
+        if getattr(model.model_args, "enable_weight_tying", False) and hasattr(titan_module, "apply_fsdp"):
+            stack.enter_context(_swapped(titan_module, "apply_fsdp", tied_embedding_fsdp(titan_module.apply_fsdp)))
+        model = titan_fn(model, parallel_dims, job_config)
     use_sum_reduction_on_gloo(model)
     return model
 
 
-def llama3_train_spec():
-    """torchtitan's llama3 train spec with ``parallelize_fn = parallelize_llama_cp``."""
-    spec = titan_llama3.get_train_spec()
-    spec.parallelize_fn = parallelize_llama_cp
+def _update_with_cp_hidden(update):
+    @functools.wraps(update)
+    def wrapped(job_config, *args, **kwargs):
+        with _cp_hidden(job_config):
+            return update(job_config, *args, **kwargs)
+
+    return wrapped
+
+
+def train_spec(family: str):
+    """torchtitan's train spec for ``family`` with ``parallelize_fn = parallelize_with_ring(titan's own)``
+    and its flavors' start-up CP refusals lifted (Note [How the plugin hooks torchtitan])."""
+    spec = importlib.import_module(f"torchtitan.models.{family}").get_train_spec()
+    titan_fn = spec.parallelize_fn
+    spec.parallelize_fn = functools.wraps(titan_fn)(functools.partial(parallelize_with_ring, titan_fn=titan_fn))
+    spec.parallelize_fn._cp_dtensor = True
+    flavors = {}
+    for name, args in spec.model_args.items():
+        args = copy.deepcopy(args)  # torchtitan's table stays untouched
+        args.update_from_config = _update_with_cp_hidden(args.update_from_config)
+        flavors[name] = args
+    spec.model_args = flavors
     return spec
