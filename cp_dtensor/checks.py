@@ -9,6 +9,12 @@ lets every rank see every other rank's view. Then every rank raises the same err
 Only when some rank failed is the text of its error gathered too. Under ``torch.compile`` shapes are
 static per graph and a data-dependent raise would break the graph, so only the local checks run
 there.
+
+The fingerprint holds host values only (shapes, dtypes, options; the ids' range, from ids the ring
+reads on the host anyway) and travels over the CP group's gloo twin (``comm.host_group``), so on
+CUDA the check never makes the host wait for the device. Sinks on a GPU are not read for the
+comparison (that would be a sync): equal sinks there are the caller's contract, as for any
+replicated parameter.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
-from .comm import lost_peer
+from .comm import host_group, lost_peer
 from .layout import LAYOUTS, global_order
 
 __all__ = ["check_documents", "check_ring_args"]
@@ -108,8 +114,8 @@ def _mask_error(q, document_ids, window_size, sinks) -> str | None:
                 f"ring_attention: document_ids must be [B, S_local] = [{b}, {s}], this rank's layout shard of "
                 f"the global [B, N] ids; got shape {tuple(document_ids.shape)}."
             )
-        if document_ids.device != q.device:
-            return f"ring_attention: document_ids must be on q's device {q.device}; got {document_ids.device}."
+        if document_ids.device not in (q.device, torch.device("cpu")):
+            return f"ring_attention: document_ids must be on q's device {q.device} or the CPU; got {document_ids.device}."
     if window_size is not None:
         ok = isinstance(window_size, (tuple, list)) and len(window_size) == 2
         if not ok or not all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window_size):
@@ -142,7 +148,9 @@ def _fingerprint(q, k, v, layout: str, is_causal, scale, comm_dtype, document_id
     window = tuple(window_size) if ok and window_size is not None else (-1, -1)
     # the sinks' values, by two weighted sums of their bits (equal sinks on every rank is the contract)
     sink = -1
-    if ok and sinks is not None:
+    if ok and sinks is not None and sinks.device.type != "cpu":
+        sink = -2  # compared only where reading them costs no device sync
+    elif ok and sinks is not None:
         w = sinks.detach().double()
         sink = _float_bits(float(w.sum()) + 2.0 * float((w * torch.arange(1, w.numel() + 1, device=w.device)).sum()))
     id_min = int(document_ids.min()) if docs and document_ids.numel() else 0
@@ -193,18 +201,16 @@ def check_ring_args(
     world = dist.get_world_size(group)
     id_range = None
     if world > 1 and not torch.compiler.is_compiling():
-        device = q.device if isinstance(q, Tensor) and q.device.type != "meta" else torch.device("cpu")
-        if dist.get_backend(group) == "nccl" and device.type != "cuda":
-            device = torch.device("cuda", torch.cuda.current_device())
+        host = host_group(group)
         fp = _fingerprint(q, k, v, layout, is_causal, scale, comm_dtype, document_ids, window_size, sinks, err is None)
-        mine = torch.tensor(fp, device=device)
+        mine = torch.tensor(fp)  # host values only: nothing here waits for the device
         try:
-            every = funcol.wait_tensor(funcol.all_gather_single(mine, 0, group)).view(world, -1).cpu()
+            every = funcol.wait_tensor(funcol.all_gather_single(mine, 0, host)).view(world, -1)
         except RuntimeError as e:
             raise lost_peer(e, group) from e
         if not bool((every[:, 0] == 1).all()):
             errors = [None] * world
-            dist.all_gather_object(errors, err, group=group)
+            dist.all_gather_object(errors, err, group=host)
             bad = [(r, e) for r, e in enumerate(errors) if e is not None]
             raise ValueError(
                 "ring_attention rejected the inputs of rank(s) "

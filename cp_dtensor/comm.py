@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
-__all__ = ["RingComm", "gather_ids", "lost_peer", "pack", "unpack"]
+__all__ = ["RingComm", "gather_ids", "host_group", "lost_peer", "pack", "unpack"]
 
 
 def lost_peer(e: RuntimeError, group: dist.ProcessGroup) -> RuntimeError:
@@ -81,6 +81,23 @@ class RingComm:
             return funcol.wait_tensor(buf)
         except RuntimeError as e:
             raise lost_peer(e, self.group) from e
+
+
+_HOST_GROUPS: dict[str, dist.ProcessGroup] = {}  # a cache: one gloo twin per device group
+
+
+def host_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A group of the same ranks that moves CPU tensors: ``group`` itself under gloo, else a gloo twin
+    created once (by the group's own ranks only). The agreement check and the document ids travel
+    there, so they never make the host wait for the device (Note [Agreeing before the ring] in
+    checks.py); the K/V ring stays on ``group``."""
+    if dist.get_backend(group) == "gloo":
+        return group
+    name = group.group_name
+    if name not in _HOST_GROUPS:
+        ranks = dist.get_process_group_ranks(group)
+        _HOST_GROUPS[name] = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+    return _HOST_GROUPS[name]
 
 
 def pack(*xs: Tensor) -> Tensor:

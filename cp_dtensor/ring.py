@@ -47,7 +47,10 @@ one calls ``block_attn`` on one slice. Three things follow from the mask:
 * Document ids are gathered once per call, before any K/V moves (they also settle whether the ids
   are valid, on every rank: Note [Agreeing before the ring] in checks.py), in the narrowest integer
   type that holds the spread of the global ids: 1-4 bytes per token, against 2 * Hkv * D * itemsize
-  for its K/V. Every step then reads the ids of the block it holds from that gathered table.
+  for its K/V. Every step then reads the ids of the block it holds from that gathered table. The
+  kernels are chosen per document on the host, so the ids live there: on a GPU a call with documents
+  makes exactly one device-to-host copy (of this rank's ids) and gathers them over the CP group's
+  gloo twin; a call without documents makes none.
 
 Note [Attention sinks]
 ~~~~~~~~~~~~~~~~~~~~~~
@@ -66,7 +69,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .checks import check_documents, check_ring_args
-from .comm import RingComm, gather_ids, unpack
+from .comm import RingComm, gather_ids, host_group, unpack
 from .kernels import backend
 from .layout import step_block
 from .masks import flat_runs, has_pairs, mask_bounds, runs, steps_needed
@@ -329,13 +332,16 @@ def _ring_attention(q, k, v, *, group, layout, is_causal, scale, comm_dtype=None
     """``ring_attention`` with a caller's own local ``error`` (e.g. an unsupported argument the module
     path saw) that raises on every rank through the agreement check, like a bad argument."""
     group = group if group is not None else dist.group.WORLD
+    if isinstance(document_ids, Tensor) and document_ids.device.type != "cpu":
+        # the one host copy of a call with documents: the kernels are chosen per document on the host
+        document_ids = document_ids.cpu()
     scale, id_range = check_ring_args(
         q, k, v, group=group, layout=layout, is_causal=is_causal, scale=scale, comm_dtype=comm_dtype,
         document_ids=document_ids, window_size=window_size, sinks=sinks, error=error,
     )
     ids = None
     if document_ids is not None:
-        ids = gather_ids(document_ids, group, id_range)  # [P, B, S_local], before any K/V moves
+        ids = gather_ids(document_ids, host_group(group), id_range)  # [P, B, S_local] on the host, before K/V moves
         check_documents(ids, layout, group)
     window = None if window_size is None else tuple(int(w) for w in window_size)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()

@@ -242,3 +242,29 @@ def _outside_group(rank, world):
 
 def test_rank_outside_the_group_gets_a_clear_error():
     run_ranks(3, _outside_group)
+
+
+def _host_only_agreement(rank, world):
+    from unittest import mock
+
+    from cp_dtensor import comm
+    from cp_dtensor.checks import check_ring_args
+
+    group = dist.group.WORLD
+    # meta tensors hold no data: the check can only pass if it reads none (no device sync on CUDA)
+    q, k = torch.empty(1, 4, 8, 16, device="meta"), torch.empty(1, 2, 8, 16, device="meta")
+    scale, _ = check_ring_args(q, k, k, group=group, layout="striped", is_causal=True, scale=None, window_size=(3, 0))
+    assert scale == 0.25
+    bad = torch.empty(1, 4, 8 + rank, 16, device="meta")
+    with pytest.raises(ValueError, match="seq_len_local"):
+        check_ring_args(bad, bad[:, :2], bad[:, :2], group=group, layout="striped", is_causal=True, scale=None)
+    # an NCCL group agrees over a gloo twin of the same ranks, made once
+    with mock.patch.object(dist, "get_backend", lambda g=None: "nccl"):
+        twin = comm.host_group(group)
+        assert twin is not group and twin is comm.host_group(group)
+        assert dist.get_process_group_ranks(twin) == list(range(world))
+        check_ring_args(q, k, k, group=group, layout="striped", is_causal=True, scale=None)
+
+
+def test_agreement_reads_no_tensor_data_and_uses_a_host_group():
+    run_ranks(2, _host_only_agreement)
