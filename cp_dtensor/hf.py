@@ -21,7 +21,10 @@ for the *global* sequence:
   ``attention_mask`` a query sees the unpadded keys (each row's tokens must be one run: left and / or
   right padding; each pad token becomes a document of its own); without one, and with ``use_cache``
   off, position ids that do not advance by 1 start a new sequence (packed sequences,
-  ``DataCollatorWithFlattening``); ``document_ids=`` in the model call overrides both.
+  ``DataCollatorWithFlattening``; ``documents="position_ids"`` applies them with use_cache on too);
+  ``document_ids=`` in the model call overrides both. So a model equals itself at CP=1 -- except
+  gpt-oss, whose modeling code builds no packed-sequence mask at all: under CP its packed documents
+  are kept apart, as flash-attention keeps them.
 
 The global view costs one all-gather per forward of each rank's position ids and padding flags
 (16 bytes per token), cached while the layers (and activation checkpointing's recomputation) pass the
@@ -70,8 +73,8 @@ class _Refused:
 class _Context:
     """Per model: the CP mesh and layout, the pending top-level error, and the last documents."""
 
-    def __init__(self, cp_mesh: DeviceMesh, layout: str):
-        self.mesh, self.layout = cp_mesh, layout
+    def __init__(self, cp_mesh: DeviceMesh, layout: str, documents: str | None):
+        self.mesh, self.layout, self.documents = cp_mesh, layout, documents
         self.pending: str | None = None  # from the top-level call, raised by the next attention call
         self.last: tuple | None = None  # ((positions, version, mask, use_cache, B), (ids, error))
 
@@ -210,7 +213,7 @@ def _documents(ctx: _Context, positions: Tensor, mask: Tensor | None, use_cache:
         if bool(real.all()):
             return None, None
         ids = (~real | ~prev).long().cumsum(1)  # each pad token a document of its own, the tokens one
-    elif use_cache:
+    elif use_cache and ctx.documents is None:
         return None, None  # transformers looks for packed sequences only without a cache
     else:  # transformers' find_packed_sequence_indices on the global positions
         diff = torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1)
@@ -274,7 +277,9 @@ def _top_level_error(model: nn.Module, args, kwargs) -> str | None:
     return None
 
 
-def apply_context_parallel_hf(model: nn.Module, cp_mesh: DeviceMesh, *, layout: str = "striped") -> nn.Module:
+def apply_context_parallel_hf(
+    model: nn.Module, cp_mesh: DeviceMesh, *, layout: str = "striped", documents: str | None = None,
+) -> nn.Module:
     """Run a transformers model's attention as ring attention over ``cp_mesh`` (changes ``model`` in place).
 
     Switches the model (and its sub-models) to ``attn_implementation="cp_dtensor"``. Call it with this
@@ -284,11 +289,17 @@ def apply_context_parallel_hf(model: nn.Module, cp_mesh: DeviceMesh, *, layout: 
     on the full batch) with ``num_items_in_batch=`` the global label count. Windows, sinks, padding and packed sequences follow the model; what the ring
     cannot run raises on every rank. See Note [transformers under CP]. Parameter gradients are each
     rank's share: sum them over the CP group (FSDP / DDP, or ``cp_dtensor.reduce_gradients``).
+
+    ``documents=None`` follows transformers' sdpa / eager rule for packed sequences (position ids that do
+    not advance by 1 start a sequence when the call has no attention_mask and use_cache is off);
+    ``documents="position_ids"`` applies them with use_cache on too.
     """
     from .module import _check_cp_mesh
 
     _check_cp_mesh(cp_mesh)
     check_layout(layout)
+    if documents not in (None, "position_ids"):
+        raise ValueError(f"documents must be None or 'position_ids'; got {documents!r}.")
     if getattr(model, "_cp_dtensor_hf", None) is not None or getattr(model, "_cp_dtensor_mode", None) is not None:
         raise ValueError("context parallelism was already applied to this model.")
     if not hasattr(model, "set_attn_implementation"):
@@ -299,7 +310,7 @@ def apply_context_parallel_hf(model: nn.Module, cp_mesh: DeviceMesh, *, layout: 
     if model.config._attn_implementation != NAME:
         raise ValueError(f"{type(model).__name__} does not route its attention through transformers' "
                          "AttentionInterface, so it cannot run context parallel attention.")
-    ctx = _Context(cp_mesh, layout)
+    ctx = _Context(cp_mesh, layout, documents)
     for m in model.modules():
         m._cp_dtensor_hf = ctx
 
@@ -308,6 +319,7 @@ def apply_context_parallel_hf(model: nn.Module, cp_mesh: DeviceMesh, *, layout: 
         return args, kwargs
 
     model.register_forward_pre_hook(check, with_kwargs=True)
+    model.register_forward_hook(lambda *_: setattr(ctx, "pending", None), always_call=True)  # this call's only
     return model
 
 

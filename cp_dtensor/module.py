@@ -138,7 +138,7 @@ def apply_context_parallel(
                              f"got window_size={window_size!r}. Drop window_size.")
         from .hf import apply_context_parallel_hf  # transformers is installed: the model is one of its
 
-        return apply_context_parallel_hf(model, cp_mesh, layout=layout)
+        return apply_context_parallel_hf(model, cp_mesh, layout=layout, documents=documents)
     _check_cp_mesh(cp_mesh)
     check_layout(layout)
     if documents not in (None, "position_ids"):

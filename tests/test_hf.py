@@ -97,20 +97,20 @@ def _compare(where, cp, ref, keep):
 
 
 def _check(name, world, mesh, layouts, batch, weights, keep=None, *, how="hf", checkpointing=False, ref_batch=None,
-           **options):
+           ref_options=None, **options):
     base = _model(name, world)
     keep = torch.ones(weights.shape[:2]) if keep is None else keep
     ref_model = copy.deepcopy(base)
     if checkpointing:
         ref_model.gradient_checkpointing_enable()
         ref_model.train()
-    ref = _run(ref_model, ref_batch or batch, weights, keep, **options)
+    ref = _run(ref_model, ref_batch or batch, weights, keep, **{**options, **(ref_options or {})})
     for layout in layouts:
         model = copy.deepcopy(base)
         if how == "hf":
             hf.apply_context_parallel_hf(model, mesh, layout=layout)
         else:  # the README's module path hands transformers models to the same integration
-            apply_context_parallel(model, mesh, layout=layout)
+            apply_context_parallel(model, mesh, layout=layout, documents="position_ids" if how == "module-docs" else None)
         if checkpointing:
             model.gradient_checkpointing_enable()
             model.train()
@@ -161,9 +161,17 @@ def _check_packed(rank: int, world: int, slow: bool) -> None:
             ref_batch = dict(batch, attention_mask=_dense_masks(lengths, _model(name, world).config.sliding_window))
         ref = _check(name, world, mesh, LAYOUTS, batch, weights, use_cache=False, ref_batch=ref_batch)
         _check(name, world, mesh, ["striped"], batch, weights, checkpointing=True, ref_batch=ref_batch)
-        # the reference really is block-diagonal: with use_cache on, transformers attends across documents
+        # the reference really is block-diagonal: with use_cache on, transformers attends across documents --
+        # and so does CP, unless documents="position_ids" asks for them
         crossing = _run(_model(name, world), batch, weights, torch.ones(1, N), use_cache=True)
         assert rel_err(crossing[0], ref[0]) > 1e-2, name
+        _check(name, world, mesh, ["headtail"], batch, weights, use_cache=True)
+        _check(name, world, mesh, ["contiguous"], batch, weights, how="module-docs", ref_batch=ref_batch,
+               ref_options=dict(use_cache=False), use_cache=True)
+    # explicit document_ids= (this rank's shard of global ids) in the model call
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]
+    _check("llama", world, mesh, ["striped"], dict(batch, document_ids=ids), weights, ref_batch=batch,
+           ref_options=dict(use_cache=False), use_cache=True)
 
     # the training loss: labels shifted on the full batch, each rank's sum over the global count
     labels = torch.randint(0, V, (1, N), generator=torch.Generator().manual_seed(5))
