@@ -247,6 +247,11 @@ def _check_errors(rank: int, world: int, slow: bool) -> None:
                                  cache=None, position_ids=pos, or_mask_function=lambda b, h, q, k: k == 0)
     q, kv = torch.randn(2, 4, s, 8), torch.randn(2, 2, s, 8)
     _expect_error(lambda: hf.cp_dtensor_attention(attn, q, kv, kv, refused, position_ids=pos), "mask rule")
+    # what Gemma2 passes (logit softcapping), a bidirectional window, and either on one rank only
+    direct = lambda **kw: hf.cp_dtensor_attention(attn, q, kv, kv, None, position_ids=pos, **kw)  # noqa: E731
+    _expect_error(lambda: direct(softcap=50.0), "softcapping")
+    _expect_error(lambda: direct(softcap=50.0 if rank == 1 else None), "softcapping")
+    _expect_error(lambda: direct(is_causal=False, sliding_window=4), "bidirectional sliding window")
     # attention dropout in training
     model.config.attention_dropout = 0.1
     for layer in model.model.layers:
