@@ -305,6 +305,11 @@ def apply_context_parallel_hf(
     if not hasattr(model, "set_attn_implementation"):
         raise ValueError(f"apply_context_parallel_hf takes a transformers PreTrainedModel; got {type(model).__name__}. "
                          "Use cp_dtensor.apply_context_parallel for other modules.")
+    for config in _configs(model.config):  # layers that mix tokens outside attention would see their shard only
+        other = sorted(set(getattr(config, "layer_types", None) or ()) - {"full_attention", "sliding_attention"})
+        if other:
+            raise ValueError(f"{type(model).__name__} has {', '.join(other)} layers (config.layer_types); context "
+                             "parallelism runs full and sliding-window attention layers only. Run it without CP.")
     register()
     model.set_attn_implementation(NAME)
     if model.config._attn_implementation != NAME:
@@ -321,6 +326,16 @@ def apply_context_parallel_hf(
     model.register_forward_pre_hook(check, with_kwargs=True)
     model.register_forward_hook(lambda *_: setattr(ctx, "pending", None), always_call=True)  # this call's only
     return model
+
+
+def _configs(config) -> list:
+    """The config and its sub-configs (a multimodal model's text config, ...)."""
+    out = [config]
+    for key in getattr(config, "sub_configs", {}) or {}:
+        sub = getattr(config, key, None)
+        if sub is not None and hasattr(sub, "to_dict"):
+            out += _configs(sub)
+    return out
 
 
 def shift_labels(labels: Tensor, ignore_index: int = -100) -> Tensor:

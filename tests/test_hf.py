@@ -252,6 +252,10 @@ def _check_errors(rank: int, world: int, slow: bool) -> None:
     _expect_error(lambda: direct(softcap=50.0), "softcapping")
     _expect_error(lambda: direct(softcap=50.0 if rank == 1 else None), "softcapping")
     _expect_error(lambda: direct(is_causal=False, sliding_window=4), "bidirectional sliding window")
+    # layers that mix tokens outside attention (linear attention, state-space) are refused when CP is applied
+    other = _model("llama", world)
+    other.config.layer_types = ["full_attention", "linear_attention"]
+    _expect_error(lambda: hf.apply_context_parallel_hf(other, mesh), "linear_attention")
     # attention dropout in training
     model.config.attention_dropout = 0.1
     for layer in model.model.layers:
