@@ -15,9 +15,8 @@ would serialise every ring step in the compiled graph. So under compile ``rotate
 ``wait`` adds the only ``wait_tensor``: the graph then reads ``all_to_all_single(k/v of step t+1)
 -> block_attn(step t) -> wait_tensor``. tests/test_compile.py checks that order in the FX graph and in
 Inductor's code (with ``torch._inductor.config.reorder_for_peak_memory = False``; by default that pass
-may move a wait up). In the backward, AOTAutograd merges the K/V rotations with the forward's and
-keeps the blocks received there (it never recomputes a collective): compiled, only dK/dV travel back.
-Eager mode is unchanged.
+may move a wait up). The backward re-sends K/V as eager does, one message a step (Note [Compiled
+backward re-sends K/V] and Note [One message per backward step] in ring.py). Eager mode is unchanged.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
-__all__ = ["RingComm", "gather_ids", "host_group", "lost_peer", "pack", "unpack"]
+__all__ = ["RingComm", "gather_ids", "host_group", "join_bytes", "lost_peer", "pack", "split_bytes", "unpack"]
 
 
 def lost_peer(e: RuntimeError, group: dist.ProcessGroup) -> RuntimeError:
@@ -98,6 +97,23 @@ def host_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
         ranks = dist.get_process_group_ranks(group)
         _HOST_GROUPS[name] = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
     return _HOST_GROUPS[name]
+
+
+def join_bytes(*bufs: Tensor) -> Tensor:
+    """One flat uint8 message holding flat buffers of any dtypes, in order (one transfer for several)."""
+    return torch.cat([b.reshape(-1).view(torch.uint8) for b in bufs])
+
+
+def split_bytes(buf: Tensor, *parts: tuple[int, torch.dtype]) -> list[Tensor]:
+    """Inverse of :func:`join_bytes`: (numel, dtype) per part. A part whose offset is not aligned to
+    its dtype is copied out (no view can reinterpret it)."""
+    out, offset = [], 0
+    for n, dtype in parts:
+        size = n * dtype.itemsize
+        part = buf.narrow(0, offset, size)
+        out.append((part.clone() if offset % dtype.itemsize else part).view(dtype))
+        offset += size
+    return out
 
 
 def pack(*xs: Tensor) -> Tensor:

@@ -288,3 +288,15 @@ def _masked_backward(ctx, dout, dlse):
 
 
 masked_block_attn.register_autograd(_masked_backward, setup_context=_masked_setup_context)
+
+
+@torch.library.custom_op("cp_dtensor::after", mutates_args=())
+def after(x: Tensor, dep: Tensor) -> Tensor:
+    """A copy of ``x`` that the compiler must compute after ``dep`` exists. See Note [Compiled backward
+    re-sends K/V] in ring.py: it keeps the backward's K/V rotations in the backward graph."""
+    return x.clone()
+
+
+@after.register_fake
+def _(x, dep):
+    return torch.empty_like(x)

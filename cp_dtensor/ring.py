@@ -22,6 +22,30 @@ travel in an accumulator that rides one step behind: rank r adds its share of bl
 the sum to r + 1, which holds that block at step t + 1. After the last step the accumulator arrives
 at the block's owner, which adds its own (step 0) share. So K/V and dK/dV each travel P - 1 times.
 
+Note [One message per backward step]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The accumulator a rank finishes at the end of step t leaves with the K/V it posts at the start of
+step t + 1 -- one message [accumulator | K/V], byte-joined, to the same neighbour -- and arrives when
+that message is waited on, after the neighbour's step t + 1 block: the same time as a separate send
+right after step t, with one collective a step instead of two. The reason is order. Every message is
+built from what the previous one delivered, so the backward's transfers form a single chain that no
+scheduler can reorder; two independent chains (K/V rotations and accumulator hops) could be issued
+in different orders on different ranks by Inductor (whose graphs differ per rank), and two transfers
+of equal size would then silently swap. Where a message carries only an accumulator that the data
+does not tie to the previous message (a step with no kept pair contributes zeros), compiled graphs
+tie it with ``cp_dtensor::after``.
+
+Note [Compiled backward re-sends K/V]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Compiled, forward and backward are one joint graph until AOTAutograd splits them. The backward's
+K/V rotations would rotate the very tensors the forward rotated, so the joint graph would merge them
+with the forward's (pure functions of the same inputs), and AOTAutograd, which never recomputes a
+collective, would then save every block the forward received: O(N) K/V per attention layer, P - 1
+blocks more than eager. The backward instead starts its K/V from ``cp_dtensor::after(k, dout)``: an
+opaque copy that cannot exist before the backward's input, so its rotations are the backward's own,
+scheduled in the backward graph like eager's, and the forward saves only q, k, v, out and lse. The
+price is one K/V copy per call and the bytes of eager (the backward sends K/V again: 2x the forward).
+
 Note [Backward in head chunks]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 The backward's peak memory is reached inside a step t >= 1: the K/V block held and the next one
@@ -69,12 +93,12 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .checks import check_documents, check_ring_args
-from .comm import RingComm, gather_ids, host_group, unpack
+from .comm import RingComm, gather_ids, host_group, join_bytes, split_bytes, unpack
 from .kernels import backend
 from .layout import step_block
 from .masks import flat_runs, has_pairs, mask_bounds, runs, steps_needed
 from .ops import (
-    block_attn, block_attn_backward, masked_block_attn, masked_block_attn_backward, masked_block_attn_merge_, merge_,
+    after, block_attn, block_attn_backward, masked_block_attn, masked_block_attn_backward, masked_block_attn_merge_, merge_,
 )
 from .payload import decode_kv, encode_kv
 
@@ -219,13 +243,30 @@ def ring_backward(
     steps = mask.steps
     dout = dout.contiguous()
     acc_dtype = torch.promote_types(q.dtype, torch.float32)
+    n_acc = k.numel() + v.numel()
     dq = None  # started by step 0, whose diagonal block covers every row
     own = None  # [dk | dv] of this rank's block: step 0's share, then the accumulator coming home
-    kv = encode_kv(k, v, comm_dtype) if steps > 1 else None
-    dkv = None  # the accumulator received from the previous rank, for the block held next
+    if steps > 1 and torch.compiler.is_compiling():  # See Note [Compiled backward re-sends K/V]
+        kv = encode_kv(after(k, dout), after(v, dout), comm_dtype)
+    else:
+        kv = encode_kv(k, v, comm_dtype) if steps > 1 else None
+    kv_spec = None if kv is None else (kv.numel(), kv.dtype)
+    compiling = torch.compiler.is_compiling()
+    last = None  # the last message received: what a message of ours must come after
+    pending = carrier = None  # the accumulator of the block held at the previous step, to send on
+    home = None  # the accumulator of the last block held, on its way to the block's owner
     for step in range(steps):
-        if step + 1 < steps:
-            kv_next = comm.rotate(kv)
+        # One message a step: [the previous step's accumulator | the next step's K/V]; see Note [One
+        # message per backward step].
+        has_acc, has_kv = pending is not None, step + 1 < steps
+        if has_acc and has_kv:  # the message received last step, updated in place, when it has this shape
+            buf = carrier if carrier is not None else join_bytes(pending, kv)
+        elif has_acc:  # tied to the last message received: see Note [One message per backward step]
+            buf = after(pending, last) if compiling else pending
+        else:
+            buf = kv if has_kv else None
+        msg = comm.rotate(buf) if buf is not None else None
+        buf = carrier = pending = None
         kb, vb = (k, v) if step == 0 else decode_kv(kv, k, v, comm_dtype)
         src = comm.src_at(step)
         mine = None  # this rank's share of the block it holds, in the accumulator's layout
@@ -239,28 +280,38 @@ def ring_backward(
             if blk is not None:
                 mine = _flat_kv(k, v, acc_dtype if step == 0 else k.dtype, zero=blk.kv_rows != slice(None))
                 dq = _block_backward_(dq, mine, dout, q, kb, vb, out, lse, blk, scale, acc_dtype)
-        if step == 0:
-            own = mine.to(acc_dtype)
-        else:
-            if mine is not None:
-                mine = mine.to(k.dtype)
-            if dkv is None:  # the first accumulator of this block starts here
-                acc = mine if mine is not None else _flat_kv(k, v, k.dtype, zero=True)
-            else:
-                acc = comm.wait(dkv)
-                if mine is not None:
-                    acc += mine
-            del mine
-            # on to the rank that holds this block next; from the last step, straight to its owner
-            dkv = comm.rotate(acc, shift=1 if step + 1 < steps else -step)
-            del acc
         # Free this step's block before the next one arrives.
         del kb, vb
+        kv = incoming = joined = None
+        if msg is not None:
+            got = last = comm.wait(msg)
+            if has_acc and has_kv:
+                joined = got
+                incoming, kv = split_bytes(got, (n_acc, k.dtype), kv_spec)
+            elif has_acc:
+                incoming = got
+            else:
+                kv = got
+            del got, msg
+        if step == 0:
+            own = mine.to(acc_dtype)
+            continue
+        mine = None if mine is None else mine.to(k.dtype)
+        # the accumulator of the block held now: from the rank that held it before (from step 2 on)
+        acc = incoming if incoming is not None else mine if mine is not None else _flat_kv(k, v, k.dtype, zero=True)
+        if incoming is not None and mine is not None:
+            acc += mine
+        del mine, incoming
         if step + 1 < steps:
-            kv = comm.wait(kv_next)
+            pending = acc  # on to the rank that holds this block next, with the next message
+            if joined is not None and step + 2 < steps:
+                carrier = joined  # [acc | K/V] in place: the next message as it is, no copy
+        else:  # from the last step straight to the block's owner
+            home = comm.rotate(after(acc, last) if compiling else acc, shift=-step)
+        del acc, joined
     kv = None  # the last block held: free it before the accumulator comes home
-    if dkv is not None:  # our own block's accumulator, home
-        own += comm.wait(dkv)
+    if home is not None:
+        own += comm.wait(home)
     dk, dv = unpack(own, k, v)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 

@@ -1,0 +1,75 @@
+"""Peak memory per rank of the compiled ring against the eager ring: causal forward+backward, side by side.
+
+    .venv/bin/python scripts/bench_compile_memory.py [--s-local 4096] [--worlds 2 4] [--baseline]
+
+Each rank runs the eager step and the ``torch.compile(fullgraph=True)`` step once to warm up (compiling
+happens there), then measures each step's resident high-water mark above what it held before the step
+(fresh process memory accounting from scripts/_bench_mem.py). The report is the largest
+rank's peak for each, and compiled / eager (target <= 1.1). ``--baseline`` replays the old compiled
+backward, in which the joint graph merged the backward's K/V rotations into the forward's and kept
+every received block (see Note [Compiled backward re-sends K/V] in ring.py), for comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _bench_dist import run_ranks  # noqa: E402
+from _bench_mem import _libc_live_memory, peak_since, reset_peak  # noqa: E402
+
+import cp_dtensor  # noqa: E402
+import cp_dtensor.ring as ring  # noqa: E402
+
+
+def _rank(rank, world, s_local, shape, baseline):
+    b, hq, hkv, d = shape
+    torch._inductor.config.compile_threads = 1
+    if baseline:
+        ring.after = lambda x, dep: x  # the old graph: identical rotations, merged by the joint graph
+
+    def attn(q, k, v):
+        return cp_dtensor.ring_attention(q, k, v, layout="striped", is_causal=True)
+
+    compiled = torch.compile(attn, fullgraph=True)
+
+    def step(fn):
+        g = torch.Generator().manual_seed(rank)
+        q, k, v = (torch.randn(b, h, s_local, d, generator=g).requires_grad_() for h in (hq, hkv, hkv))
+        out = fn(q, k, v)
+        out.backward(torch.ones_like(out))
+
+    _libc_live_memory()
+    res = {}
+    for name, fn in (("eager", attn), ("compiled", compiled)):
+        step(fn)  # warm up (and compile)
+        base = reset_peak()
+        step(fn)
+        res[name] = peak_since(base)
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--s-local", type=int, default=4096)
+    p.add_argument("--worlds", type=int, nargs="*", default=[2, 4])
+    p.add_argument("--baseline", action="store_true")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    shape = (1, 8, 2, 64)  # B, Hq, Hkv, D; fp32
+    block = 2 * shape[0] * args.s_local * shape[2] * shape[3] * 4
+    print(f"| P | eager MiB | compiled MiB | compiled / eager | (compiled - eager) / K/V block |{' (baseline)' if args.baseline else ''}")
+    print("|---|---|---|---|---|")
+    for world in args.worlds:
+        per_rank = run_ranks(world, _rank, args.s_local, shape, args.baseline)
+        eager = max(r["eager"] for r in per_rank)
+        comp = max(r["compiled"] for r in per_rank)
+        print(f"| {world} | {eager / 2**20:.1f} | {comp / 2**20:.1f} | {comp / eager:.2f} | {(comp - eager) / block:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
