@@ -2,7 +2,7 @@
 
 Note [torchtitan on CPU]
 ~~~~~~~~~~~~~~~~~~~~~~~~
-torchtitan 0.2.2 assumes an accelerator in three places; each fix below is applied only when there is
+torchtitan 0.2.2 assumes an accelerator in a few places; each fix below is applied only when there is
 no accelerator (or, for 3, only on gloo), so a CUDA run is untouched.
 
 1. Import. ``import torchtitan`` imports its MoE kernels, which ``import triton`` at module level.
@@ -32,10 +32,24 @@ no accelerator (or, for 3, only on gloo), so a CUDA run is untouched.
 5. Parameter dtype. gpt_oss builds its blocks in bf16 (``.to(torch.bfloat16)``), which on CPU
    without FSDP's casting meets fp32 activations (``mat1 and mat2 must have the same dtype``). On CPU,
    floating parameters are built in ``[training] mixed_precision_param`` (fp32 in the debug TOMLs).
+6. Initialisation. torchtitan builds the model on meta, shards it (FSDP over dp x cp, TP) and then
+   calls ``init_weights`` on the DTensor parameters. On CUDA, DTensor's offset-based RNG tracker
+   makes each shard draw the numbers the unsharded tensor would have there; on CPU there is no
+   tracker, every rank draws its local shard from the same seed, and the weights depend on the shard
+   degree (llama3 debug, step 1: 8.17354 at CP=1, 8.11423 at CP=2). On CPU, when parameters are
+   DTensors, the model's ``init_weights`` instead runs torchtitan's own ``init_weights`` on an
+   unsharded replica (a meta copy taken before sharding, materialised on the CPU, every rank from
+   rank 0's RNG state) and copies each rank's shard of every parameter into the DTensor
+   (``distribute_tensor(..., src_data_rank=None)``: the local slice, no communication; FSDP's uneven
+   Shard(0) included); buffers are taken whole. A run then starts from the weights of a one-rank run
+   at every CP / FSDP / TP degree, with no seed checkpoint. Cost: one full replica of the model in CPU
+   memory while ``init_weights`` runs (fine for the CPU debug models); one rank (no DTensor) and
+   CUDA are untouched.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib.util
 import os
@@ -50,7 +64,7 @@ import torch.nn as nn
 
 __all__ = [
     "install_triton_stand_in", "use_cpu_device", "use_sum_reduction_on_gloo", "CpuDeviceModule",
-    "allow_integer_histc", "use_for_loop_experts", "use_param_dtype",
+    "allow_integer_histc", "use_for_loop_experts", "use_param_dtype", "unsharded_template", "init_as_unsharded",
 ]
 
 _KERNELS = "torchtitan.models.moe.kernels"
@@ -205,3 +219,77 @@ def use_param_dtype(model: nn.Module, dtype: torch.dtype) -> int:
                 module._parameters[name] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
                 n += 1
     return n
+
+
+# submodule names torch's wrappers insert, which the unwrapped model does not have: torch.compile's
+# OptimizedModule (torchtitan compiles each block) and activation checkpointing's CheckpointWrapper
+WRAPPER_NAMES = ("_orig_mod", "_checkpoint_wrapped_module")
+
+
+def unwrapped_name(name: str) -> str:
+    """The dotted name of a submodule or parameter with torch's wrapper levels removed."""
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_NAMES)
+
+
+def unsharded_template(model: nn.Module) -> nn.Module | None:
+    """Step 6 of Note [torchtitan on CPU]: a copy of the model as built, on meta (no memory), taken
+    before sharding; None where step 6 does not apply (an accelerator, or a model not on meta)."""
+    if torch.accelerator.is_available():
+        return None
+    if not all(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        return None
+    return copy.deepcopy(model)
+
+
+def _rank0_rng_state() -> None:
+    # every rank draws the replica from one RNG state; torchtitan seeds all SPMD ranks alike, this makes it sure
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        state = torch.get_rng_state()
+        dist.broadcast(state, src=0)
+        torch.set_rng_state(state)
+
+
+@torch.no_grad()
+def _copy_shards(full: nn.Module, model: nn.Module) -> None:
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    full_modules = dict(full.named_modules())
+    for name, module in model.named_modules(remove_duplicate=False):
+        source = full_modules.get(unwrapped_name(name))
+        for pname, p in module._parameters.items():
+            if p is None:
+                continue
+            assert source is not None and pname in source._parameters, f"no unsharded twin of {name}.{pname}"
+            value = source._parameters[pname]
+            if isinstance(p, DTensor):
+                value = distribute_tensor(value, p.device_mesh, p.placements, src_data_rank=None).to_local()
+                p = p.to_local()
+            assert p.shape == value.shape, f"{name}.{pname}: shard {tuple(p.shape)} vs {tuple(value.shape)}"
+            p.copy_(value)
+        for bname, b in module._buffers.items():
+            if b is not None:
+                assert source is not None and bname in source._buffers, f"no unsharded twin of buffer {name}.{bname}"
+                module._buffers[bname] = source._buffers[bname]
+
+
+def init_as_unsharded(model: nn.Module, template: nn.Module | None, *, prepare=None) -> bool:
+    """Step 6 of Note [torchtitan on CPU]: ``model.init_weights`` initialises an unsharded replica of
+    ``template`` (after ``prepare(replica)``, e.g. the plugin's init fixes: a deep copy does not carry
+    an ``init_weights`` wrapped in a closure) with torchtitan's own ``init_weights`` and copies each
+    rank's shards. Returns whether installed."""
+    from torch.distributed.tensor import DTensor
+
+    if template is None or not any(isinstance(p, DTensor) for p in model.parameters()):
+        return False
+
+    def init_weights(*args, **kwargs):
+        full = copy.deepcopy(template).to_empty(device="cpu")  # one full replica, freed on return
+        if prepare is not None:
+            prepare(full)
+        _rank0_rng_state()
+        with torch.no_grad():
+            full.init_weights(*args, **kwargs)
+        _copy_shards(full, model)
+
+    model.init_weights = init_weights
+    return True

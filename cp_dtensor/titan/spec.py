@@ -36,7 +36,9 @@ import torchtitan.distributed.context_parallel as titan_cp
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.tools.logging import logger
 
-from ._cpu import use_for_loop_experts, use_param_dtype, use_sum_reduction_on_gloo
+from ._cpu import (
+    init_as_unsharded, unsharded_template, use_for_loop_experts, use_param_dtype, use_sum_reduction_on_gloo,
+)
 from .attention import RingAttention, shard_cp_batch
 from .config import FAMILIES, CPDTensor, check_job_config, cp_section
 from .families import apply_family_fixes, apply_ring_attention, attention_modules, tied_embedding_fsdp
@@ -99,6 +101,8 @@ def parallelize_with_ring(model: nn.Module, parallel_dims, job_config, *, titan_
         logger.info(f"cp_dtensor: {n} parameters built in another dtype now {param_dtype} (CPU; Note [torchtitan on CPU])")
     if n := use_for_loop_experts(model):
         logger.info(f"cp_dtensor: {n} MoE expert modules use torchtitan's for-loop experts (CPU; Note [torchtitan on CPU])")
+    # CPU: Note [torchtitan on CPU] 6; pipeline stages keep torchtitan's per-stage seeds
+    template = None if parallel_dims.pp_enabled else unsharded_template(model)
     apply_family_fixes(model)
 
     flex = getattr(model.model_args, "attn_type", "sdpa") == "flex"
@@ -117,6 +121,9 @@ def parallelize_with_ring(model: nn.Module, parallel_dims, job_config, *, titan_
             stack.enter_context(_swapped(titan_module, "apply_fsdp", tied_embedding_fsdp(titan_module.apply_fsdp)))
         model = titan_fn(model, parallel_dims, job_config)
     use_sum_reduction_on_gloo(model)
+    if init_as_unsharded(model, template, prepare=apply_family_fixes):
+        logger.info("cp_dtensor: weights initialised on an unsharded CPU replica, then sharded: the same at every "
+                    "CP / FSDP / TP degree (Note [torchtitan on CPU] 6)")
     return model
 
 
