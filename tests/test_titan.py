@@ -49,13 +49,14 @@ def _torchrun(nproc: int, dump: Path, *overrides: str, entry: list[str] | None =
     return out
 
 
-def _losses(out: str) -> list[float]:
+def _losses(out: str, steps: int = STEPS) -> list[float]:
+    """The logged loss of steps 1..steps, which every rank must agree on."""
     by_step: dict[int, set[float]] = {}
     for step, loss in _STEP_LINE.findall(out):
         by_step.setdefault(int(step), set()).add(float(loss))
-    assert sorted(by_step) == list(range(1, STEPS + 1)), f"missing step logs: {sorted(by_step)}\n{out[-3000:]}"
+    assert sorted(by_step) == list(range(1, steps + 1)), f"missing step logs: {sorted(by_step)}\n{out[-3000:]}"
     assert all(len(v) == 1 for v in by_step.values()), f"ranks disagree on the loss: {by_step}"
-    return [by_step[s].pop() for s in range(1, STEPS + 1)]
+    return [by_step[s].pop() for s in range(1, steps + 1)]
 
 
 def _assert_close(losses: list[float], ref: list[float]) -> None:

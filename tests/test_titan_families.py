@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
 from pathlib import Path
 
 import pytest
@@ -25,12 +24,11 @@ import pytest
 if importlib.util.find_spec("torchtitan") is None:
     pytest.skip("torchtitan is not installed", allow_module_level=True)
 
-from test_titan import _torchrun  # noqa: E402  one launcher for every end-to-end test
+from test_titan import _losses as _titan_losses, _torchrun  # noqa: E402  one launcher for every end-to-end test
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "titan_configs"
 STEPS, RTOL = 3, 2e-5
-_STEP_LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([0-9.]+)")
 SLOW = os.environ.get("CP_DTENSOR_SLOW") == "1"
 _slow = pytest.mark.skipif(not SLOW, reason="slow tier: set CP_DTENSOR_SLOW=1")
 
@@ -48,12 +46,7 @@ DEFAULT = ("qwen3", "llama4_irope")  # deepseek_v3 MLA + MoE at CP = 2 is in tes
 
 
 def _losses(out: str) -> list[float]:
-    by_step: dict[int, set[float]] = {}
-    for step, loss in _STEP_LINE.findall(out):
-        by_step.setdefault(int(step), set()).add(float(loss))
-    assert sorted(by_step) == list(range(1, STEPS + 1)), f"missing step logs: {sorted(by_step)}\n{out[-3000:]}"
-    assert all(len(v) == 1 for v in by_step.values()), f"ranks disagree on the loss: {by_step}"
-    return [by_step[s].pop() for s in range(1, STEPS + 1)]
+    return _titan_losses(out, STEPS)
 
 
 class _Family:
