@@ -38,7 +38,6 @@ nor sent. Documents are data, so their rectangles are computed inside the block 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 _LAYOUTS = ("striped", "headtail", "contiguous")  # layout.LAYOUTS, without importing torch (plan.py)
 
@@ -242,7 +241,6 @@ def block_rects(
     return rects
 
 
-@lru_cache(maxsize=1024)  # pure, and asked once per attention call: computed once per shape
 def steps_needed(layout: str, world: int, s_local: int, lo: int | None, hi: int | None) -> int:
     """How many ring steps (the local one included) the window needs on any rank: steps past the
     last one that any rank needs are neither computed nor sent. See Note [Masked ring steps]."""
@@ -255,7 +253,6 @@ def steps_needed(layout: str, world: int, s_local: int, lo: int | None, hi: int 
     return last + 1
 
 
-@lru_cache(maxsize=4096)
 def has_pairs(layout: str, rank: int, src: int, world: int, s_local: int, lo: int | None, hi: int | None) -> bool:
     """Whether ``rank`` keeps any pair of the block of ``src`` (documents aside)."""
     return bool(block_rects(runs(layout, rank, world, s_local), runs(layout, src, world, s_local), lo, hi))
