@@ -28,7 +28,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
 from .comm import host_group, lost_peer
-from .layout import LAYOUTS, global_order
+from .layout import LAYOUTS, global_order, layout_unit
 
 __all__ = ["check_documents", "check_ring_args"]
 
@@ -86,10 +86,10 @@ def _local_error(
         return f"ring_attention: empty input, shape {tuple(q.shape)}; every rank needs at least one token."
     if layout not in LAYOUTS:
         return f"ring_attention: unknown layout {layout!r}; expected one of {', '.join(LAYOUTS)}."
-    if layout == "headtail" and s % 2 != 0:
+    if s % layout_unit(layout, 1) != 0:  # the divisibility rule on one rank's share
         return (
-            f"ring_attention: the headtail layout needs an even local length (two chunks); got S_local={s}. "
-            "Pad the global sequence to a multiple of 2 * cp."
+            f"ring_attention: the {layout} layout needs S_local divisible by {layout_unit(layout, 1)} (even: "
+            f"two chunks); got S_local={s}. Pad the global sequence to a multiple of {layout_unit(layout, 1)} * cp."
         )
     if not isinstance(is_causal, bool):
         return f"ring_attention: is_causal must be a bool; got {is_causal!r}."

@@ -38,11 +38,10 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hidden", type=int, help="model width; D = hidden / q-heads")
     p.add_argument("--q-heads", "--heads", dest="q_heads", type=int, required=True, help="query heads Hq")
     p.add_argument("--kv-heads", type=int, help="key/value heads Hkv (default: q-heads)")
-    dtypes = list(_plan.DTYPE_BYTES)
-    p.add_argument("--dtype", choices=dtypes, default="bf16", help="compute/activation dtype (default bf16)")
-    p.add_argument("--comm-dtype", choices=dtypes, help="K/V ring payload dtype (default: --dtype); fp8 adds fp32 row scales")
-    p.add_argument("--grad-comm-dtype", choices=[d for d in dtypes if d != "fp8"], default=None,
-                   help="dK/dV accumulator dtype in the backward (default: --dtype, as the ring sends them)")
+    p.add_argument("--dtype", choices=_plan.COMPUTE_DTYPES, default="bf16",
+                   help="compute/activation dtype, also that of the dK/dV accumulators (default bf16)")
+    p.add_argument("--comm-dtype", choices=list(_plan.DTYPE_BYTES),
+                   help="K/V ring payload dtype (default: --dtype); fp8 adds a 1-byte exponent per row")
     p.add_argument("--layout", choices=["striped", "headtail", "contiguous"], default="striped")
     p.add_argument("--batch", type=int, default=1, help="sequences per rank B (default 1)")
     p.add_argument("--layers", type=int, default=1, help="attention layers, for memory (default 1)")
@@ -77,7 +76,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     fields = dict(
         seq_len=args.seq_len, head_dim=_head_dim(args), q_heads=args.q_heads,
         kv_heads=args.q_heads if args.kv_heads is None else args.kv_heads, dtype=args.dtype, comm_dtype=args.comm_dtype,
-        grad_comm_dtype=args.grad_comm_dtype, layout=args.layout, batch=args.batch, layers=args.layers,
+        layout=args.layout, batch=args.batch, layers=args.layers,
         causal=args.causal, window=args.window, mean_doc_len=args.mean_doc_len, link_gbps=args.link_gbps, tflops=args.tflops, reserved_gib=args.reserved_gib,
     )
     cp = args.cp
@@ -120,7 +119,7 @@ def format_plan(r: _plan.Plan) -> str:
     i = r.input
     p, fpp, mem = i.cp, r.flops_per_pair, r.memory
     steps = len(r.steps)  # P, or fewer under a window
-    scales = " + fp32 scale per row" if i.comm_dtype == "fp8" else ""
+    scales = " + 1-byte exponent per row" if i.comm_dtype == "fp8" else ""
     out = [
         f"N={i.seq_len:,} tokens, CP={p} -> S_local={i.s_local:,}, layout {i.layout}, "
         f"{'causal' if i.causal else 'full'} mask"
@@ -129,14 +128,14 @@ def format_plan(r: _plan.Plan) -> str:
         + f", batch {i.batch}",
         f"heads Hq={i.q_heads} Hkv={i.kv_heads}, D={i.head_dim}, dtype {i.dtype}, "
         f"K/V comm {i.comm_dtype} ({_plan.DTYPE_BYTES[i.comm_dtype]} B{scales}), "
-        f"dK/dV comm {i.grad_comm_dtype} ({_plan.DTYPE_BYTES[i.grad_comm_dtype]} B)",
+        f"dK/dV comm {i.dtype} ({_plan.DTYPE_BYTES[i.dtype]} B)",
         "",
         "communication per rank per layer (only K/V travel, never Q)",
         _row("K/V per ring step", f"{_bytes(r.kv_step_bytes)} = 2*B*S_local*D*Hkv*bytes"
-             + (" + 2*B*S_local*Hkv*4 (scales)" if scales else "")),
+             + (" + 2*B*S_local*Hkv*1 (exponents)" if scales else "")),
         _row(f"forward, {steps - 1} sends", f"{_bytes(r.fwd_bytes)} = "
              + ("(P-1)" if steps == p else f"{steps - 1} (the window needs {steps} of {p} ring steps)") + " * K/V step"),
-        _row("dK/dV hop", f"{_bytes(r.dkv_step_bytes)} = 2*B*S_local*D*Hkv*bytes(dK/dV comm)"),
+        _row("dK/dV hop", f"{_bytes(r.dkv_step_bytes)} = 2*B*S_local*D*Hkv*bytes(dtype)"),
         _row("backward", f"{_bytes(r.bwd_bytes)} = {'(P-1)' if steps == p else steps - 1} * (K/V step + dK/dV hop)"),
         _row("forward+backward", _bytes(r.fwd_bwd_bytes)),
         "",

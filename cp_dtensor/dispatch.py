@@ -44,7 +44,7 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from ._compat import include_mesh_coordinate_in_cache_key
 from .checks import _local_error
-from .layout import layout_unit
+from .layout import check_seq_len
 from .placement import as_layout_placements, install_headtail_propagation, placement_layout
 from .ring import ring_backward, ring_forward
 
@@ -143,9 +143,7 @@ def _plan(a: dict[str, Any]) -> _Ring | None:
     mesh_dim, p = sharded[0]
     cp, seq_len = q.device_mesh.size(mesh_dim), q.shape[_SEQ_DIM]
     layout = placement_layout(p, seq_len=seq_len, cp=cp)
-    if seq_len % layout_unit(layout, cp) != 0:
-        raise ValueError(f"{layout} layout on {cp} ranks needs the sequence length divisible by "
-                         f"{layout_unit(layout, cp)}; got {seq_len}. Pad the sequence.")
+    check_seq_len(layout, cp, seq_len)
     for i, other in enumerate(q.placements):
         if i != mesh_dim and not (other.is_replicate() or other.is_shard(0) or other.is_shard(1)):
             raise ValueError(f"{where}: mesh dim {i} has {other}; besides CP only batch (Shard(0)) or heads "

@@ -36,24 +36,38 @@ masked afterwards:
   precedes chunk 2P-1-r: the tail queries q[c:] against all keys, full.
 
 Striped and headtail steps other than the first therefore cost about half a block on every rank.
+
+This module is the one place that states the layout arithmetic every other module uses: the
+divisibility rule (``layout_unit`` / ``check_seq_len``), the blocks each step keeps (``step_block``),
+their (query, key) pair counts (``step_pairs``) and the bytes of one K/V message (``payload_bytes``,
+the wire format of payload.py). Importing it does not import torch: the cost model behind
+``cp-dtensor plan`` (plan.py) uses it and starts without torch; the functions that build or cut
+tensors import torch when called.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "LAYOUTS",
     "Block",
     "check_layout",
     "layout_unit",
+    "check_seq_len",
     "local_positions",
     "global_order",
     "shard_tensor",
     "unshard_tensor",
     "step_block",
+    "block_pairs",
+    "step_pairs",
+    "FP8_SCALE_BYTES",
+    "payload_bytes",
 ]
 
 LAYOUTS = ("striped", "headtail", "contiguous")
@@ -66,23 +80,28 @@ def check_layout(layout: str) -> str:
 
 
 def layout_unit(layout: str, world: int) -> int:
-    """The global sequence length must be a multiple of this for ``layout`` on ``world`` ranks."""
+    """The divisibility rule: ``layout`` on ``world`` ranks needs a global sequence length that is a
+    multiple of this (headtail: 2 * world, two chunks a rank; otherwise world). Torch-free."""
     return 2 * world if check_layout(layout) == "headtail" else world
 
 
-def _check_divisible(layout: str, world: int, seq_len: int) -> int:
+def check_seq_len(layout: str, world: int, seq_len: int, *, fix: str | None = None) -> int:
+    """S_local = seq_len / world, or the ValueError every entry point raises when ``seq_len`` breaks
+    the rule of :func:`layout_unit`; ``fix`` replaces the default advice. Torch-free."""
     unit = layout_unit(layout, world)
     if seq_len % unit != 0:
+        fix = fix or f"Pad the sequence to a multiple of {unit} or change the CP degree."
         raise ValueError(
-            f"{layout} layout on {world} ranks needs the sequence length divisible by {unit}; "
-            f"got {seq_len}. Pad the sequence to a multiple of {unit} or change the CP degree."
+            f"{layout} layout on {world} ranks needs the sequence length divisible by {unit}; got {seq_len}. {fix}"
         )
     return seq_len // world
 
 
 def local_positions(layout: str, rank: int, world: int, seq_len: int) -> torch.Tensor:
     """Global positions held by ``rank``, in local order. ``seq_len`` is the global length N."""
-    s_local = _check_divisible(layout, world, seq_len)
+    import torch
+
+    s_local = check_seq_len(layout, world, seq_len)
     if layout == "contiguous":
         return torch.arange(rank * s_local, (rank + 1) * s_local)
     if layout == "striped":
@@ -95,14 +114,18 @@ def local_positions(layout: str, rank: int, world: int, seq_len: int) -> torch.T
 def global_order(layout: str, world: int, seq_len: int) -> torch.Tensor:
     """Rank-major concatenation of every rank's positions: ``x.index_select(dim, order)`` lays out a
     full tensor so that chunk r of P is rank r's shard; ``argsort(order)`` undoes it."""
+    import torch
+
     return torch.cat([local_positions(layout, r, world, seq_len) for r in range(world)])
 
 
 def shard_tensor(x: torch.Tensor, *, dim: int, layout: str, rank: int, world: int) -> torch.Tensor:
     """Rank ``rank``'s shard of the full tensor ``x`` along ``dim`` (a copy for striped/headtail)."""
+    import torch
+
     dim = dim % x.dim()
     seq_len = x.shape[dim]
-    s_local = _check_divisible(layout, world, seq_len)
+    s_local = check_seq_len(layout, world, seq_len)
     if layout == "contiguous":
         return x.narrow(dim, rank * s_local, s_local)
     if layout == "striped":
@@ -115,8 +138,9 @@ def shard_tensor(x: torch.Tensor, *, dim: int, layout: str, rank: int, world: in
 
 def unshard_tensor(shards: list[torch.Tensor], *, dim: int, layout: str) -> torch.Tensor:
     """Inverse of :func:`shard_tensor`: the full tensor from every rank's shard, in rank order."""
+    import torch
+
     check_layout(layout)
-    world = len(shards)
     dim = dim % shards[0].dim()
     if layout == "contiguous":
         return torch.cat(shards, dim=dim)
@@ -136,10 +160,6 @@ class Block:
     q_rows: slice
     kv_rows: slice
     causal: bool
-
-    @property
-    def all_rows(self) -> bool:
-        return self.q_rows == slice(None)
 
 
 _FULL = Block(slice(None), slice(None), False)
@@ -165,3 +185,31 @@ def step_block(layout: str, *, rank: int, src: int, world: int, s_local: int, is
     if src < rank:
         return Block(slice(None), slice(0, c), False)
     return Block(slice(c, None), slice(None), False)
+
+
+def block_pairs(blk: Block | None, s_local: int) -> int:
+    """(query, key) pairs ``blk`` keeps on a q block and a K/V block of ``s_local`` rows each."""
+    if blk is None:
+        return 0
+    rows, cols = len(range(s_local)[blk.q_rows]), len(range(s_local)[blk.kv_rows])
+    if not blk.causal:
+        return rows * cols
+    m = min(rows, cols)  # top-left causal: row i keeps min(i + 1, cols) keys
+    return m * (m + 1) // 2 + (rows - m) * cols
+
+
+def step_pairs(layout: str, *, rank: int, src: int, s_local: int, causal: bool = True) -> int:
+    """(query, key) pairs rank ``rank`` computes against the K/V block of rank ``src``: the pair count
+    of :func:`step_block` (the cost model's FLOPs are this times 4 * B * Hq * D)."""
+    world = max(rank, src) + 1  # step_block's answer depends only on how rank and src compare
+    return block_pairs(step_block(layout, rank=rank, src=src, world=world, s_local=s_local, is_causal=causal), s_local)
+
+
+FP8_SCALE_BYTES = 1  # float8 payload: one int8 power-of-two exponent per row of K and of V
+
+
+def payload_bytes(*, rows: int, head_dim: int, itemsize: int, fp8: bool = False) -> int:
+    """Bytes of one K/V ring message: K and V of ``rows`` rows (B * Hkv * S_local) of ``head_dim``
+    values, ``itemsize`` bytes each, plus for float8 one exponent byte a row. See Note [float8 ring
+    payload] in payload.py, whose ``encode_kv`` builds exactly this many bytes."""
+    return 2 * rows * (head_dim * itemsize + (FP8_SCALE_BYTES if fp8 else 0))

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-_LAYOUTS = ("striped", "headtail", "contiguous")  # layout.LAYOUTS, without importing torch (plan.py)
+from .layout import check_layout
 
 __all__ = ["Rect", "Run", "band_rects", "segments", "block_rects", "mask_bounds", "runs", "steps_needed", "kept_pairs"]
 
@@ -56,9 +56,7 @@ class Run:
 
 def runs(layout: str, rank: int, world: int, s_local: int) -> tuple[Run, ...]:
     """The runs of ``rank``'s shard. See Note [Sequence layouts] in layout.py."""
-    if layout not in _LAYOUTS:
-        raise ValueError(f"unknown sequence layout {layout!r}; expected one of {', '.join(_LAYOUTS)}.")
-    if layout == "contiguous":
+    if check_layout(layout) == "contiguous":
         return (Run(0, s_local, rank * s_local, 1),)
     if layout == "striped":
         return (Run(0, s_local, rank, world),)

@@ -38,7 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
-from .layout import check_layout, global_order, layout_unit, shard_tensor, unshard_tensor
+from .layout import check_layout, check_seq_len, global_order, layout_unit, shard_tensor, unshard_tensor
 from .placement import full_tensor
 from .ring import _ring_attention
 
@@ -185,10 +185,7 @@ def shard_batch(cp_mesh: DeviceMesh, *tensors: Tensor, layout: str = "striped", 
     lengths = {t.shape[seq_dim] for t in tensors}
     if len(lengths) != 1:
         raise ValueError(f"shard_batch needs one sequence length along dim {seq_dim}; got {sorted(lengths)}.")
-    unit = layout_unit(check_layout(layout), cp)
-    if lengths.pop() % unit != 0:
-        raise ValueError(f"{layout} layout on {cp} ranks needs the sequence length divisible by {unit}; got "
-                         f"{tensors[0].shape[seq_dim]}. Pad the batch to a multiple of {unit}.")
+    check_seq_len(layout, cp, lengths.pop(), fix=f"Pad the batch to a multiple of {layout_unit(layout, cp)}.")
     return tuple(shard_tensor(t, dim=seq_dim, layout=layout, rank=rank, world=cp).contiguous() for t in tensors)
 
 

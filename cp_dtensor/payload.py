@@ -25,8 +25,9 @@ import torch
 from torch import Tensor
 
 from .comm import pack, unpack
+from .layout import FP8_SCALE_BYTES, payload_bytes  # the message size, stated once (torch-free, for plan.py)
 
-__all__ = ["FP8_DTYPES", "encode_kv", "decode_kv", "payload_bytes"]
+__all__ = ["FP8_DTYPES", "FP8_SCALE_BYTES", "encode_kv", "decode_kv", "payload_bytes"]
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -69,12 +70,3 @@ def decode_kv(buf: Tensor, k: Tensor, v: Tensor, comm_dtype: torch.dtype | None)
         return _dequantize_rows(kd, ke, comm_dtype, k.dtype), _dequantize_rows(vd, ve, comm_dtype, v.dtype)
     kb, vb = unpack(buf, k, v)
     return kb.to(k.dtype), vb.to(v.dtype)
-
-
-def payload_bytes(k: Tensor, comm_dtype: torch.dtype | None) -> int:
-    """Bytes of one K/V message for local ``k`` (and a ``v`` like it)."""
-    if comm_dtype is None:
-        return 2 * k.numel() * k.element_size()
-    if comm_dtype in FP8_DTYPES:
-        return 2 * (k.numel() + k.numel() // k.shape[-1])
-    return 2 * k.numel() * comm_dtype.itemsize

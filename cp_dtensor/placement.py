@@ -55,7 +55,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard, _StridedShardOffsetMode
 
-from .layout import check_layout, global_order, layout_unit, local_positions, shard_tensor
+from .layout import check_seq_len, global_order, local_positions, shard_tensor
 
 __all__ = [
     "HeadTail",
@@ -125,18 +125,12 @@ class HeadTail(_StridedShard):
 def Striped(dim: int, *, seq_len: int, cp: int) -> _StridedShard:  # noqa: N802 -- reads as a placement
     """The striped layout of a length-``seq_len`` tensor dim ``dim`` over ``cp`` ranks: torch's
     ``_StridedShard(dim, split_factor=seq_len // cp)``. See Note [Layout placements]."""
-    if seq_len % cp != 0:
-        raise ValueError(f"striped layout on {cp} ranks needs the sequence length divisible by {cp}; "
-                         f"got {seq_len}. Pad the sequence to a multiple of {cp} or change the CP degree.")
-    return _StridedShard(dim, split_factor=seq_len // cp)
+    return _StridedShard(dim, split_factor=check_seq_len("striped", cp, seq_len))
 
 
 def sequence_placement(layout: str, dim: int, *, seq_len: int, cp: int) -> Placement:
     """The placement of ``layout`` for tensor dim ``dim`` (non-negative) of length ``seq_len`` on ``cp`` ranks."""
-    unit = layout_unit(check_layout(layout), cp)
-    if seq_len % unit != 0:
-        raise ValueError(f"{layout} layout on {cp} ranks needs the sequence length divisible by {unit}; "
-                         f"got {seq_len}. Pad the sequence to a multiple of {unit} or change the CP degree.")
+    check_seq_len(layout, cp, seq_len)
     if layout == "contiguous":
         return Shard(dim)
     return Striped(dim, seq_len=seq_len, cp=cp) if layout == "striped" else HeadTail(dim)

@@ -1,21 +1,19 @@
 """The cost model behind ``cp-dtensor plan``: bytes, FLOPs, memory and overlap of ring attention.
 
-Pure arithmetic, no torch, so the console script starts fast. All figures are per rank and per
+Pure arithmetic. The facts it costs are stated once elsewhere: the divisibility rule and the pairs
+each ring step keeps and the bytes of a K/V message, all in layout.py. All figures are per rank and per
 attention layer unless a name says otherwise; S = N / P is the local sequence length, D the head
 dim, B the batch, Hq / Hkv the query / key-value heads.
 
 Note [Plan communication]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
-Only K and V travel (never Q), so one ring step sends, per rank,
-
-    kv_step = 2 * B * S * D * Hkv * bytes(comm_dtype)        (+ 2 * B * S * Hkv * 4 for fp8 scales)
-
-fp8 sends a float8 payload (1 byte an element) plus one fp32 scale per (batch, head, row) of K and
-of V. The forward makes P-1 sends (step 0 uses the local block). The backward rotates K/V again
-(P-1 sends) and moves the dK/dV accumulators, which start on the first rank after the owner and end
-at the owner: P-1 sends of ``dkv_step = 2 * B * S * D * Hkv * bytes(grad_comm_dtype)`` (by default the
-compute dtype, as ring.py sends them). The backward therefore sends 2x the forward,
-forward+backward 3x, unless an fp8 payload or a wider accumulator is chosen.
+Only K and V travel (never Q), so one ring step sends, per rank, one K/V message of
+``layout.payload_bytes`` (B * S * Hkv rows of K and of V in ``comm_dtype``; fp8 adds one exponent
+byte a row, see Note [float8 ring payload] in payload.py). The forward makes P-1 sends (step 0 uses
+the local block). The backward rotates K/V again (P-1 sends) and moves the dK/dV accumulators, which
+start on the first rank after the owner and end at the owner: P-1 sends of ``dkv_step``, a message
+shaped like K/V in the compute dtype (ring.py sends the accumulators in the input dtype). The
+backward therefore sends 2x the forward, forward+backward 3x, unless an fp8 payload is chosen.
 
 Note [Plan FLOPs]
 ~~~~~~~~~~~~~~~~~
@@ -49,6 +47,7 @@ import re
 from dataclasses import asdict, dataclass, field
 
 from . import masks
+from .layout import check_layout, check_seq_len, layout_unit, payload_bytes, step_pairs
 
 __all__ = [
     "DTYPE_BYTES",
@@ -66,10 +65,9 @@ __all__ = [
 ]
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
-FP8_SCALE_BYTES = 4  # one fp32 scale per (batch, head, row) of K and of V
+COMPUTE_DTYPES = ("fp32", "bf16", "fp16")  # what q, k, v (and so the dK/dV accumulators) can be
 BWD_FLOP_FACTOR = 2.5  # backward FLOPs / forward FLOPs; see Note [Plan FLOPs]
 GIB = 1 << 30
-_LAYOUTS = ("striped", "headtail", "contiguous")  # as cp_dtensor.layout.LAYOUTS, without importing torch
 _SUFFIX = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 
 
@@ -104,8 +102,6 @@ class PlanInput:
     """Compute and activation dtype of q, k, v, out."""
     comm_dtype: str | None = None
     """Dtype of the K/V ring payload; None means ``dtype``."""
-    grad_comm_dtype: str | None = None
-    """Dtype of the dK/dV accumulators sent in the backward; None means ``dtype`` (what ring.py does)."""
     layout: str = "striped"
     """Sequence layout: striped, headtail or contiguous."""
     batch: int = 1
@@ -129,16 +125,12 @@ class PlanInput:
     def __post_init__(self) -> None:
         if self.comm_dtype is None:
             object.__setattr__(self, "comm_dtype", self.dtype)
-        if self.grad_comm_dtype is None:
-            object.__setattr__(self, "grad_comm_dtype", "fp32" if self.dtype == "fp8" else self.dtype)
-        for name in ("dtype", "comm_dtype", "grad_comm_dtype"):
-            value = getattr(self, name)
-            if value not in DTYPE_BYTES:
-                raise ValueError(f"{name} must be one of {', '.join(DTYPE_BYTES)}; got {value!r}.")
-        if self.grad_comm_dtype == "fp8":
-            raise ValueError("grad_comm_dtype fp8 is not supported: dK/dV accumulate; use fp32, bf16 or fp16.")
-        if self.layout not in _LAYOUTS:
-            raise ValueError(f"unknown sequence layout {self.layout!r}; expected one of {', '.join(_LAYOUTS)}.")
+        if self.dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(COMPUTE_DTYPES)}; got {self.dtype!r}. "
+                             "For a float8 K/V payload set comm_dtype fp8.")
+        if self.comm_dtype not in DTYPE_BYTES:
+            raise ValueError(f"comm_dtype must be one of {', '.join(DTYPE_BYTES)}; got {self.comm_dtype!r}.")
+        check_layout(self.layout)
         for name in ("seq_len", "cp", "head_dim", "q_heads", "kv_heads", "batch", "layers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer; got {getattr(self, name)}.")
@@ -146,12 +138,7 @@ class PlanInput:
             raise ValueError(
                 f"q_heads ({self.q_heads}) must be a multiple of kv_heads ({self.kv_heads}) for GQA."
             )
-        unit = 2 * self.cp if self.layout == "headtail" else self.cp
-        if self.seq_len % unit != 0:
-            raise ValueError(
-                f"{self.layout} layout on {self.cp} ranks needs seq_len divisible by {unit}; got "
-                f"{self.seq_len}. Pad the sequence to a multiple of {unit} or change cp."
-            )
+        check_seq_len(self.layout, self.cp, self.seq_len)
         for name in ("link_gbps", "tflops"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive; got {getattr(self, name)}.")
@@ -168,34 +155,17 @@ class PlanInput:
         return self.seq_len // self.cp
 
 
-def step_pairs(layout: str, *, rank: int, src: int, s_local: int, causal: bool = True) -> int:
-    """(query, key) pairs rank ``rank`` computes against the K/V block of rank ``src``.
-
-    Closed forms of cp_dtensor.layout.step_block; see Note [Causal ring steps] there."""
-    s = s_local
-    if not causal:
-        return s * s
-    if src == rank:
-        return s * (s + 1) // 2  # local causal block, diagonal included
-    if layout == "contiguous":
-        return s * s if src < rank else 0
-    if layout == "striped":
-        return s * (s + 1) // 2 if src < rank else s * (s - 1) // 2  # the striped shift drops the diagonal
-    return s * (s // 2)  # headtail: all q x k[:c] or q[c:] x all k
-
-
 def kv_step_bytes(inp: PlanInput) -> int:
     """Bytes one rank sends in one forward ring step: its K and V block. See Note [Plan communication]."""
-    rows = 2 * inp.batch * inp.s_local * inp.kv_heads  # K and V rows, one per (batch, token, kv head)
-    nbytes = rows * inp.head_dim * DTYPE_BYTES[inp.comm_dtype]
-    if inp.comm_dtype == "fp8":
-        nbytes += rows * FP8_SCALE_BYTES
-    return nbytes
+    rows = inp.batch * inp.s_local * inp.kv_heads  # of K and of V: one per (batch, token, kv head)
+    return payload_bytes(rows=rows, head_dim=inp.head_dim, itemsize=DTYPE_BYTES[inp.comm_dtype],
+                         fp8=inp.comm_dtype == "fp8")
 
 
 def dkv_step_bytes(inp: PlanInput) -> int:
-    """Bytes of one dK/dV accumulator hop in the backward."""
-    return 2 * inp.batch * inp.s_local * inp.kv_heads * inp.head_dim * DTYPE_BYTES[inp.grad_comm_dtype]
+    """Bytes of one dK/dV accumulator hop in the backward: K/V-shaped, in the compute dtype."""
+    rows = inp.batch * inp.s_local * inp.kv_heads
+    return payload_bytes(rows=rows, head_dim=inp.head_dim, itemsize=DTYPE_BYTES[inp.dtype])
 
 
 def memory_bytes(inp: PlanInput) -> dict[str, int]:
@@ -405,7 +375,6 @@ def smallest_cp(inp: PlanInput, *, mem_budget_gib: float, max_cp: int = 4096) ->
     (Note [Plan memory]) is at most ``mem_budget_gib``; None if none does."""
     budget = mem_budget_gib * GIB
     for p in range(1, max_cp + 1):
-        unit = 2 * p if inp.layout == "headtail" else p
-        if inp.seq_len % unit == 0 and memory_bytes(_with_cp(inp, p))["total"] <= budget:
+        if inp.seq_len % layout_unit(inp.layout, p) == 0 and memory_bytes(_with_cp(inp, p))["total"] <= budget:
             return p
     return None

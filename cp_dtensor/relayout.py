@@ -13,7 +13,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from .layout import layout_unit, local_positions
+from .layout import check_seq_len, local_positions
 from .placement import as_layout_placements, placement_layout
 
 __all__ = ["relayout"]
@@ -83,9 +83,7 @@ def _layout_moves(x: DTensor, placements: Sequence[Placement]) -> list[tuple[int
                              "placement sharding its dim.")
         src, dst = placement_layout(p, seq_len=n, cp=cp), placement_layout(q, seq_len=n, cp=cp)
         for layout in (src, dst):
-            if n % layout_unit(layout, cp):
-                raise ValueError(f"{layout} layout on {cp} ranks needs the sequence length divisible by "
-                                 f"{layout_unit(layout, cp)}; tensor dim {d} has {n}. Pad it or change the CP degree.")
+            check_seq_len(layout, cp, n, fix=f"(tensor dim {d}) Pad it or change the CP degree.")
         moves.append((md, d, src, dst))
     return moves
 

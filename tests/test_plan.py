@@ -32,11 +32,8 @@ def test_exercise_1_cli_json(capsys):
     assert out["input"]["head_dim"] == 8192 // 64
     assert out["kv_step_bytes"] == 67_108_864
     assert out["fwd_bytes"] == 7 * 67_108_864
-    # backward: K/V again + dK/dV accumulators, both bf16 (the ring's default), 7 hops each
+    # backward: K/V again + dK/dV accumulators, both bf16 (the ring sends them in the input dtype), 7 hops each
     assert out["bwd_bytes"] == 7 * (67_108_864 + 2 * 16384 * 128 * 8 * 2)
-    assert main([*EX1_ARGS, "--json", "--grad-comm-dtype", "fp32"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert out["bwd_bytes"] == 7 * (67_108_864 + 2 * 16384 * 128 * 8 * 4)
 
 
 def test_exercise_1_cli_text(capsys):
@@ -63,10 +60,26 @@ def test_fp8_ratio_counts_scales():
         base = dict(seq_len=4096, cp=4, head_dim=d, q_heads=32, kv_heads=8, batch=3)
         bf16 = P.kv_step_bytes(P.PlanInput(**base, dtype="bf16"))
         fp8 = P.kv_step_bytes(P.PlanInput(**base, dtype="bf16", comm_dtype="fp8"))
-        # 1 byte per element + one fp32 scale per (batch, head, row) vs 2 bytes per element
-        assert Fraction(fp8, bf16) == Fraction(d + 4, 2 * d)
+        # 1 byte per element + one int8 exponent per (batch, head, row) vs 2 bytes per element
+        assert fp8 == 2 * 3 * 8 * (4096 // 4) * (d + 1)
+        assert Fraction(fp8, bf16) == Fraction(d + 1, 2 * d)
         if d == 128:
-            assert Fraction(fp8, bf16) == Fraction(132, 256)  # 51.6% of the bf16 bytes
+            assert Fraction(fp8, bf16) == Fraction(129, 256)  # 50.4% of the bf16 bytes
+
+
+def test_plan_bytes_are_what_the_ring_sends():
+    # the planner's K/V step against the very buffer payload.encode_kv puts on the wire
+    import torch
+
+    from cp_dtensor.payload import encode_kv
+
+    b, hkv, s, d = 2, 3, 8, 16
+    k, v = torch.randn(b, hkv, s, d, dtype=torch.bfloat16), torch.randn(b, hkv, s, d, dtype=torch.bfloat16)
+    base = dict(seq_len=s * 4, cp=4, head_dim=d, q_heads=hkv, kv_heads=hkv, batch=b, dtype="bf16")
+    for name, comm in (("bf16", None), ("fp32", torch.float32), ("fp8", torch.float8_e4m3fn)):
+        buf = encode_kv(k, v, comm)
+        assert P.kv_step_bytes(P.PlanInput(**base, comm_dtype=name)) == buf.numel() * buf.element_size(), name
+    assert P.dkv_step_bytes(P.PlanInput(**base)) == 2 * k.numel() * k.element_size()
 
 
 def test_backward_bytes_twice_forward_in_fp32():
@@ -75,9 +88,9 @@ def test_backward_bytes_twice_forward_in_fp32():
     assert r.fwd_bwd_bytes == 3 * r.fwd_bytes
     r = P.make_plan(P.PlanInput(seq_len=1024, cp=8, head_dim=64, q_heads=8, kv_heads=2, dtype="bf16"))
     assert r.bwd_bytes == 2 * r.fwd_bytes
-    # bf16 K/V with fp32 dK/dV: the backward is K/V (1x) + dK/dV (2x)
-    r = P.make_plan(P.PlanInput(seq_len=1024, cp=8, head_dim=64, q_heads=8, kv_heads=2, dtype="bf16", grad_comm_dtype="fp32"))
-    assert r.bwd_bytes == 3 * r.fwd_bytes
+    # an fp8 payload shrinks the K/V half of the backward, not the bf16 dK/dV accumulators
+    r = P.make_plan(P.PlanInput(seq_len=1024, cp=8, head_dim=64, q_heads=8, kv_heads=2, dtype="bf16", comm_dtype="fp8"))
+    assert r.bwd_bytes == r.fwd_bytes + 7 * 2 * 128 * 2 * 64 * 2
 
 
 def _brute_pairs(layout: str, rank: int, src: int, world: int, seq_len: int, causal: bool) -> int:

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..layout import layout_unit, local_positions, shard_tensor
+from ..layout import check_seq_len, local_positions, shard_tensor
 from ..ring import ring_attention
 from .flex import RingMask, shard_masks
 
@@ -102,11 +102,8 @@ def shard_cp_batch(
     """
     rank, world = cp_mesh.get_local_rank(), cp_mesh.size()
     seq_len = inputs.shape[1]
-    if seq_len % layout_unit(layout, world) != 0:  # e.g. a validation seq_len that the start-up check did not see
-        raise ValueError(
-            f"{layout} layout on {world} CP ranks needs batches whose sequence length is a multiple of "
-            f"{layout_unit(layout, world)}; got {seq_len}. Change [training]/[validation] seq_len."
-        )
+    # e.g. a validation seq_len that the start-up check did not see
+    check_seq_len(layout, world, seq_len, fix="Change [training]/[validation] seq_len.")
     if extra_kwargs.get("attention_masks") is not None:
         extra_kwargs["attention_masks"] = shard_masks(extra_kwargs["attention_masks"], layout=layout, rank=rank, world=world)
     inputs = shard_tensor(inputs, dim=1, layout=layout, rank=rank, world=world)
