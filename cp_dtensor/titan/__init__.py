@@ -17,7 +17,7 @@ from .config import FAMILIES, CPDTensor, check_job_config  # noqa: E402
 from .data import register_dataset  # noqa: E402
 from .families import apply_ring_attention  # noqa: E402
 from .float8 import allow_float8_on_cpu  # noqa: E402
-from .spec import parallelize_with_ring, train_spec  # noqa: E402
+from .spec import parallelize_with_ring, refuse_cp_for_other_models, train_spec  # noqa: E402
 
 __all__ = ["FAMILIES", "CPDTensor", "apply_ring_attention", "check_job_config", "parallelize_with_ring", "train_spec"]
 
@@ -35,6 +35,7 @@ def _register() -> None:
 
 
 _register()
+_titan_specs.get_train_spec = refuse_cp_for_other_models(_titan_specs.get_train_spec)  # Note [Stock torchtitan.train with a [cp_dtensor] section]
 register_dataset()
 use_cpu_device()
 allow_integer_histc()  # see Note [torchtitan on CPU], 4a

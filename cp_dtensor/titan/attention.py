@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from ..layout import check_seq_len, local_positions, shard_tensor
 from ..ring import ring_attention
@@ -64,10 +65,15 @@ class RingAttention(nn.Module):
                                 "RingMask (Note [Flex masks as ring masks]). Apply the plugin to the whole model.")
             ids, window, is_causal = mask.ids, mask.window_size, mask.is_causal
         sinks = None if self._sinks_of is None else self._sinks_of.sinks
+        tp_heads = _tp_head_sharding(q, k, v)  # See Note [TP heads into the ring]
+        if tp_heads is not None:
+            q, k, v = q.to_local(), k.to_local(), v.to_local()  # [B, H / TP, S_local, D]: this TP rank's heads
         out = ring_attention(
             q, k, v, group=self.group, layout=self.layout, is_causal=is_causal, scale=scale,
             comm_dtype=self.comm_dtype, document_ids=ids, window_size=window, sinks=sinks,
         )  # out: [B, Hq, S_local, Dv]
+        if tp_heads is not None:
+            out = DTensor.from_local(out, *tp_heads, run_check=False)
         if not return_lse:
             return out
         if self._sinks_of is None:
@@ -81,6 +87,29 @@ class RingAttention(nn.Module):
         extra = "" if self.mask_key is None else f", mask_key={self.mask_key!r}"
         extra += "" if self._sinks_of is None else ", sinks"
         return f"layout={self.layout!r}, cp={dist.get_world_size(self.group)}, comm_dtype={self.comm_dtype}{extra}"
+
+
+def _tp_head_sharding(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """Note [TP heads into the ring]: (mesh, placements) of q, k, v when they are DTensors sharded over
+    heads on a TP mesh (qwen3's TP plan keeps them so, for its head-wise q/k norms), else None.
+
+    torchtitan 0.2.2's qwen3 TP plan runs ``wq``/``wk``/``wv`` with ``use_local_output=False`` and q/k norm
+    as ``SequenceParallel(sequence_dim=2)``, so attention receives DTensors [B, H, S_local, D] placed
+    Shard(1) (heads) on the TP mesh -- which is why torch's own CP x TP breaks for qwen3 upstream. Heads
+    are independent in attention, so each TP rank runs the ring on its local heads (the CP group is
+    another mesh dimension) and hands the output back as the same DTensor placement; ``wo``'s row-wise
+    plan then reduces over heads as it would after SDPA.
+    """
+    dts = [isinstance(t, DTensor) for t in (q, k, v)]
+    if not any(dts):
+        return None
+    heads = (Shard(1),)
+    if not all(dts) or any(t.placements != heads or t.device_mesh != q.device_mesh for t in (q, k, v)):
+        raise NotImplementedError(
+            "cp_dtensor ring attention takes q, k, v as local tensors or as DTensors sharded over heads "
+            f"(Shard(1)) on one mesh; got {[getattr(t, 'placements', 'local') for t in (q, k, v)]}. "
+            "Use torchtitan's TP plan for this family unchanged, or set tensor_parallel_degree = 1.")
+    return q.device_mesh, q.placements
 
 
 def shard_cp_batch(

@@ -102,6 +102,14 @@ def check_job_config(job_config: Any, world_size: int) -> None:
         raise ValueError(
             f"[training] seq_len ({seq_len}) does not fit: {why}. Use seq_len = a multiple of {unit * tp}."
         )
+    validation = getattr(job_config, "validation", None)
+    if validation is not None and validation.enable and validation.seq_len % (unit * tp) != 0:
+        raise ValueError(
+            f"[validation] seq_len ({validation.seq_len}) does not fit: the validator shards its batches like "
+            f"training's, and the {layout} layout on {cp} CP ranks"
+            + (f" times tensor_parallel_degree ({tp})" if tp > 1 else "")
+            + f" needs a multiple of {unit * tp}. Use [validation] seq_len = a multiple of {unit * tp}."
+        )
     if seq_len % (2 * cp * tp) != 0:
         raise ValueError(
             f"[training] seq_len ({seq_len}) must be divisible by 2 * context_parallel_degree * "

@@ -31,6 +31,11 @@ Fixes, each applied by ``apply_family_fixes`` and logged:
   different groups, which fails as soon as FSDP spans more than one rank (CP makes it span the CP
   ranks): ``Parameter 'tok_embeddings.weight' is shared with a parameter already managed by another
   FSDP group``. The plugin shards embedding, final norm and output as one FSDP group first.
+* qwen3 under TP: torchtitan's TP plan distributes ``tok_embeddings.weight`` (RowwiseParallel) and
+  ``output.weight`` (ColwiseParallel) one after the other, each into a new parameter, which unties
+  them: the model then trains two matrices where it has one (CP x TP step 1 matched CP = 1, step 2
+  was off by 3e-4). Both are Shard(0) (vocab rows) on the TP mesh, so the plugin ties ``output`` back
+  to the embedding's DTensor after TP (``tied_embedding_tp``).
 * gpt_oss's routers have a gate bias that torchtitan never initialises (``init_weights`` sets only the
   gate's weight), so a seed checkpoint holds whatever memory ``to_empty`` left: NaN here. The plugin
   initialises router gate biases to zero after the model's ``init_weights``.
@@ -50,7 +55,7 @@ from .attention import RingAttention
 from .config import CPDTensor
 from .flex import ring_masks
 
-__all__ = ["apply_ring_attention", "apply_family_fixes", "attention_modules"]
+__all__ = ["apply_ring_attention", "apply_family_fixes", "attention_modules", "tied_embedding_fsdp", "tied_embedding_tp"]
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
@@ -150,6 +155,23 @@ def apply_family_fixes(model: nn.Module) -> None:
             return out
 
         model.init_weights = init_weights
+
+
+def tied_embedding_tp(apply_tp):
+    """torchtitan's non-MoE TP step with ``output.weight`` tied back to the distributed embedding weight
+    (qwen3; see the fixes in Note [One mechanism for every family])."""
+
+    @functools.wraps(apply_tp)
+    def wrapped(model, *args, **kwargs):
+        out = apply_tp(model, *args, **kwargs)
+        emb, head = model.tok_embeddings.weight, model.output.weight
+        if head is not emb:
+            assert emb.shape == head.shape and emb.placements == head.placements, "tied weights placed apart"
+            model.output.weight = emb
+            logger.info("cp_dtensor: output weight tied back to the embedding after tensor parallelism")
+        return out
+
+    return wrapped
 
 
 def tied_embedding_fsdp(apply_fsdp):

@@ -18,12 +18,32 @@ Three hooks, none a fork, the same for every family in ``FAMILIES``.
   ``prepare_context_parallel_input`` of their module. The wrapper rebinds that name, in every loaded
   module that holds torchtitan's function, to ``shard_cp_batch`` with the configured layout -- in
   ``torchtitan.train`` whether it was imported or run as ``__main__``.
+* Validation. The spec's ``build_validator_fn`` is ``RingValidator`` (Note [Validation under CP] in
+  validate.py) for every family, deepseek_v3 and gpt_oss included (torchtitan registers none for them).
+
+Note [Stock torchtitan.train with a [cp_dtensor] section]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``python -m torchtitan.train`` (torchtitan's own main and Trainer) with one of our TOMLs either runs
+the ring or refuses at start; it never falls back to torch's own CP:
+
+* A ``[cp_dtensor]`` section parses only with ``[job] custom_config_module =
+  "cp_dtensor.titan.config"``; without it torchtitan's config parser stops at once ("Invalid field
+  names ... {'cp_dtensor'}"). Importing that module imports this package first, so the plugin is
+  registered before the Trainer looks up a train spec -- even if ``[experimental] custom_import``
+  is missing.
+* For a served family the Trainer gets the plugin's spec: the ring, the batch sharding and the validator.
+* For any other model name (``llama3_ft``, ``flux``, an experiment, a user's spec), the plugin wraps
+  ``torchtitan.protocols.train_spec.get_train_spec``: the spec it returns is torchtitan's, with a
+  ``parallelize_fn`` that first runs ``check_job_config`` when the job has a ``[cp_dtensor]`` section
+  and ``context_parallel_degree > 1``, which raises on every rank, before any parallelism is applied,
+  naming the families the plugin serves. Jobs without the section are untouched.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import importlib
 import sys
@@ -41,9 +61,12 @@ from ._cpu import (
 )
 from .attention import RingAttention, shard_cp_batch
 from .config import FAMILIES, CPDTensor, check_job_config, cp_section
-from .families import apply_family_fixes, apply_ring_attention, attention_modules, tied_embedding_fsdp
+from .families import (
+    apply_family_fixes, apply_ring_attention, attention_modules, tied_embedding_fsdp, tied_embedding_tp,
+)
+from .validate import build_ring_validator
 
-__all__ = ["FAMILIES", "parallelize_with_ring", "train_spec"]
+__all__ = ["FAMILIES", "parallelize_with_ring", "refuse_cp_for_other_models", "train_spec"]
 
 _HOOK = "prepare_context_parallel_input"
 _TITAN_PREPARE = titan_cp.prepare_context_parallel_input
@@ -119,6 +142,8 @@ def parallelize_with_ring(model: nn.Module, parallel_dims, job_config, *, titan_
                 _ring_in_place([a.inner_attention for a in attention_modules(model)], None, "")
         if getattr(model.model_args, "enable_weight_tying", False) and hasattr(titan_module, "apply_fsdp"):
             stack.enter_context(_swapped(titan_module, "apply_fsdp", tied_embedding_fsdp(titan_module.apply_fsdp)))
+        if getattr(model.model_args, "enable_weight_tying", False) and hasattr(titan_module, "apply_non_moe_tp"):
+            stack.enter_context(_swapped(titan_module, "apply_non_moe_tp", tied_embedding_tp(titan_module.apply_non_moe_tp)))
         model = titan_fn(model, parallel_dims, job_config)
     use_sum_reduction_on_gloo(model)
     if init_as_unsharded(model, template, prepare=apply_family_fixes):
@@ -149,4 +174,32 @@ def train_spec(family: str):
         args.update_from_config = _update_with_cp_hidden(args.update_from_config)
         flavors[name] = args
     spec.model_args = flavors
+    spec.build_validator_fn = build_ring_validator  # see Note [Validation under CP] in validate.py
     return spec
+
+
+def _refusing_cp(parallelize_fn):
+    @functools.wraps(parallelize_fn)
+    def wrapped(model, parallel_dims, job_config, *args, **kwargs):
+        if getattr(job_config, "cp_dtensor", None) is not None and job_config.parallelism.context_parallel_degree > 1:
+            check_job_config(job_config, parallel_dims.world_size)  # raises for a model the plugin does not serve
+        return parallelize_fn(model, parallel_dims, job_config, *args, **kwargs)
+
+    return wrapped
+
+
+def refuse_cp_for_other_models(get_train_spec):
+    """torchtitan's ``get_train_spec`` whose specs for models the plugin does not serve refuse CP when the
+    job has a ``[cp_dtensor]`` section; see Note [Stock torchtitan.train with a [cp_dtensor] section]."""
+    if getattr(get_train_spec, "_cp_dtensor", False):
+        return get_train_spec
+
+    @functools.wraps(get_train_spec)
+    def wrapped(name: str):
+        spec = get_train_spec(name)
+        if getattr(spec.parallelize_fn, "_cp_dtensor", False):
+            return spec
+        return dataclasses.replace(spec, parallelize_fn=_refusing_cp(spec.parallelize_fn))
+
+    wrapped._cp_dtensor = True
+    return wrapped
