@@ -153,10 +153,11 @@ def parallelize_with_ring(model: nn.Module, parallel_dims, job_config, *, titan_
 
 
 def _update_with_cp_hidden(update):
+    # update: the model args class's function; bound to each flavor's args (a bound method deep-copies with them)
     @functools.wraps(update)
-    def wrapped(job_config, *args, **kwargs):
+    def wrapped(self, job_config, *args, **kwargs):
         with _cp_hidden(job_config):
-            return update(job_config, *args, **kwargs)
+            return update(self, job_config, *args, **kwargs)
 
     return wrapped
 
@@ -171,7 +172,7 @@ def train_spec(family: str):
     flavors = {}
     for name, args in spec.model_args.items():
         args = copy.deepcopy(args)  # torchtitan's table stays untouched
-        args.update_from_config = _update_with_cp_hidden(args.update_from_config)
+        args.update_from_config = types.MethodType(_update_with_cp_hidden(type(args).update_from_config), args)
         flavors[name] = args
     spec.model_args = flavors
     spec.build_validator_fn = build_ring_validator  # see Note [Validation under CP] in validate.py
