@@ -212,6 +212,14 @@ def test_unknown_layout_is_rejected():
         (["--model.name", "flux"], 2, r'name = "flux" \(cp_dtensor serves llama3, qwen3, deepseek_v3, llama4, gpt_oss\)'),
         (["--model.flavor", "debugmodel_varlen_attn"], 2, r'attn_type "varlen" \(the ring serves "sdpa" and "flex"'),
         (["--model.name", "qwen3", "--model.flavor", "8B_flex"], 2, r'"8B_flex" is not a qwen3 flavor'),
+        (["--model.name", "gpt_oss", "--model.flavor", "debugmodel_flex_attn"], 2,
+         r'"debugmodel_flex_attn" is not a gpt_oss flavor of torchtitan; pick one of 120b, 20b, debugmodel'),
+        (["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--parallelism.expert_parallel_degree", "2"], 2,
+         r"does not support: \[parallelism\] expert_parallel_degree > 1"),
+        (["--cp_dtensor.layout", "headtail", "--validation.enable", "--validation.seq_len", "250"], 2,
+         r"\[validation\] seq_len \(250\) does not fit: .* headtail layout on 2 CP ranks needs a multiple of 4"),
+        (["--parallelism.tensor_parallel_degree", "2", "--validation.enable", "--validation.seq_len", "250"], 4,
+         r"\[validation\] seq_len \(250\) .* times tensor_parallel_degree \(2\) needs a multiple of 4"),
     ],
 )
 def test_bad_cp_config_is_rejected(overrides, world, message):

@@ -102,6 +102,7 @@ def check_job_config(job_config: Any, world_size: int) -> None:
         raise ValueError(
             f"[training] seq_len ({seq_len}) does not fit: {why}. Use seq_len = a multiple of {unit * tp}."
         )
+    # windows (gpt_oss) and chunks (llama4) fit every layout and seq_len: the ring masks by global position
     validation = getattr(job_config, "validation", None)
     if validation is not None and validation.enable and validation.seq_len % (unit * tp) != 0:
         raise ValueError(
