@@ -24,10 +24,30 @@ graphs] in _compat.py.
 Everything the handler checks comes from DTensor metadata (global shapes, placements) and the call's
 own arguments, which every rank has alike, so a bad call raises on every rank before any collective.
 
-On CPU, torch itself routes ``dropout_p > 0`` to the composite math path, which never reaches a fused
-op and so never reaches this handler: those calls run DTensor's dense attention op by op (correct for
-striped and contiguous, not the ring; head-tail raises in propagation). On CUDA, dropout reaches the
-fused ops and raises here. ``apply_context_parallel`` (module.py) raises for it on every device.
+When SDPA picks its math kernel instead (CUDA fp32 with GQA, fp64, a head size no fused kernel takes,
+``dropout_p > 0`` on CPU, ``sdpa_kernel(SDPBackend.MATH)``, inference mode): see Note [SDPA math path].
+
+Note [SDPA math path]
+~~~~~~~~~~~~~~~~~~~~~
+The kernel choice (``_fused_sdp_choice``) is a C++ stub, not an op, and the math kernel
+``_scaled_dot_product_attention_math`` is composite: its matmuls and softmax would reach DTensor one
+by one, and DTensor would all-gather K and V -- silently, no ring. So both composite ops are caught
+before they decompose, wherever they show up:
+
+* with autograd on, the math op's AutogradCPU and AutogradCUDA kernels are ``_math_autograd`` (a
+  ``torch.library`` registration on the runtime keys, which outrank the composite kernel; removed by
+  ``uninstall_sdpa_handlers``): plain tensors and DTensors
+  that are not sequence-sharded get the composite decomposition exactly as before;
+* under ``torch.inference_mode`` composite ops reach DTensor's dispatcher itself, so
+  ``scaled_dot_product_attention`` and the math op get DTensor handlers too.
+
+A sequence-sharded call is then re-issued as ``_scaled_dot_product_flash_attention_for_cpu`` on the
+same DTensors. Its handler is the one above, whatever the device (the CPU kernel is never reached: the
+DTensor handler replaces it), and its autograd formula calls the ``_backward`` op that the same handler
+serves. So every backend choice runs the ring or raises the handler's ValueError (a mask, dropout --
+``dropout_mask`` too --, Hq != Hkv without ``enable_gqa``), on every rank before any collective. The
+math op's second result (the attention weights, which a sequence-sharded call cannot have) is an
+empty placeholder; ``F.scaled_dot_product_attention`` never returns it.
 """
 
 from __future__ import annotations
@@ -204,28 +224,88 @@ def _ordinary(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> object:
     return dispatcher.wrap(local, info.output_sharding.output_spec)
 
 
+# ---------------------------------------------------------------------------------------------------
+# The composite ops: see Note [SDPA math path].
+
+_COMPOSITE_OPS = (aten.scaled_dot_product_attention.default, aten._scaled_dot_product_attention_math.default)
+_MATH = aten._scaled_dot_product_attention_math.default
+_math_lib: torch.library.Library | None = None  # our Autograd kernel of the math op, while installed
+# runtime keys, not the Autograd alias: a CompositeImplicitAutograd kernel outranks an alias registration
+_MATH_KEYS = ("AutogradCPU", "AutogradCUDA")
+
+
+def _ring_plan(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> tuple[dict[str, Any], _Ring | None]:
+    a = _bind(op, args, kwargs)
+    return a, _plan(a)
+
+
+def _as_fused(a: dict[str, Any], ring: _Ring) -> DTensor:
+    """A sequence-sharded composite call re-issued as the fused op our handler serves: out [B, Hq, S, Dv]."""
+    q, k = a["query"], a["key"]
+    where = "F.scaled_dot_product_attention on sequence-sharded DTensors"
+    if a.get("dropout_mask") is not None:
+        raise ValueError(f"{where}: dropout_mask is not supported (the ring has no dropout). Pass no dropout "
+                         "mask and dropout_p=0.")
+    if not a.get("enable_gqa", False) and q.shape[1] != k.shape[1]:
+        raise ValueError(f"{where}: q has {q.shape[1]} heads and k/v {k.shape[1]}, but enable_gqa is False. "
+                         "Pass enable_gqa=True for grouped-query attention.")
+    return aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, a["value"], float(a["dropout_p"]), bool(a["is_causal"]), attn_mask=a["mask"], scale=a.get("scale")
+    )[0]
+
+
+def _composite_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> object:
+    # DTensor's handler of the composite ops (they reach it under inference mode): see Note [SDPA math path]
+    a, ring = _ring_plan(op, args, kwargs)
+    if ring is None:  # what DTensor does with a composite op it has no strategy for
+        return _previous[op](op, args, kwargs) if op in _previous else op.decompose(*args, **kwargs)
+    out = _as_fused(a, ring)
+    return (out, *_empty(op, ring, out._local_tensor, 1)) if op is _MATH else out
+
+
+def _math_autograd(*args, **kwargs):
+    # the math op's Autograd kernel: see Note [SDPA math path]
+    if isinstance(args[0] if args else kwargs.get("query"), DTensor):
+        a, ring = _ring_plan(_MATH, args, kwargs)
+        if ring is not None:
+            out = _as_fused(a, ring)
+            return out, *_empty(_MATH, ring, out._local_tensor, 1)
+    return _MATH.decompose(*args, **kwargs)
+
+
 def install_sdpa_handlers() -> None:
     """Route SDPA on sequence-sharded DTensors to the ring and keep ``HeadTail`` through sharding
     propagation (idempotent; done at ``import cp_dtensor``)."""
     install_headtail_propagation()
     include_mesh_coordinate_in_cache_key()  # See Note [Rank-specialised compiled graphs] in _compat.py
     handlers = DTensor._op_dispatcher._custom_op_handlers
-    for op in _FORWARD_OPS + _BACKWARD_OPS:
-        if handlers.get(op) is not _sdpa_handler:
+    for op, handler in [(op, _sdpa_handler) for op in _FORWARD_OPS + _BACKWARD_OPS] + [
+        (op, _composite_handler) for op in _COMPOSITE_OPS
+    ]:
+        if handlers.get(op) is not handler:
             if op in handlers:
                 _previous[op] = handlers[op]
-            handlers[op] = _sdpa_handler
+            handlers[op] = handler
+    global _math_lib
+    if _math_lib is None:  # See Note [SDPA math path]
+        _math_lib = torch.library.Library("aten", "IMPL")
+        for key in _MATH_KEYS:
+            _math_lib.impl("_scaled_dot_product_attention_math", _math_autograd, key)
 
 
 def uninstall_sdpa_handlers() -> None:
     """Undo :func:`install_sdpa_handlers` (only our own handlers are removed)."""
     handlers = DTensor._op_dispatcher._custom_op_handlers
-    for op in _FORWARD_OPS + _BACKWARD_OPS:
-        if handlers.get(op) is _sdpa_handler:
+    for op in _FORWARD_OPS + _BACKWARD_OPS + _COMPOSITE_OPS:
+        if handlers.get(op) in (_sdpa_handler, _composite_handler):
             if op in _previous:
                 handlers[op] = _previous.pop(op)
             else:
                 del handlers[op]
+    global _math_lib
+    if _math_lib is not None:
+        _math_lib._destroy()
+        _math_lib = None
 
 
 

@@ -218,3 +218,116 @@ def test_standin_rejects_a_strided_lse():
     p1, _ = _as_cuda(standin)
     with p1:
         kernels.kernel_bwd(out[:, :, 1:], q[:, :, 1:], q[:, :, 1:], q[:, :, 1:], out[:, :, 1:], lse[:, :, 1:], True, 0.25)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The SDPA math path on sequence-sharded DTensors: the ring or a ValueError, never a silent all-gather.
+# See Note [SDPA math path] in dispatch.py. On CPU the math kernel is chosen by sdpa_kernel(MATH) and by
+# dropout; on CUDA also by fp32 with GQA, fp64 and head sizes no fused kernel takes.
+
+
+def _comm_counts(cm) -> dict[str, int]:
+    return {str(k).split(".")[-1]: v for k, v in cm.get_comm_counts().items()}
+
+
+def _math_cases(rank, world):
+    import contextlib
+
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from _ref import make_qkv, reference, rel_err
+    from cp_dtensor.placement import full_tensor, shard_sequence
+
+    mesh = init_device_mesh("cpu", (world,))
+    ring = {"all_to_all_single": world - 1}
+    modes = {
+        "math": lambda: sdpa_kernel(SDPBackend.MATH),
+        "math+no_grad": lambda: _stack(sdpa_kernel(SDPBackend.MATH), torch.no_grad()),
+        "inference": torch.inference_mode,
+        "inference+math": lambda: _stack(sdpa_kernel(SDPBackend.MATH), torch.inference_mode()),
+    }
+    case = 0
+    for layout in cp_dtensor.LAYOUTS:
+        for mode, ctx in modes.items():
+            for is_causal, scale, (hq, hkv) in ((True, None, (4, 2)), (False, 0.3, (2, 2))):
+                case += 1
+                q, k, v, do = make_qkv(case, 2, hq, hkv, 4 * world, 8)
+                want = reference(q, k, v, do, is_causal=is_causal, scale=scale)
+                grad = mode == "math"
+                xs = [shard_sequence(x, mesh, dim=2, layout=layout).requires_grad_(grad) for x in (q, k, v)]
+                with CommDebugMode() as cm, ctx():
+                    out = F.scaled_dot_product_attention(*xs, is_causal=is_causal, scale=scale, enable_gqa=hq != hkv)
+                assert _comm_counts(cm) == ring, (layout, mode, _comm_counts(cm))
+                assert isinstance(out, DTensor) and out.placements == xs[0].placements
+                got = [out]
+                if grad:
+                    with CommDebugMode() as cm:
+                        out.backward(shard_sequence(do, mesh, dim=2, layout=layout))
+                    assert set(_comm_counts(cm)) == {"all_to_all_single"}, _comm_counts(cm)  # K/V + dK/dV hops
+                    got += [x.grad for x in xs]
+                for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+                    err = rel_err(full_tensor(a), b)
+                    assert err <= 1e-12, (layout, mode, is_causal, name, err)  # float64 ring vs float64
+    # calls the ring cannot run: a ValueError on every rank, before any collective
+    q, k, v, _ = make_qkv(0, 1, 4, 2, 4 * world, 8)
+    xs = [shard_sequence(x, mesh, dim=2, layout="striped").requires_grad_() for x in (q, k, v)]
+    bad = [
+        ("dropout_p must be 0", contextlib.nullcontext, dict(dropout_p=0.1, enable_gqa=True)),  # math on CPU
+        ("enable_gqa is False", lambda: sdpa_kernel(SDPBackend.MATH), dict(is_causal=True)),
+        ("attn_mask is not supported", lambda: sdpa_kernel(SDPBackend.MATH),
+         dict(attn_mask=distribute_tensor(torch.ones(4 * world, 4 * world, dtype=torch.bool), mesh, [Replicate()]),
+              enable_gqa=True)),
+        ("dropout_p must be 0", torch.inference_mode, dict(dropout_p=0.1, enable_gqa=True)),
+    ]
+    for match, ctx, kw in bad:
+        with CommDebugMode() as cm, ctx(), pytest.raises(ValueError, match=match):
+            F.scaled_dot_product_attention(*xs, **kw)
+        assert _comm_counts(cm) == {}, (match, _comm_counts(cm))
+    # not sequence-sharded: torch's composite path as before (replicated in, replicated out, no collective;
+    # non-causal, as torch's causal math mask is a plain tensor that DTensor refuses to mix)
+    rep = [distribute_tensor(x, mesh, [Replicate()], src_data_rank=None) for x in (q, k, v)]
+    with CommDebugMode() as cm, sdpa_kernel(SDPBackend.MATH):
+        out = F.scaled_dot_product_attention(*rep, enable_gqa=True)
+    assert _comm_counts(cm) == {} and out.placements == (Replicate(),)
+    assert rel_err(out.to_local(), reference(q, k, v, torch.zeros_like(q), is_causal=False)[0]) <= 1e-12
+
+
+def _stack(*ctxs):
+    import contextlib
+
+    stack = contextlib.ExitStack()
+    for c in ctxs:
+        stack.enter_context(c)
+    return stack
+
+
+def test_sdpa_math_path_on_sequence_sharded_dtensors_runs_the_ring_or_raises():
+    """sdpa_kernel(MATH), inference mode, no_grad, dropout, a mask, GQA without enable_gqa: every
+    layout, out and grads vs float64, collectives counted (only the ring's all-to-alls, never a gather)."""
+    run_ranks(2, _math_cases)
+
+
+def test_math_kernel_on_plain_tensors_is_unchanged():
+    """Our Autograd kernel of the math op decomposes plain tensors exactly as torch's composite does."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import cp_dtensor.dispatch as dispatch
+    from _ref import make_qkv, reference, rel_err
+
+    q, k, v, do = make_qkv(3, 2, 4, 2, 12, 8)
+    want = reference(q, k, v, do, is_causal=True)
+    for installed in (True, False):
+        (dispatch.install_sdpa_handlers if installed else dispatch.uninstall_sdpa_handlers)()
+        assert ("dispatch.py" in torch._C._dispatch_dump("aten::_scaled_dot_product_attention_math")) == installed
+        xs = [x.clone().requires_grad_() for x in (q, k, v)]
+        with sdpa_kernel(SDPBackend.MATH):
+            out = F.scaled_dot_product_attention(*xs, is_causal=True, enable_gqa=True)
+        out.backward(do)
+        for a, b in zip((out, *(x.grad for x in xs)), want):
+            assert rel_err(a, b) <= 1e-12
+    dispatch.install_sdpa_handlers()
