@@ -122,9 +122,7 @@ def test_every_family_spec_builds_the_ring_validator():
         assert titan_specs.get_train_spec(family).build_validator_fn is build_ring_validator, family
 
 
-_VALIDATION = ["--validation.enable", "--validation.dataset", "cp_dtensor_tiny", "--validation.freq", "2",
-               "--validation.steps", "2", "--validation.seq_len", "256", "--validation.local_batch_size", "2",
-               "--training.steps", "2"]
+_VALIDATION = ["--validation.enable", "--validation.freq", "2", "--training.steps", "2"]  # the rest: the TOML's [validation]
 _VAL_LINE = re.compile(r"validate step:\s*(\d+)\s+loss:\s*([0-9.]+)")
 
 
