@@ -65,6 +65,11 @@ class RingAttention(nn.Module):
                                 "RingMask (Note [Flex masks as ring masks]). Apply the plugin to the whole model.")
             ids, window, is_causal = mask.ids, mask.window_size, mask.is_causal
         sinks = None if self._sinks_of is None else self._sinks_of.sinks
+        if isinstance(sinks, DTensor):  # gpt_oss under TP: sinks [Hq] placed Shard(0), q holds those local heads
+            if sinks.placements != (Shard(0),):
+                raise NotImplementedError(f"cp_dtensor ring attention takes TP sinks sharded over heads (Shard(0)); "
+                                          f"got {sinks.placements}. Use torchtitan's gpt_oss TP plan unchanged.")
+            sinks = sinks.to_local()  # [Hq / TP]
         tp_heads = _tp_head_sharding(q, k, v)  # See Note [TP heads into the ring]
         if tp_heads is not None:
             q, k, v = q.to_local(), k.to_local(), v.to_local()  # [B, H / TP, S_local, D]: this TP rank's heads
