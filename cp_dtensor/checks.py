@@ -4,8 +4,10 @@ Note [Agreeing before the ring]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 A bad argument on one rank must not leave the others blocked in a collective it never joins. So the
 local checks do not raise at once: each rank condenses its arguments -- and whether its local checks
-passed -- into a small int64 fingerprint, and one ``all_gather`` of the fingerprints (P * 144 bytes)
-lets every rank see every other rank's view. Then every rank raises the same error, or none does.
+passed -- into a small int64 fingerprint, and one ``all_gather`` of the fingerprints (P * 160 bytes)
+lets every rank see every other rank's view. On a 2-D mesh (U, R) the fingerprints travel over the ring
+group and then the Ulysses group (``comm.all_gather_host``): every rank still sees all P of them before
+any K/V or head moves. Then every rank raises the same error, or none does.
 Only when some rank failed is the text of its error gathered too. Under ``torch.compile`` shapes are
 static per graph and a data-dependent raise would break the graph, so only the local checks run
 there.
@@ -24,10 +26,9 @@ import struct
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
-from .comm import host_group, lost_peer
+from .comm import all_gather_host, all_gather_objects, group_size, host_group
 from .layout import LAYOUTS, global_order, layout_unit
 
 __all__ = ["check_documents", "check_ring_args"]
@@ -35,15 +36,17 @@ __all__ = ["check_documents", "check_ring_args"]
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _FIELDS = (
     "ok", "batch", "q_heads", "kv_heads", "seq_len_local", "head_dim", "dtype", "layout", "is_causal", "scale",
-    "comm_dtype", "value_head_dim", "document_ids", "window_left", "window_right", "sinks",
+    "comm_dtype", "value_head_dim", "document_ids", "window_left", "window_right", "sinks", "kv_exchange", "ulysses",
 )
 _PER_RANK = ("id_min", "id_max")  # gathered alongside, allowed to differ between ranks
 _ID_DTYPES = (torch.int64, torch.int32)
 _COMM_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
+KV_EXCHANGES = ("ring", "allgather")
 
 
 def _local_error(
-    q, k, v, layout: str, is_causal, scale, comm_dtype=None, document_ids=None, window_size=None, sinks=None
+    q, k, v, layout: str, is_causal, scale, comm_dtype=None, document_ids=None, window_size=None, sinks=None,
+    kv_exchange="ring", ulysses: int = 1,
 ) -> str | None:
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, Tensor):
@@ -100,6 +103,13 @@ def _local_error(
             f"ring_attention: comm_dtype must be None, a float dtype or torch.float8_e4m3fn / float8_e5m2; "
             f"got {comm_dtype!r}."
         )
+    if kv_exchange not in KV_EXCHANGES:
+        return f"ring_attention: kv_exchange must be one of {', '.join(map(repr, KV_EXCHANGES))}; got {kv_exchange!r}."
+    if hq % ulysses != 0:
+        return (
+            f"ring_attention on a 2-D mesh (U, R) = ({ulysses}, ..) splits the q heads over U: Hq ({hq}) must be "
+            f"divisible by U ({ulysses}). Use a mesh whose first dim divides Hq, or a 1-D mesh."
+        )
     return _mask_error(q, document_ids, window_size, sinks)
 
 
@@ -138,7 +148,9 @@ def _float_bits(x: float) -> int:
     return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
-def _fingerprint(q, k, v, layout: str, is_causal, scale, comm_dtype, document_ids, window_size, sinks, ok: bool):
+def _fingerprint(
+    q, k, v, layout: str, is_causal, scale, comm_dtype, document_ids, window_size, sinks, kv_exchange, ulysses, ok: bool
+):
     def dims(x, i):
         return int(x.shape[i]) if isinstance(x, Tensor) and x.dim() == 4 else -1
 
@@ -159,7 +171,8 @@ def _fingerprint(q, k, v, layout: str, is_causal, scale, comm_dtype, document_id
         int(ok), dims(q, 0), dims(q, 1), dims(k, 1), dims(q, 2), dims(q, 3), dtype,
         LAYOUTS.index(layout) if layout in LAYOUTS else -1, int(bool(is_causal)), scale_bits,
         _COMM_DTYPES.index(comm_dtype) if comm_dtype in _COMM_DTYPES else -1,
-        dims(v, 3), int(docs), int(window[0]), int(window[1]), sink, id_min, id_max,
+        dims(v, 3), int(docs), int(window[0]), int(window[1]), sink,
+        KV_EXCHANGES.index(kv_exchange) if kv_exchange in KV_EXCHANGES else -1, int(ulysses), id_min, id_max,
     ]
 
 
@@ -177,6 +190,8 @@ def _describe(field: str, value: int):
         return _DTYPES[value]
     if field == "comm_dtype":
         return _COMM_DTYPES[value]
+    if field == "kv_exchange":
+        return repr(KV_EXCHANGES[value])
     if field == "layout":
         return repr(LAYOUTS[value])
     if field == "is_causal":
@@ -187,30 +202,34 @@ def _describe(field: str, value: int):
 
 
 def check_ring_args(
-    q, k, v, *, group: dist.ProcessGroup, layout: str, is_causal, scale, comm_dtype=None,
-    document_ids=None, window_size=None, sinks=None, error: str | None = None,
+    q, k, v, *, group: dist.ProcessGroup | tuple[dist.ProcessGroup, ...], layout: str, is_causal, scale,
+    comm_dtype=None, document_ids=None, window_size=None, sinks=None, kv_exchange="ring", ulysses: int = 1,
+    error: str | None = None,
 ) -> tuple[float, tuple[int, int] | None]:
-    """Validate ``ring_attention``'s arguments on every rank of ``group``. Returns the resolved scale and
-    the global (min, max) document id (None without documents, or when not gathered: compiled)."""
-    if group is None or dist.get_rank(group) < 0:
+    """Validate ``ring_attention``'s arguments on every rank of ``group`` -- a group, or a 2-D mesh's
+    (ring, Ulysses) groups with ``ulysses`` = U. Returns the resolved scale and the global (min, max)
+    document id (None without documents, or when not gathered: compiled)."""
+    groups = group if isinstance(group, tuple) else (group,)
+    if any(g is None or dist.get_rank(g) < 0 for g in groups):
         raise ValueError(
             "ring_attention was called on a rank that is not a member of its CP group "
             f"(global rank {dist.get_rank()}); call it only on the ranks of `group`, or pass their group."
         )
-    err = error or _local_error(q, k, v, layout, is_causal, scale, comm_dtype, document_ids, window_size, sinks)
-    world = dist.get_world_size(group)
+    err = error or _local_error(
+        q, k, v, layout, is_causal, scale, comm_dtype, document_ids, window_size, sinks, kv_exchange, ulysses
+    )
+    world = group_size(groups)
     id_range = None
     if world > 1 and not torch.compiler.is_compiling():
-        host = host_group(group)
-        fp = _fingerprint(q, k, v, layout, is_causal, scale, comm_dtype, document_ids, window_size, sinks, err is None)
+        host = tuple(host_group(g) for g in groups)
+        fp = _fingerprint(
+            q, k, v, layout, is_causal, scale, comm_dtype, document_ids, window_size, sinks, kv_exchange, ulysses,
+            err is None,
+        )
         mine = torch.tensor(fp)  # host values only: nothing here waits for the device
-        try:
-            every = funcol.wait_tensor(funcol.all_gather_single(mine, 0, host)).view(world, -1)
-        except RuntimeError as e:
-            raise lost_peer(e, group) from e
+        every = all_gather_host(mine, host).view(world, -1)
         if not bool((every[:, 0] == 1).all()):
-            errors = [None] * world
-            dist.all_gather_object(errors, err, group=host)
+            errors = all_gather_objects(err, host)
             bad = [(r, e) for r, e in enumerate(errors) if e is not None]
             raise ValueError(
                 "ring_attention rejected the inputs of rank(s) "

@@ -1,4 +1,4 @@
-"""Ring rotation: the only module of the ring that talks to the network.
+"""Ring rotation, head all-to-all, K/V all-gather: the only module of the ring that talks to the network.
 
 A rotation is one functional collective (``funcol.permute_tensor``): rank i of the group sends a flat
 buffer to rank i+1 and receives one from rank i-1. In eager mode the result is an
@@ -26,12 +26,18 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
-__all__ = ["RingComm", "gather_ids", "host_group", "join_bytes", "lost_peer", "pack", "split_bytes", "unpack"]
+__all__ = [
+    "RingComm", "all_gather", "all_gather_host", "all_gather_objects", "all_to_all", "gather_ids", "group_size",
+    "host_group", "join_bytes", "lost_peer", "pack", "reduce_scatter", "split_bytes", "unpack", "wait",
+]
+
+Groups = dist.ProcessGroup | tuple[dist.ProcessGroup, ...]  # one group, or nested groups (see all_gather_host)
 
 
-def lost_peer(e: RuntimeError, group: dist.ProcessGroup) -> RuntimeError:
+def lost_peer(e: RuntimeError, group: Groups) -> RuntimeError:
     """The error to raise when a collective of the CP group fails under us."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    groups = group if isinstance(group, tuple) else (group,)
+    rank, world = _flat_rank(groups), group_size(groups)
     return RuntimeError(
         f"cp_dtensor ring: rank {rank} of {world} lost a transfer of its CP group -- a rank died or "
         "stalled past the process group's timeout (set it with init_process_group(timeout=...); NCCL "
@@ -131,12 +137,12 @@ def unpack(buf: Tensor, *likes: Tensor) -> list[Tensor]:
     return out
 
 
-def gather_ids(ids: Tensor, group: dist.ProcessGroup, id_range: tuple[int, int] | None) -> Tensor:
+def gather_ids(ids: Tensor, group: Groups, id_range: tuple[int, int] | None) -> Tensor:
     """Every rank's document ids, [P, B, S_local], from this rank's ids [B, S_local]: one all-gather,
     in the narrowest integer type that holds the global (min, max) ``id_range`` (None: unknown, int64).
     Only equality of ids matters downstream, so they stay shifted by the global minimum.
     See Note [Masks in the ring] in ring.py."""
-    world = dist.get_world_size(group)
+    world = group_size(group)
     small = ids.to(torch.int64)
     if id_range is not None:
         lo, hi = id_range
@@ -148,10 +154,96 @@ def gather_ids(ids: Tensor, group: dist.ProcessGroup, id_range: tuple[int, int] 
     if world == 1:
         return small.unsqueeze(0)
     dtype = small.dtype
-    try:  # as bytes: gloo gathers no int16
-        every = funcol.all_gather_single(small.contiguous().view(torch.uint8), 0, group)
-        if not torch.compiler.is_compiling():
-            every = funcol.wait_tensor(every)
+    every = all_gather_host(small.contiguous().view(torch.uint8), group)  # as bytes: gloo gathers no int16
+    return every.view(dtype).view(world, *ids.shape)
+
+
+# -- nested groups: a 2-D mesh's ranks without a group of all of them ---------------------------------
+
+
+def group_size(groups: Groups) -> int:
+    groups = groups if isinstance(groups, tuple) else (groups,)
+    n = 1
+    for g in groups:
+        n *= dist.get_world_size(g)
+    return n
+
+
+def _flat_rank(groups: tuple[dist.ProcessGroup, ...]) -> int:
+    """This rank's index in the order of :func:`all_gather_host`: group 0 fastest."""
+    rank, stride = 0, 1
+    for g in groups:
+        rank += dist.get_rank(g) * stride
+        stride *= dist.get_world_size(g)
+    return rank
+
+
+def all_gather_host(x: Tensor, groups: Groups) -> Tensor:
+    """Every rank's ``x`` stacked on a new dim 0 ([world, *x.shape]), gathered over ``groups`` one after
+    the other: over (g0, g1) the entry of the rank at index i1 in g1 and i0 in g0 is i1 * |g0| + i0.
+    A 2-D mesh (U, R) passes (ring group, Ulysses group), so entry u * R + r is mesh rank (u, r): every
+    rank's view without a group of all P ranks. Waits (host values, small)."""
+    groups = groups if isinstance(groups, tuple) else (groups,)
+    out = x.unsqueeze(0)
+    for g in groups:
+        if dist.get_world_size(g) == 1:
+            continue
+        try:
+            got = funcol.all_gather_single(out.contiguous(), 0, g)
+            out = got if torch.compiler.is_compiling() else funcol.wait_tensor(got)
+        except RuntimeError as e:
+            raise lost_peer(e, g) from e
+    return out.reshape(group_size(groups), *x.shape)
+
+
+def all_gather_objects(obj, groups: Groups) -> list:
+    """Every rank's picklable ``obj``, in the order of :func:`all_gather_host`."""
+    groups = groups if isinstance(groups, tuple) else (groups,)
+    out = [obj]
+    for g in groups:
+        every = [None] * dist.get_world_size(g)
+        dist.all_gather_object(every, out, group=g)
+        out = [o for part in every for o in part]
+    return out
+
+
+# -- Ulysses and all-gather exchanges (ulysses.py, allgather.py) ---------------------------------------
+
+
+def all_to_all(buf: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """Equal-split all-to-all of a flat buffer: part i (of |group| equal parts) goes to rank i, and part
+    j of the result came from rank j. Waited (its result is needed at once). The heads exchange of
+    Note [Ulysses x ring] in ulysses.py."""
+    assert buf.dim() == 1, "all-to-all buffers are flat"
+    try:
+        out = funcol.all_to_all_single(buf, None, None, group)
+        return funcol.wait_tensor(out)
     except RuntimeError as e:
         raise lost_peer(e, group) from e
-    return every.view(dtype).view(world, *ids.shape)
+
+
+def all_gather(buf: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """Post the all-gather of a flat buffer ([P * n] in rank order); :func:`wait` on it when needed."""
+    assert buf.dim() == 1, "all-gather buffers are flat"
+    try:
+        return funcol.all_gather_single(buf, 0, group)
+    except RuntimeError as e:
+        raise lost_peer(e, group) from e
+
+
+def reduce_scatter(buf: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """Post the sum-reduce-scatter of a flat buffer [P * n]: this rank gets the sum of every rank's part
+    ``rank``. :func:`wait` on it when needed."""
+    assert buf.dim() == 1, "reduce-scatter buffers are flat"
+    try:
+        return funcol.reduce_scatter_single(buf, "sum", 0, group)
+    except RuntimeError as e:
+        raise lost_peer(e, group) from e
+
+
+def wait(buf: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """Block until a posted collective's result has arrived (see :meth:`RingComm.wait`)."""
+    try:
+        return funcol.wait_tensor(buf)
+    except RuntimeError as e:
+        raise lost_peer(e, group) from e

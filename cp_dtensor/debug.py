@@ -47,7 +47,10 @@ class CommBytes(TorchDispatchMode):
         elif packet is _c10d.all_gather_into_tensor:
             x, world = args[0], args[1]
             self.by_op["all_gather_into_tensor"] += x.numel() * x.element_size() * (world - 1)
-        elif packet in (_c10d.all_reduce, _c10d.reduce_scatter_tensor, _c10d.broadcast):
+        elif packet is _c10d.reduce_scatter_tensor:  # sends every part but its own: (P - 1) / P of its input
+            x, world = args[0], args[2]
+            self.by_op["reduce_scatter_tensor"] += x.numel() * x.element_size() * (world - 1) // world
+        elif packet in (_c10d.all_reduce, _c10d.broadcast):
             x = args[0]
             self.by_op[packet.__name__] += x.numel() * x.element_size()
         return func(*args, **kwargs)

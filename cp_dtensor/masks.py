@@ -54,14 +54,29 @@ class Run:
     stride: int
 
 
-def runs(layout: str, rank: int, world: int, s_local: int) -> tuple[Run, ...]:
-    """The runs of ``rank``'s shard. See Note [Sequence layouts] in layout.py."""
+def runs(layout: str, rank: int, world: int, s_local: int, ulysses: int = 1) -> tuple[Run, ...]:
+    """The runs of ``rank``'s shard. See Note [Sequence layouts] in layout.py. With ``ulysses`` = U > 1,
+    ``rank`` is a ring rank of ``world`` = R and holds ``s_local`` = U * S tokens: the union of the
+    shards of the 1-D ranks u * R + rank (u < U) over P = U * R ranks, in the order of Note [Ulysses
+    unions] in ulysses.py (striped: exactly the striped shard over R, so no branch)."""
+    if ulysses > 1 and layout in ("contiguous", "headtail"):
+        return _union_runs(layout, rank, world, s_local // ulysses, ulysses)
     if check_layout(layout) == "contiguous":
         return (Run(0, s_local, rank * s_local, 1),)
     if layout == "striped":
         return (Run(0, s_local, rank, world),)
     c = s_local // 2
     return (Run(0, c, rank * c, 1), Run(c, c, (2 * world - 1 - rank) * c, 1))
+
+
+def _union_runs(layout: str, r: int, world: int, s: int, ulysses: int) -> tuple[Run, ...]:
+    p = ulysses * world
+    if layout == "contiguous":  # U chunks of S: 1-D ranks r, R + r, 2R + r, ...
+        return tuple(Run(u * s, s, (u * world + r) * s, 1) for u in range(ulysses))
+    c = s // 2  # headtail: the U head chunks ascending, then the U tail chunks ascending (u descending)
+    heads = [Run(u * c, c, (u * world + r) * c, 1) for u in range(ulysses)]
+    tails = [Run((ulysses + i) * c, c, (2 * p - 1 - u * world - r) * c, 1) for i, u in enumerate(reversed(range(ulysses)))]
+    return tuple(heads + tails)
 
 
 def flat_runs(rs: tuple[Run, ...]) -> list[int]:
@@ -239,21 +254,24 @@ def block_rects(
     return rects
 
 
-def steps_needed(layout: str, world: int, s_local: int, lo: int | None, hi: int | None) -> int:
+def steps_needed(layout: str, world: int, s_local: int, lo: int | None, hi: int | None, ulysses: int = 1) -> int:
     """How many ring steps (the local one included) the window needs on any rank: steps past the
     last one that any rank needs are neither computed nor sent. See Note [Masked ring steps]."""
     last = 0
     for rank in range(world):
-        q = runs(layout, rank, world, s_local)
+        q = runs(layout, rank, world, s_local, ulysses)
         for t in range(last + 1, world):
-            if block_rects(q, runs(layout, (rank - t) % world, world, s_local), lo, hi):
+            if block_rects(q, runs(layout, (rank - t) % world, world, s_local, ulysses), lo, hi):
                 last = t
     return last + 1
 
 
-def has_pairs(layout: str, rank: int, src: int, world: int, s_local: int, lo: int | None, hi: int | None) -> bool:
+def has_pairs(
+    layout: str, rank: int, src: int, world: int, s_local: int, lo: int | None, hi: int | None, ulysses: int = 1
+) -> bool:
     """Whether ``rank`` keeps any pair of the block of ``src`` (documents aside)."""
-    return bool(block_rects(runs(layout, rank, world, s_local), runs(layout, src, world, s_local), lo, hi))
+    rs = (runs(layout, x, world, s_local, ulysses) for x in (rank, src))
+    return bool(block_rects(*rs, lo, hi))
 
 
 def kept_pairs(rects: list[Rect]) -> int:

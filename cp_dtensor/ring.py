@@ -91,6 +91,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
 
 from .checks import check_documents, check_ring_args
 from .comm import RingComm, gather_ids, host_group, join_bytes, split_bytes, unpack
@@ -109,23 +110,28 @@ class _Mask:
     """What a call masks, for the ring loop: the window's bounds and the gathered document ids.
     ``ids``: [P, B, S_local] (every rank's ids, any integer dtype) or None."""
 
-    def __init__(self, layout: str, world: int, s_local: int, is_causal: bool, window, ids: Tensor | None):
+    def __init__(
+        self, layout: str, world: int, s_local: int, is_causal: bool, window, ids: Tensor | None, ulysses: int = 1
+    ):
         self.lo, self.hi = mask_bounds(is_causal, window)
-        self.ids = ids
-        self.layout, self.world, self.s_local = layout, world, s_local
+        self.ids, self.causal = ids, is_causal
+        self.layout, self.world, self.s_local, self.ulysses = layout, world, s_local, ulysses
         # a window with no lower bound and at most the causal upper bound is plain (non-)causal attention
         self.active = ids is not None or self.lo is not None or (self.hi is not None and not (is_causal and self.hi == 0))
-        self.steps = steps_needed(layout, world, s_local, self.lo, self.hi) if self.active else world
+        # a Ulysses union of contiguous / headtail shards is no 1-D layout: its runs say what each step
+        # keeps (See Note [Ulysses unions] in ulysses.py)
+        self.active |= ulysses > 1 and layout != "striped" and self.hi is not None
+        self.steps = steps_needed(layout, world, s_local, self.lo, self.hi, ulysses) if self.active else world
 
     def keeps(self, rank: int, src: int) -> bool:
-        return has_pairs(self.layout, rank, src, self.world, self.s_local, self.lo, self.hi)
+        return has_pairs(self.layout, rank, src, self.world, self.s_local, self.lo, self.hi, self.ulysses)
 
     def args(self, rank: int, src: int) -> tuple:
         """masked_block_attn's arguments after q, k, v (before scale)."""
         q_ids = k_ids = None
         if self.ids is not None:
             q_ids, k_ids = self.ids[rank], self.ids[src]
-        rs = (flat_runs(runs(self.layout, r, self.world, self.s_local)) for r in (rank, src))
+        rs = (flat_runs(runs(self.layout, r, self.world, self.s_local, self.ulysses)) for r in (rank, src))
         return (q_ids, k_ids, *rs, self.lo, self.hi)
 
 
@@ -143,38 +149,50 @@ def ring_forward(
     comm = RingComm(group)
     world, rank, s_local = comm.world, comm.rank, q.shape[2]
     mask = mask if mask is not None else _no_mask(layout, world, s_local, is_causal)
-    acc_dtype = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
-    out = lse = None
+    out = lse = None  # fp32 accumulators (fp64 for fp64 inputs), started by the local step
     kv = encode_kv(k, v, comm_dtype) if mask.steps > 1 else None
     for step in range(mask.steps):
         if step + 1 < mask.steps:
             kv_next = comm.rotate(kv)  # posted before this step's compute: overlap
         kb, vb = (k, v) if step == 0 else decode_kv(kv, k, v, comm_dtype)
-        src = comm.src_at(step)
-        if mask.active:  # See Note [Masks in the ring]
-            if out is None:  # step 0: every query keeps at least itself, so this covers every row
-                out, lse = masked_block_attn(q, kb, vb, *mask.args(rank, src), scale)
-            elif mask.keeps(rank, src):
-                masked_block_attn_merge_(out, lse, q, kb, vb, *mask.args(rank, src), scale)
-        else:
-            blk = step_block(layout, rank=rank, src=src, world=world, s_local=s_local, is_causal=is_causal)
-            if blk is not None:
-                q_rows, kv_rows = (slice(None), slice(None), blk.q_rows), (slice(None), slice(None), blk.kv_rows)
-                out_b, lse_b = block_attn(q[q_rows], kb[kv_rows], vb[kv_rows], blk.causal, scale)
-                if out is None:  # step 0: the diagonal block covers every row
-                    out, lse = out_b.to(acc_dtype), lse_b.to(acc_dtype)
-                else:
-                    merge_(out[q_rows], lse[q_rows], out_b, lse_b)
-                del out_b, lse_b
+        out, lse = step_forward(out, lse, q, kb, vb, rank=rank, src=comm.src_at(step), mask=mask, scale=scale)
         del kb, vb  # views of the block just used: free it before the next one arrives
         if step + 1 < mask.steps:
             kv = comm.wait(kv_next)
-    if sinks is not None:  # See Note [Attention sinks]
-        sink = sinks.to(acc_dtype)[None, :, None]
-        total = torch.logaddexp(lse, sink)
-        out = out * torch.exp(lse - total).unsqueeze(-1)
-        lse = total
+    out, lse = add_sinks(out, lse, sinks)
     return out.to(q.dtype), lse
+
+
+def step_forward(
+    out: Tensor | None, lse: Tensor | None, q: Tensor, kb: Tensor, vb: Tensor, *, rank: int, src: int, mask: _Mask,
+    scale: float,
+) -> tuple[Tensor, Tensor]:
+    """One step of the loop: q against the K/V block of rank ``src``, merged into (out, lse) -- started
+    when None (step 0, the local block, which covers every row). Returns (out, lse)."""
+    if mask.active:  # See Note [Masks in the ring]
+        if out is None:  # step 0: every query keeps at least itself, so this covers every row
+            return masked_block_attn(q, kb, vb, *mask.args(rank, src), scale)
+        if mask.keeps(rank, src):
+            masked_block_attn_merge_(out, lse, q, kb, vb, *mask.args(rank, src), scale)
+        return out, lse
+    blk = step_block(mask.layout, rank=rank, src=src, world=mask.world, s_local=mask.s_local, is_causal=mask.causal)
+    if blk is not None:
+        q_rows, kv_rows = (slice(None), slice(None), blk.q_rows), (slice(None), slice(None), blk.kv_rows)
+        out_b, lse_b = block_attn(q[q_rows], kb[kv_rows], vb[kv_rows], blk.causal, scale)
+        if out is None:  # step 0: the diagonal block covers every row
+            acc_dtype = torch.promote_types(q.dtype, torch.float32)
+            return out_b.to(acc_dtype), lse_b.to(acc_dtype)
+        merge_(out[q_rows], lse[q_rows], out_b, lse_b)
+    return out, lse
+
+
+def add_sinks(out: Tensor, lse: Tensor, sinks: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(out, lse) with the sinks joined; see Note [Attention sinks]."""
+    if sinks is None:
+        return out, lse
+    sink = sinks.to(lse.dtype)[None, :, None]
+    total = torch.logaddexp(lse, sink)
+    return out * torch.exp(lse - total).unsqueeze(-1), total
 
 
 def sinks_grad(dout: Tensor, out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
@@ -230,6 +248,29 @@ def _flat_kv(k: Tensor, v: Tensor, dtype: torch.dtype, *, zero: bool) -> Tensor:
     return (k.new_zeros if zero else k.new_empty)(k.numel() + v.numel(), dtype=dtype)
 
 
+def step_backward(
+    dq: Tensor | None, dout: Tensor, q: Tensor, kb: Tensor, vb: Tensor, out: Tensor, lse: Tensor, *, rank: int,
+    src: int, mask: _Mask, scale: float,
+) -> tuple[Tensor, Tensor | None]:
+    """One step of the backward loop: the block of rank ``src``'s share of dq, added into ``dq`` (started
+    when None: step 0), and its flat [dk | dv] (None where nothing is kept; the local step's in fp32,
+    others in the input dtype). Returns (dq, dkv)."""
+    acc_dtype = torch.promote_types(q.dtype, torch.float32)
+    mine = None
+    if mask.active:  # See Note [Masks in the ring]
+        if dq is None or mask.keeps(rank, src):
+            dq_b, mine = masked_block_attn_backward(dout, q, kb, vb, out, lse, *mask.args(rank, src), scale)
+            dq = dq_b if dq is None else dq.add_(dq_b)
+        return dq, mine
+    blk = step_block(mask.layout, rank=rank, src=src, world=mask.world, s_local=mask.s_local, is_causal=mask.causal)
+    if blk is not None:
+        # allocated from q, not the received block: no data edge from the transfer (compiled schedules)
+        alloc = q.new_zeros if blk.kv_rows != slice(None) else q.new_empty
+        mine = alloc(kb.numel() + vb.numel(), dtype=acc_dtype if dq is None else kb.dtype)
+        dq = _block_backward_(dq, mine, dout, q, kb, vb, out, lse, blk, scale, acc_dtype)
+    return dq, mine
+
+
 def ring_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
     *, group: dist.ProcessGroup, layout: str, is_causal: bool, scale: float, comm_dtype: torch.dtype | None = None,
@@ -268,18 +309,8 @@ def ring_backward(
         msg = comm.rotate(buf) if buf is not None else None
         buf = carrier = pending = None
         kb, vb = (k, v) if step == 0 else decode_kv(kv, k, v, comm_dtype)
-        src = comm.src_at(step)
-        mine = None  # this rank's share of the block it holds, in the accumulator's layout
-        if mask.active:  # See Note [Masks in the ring]
-            if step == 0 or mask.keeps(rank, src):
-                dq_b, mine = masked_block_attn_backward(dout, q, kb, vb, out, lse, *mask.args(rank, src), scale)
-                dq = dq_b if dq is None else dq.add_(dq_b)
-                del dq_b
-        else:
-            blk = step_block(layout, rank=rank, src=src, world=world, s_local=s_local, is_causal=is_causal)
-            if blk is not None:
-                mine = _flat_kv(k, v, acc_dtype if step == 0 else k.dtype, zero=blk.kv_rows != slice(None))
-                dq = _block_backward_(dq, mine, dout, q, kb, vb, out, lse, blk, scale, acc_dtype)
+        # mine: this rank's share of the block it holds, in the accumulator's layout
+        dq, mine = step_backward(dq, dout, q, kb, vb, out, lse, rank=rank, src=comm.src_at(step), mask=mask, scale=scale)
         # Free this step's block before the next one arrives.
         del kb, vb
         kv = incoming = joined = None
@@ -316,22 +347,32 @@ def ring_backward(
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+def _exchange(kv_exchange: str):
+    """(forward, backward) of a K/V exchange: the ring, or one all-gather (allgather.py)."""
+    if kv_exchange == "allgather":
+        from .allgather import allgather_backward, allgather_forward
+
+        return allgather_forward, allgather_backward
+    return ring_forward, ring_backward
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sinks, group, layout, is_causal, scale, comm_dtype, window, ids):
-        mask = _Mask(layout, dist.get_world_size(group), q.shape[2], is_causal, window, ids)
+    def forward(ctx, q, k, v, sinks, group, layout, is_causal, scale, comm_dtype, window, ids, ulysses=1,
+                kv_exchange="ring"):
+        mask = _Mask(layout, dist.get_world_size(group), q.shape[2], is_causal, window, ids, ulysses)
         opts = dict(group=group, layout=layout, is_causal=is_causal, scale=scale, comm_dtype=comm_dtype, mask=mask)
-        out, lse = ring_forward(q, k, v, sinks=sinks, **opts)
+        out, lse = _exchange(kv_exchange)[0](q, k, v, sinks=sinks, **opts)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.opts = opts
+        ctx.opts, ctx.kv_exchange = opts, kv_exchange
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, sinks = ctx.saved_tensors
-        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, **ctx.opts)
+        dq, dk, dv = _exchange(ctx.kv_exchange)[1](dout, q, k, v, out, lse, **ctx.opts)
         dsinks = sinks_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[3] else None
-        return dq, dk, dv, dsinks, None, None, None, None, None, None, None
+        return dq, dk, dv, dsinks, None, None, None, None, None, None, None, None, None
 
 
 def ring_attention(
@@ -339,7 +380,7 @@ def ring_attention(
     k: Tensor,
     v: Tensor,
     *,
-    group: dist.ProcessGroup | None = None,
+    group: dist.ProcessGroup | DeviceMesh | None = None,
     layout: str = "striped",
     is_causal: bool = False,
     scale: float | None = None,
@@ -347,6 +388,7 @@ def ring_attention(
     document_ids: Tensor | None = None,
     window_size: tuple[int, int] | None = None,
     sinks: Tensor | None = None,
+    kv_exchange: str = "ring",
 ) -> Tensor:
     """Exact attention over a sequence sharded across the ranks of ``group`` (default: world).
 
@@ -373,22 +415,41 @@ def ring_attention(
       and DDP over a mesh that includes CP do it; standalone, ``reduce_gradients``).
 
     ``scale=None`` is 1/sqrt(Dqk), as in ``F.scaled_dot_product_attention``.
+
+    ``kv_exchange="allgather"`` replaces the ring by one all-gather of K/V (and, in the backward, one
+    more and a reduce-scatter of dK/dV): fewer, larger messages, (P - 1) * S_local * (Dqk + Dv) * Hkv
+    * itemsize bytes each, and this layer's whole-sequence K/V in memory -- see Note [All-gather K/V]
+    in allgather.py.
+
+    ``group`` may also be a 2-D ``DeviceMesh`` of shape (U, R): heads all-to-all (Ulysses) over the
+    first dim, the ring (or the all-gather) over the second. Each rank still passes and gets back its
+    shard of 1-D CP over all P = U * R ranks, its rank being its row-major index in the mesh; Hq must
+    be a multiple of U. See Note [Ulysses x ring] in ulysses.py.
     """
     return _ring_attention(q, k, v, group=group, layout=layout, is_causal=is_causal, scale=scale,
-                           comm_dtype=comm_dtype, document_ids=document_ids, window_size=window_size, sinks=sinks)
+                           comm_dtype=comm_dtype, document_ids=document_ids, window_size=window_size, sinks=sinks,
+                           kv_exchange=kv_exchange)
 
 
 def _ring_attention(q, k, v, *, group, layout, is_causal, scale, comm_dtype=None, document_ids=None,
-                    window_size=None, sinks=None, error: str | None = None) -> Tensor:
+                    window_size=None, sinks=None, kv_exchange="ring", error: str | None = None) -> Tensor:
     """``ring_attention`` with a caller's own local ``error`` (e.g. an unsupported argument the module
     path saw) that raises on every rank through the agreement check, like a bad argument."""
     group = group if group is not None else dist.group.WORLD
+    if isinstance(group, DeviceMesh):
+        from .ulysses import mesh_group, ulysses_attention
+
+        group = mesh_group(group)  # a 1-D mesh's group; a 2-D mesh stays (raises on any other)
+        if isinstance(group, DeviceMesh):
+            return ulysses_attention(q, k, v, mesh=group, layout=layout, is_causal=is_causal, scale=scale,
+                                     comm_dtype=comm_dtype, document_ids=document_ids, window_size=window_size,
+                                     sinks=sinks, kv_exchange=kv_exchange, error=error)
     if isinstance(document_ids, Tensor) and document_ids.device.type != "cpu":
         # the one host copy of a call with documents: the kernels are chosen per document on the host
         document_ids = document_ids.cpu()
     scale, id_range = check_ring_args(
         q, k, v, group=group, layout=layout, is_causal=is_causal, scale=scale, comm_dtype=comm_dtype,
-        document_ids=document_ids, window_size=window_size, sinks=sinks, error=error,
+        document_ids=document_ids, window_size=window_size, sinks=sinks, kv_exchange=kv_exchange, error=error,
     )
     ids = None
     if document_ids is not None:
@@ -396,4 +457,4 @@ def _ring_attention(q, k, v, *, group, layout, is_causal, scale, comm_dtype=None
         check_documents(ids, layout, group)
     window = None if window_size is None else tuple(int(w) for w in window_size)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    return _RingAttention.apply(q, k, v, sinks, group, layout, is_causal, scale, comm_dtype, window, ids)
+    return _RingAttention.apply(q, k, v, sinks, group, layout, is_causal, scale, comm_dtype, window, ids, 1, kv_exchange)

@@ -88,7 +88,7 @@ def _bytes(rank, world):
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_bytes_on_the_wire_match_the_formula(world):
     control = run_ranks(world, _bytes)
-    assert all(c == 8 * 18 * (world - 1) for per_rank in control for c in per_rank)  # 18 int64 fields
+    assert all(c == 8 * 20 * (world - 1) for per_rank in control for c in per_rank)  # 20 int64 fields
 
 
 def test_single_rank_is_plain_sdpa():
