@@ -1,6 +1,12 @@
-"""Touches of private torch internals that cp_dtensor's own code needs to stay correct, one place each.
+"""Every touch of a private torch or torchtitan internal, one place each, with the version it was written for.
 
-Written against torch 2.13.0. tests/test_compat.py checks that every symbol used here still exists.
+Written against torch 2.13.0 and torchtitan 0.2.2. The rest of cp_dtensor imports the private torch
+names it needs from here (``_StridedShard``, ``DTensorSpec``, ``redistribute_local_tensor``, the raw
+``_c10d_functional`` ops, ...) and reaches DTensor's dispatcher only through the functions below.
+``PRIVATE_SYMBOLS`` lists every hooked symbol with the parameters cp_dtensor relies on;
+tests/test_compat.py checks each one, so a torch or torchtitan bump fails one clear test instead of
+somewhere deep. The torchtitan rebinds themselves live with the plugin (titan/spec.py, titan/_cpu.py,
+titan/float8.py, each citing its Note); their targets are listed here.
 
 Note [Rank-specialised compiled graphs]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -40,17 +46,127 @@ from __future__ import annotations
 
 import hashlib
 import warnings
+from collections.abc import Callable
+from typing import Any
 
+import torch
+from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._redistribute import redistribute_local_tensor
+from torch.distributed.tensor._sharding_prop import LocalLRUCache
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
+from torch.distributed.tensor.placement_types import _StridedShard, _StridedShardOffsetMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["include_mesh_coordinate_in_cache_key"]
+__all__ = [
+    "DTensorSpec",
+    "TensorMeta",
+    "TorchDispatchMode",
+    "_StridedShard",
+    "_StridedShardOffsetMode",
+    "c10d_functional",
+    "compute_local_shape_and_global_offset",
+    "custom_op_handlers",
+    "dtensor_default_dispatch",
+    "include_mesh_coordinate_in_cache_key",
+    "make_contiguous_strides_for",
+    "redistribute_local_tensor",
+    "resolve_process_group",
+    "wrap_sharding_propagation",
+]
 
-TORCH_VERSION = "2.13.0"  # what the touches below were written against
-PRIVATE_SYMBOLS = (  # (owner, attribute): checked by tests/test_compat.py
-    ("torch.distributed.device_mesh.DeviceMesh", "_stable_hash"),
-    ("torch.distributed.tensor._dtensor_spec.DTensorSpec", "_stable_hash"),
-    ("torch.distributed.tensor.DTensor", "_stable_hash_for_caching"),
+TORCH_VERSION = "2.13.0"  # what the torch touches below were written against
+TORCHTITAN_VERSION = "0.2.2"  # what the torchtitan rebinds (titan/) were written against
+
+# (module, qualified name, parameters cp_dtensor passes or replaces; None: an attribute, checked to exist).
+# Checked by tests/test_compat.py.
+PRIVATE_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
+    # Note [Rank-specialised compiled graphs] (below)
+    ("torch.distributed.device_mesh", "DeviceMesh._stable_hash", ("self",)),
+    ("torch.distributed.tensor._dtensor_spec", "DTensorSpec._stable_hash", ("self",)),
+    ("torch.distributed.tensor", "DTensor._stable_hash_for_caching", ("self",)),
+    # dispatch.py: the SDPA handlers (Note [SDPA dispatch]) and DTensor's ordinary path
+    ("torch.distributed.tensor", "DTensor._op_dispatcher._custom_op_handlers", None),
+    ("torch.distributed.tensor", "DTensor._op_dispatcher.unwrap_to_op_info", ("op_call", "args", "kwargs")),
+    ("torch.distributed.tensor", "DTensor._op_dispatcher._dispatch_get_local_results_slow_path",
+     ("op_call", "args", "op_info")),
+    ("torch.distributed.tensor", "DTensor._op_dispatcher.sharding_propagator.propagate", ("op_info",)),
+    ("torch.distributed.tensor", "DTensor._op_dispatcher.wrap", ("res", "spec")),
+    ("torch.distributed.tensor._redistribute", "redistribute_local_tensor",
+     ("local_tensor", "current_spec", "target_spec")),
+    ("torch.distributed.tensor._dtensor_spec", "DTensorSpec", ("mesh", "placements", "tensor_meta")),
+    ("torch.distributed.tensor._dtensor_spec", "TensorMeta", ("shape", "stride", "dtype")),
+    ("torch._prims_common", "make_contiguous_strides_for", ("shape",)),
+    # placement.py: HeadTail subclasses _StridedShard (Note [HeadTail placement]) and fixes propagation
+    ("torch.distributed.tensor.placement_types", "_StridedShard", ("dim", "split_factor")),
+    ("torch.distributed.tensor.placement_types", "_StridedShard.local_shard_size_and_offset",
+     ("self", "curr_local_size", "num_chunks", "rank", "offset_mode")),
+    ("torch.distributed.tensor.placement_types", "_StridedShard._local_shard_size_and_offset",
+     ("self", "curr_local_size", "num_chunks", "rank", "offset_mode")),
+    ("torch.distributed.tensor.placement_types", "_StridedShard._select_split_tensor",
+     ("self", "tensor", "num_chunks", "index")),
+    ("torch.distributed.tensor.placement_types", "_StridedShardOffsetMode.FIRST", None),
+    ("torch.distributed.tensor", "DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding_non_cached",
+     ("op_schema",)),
+    ("torch.distributed.tensor._sharding_prop", "LocalLRUCache", ("user_function",)),
+    # checkpoint.py: DCP's box of a strided shard (Note [Checkpoint layouts])
+    ("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset",
+     ("global_shape", "mesh", "placements")),
+    # comm.py, debug.py: the raw functional collectives
+    ("torch.ops._c10d_functional", "all_to_all_single", None),
+    ("torch.ops._c10d_functional", "all_gather_into_tensor", None),
+    ("torch.ops._c10d_functional", "reduce_scatter_tensor", None),
+    ("torch.ops._c10d_functional", "all_reduce", None),
+    ("torch.ops._c10d_functional", "broadcast", None),
+    ("torch.ops._c10d_functional", "wait_tensor", None),
+    ("torch.distributed.distributed_c10d", "_resolve_process_group", None),  # a pybind builtin: no signature
+    ("torch.utils._python_dispatch", "TorchDispatchMode.__torch_dispatch__", ("self", "func", "types", "args", "kwargs")),
+    # titan/spec.py: Note [How the plugin hooks torchtitan]
+    ("torchtitan.distributed.context_parallel", "prepare_context_parallel_input",
+     ("inputs", "labels", "extra_kwargs", "cp_mesh", "device", "load_balancer_type")),
+    ("torchtitan.models.llama3.infra.parallelize", "apply_cp_to_attention_module",
+     ("attention_modules", "cp_mesh", "attention_type")),
+    # titan/_cpu.py: Note [torchtitan on CPU] (the triton stand-in replaces this module before import)
+    ("torchtitan.tools.utils", "device_type", None),
+    ("torchtitan.tools.utils", "device_module", None),
+    # titan/float8.py: Note [float8 training on CPU]
+    ("torchtitan.components.quantization.float8", "has_cuda_capability", ("major", "minor")),
 )
+
+c10d_functional = torch.ops._c10d_functional  # the raw functional collectives (comm.py, debug.py)
+
+
+def custom_op_handlers() -> dict[Any, Callable]:
+    """DTensor's table of per-op handlers that replace its own dispatch (torch's experimental CP uses it too)."""
+    return DTensor._op_dispatcher._custom_op_handlers
+
+
+def dtensor_default_dispatch(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> object:
+    """What DTensor does for ``op`` without a custom handler: propagate shardings, run locally, wrap."""
+    dispatcher = DTensor._op_dispatcher
+    info = dispatcher.unwrap_to_op_info(op, args, kwargs)
+    dispatcher.sharding_propagator.propagate(info)
+    local = dispatcher._dispatch_get_local_results_slow_path(op, args, info)
+    return dispatcher.wrap(local, info.output_sharding.output_spec)
+
+
+def wrap_sharding_propagation(fix: Callable[[object], object]) -> None:
+    """Pass every ``OutputSharding`` DTensor's propagator computes through ``fix`` (idempotent per ``fix``)."""
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    inner = propagator.propagate_op_sharding_non_cached
+    if getattr(inner, "_cp_dtensor_fix", None) is fix:
+        return
+
+    def propagate_op_sharding_non_cached(op_schema):
+        return fix(inner(op_schema))
+
+    propagate_op_sharding_non_cached._cp_dtensor_fix = fix
+    # the same two instance attributes ShardingPropagator.__init__ sets up: the rule and its cache
+    propagator.propagate_op_sharding_non_cached = propagate_op_sharding_non_cached
+    propagator.propagate_op_sharding = LocalLRUCache(propagate_op_sharding_non_cached)
 
 
 def _stable_hash_with_coordinate(self: DeviceMesh) -> str:

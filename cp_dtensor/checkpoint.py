@@ -81,9 +81,9 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from . import _manifest
+from ._compat import compute_local_shape_and_global_offset
 from ._agree import agreed, dcp_call, rank_world
 from ._manifest import CheckpointError, CheckpointExistsError
 from .placement import as_layout_placements, placement_layout

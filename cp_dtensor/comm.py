@@ -26,6 +26,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
+from ._compat import c10d_functional
+
 __all__ = [
     "RingComm", "all_gather", "all_gather_host", "all_gather_objects", "all_to_all", "gather_ids", "group_size",
     "host_group", "join_bytes", "lost_peer", "pack", "reduce_scatter", "split_bytes", "unpack", "wait",
@@ -67,7 +69,7 @@ class RingComm:
             n, nxt, prev = buf.numel(), dst[self.rank], (self.rank - shift) % self.world
             send = [n if r == nxt else 0 for r in range(self.world)]
             recv = [n if r == prev else 0 for r in range(self.world)]
-            return torch.ops._c10d_functional.all_to_all_single(buf, recv, send, self.group.group_name)
+            return c10d_functional.all_to_all_single(buf, recv, send, self.group.group_name)
         try:
             return funcol.permute_tensor(buf, dst, self.group)
         except RuntimeError as e:

@@ -9,19 +9,17 @@ from __future__ import annotations
 
 from collections import Counter
 
-import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._compat import TorchDispatchMode, c10d_functional, resolve_process_group
 
 __all__ = ["CommBytes"]
 
-_c10d = torch.ops._c10d_functional
+_c10d = c10d_functional
 
 
 def _group_of(name: str) -> dist.ProcessGroup:
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(name)
+    return resolve_process_group(name)
 
 
 class CommBytes(TorchDispatchMode):

@@ -56,13 +56,19 @@ import math
 from typing import Any
 
 import torch
-from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._redistribute import redistribute_local_tensor
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.distributed.tensor.placement_types import Placement
 
-from ._compat import include_mesh_coordinate_in_cache_key
+from ._compat import (
+    DTensorSpec,
+    TensorMeta,
+    _StridedShard,
+    custom_op_handlers,
+    dtensor_default_dispatch,
+    include_mesh_coordinate_in_cache_key,
+    make_contiguous_strides_for,
+    redistribute_local_tensor,
+)
 from .checks import _local_error
 from .layout import check_seq_len
 from .placement import as_layout_placements, install_headtail_propagation, placement_layout
@@ -217,11 +223,7 @@ def _ordinary(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> object:
     """What ``op`` did before ``install_sdpa_handlers``: the earlier handler, else DTensor's own path."""
     if op in _previous:
         return _previous[op](op, args, kwargs)
-    dispatcher = DTensor._op_dispatcher
-    info = dispatcher.unwrap_to_op_info(op, args, kwargs)
-    dispatcher.sharding_propagator.propagate(info)
-    local = dispatcher._dispatch_get_local_results_slow_path(op, args, info)
-    return dispatcher.wrap(local, info.output_sharding.output_spec)
+    return dtensor_default_dispatch(op, args, kwargs)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -278,7 +280,7 @@ def install_sdpa_handlers() -> None:
     propagation (idempotent; done at ``import cp_dtensor``)."""
     install_headtail_propagation()
     include_mesh_coordinate_in_cache_key()  # See Note [Rank-specialised compiled graphs] in _compat.py
-    handlers = DTensor._op_dispatcher._custom_op_handlers
+    handlers = custom_op_handlers()
     for op, handler in [(op, _sdpa_handler) for op in _FORWARD_OPS + _BACKWARD_OPS] + [
         (op, _composite_handler) for op in _COMPOSITE_OPS
     ]:
@@ -295,7 +297,7 @@ def install_sdpa_handlers() -> None:
 
 def uninstall_sdpa_handlers() -> None:
     """Undo :func:`install_sdpa_handlers` (only our own handlers are removed)."""
-    handlers = DTensor._op_dispatcher._custom_op_handlers
+    handlers = custom_op_handlers()
     for op in _FORWARD_OPS + _BACKWARD_OPS + _COMPOSITE_OPS:
         if handlers.get(op) in (_sdpa_handler, _composite_handler):
             if op in _previous:

@@ -53,8 +53,9 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement, _StridedShard, _StridedShardOffsetMode
+from torch.distributed.tensor.placement_types import Placement
 
+from ._compat import DTensorSpec, _StridedShard, _StridedShardOffsetMode, wrap_sharding_propagation
 from .layout import check_seq_len, global_order, local_positions, shard_tensor
 
 __all__ = [
@@ -225,8 +226,6 @@ def full_tensor(x: DTensor) -> torch.Tensor:
 def _restore_headtail(result: object) -> object:
     """Turn plain ``_StridedShard(d, sf=-1)`` back into ``HeadTail(d)`` in an ``OutputSharding``'s specs
     (in place; equal placements, so caches keyed on them are unaffected)."""
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec
-
     def fix(obj: object) -> None:
         if isinstance(obj, DTensorSpec):
             if any(type(p) is _StridedShard and p.split_factor == _HEADTAIL_SF for p in obj.placements):
@@ -245,17 +244,4 @@ def _restore_headtail(result: object) -> object:
 
 def install_headtail_propagation() -> None:
     """Keep ``HeadTail`` through DTensor's sharding propagation (idempotent); see Note [HeadTail placement]."""
-    from torch.distributed.tensor._sharding_prop import LocalLRUCache
-
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    inner = propagator.propagate_op_sharding_non_cached
-    if getattr(inner, "_cp_dtensor_headtail", False):
-        return
-
-    def propagate_op_sharding_non_cached(op_schema):
-        return _restore_headtail(inner(op_schema))
-
-    propagate_op_sharding_non_cached._cp_dtensor_headtail = True
-    # the same two instance attributes ShardingPropagator.__init__ sets up: the rule and its cache
-    propagator.propagate_op_sharding_non_cached = propagate_op_sharding_non_cached
-    propagator.propagate_op_sharding = LocalLRUCache(propagate_op_sharding_non_cached)
+    wrap_sharding_propagation(_restore_headtail)

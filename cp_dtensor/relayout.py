@@ -11,8 +11,9 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Shard
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.distributed.tensor.placement_types import Placement
 
+from ._compat import _StridedShard
 from .layout import check_seq_len, local_positions
 from .placement import as_layout_placements, placement_layout
 

@@ -20,14 +20,14 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 import cp_dtensor  # noqa: E402
+from _bench_dist import run_ranks  # noqa: E402  the one rank launcher (tests/_dist.py)
 
 OVERLAP_CONFIG = dict(reorder_for_peak_memory=False)  # the same as tests/test_compile.py
 
@@ -44,13 +44,11 @@ def _timed(fn, *args):
     return time.perf_counter() - t0
 
 
-def _rank(rank, world, init, args, queue):
-    torch.set_num_threads(1)
+def _rank(rank, world, args):
     torch._inductor.config.compile_threads = 1
     if args.overlap_config:
         for key, val in OVERLAP_CONFIG.items():
             setattr(torch._inductor.config, key, val)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(minutes=10))
     rec = {}
     for s in args.s_local:
         g = torch.Generator().manual_seed(rank)
@@ -71,9 +69,8 @@ def _rank(rank, world, init, args, queue):
             for name in order:
                 times[name].append(_timed(_step, eager if name == "eager" else compiled, q, k, v, dout))
         rec[s] = dict(cold=cold, **times)
-    queue.put((rank, rec))
     dist.barrier()
-    dist.destroy_process_group()
+    return rec
 
 
 def main() -> None:
@@ -90,18 +87,10 @@ def main() -> None:
     p.add_argument("--out", help="write the JSON record here")
     args = p.parse_args()
 
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        # A fresh Inductor cache: the first compiled call is a cold compile.
+        # A fresh Inductor cache: the first compiled call is a cold compile (spawned ranks: fresh interpreters).
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tmp, "inductor")
-        init = f"file://{tmp}/rdzv"
-        procs = [ctx.Process(target=_rank, args=(r, args.world, init, args, queue)) for r in range(args.world)]
-        for proc in procs:
-            proc.start()
-        recs = dict(queue.get() for _ in procs)
-        for proc in procs:
-            proc.join()
+        recs = dict(enumerate(run_ranks(args.world, _rank, args, timeout_s=3600.0, start_method="spawn")))
 
     print(f"P={args.world}, B={args.batch}, Hq={args.q_heads}, Hkv={args.kv_heads}, D={args.head_dim}, fp32, "
           f"{args.layout}, causal fwd+bwd, 1 thread per rank, {'OVERLAP_CONFIG' if args.overlap_config else 'default Inductor'}, "

@@ -15,34 +15,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-CONFIG = REPO / "titan_configs" / "llama3_debug.toml"
-_STEP_LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([0-9.]+)")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from _titan_run import REPO, run_torchrun, step_losses  # noqa: E402  the tests' torchrun launcher and loss parser
+
 RUNS = {"fp32 payload": [], "float8_e4m3fn payload": ["--cp_dtensor.comm_dtype", "float8_e4m3fn"]}
 
 
 def _torchrun(nproc: int, dump: Path, *overrides: str) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "--local-ranks-filter", "0", "-m", "cp_dtensor.titan.train", "--job.config_file", str(CONFIG),
-           "--job.dump_folder", str(dump), *overrides]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    out = proc.stdout + proc.stderr
+    """One job (rank 0's log only), its output also written next to ``dump``."""
+    code, out = run_torchrun(nproc, dump, *overrides, timeout=None, launcher_args=["--local-ranks-filter", "0"])
     (dump.parent / f"{dump.name}.log").write_text(out)
-    if proc.returncode != 0:
-        raise SystemExit(f"exit {proc.returncode}: {' '.join(cmd)}\n...\n{out[-4000:]}")
+    if code != 0:
+        raise SystemExit(f"exit {code}: {nproc} ranks, {' '.join(overrides)}\n...\n{out[-4000:]}")
     return out
-
-
-def _losses(out: str) -> list[float]:
-    by_step = {int(s): float(loss) for s, loss in _STEP_LINE.findall(out)}
-    return [by_step[s] for s in sorted(by_step)]
 
 
 def _plot(curves: dict[str, list[float]], path: Path, title: str) -> None:
@@ -94,9 +82,7 @@ def main() -> None:
     for name, extra in RUNS.items():
         print(f"CP=2, {name}, {args.steps} steps ...", flush=True)
         out = _torchrun(2, work / name.split()[0], *from_seed, *extra)
-        curves[name] = _losses(out)
-        if len(curves[name]) != args.steps:
-            raise SystemExit(f"{name}: expected {args.steps} step logs, found {len(curves[name])}")
+        curves[name] = step_losses(out, last=args.steps)
     (work / "losses.json").write_text(json.dumps(curves, indent=1))
     _report(curves, args.out)
 

@@ -1,9 +1,11 @@
-"""A fast multi-process harness for CPU/gloo tests.
+"""The one launcher for CPU/gloo ranks: every multi-rank test and script (scripts/ via _bench_dist.py).
 
 Ranks are forked (no re-import of torch), rendezvous through a file in a fresh temp dir (never a fixed
 port), run with one intra-op thread each, and give every collective a timeout. One call runs one
 function on every rank; put many cases inside that function rather than spawning per case. When any
 rank fails or the deadline passes, every rank is killed and the failing rank's traceback is raised.
+Return plain Python values or numpy arrays from ``fn``: a tensor's storage would travel as a file
+descriptor that dies with the rank.
 """
 
 from __future__ import annotations
@@ -22,13 +24,12 @@ import torch.distributed as dist
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)
 
 
-def _worker(rank: int, world: int, init_method: str, fn: Callable, args: tuple, results: Any) -> None:
+def _worker(rank: int, world: int, init_method: str, timeout: timedelta, fn: Callable, args: tuple,
+            results: Any) -> None:
     code = 0
     try:
         torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo", init_method=init_method, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT
-        )
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world, timeout=timeout)
         out = fn(rank, world, *args)
         results.put((rank, True, out))
     except BaseException:  # report everything, including SystemExit from a test helper
@@ -50,13 +51,16 @@ class RankFailure(AssertionError):
     pass
 
 
-def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 300.0) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` forked gloo ranks; return the per-rank results."""
-    ctx = mp.get_context("fork")
+def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 300.0,
+              collective_timeout: timedelta = COLLECTIVE_TIMEOUT, start_method: str = "fork") -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return the per-rank results in rank order.
+    ``timeout``: seconds to wait for the next rank's result; ``collective_timeout``: each collective's;
+    ``start_method="spawn"`` for a fresh interpreter per rank (then ``fn`` must be importable)."""
+    ctx = mp.get_context(start_method)
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init = f"file://{os.path.join(tmp, 'rendezvous')}"
-        procs = [ctx.Process(target=_worker, args=(r, world, init, fn, args, results)) for r in range(world)]
+        procs = [ctx.Process(target=_worker, args=(r, world, init, collective_timeout, fn, args, results)) for r in range(world)]
         for p in procs:
             p.start()
         out: dict[int, Any] = {}

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 
+import pytest
 import torch
 
 import cp_dtensor  # noqa: F401  (installs the patches)
@@ -11,13 +13,30 @@ from cp_dtensor import _compat
 from _dist import run_ranks
 
 
-def test_private_symbols_exist():
-    """If this fails after a torch upgrade, revisit Note [Rank-specialised compiled graphs] in _compat.py
-    (written against torch _compat.TORCH_VERSION)."""
-    for owner, attr in _compat.PRIVATE_SYMBOLS:
-        module, _, name = owner.rpartition(".")
-        cls = getattr(importlib.import_module(module), name)
-        assert hasattr(cls, attr), f"{owner}.{attr} is gone in torch {torch.__version__}"
+def _resolve(module: str, qualname: str):
+    obj = torch.ops._c10d_functional if module == "torch.ops._c10d_functional" else importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+@pytest.mark.parametrize(("module", "qualname", "params"), _compat.PRIVATE_SYMBOLS,
+                         ids=[f"{m}.{q}" for m, q, _ in _compat.PRIVATE_SYMBOLS])
+def test_private_symbol_still_there(module, qualname, params):
+    """If this fails after a torch / torchtitan upgrade, revisit the code _compat.py names for the symbol
+    (written against torch _compat.TORCH_VERSION, torchtitan _compat.TORCHTITAN_VERSION)."""
+    import cp_dtensor.titan  # noqa: F401  (the triton stand-in, before torchtitan's modules import)
+
+    try:
+        obj = _resolve(module, qualname)
+    except (ImportError, AttributeError) as e:
+        pytest.fail(f"{module}.{qualname} is gone in torch {torch.__version__} / torchtitan: {e}")
+    if params is not None:
+        got = tuple(inspect.signature(obj).parameters)
+        assert got[: len(params)] == params, f"{module}.{qualname}{got}: cp_dtensor relies on {params}"
+
+
+def test_cache_key_patch_installed():
     from torch.distributed.device_mesh import DeviceMesh
 
     assert DeviceMesh._stable_hash is _compat._stable_hash_with_coordinate, "the cache-key patch is not installed"

@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -24,39 +21,21 @@ if importlib.util.find_spec("torchtitan") is None:
     pytest.skip("torchtitan is not installed", allow_module_level=True)
 
 import cp_dtensor.titan  # noqa: E402, F401  before any torchtitan import: see Note [torchtitan on CPU]
+from _titan_run import CONFIG, REPO, TRAIN, run_torchrun, step_losses, torchrun  # noqa: E402  the one launcher
 
-REPO = Path(__file__).resolve().parents[1]
-CONFIG = REPO / "titan_configs" / "llama3_debug.toml"
 STEPS = 4
 RTOL = 1e-5
-_STEP_LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([0-9.]+)")
 
 
 def _torchrun(nproc: int, dump: Path, *overrides: str, entry: list[str] | None = None, config: Path = CONFIG,
               timeout: int = 420) -> str:
-    """Run one training job; returns its combined output, or fails the test with its tail."""
-    entry = entry or ["-m", "cp_dtensor.titan.train"]
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-        *entry, "--job.config_file", str(config), "--job.dump_folder", str(dump), *overrides,
-    ]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    out = proc.stdout + proc.stderr
-    if proc.returncode != 0:
-        pytest.fail(f"exit {proc.returncode}: {' '.join(cmd)}\n...\n{out[-6000:]}")
-    return out
+    """Run one training job (tests/_titan_run.py); returns its combined output, or fails with its tail."""
+    return torchrun(nproc, dump, *overrides, entry=entry or TRAIN, config=config, timeout=timeout)
 
 
 def _losses(out: str, steps: int = STEPS) -> list[float]:
     """The logged loss of steps 1..steps, which every rank must agree on."""
-    by_step: dict[int, set[float]] = {}
-    for step, loss in _STEP_LINE.findall(out):
-        by_step.setdefault(int(step), set()).add(float(loss))
-    assert sorted(by_step) == list(range(1, steps + 1)), f"missing step logs: {sorted(by_step)}\n{out[-3000:]}"
-    assert all(len(v) == 1 for v in by_step.values()), f"ranks disagree on the loss: {by_step}"
-    return [by_step[s].pop() for s in range(1, steps + 1)]
+    return step_losses(out, last=steps)
 
 
 def _assert_close(losses: list[float], ref: list[float]) -> None:
@@ -149,13 +128,8 @@ def test_cp2_compiled_blocks_match_cp1(seed_ckpt, cp1_losses, tmp_path):
 
 
 def test_bad_config_fails_on_every_rank(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "cp_dtensor.titan.train", "--job.config_file", str(CONFIG), "--job.dump_folder", str(tmp_path),
-           "--cp_dtensor.layout", "headtail", "--training.seq_len", "254"]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0
+    code, out = run_torchrun(2, tmp_path, "--cp_dtensor.layout", "headtail", "--training.seq_len", "254", timeout=120)
+    assert code != 0
     assert out.count("headtail layout on 2 CP ranks needs a multiple of 4") >= 2, out[-3000:]  # both ranks
 
 

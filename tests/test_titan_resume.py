@@ -8,10 +8,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import pickle
-import re
 import shutil
-import subprocess
-import sys
 import types
 from pathlib import Path
 
@@ -25,22 +22,15 @@ if importlib.util.find_spec("torchtitan") is None:
 import cp_dtensor.titan  # noqa: E402, F401  before any torchtitan import: see Note [torchtitan on CPU]
 from cp_dtensor.titan.resume import check_resume, checkpoint_to_resume, saved_batch_degree  # noqa: E402
 from torch.distributed.checkpoint import FileSystemReader  # noqa: E402
-from test_titan import _torchrun  # noqa: E402  one launcher for every end-to-end test
+from _titan_run import run_torchrun, step_losses  # noqa: E402  the one launcher for every end-to-end test
+from test_titan import _torchrun  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-CONFIG = REPO / "titan_configs" / "llama3_debug.toml"
 STEPS, SAVED_AT, RTOL = 4, 2, 1e-5
-_STEP_LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([0-9.]+)")
 
 
 def _losses(out: str, *, first: int = 1) -> list[float]:
     """Steps first..STEPS from torchtitan's step log lines; every rank must log the same loss."""
-    by_step: dict[int, set[float]] = {}
-    for step, loss in _STEP_LINE.findall(out):
-        by_step.setdefault(int(step), set()).add(float(loss))
-    assert sorted(by_step) == list(range(first, STEPS + 1)), f"steps logged: {sorted(by_step)}\n{out[-3000:]}"
-    assert all(len(v) == 1 for v in by_step.values()), f"ranks disagree on the loss: {by_step}"
-    return [by_step[s].pop() for s in range(first, STEPS + 1)]
+    return step_losses(out, first=first, last=STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -149,31 +139,35 @@ def test_resume_check_never_unpickles(tmp_path, monkeypatch):
     assert not marker.exists()
 
 
+def test_trainer_checks_resume_before_loading(tmp_path, monkeypatch):
+    """CPTrainer.train itself (not a copy of it) runs check_resume before torchtitan's train, which loads."""
+    from torchtitan.train import Trainer
+
+    from cp_dtensor.titan.train import CPTrainer
+
+    folder = tmp_path / "checkpoint"
+    _titan_like_checkpoint(folder / "step-20", 2)
+    loaded = []
+    monkeypatch.setattr(Trainer, "train", lambda self: loaded.append(self))
+    trainer = CPTrainer.__new__(CPTrainer)  # the attributes train() reads, without starting a job
+    trainer.checkpointer = types.SimpleNamespace(enable=True, folder=str(folder))
+    trainer.job_config = types.SimpleNamespace(checkpoint=types.SimpleNamespace(load_step=-1))
+    trainer.parallel_dims = _dims(1, 1, 2)  # batch degree 1, saved with 2
+    with pytest.raises(ValueError, match="saved with a batch \\(data-parallel\\) degree of 2; this job has 1"):
+        trainer.train()
+    assert loaded == []
+    trainer.parallel_dims = _dims(1, 2, 1)  # batch degree 2, as saved: on to torchtitan's train
+    trainer.train()
+    assert loaded == [trainer]
+
+
 @pytest.mark.skipif(os.environ.get("CP_DTENSOR_SLOW") != "1", reason="~40 s on 2 CPU cores; set CP_DTENSOR_SLOW=1")
 def test_trainer_hook_rejects_a_changed_batch_degree(cp2_run, tmp_path):
-    # The hook the trainer needs (CPTrainer.train calling check_resume before torchtitan's load), in a
-    # launcher of its own. Saved at CP=2 on 2 ranks (batch degree 1); CP=1 on 2 ranks makes it 2.
-    launcher = tmp_path / "train_with_resume_check.py"
-    launcher.write_text(
-        "import cp_dtensor.titan  # noqa: F401\n"
-        "from cp_dtensor.titan.resume import check_resume\n"
-        "from cp_dtensor.titan.train import CPTrainer\n"
-        "from torchtitan.train import main\n\n"
-        "class Trainer(CPTrainer):\n"
-        "    def train(self):\n"
-        "        check_resume(self.checkpointer, self.parallel_dims, load_step=self.job_config.checkpoint.load_step)\n"
-        "        return super().train()\n\n"
-        "main(Trainer)\n"
-    )
+    # The trainer's own hook (CPTrainer.train calling check_resume before torchtitan's load), end to end.
+    # Saved at CP=2 on 2 ranks (batch degree 1); CP=1 on 2 ranks makes it 2.
     dump = tmp_path / "dump"
     shutil.copytree(cp2_run[0], dump / "checkpoint" / cp2_run[0].name)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(launcher),
-           "--job.config_file", str(CONFIG), "--job.dump_folder", str(dump), "--checkpoint.enable",
-           "--parallelism.context_parallel_degree", "1"]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "HF_DATASETS_OFFLINE": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0
+    code, out = run_torchrun(2, dump, "--checkpoint.enable", "--parallelism.context_parallel_degree", "1", timeout=300)
+    assert code != 0
     assert out.count("was saved with a batch (data-parallel) degree of 1; this job has 2") >= 2, out[-3000:]
     assert "Missing key in checkpoint" not in out  # it stopped before torchtitan's load

@@ -1,0 +1,55 @@
+"""The one torchrun launcher and step-loss parser for end-to-end torchtitan runs.
+
+Used by test_titan*.py, test_float8.py and scripts/fp8_loss_curve.py. Every job runs
+``python -m torch.distributed.run --standalone`` on this machine's CPUs, one intra-op thread per rank,
+offline, with the repo on PYTHONPATH; the output of all ranks comes back as one string.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "titan_configs" / "llama3_debug.toml"
+TRAIN = ("-m", "cp_dtensor.titan.train")  # the plugin's launcher (Note [torchtitan on CPU])
+_STEP_LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([0-9.]+)")
+
+
+class TorchrunFailed(AssertionError):
+    """A job that had to succeed exited non-zero; the message ends with the tail of its output."""
+
+
+def run_torchrun(nproc: int, dump: Path, *overrides: str, entry: Sequence[str] = TRAIN, config: Path = CONFIG,
+                 timeout: float | None = 420, launcher_args: Sequence[str] = ()) -> tuple[int, str]:
+    """Run one training job of ``nproc`` ranks; returns its exit code and the output of every rank."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           *launcher_args, *entry, "--job.config_file", str(config), "--job.dump_folder", str(dump), *overrides]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def torchrun(nproc: int, dump: Path, *overrides: str, **kwargs) -> str:
+    """:func:`run_torchrun` for a job that must succeed: its output, or :class:`TorchrunFailed`."""
+    code, out = run_torchrun(nproc, dump, *overrides, **kwargs)
+    if code != 0:
+        raise TorchrunFailed(f"exit {code}: {nproc} ranks, {' '.join(overrides)}\n...\n{out[-6000:]}")
+    return out
+
+
+def step_losses(out: str, *, first: int = 1, last: int | None = None) -> list[float]:
+    """The losses torchtitan logged for steps first..last (last: the newest logged); every step must be
+    there and every rank that logged it must agree."""
+    by_step: dict[int, set[float]] = {}
+    for step, loss in _STEP_LINE.findall(out):
+        by_step.setdefault(int(step), set()).add(float(loss))
+    last = max(by_step, default=first - 1) if last is None else last
+    assert sorted(by_step) == list(range(first, last + 1)), f"steps logged: {sorted(by_step)}\n{out[-3000:]}"
+    assert all(len(v) == 1 for v in by_step.values()), f"ranks disagree on the loss: {by_step}"
+    return [by_step[s].pop() for s in range(first, last + 1)]
