@@ -331,3 +331,82 @@ def test_math_kernel_on_plain_tensors_is_unchanged():
         for a, b in zip((out, *(x.grad for x in xs)), want):
             assert rel_err(a, b) <= 1e-12
     dispatch.install_sdpa_handlers()
+
+
+# ---------------------------------------------------------------------------------------------------
+# What a ring call on CUDA reads on the host: only host-made integers (the agreement fingerprint, the
+# document ids), never a float tensor. See Note [Agreeing before the ring] in checks.py.
+
+
+_NOT_COLLECTIVES = ("wait_tensor", "_wrap_tensor_autograd")
+
+
+def _host_reads(rank, world):
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class Record(TorchDispatchMode):
+        """Taints q, k, v, dout (device tensors on a GPU) and everything computed from them; records every
+        host read (item/bool/int: _local_scalar_dense) and every collective, with whether it was tainted."""
+
+        def __init__(self, *device_tensors):
+            super().__init__()
+            self.keep = list(device_tensors)  # alive, so their ids stay theirs
+            self.tainted = {id(t) for t in device_tensors}
+            self.reads, self.collectives = [], []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            dirty = any(id(t) in self.tainted for t in ins)
+            name = func.__name__.split(".")[0]
+            if func is torch.ops.aten._local_scalar_dense.default:
+                self.reads.append((args[0].dtype, dirty))
+            elif func.namespace == "_c10d_functional" and name not in _NOT_COLLECTIVES:
+                self.collectives.append((name, args[0].dtype, dirty))
+            out = func(*args, **kwargs)
+            if dirty:
+                outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+                self.keep += outs
+                self.tainted |= {id(t) for t in outs}
+            return out
+
+    standin = StrictCuda()
+    found = {}
+    with mock.patch.multiple(kernels, aten=standin, backend=lambda x: "cuda"):
+        for layout in cp_dtensor.LAYOUTS:
+            for masked in (False, True):
+                n, hq = 8 * world, 4
+                g = torch.Generator().manual_seed(1)
+                q, k, v, do = (torch.randn(1, h, n, 16, generator=g) for h in (hq, 2, 2, hq))
+                shard = lambda x, dim=2: shard_tensor(x, dim=dim, layout=layout, rank=rank, world=world)  # noqa: E731
+                ql, kl, vl = (shard(x).to(torch.bfloat16).requires_grad_() for x in (q, k, v))
+                kw = {}
+                if masked:
+                    ids = torch.arange(n).div(5, rounding_mode="floor").unsqueeze(0)
+                    # (no sinks: these are CPU tensors, and checks.py compares sinks' values only on the CPU)
+                    kw = dict(document_ids=shard(ids, 1), window_size=(5, 0))
+                dout = shard(do).to(torch.bfloat16)
+                mode = Record(ql, kl, vl, dout)
+                with mode:
+                    out = cp_dtensor.ring_attention(ql, kl, vl, layout=layout, is_causal=True, **kw)
+                    out.backward(dout)
+                assert not any(dirty for _, dirty in mode.reads), (layout, masked, mode.reads)
+                gathers = [(name, dirty) for name, _, dirty in mode.collectives if name != "all_to_all_single"]
+                assert not any(dirty for _, dirty in gathers), mode.collectives  # host-made: fingerprint, ids
+                assert any(dirty for name, _, dirty in mode.collectives if name == "all_to_all_single")  # K/V
+                found[(layout, masked)] = (len(mode.reads), len(gathers))
+    mode = Record(ql)  # the recorder itself sees a read of q's values
+    with mode:
+        bool((ql.float() * 2).sum() > 0)
+    assert mode.reads == [(torch.bool, True)], mode.reads
+    return found
+
+
+def test_ring_call_reads_nothing_computed_from_qkv_on_the_host():
+    """Per ring call (fwd+bwd, CUDA branches via the stand-ins), nothing computed from q, k, v or dout is
+    read on the host (item/bool/int) or gathered: the agreement fingerprint and the document ids are made
+    on the host; only the K/V all-to-alls carry device data."""
+    found = run_ranks(2, _host_reads)[0]
+    # one agreement all-gather per call, plus one of the document ids when there are documents
+    assert all(gathers == (2 if masked else 1) for (_, masked), (_, gathers) in found.items()), found
