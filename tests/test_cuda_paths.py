@@ -410,3 +410,29 @@ def test_ring_call_reads_nothing_computed_from_qkv_on_the_host():
     found = run_ranks(2, _host_reads)[0]
     # one agreement all-gather per call, plus one of the document ids when there are documents
     assert all(gathers == (2 if masked else 1) for (_, masked), (_, gathers) in found.items()), found
+
+
+
+def test_gqa_kv_bytes_per_kernel_call():
+    """GQA (Hq 8, Hkv 2): the K/V bytes each CUDA kernel call receives, against the Hq-head expansion the
+    ring once made. Flash gets K/V as they are (1/g of it, g = Hq/Hkv); the memory-efficient kernel gets
+    one KV head copied for its group (1/Hkv of it), fwd and bwd."""
+    sizes = []
+
+    class Bytes(StrictCuda):
+        def _common(self, name, q, k, v, dropout_p, is_causal):
+            sizes.append((name, k.nbytes + v.nbytes))
+            super()._common(name, q, k, v, dropout_p, is_causal)
+
+    b, hq, hkv, s, d = 1, 8, 2, 32, 16
+    for dtype, kinds, share in ((torch.bfloat16, {"flash", "flash_bwd"}, hkv / hq), (torch.float32, {"efficient", "efficient_bwd"}, 1 / hkv)):
+        g = torch.Generator().manual_seed(0)
+        q, do = (torch.randn(b, hq, s, d, generator=g).to(dtype) for _ in range(2))
+        k, v = (torch.randn(b, hkv, s, d, generator=g).to(dtype) for _ in range(2))
+        expanded = 2 * b * hq * s * d * dtype.itemsize  # K and V repeated to Hq heads
+        sizes.clear()
+        with mock.patch.multiple(kernels, aten=Bytes(), backend=lambda x: "cuda"):
+            out, lse = kernels.kernel_fwd(q, k, v, True, 0.25)
+            kernels.kernel_bwd(do, q, k, v, out.contiguous(), lse, True, 0.25)
+        assert {n for n, _ in sizes} == kinds
+        assert max(n for _, n in sizes) == expanded * share, (dtype, sizes, expanded)
