@@ -10,10 +10,7 @@ ring itself under stock torchtitan's main is tested in test_titan.py (test_stock
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from types import SimpleNamespace
@@ -24,9 +21,7 @@ if importlib.util.find_spec("torchtitan") is None:
     pytest.skip("torchtitan is not installed", allow_module_level=True)
 
 import cp_dtensor.titan  # noqa: E402, F401  before any torchtitan import: see Note [torchtitan on CPU]
-
-REPO = Path(__file__).resolve().parents[1]
-CONFIG = REPO / "titan_configs" / "llama3_debug.toml"
+from _titan_run import CONFIG, run_torchrun  # noqa: E402  the one launcher
 UNSERVED = r'name = "llama3_ft" \(cp_dtensor serves llama3, qwen3, deepseek_v3, llama4, gpt_oss\)'
 
 
@@ -74,12 +69,8 @@ def test_stock_main_refuses_an_unserved_model_on_every_rank(tmp_path):
         import cp_dtensor.titan  # noqa: F401
         runpy.run_module("torchtitan.train", run_name="__main__", alter_sys=True)
     """))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(launcher),
-           "--job.config_file", str(CONFIG), "--job.dump_folder", str(tmp_path / "dump"), "--model.name", "llama3_ft"]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0
+    code, out = run_torchrun(2, tmp_path / "dump", "--model.name", "llama3_ft", entry=[str(launcher)], timeout=180)
+    assert code != 0
     assert "Applied Context Parallel" not in out, "torch's own CP was applied"
     assert len(re.findall(r"\[rank(\d)\]: ValueError: cp_dtensor context parallelism does not support: \[model\] "
                           + UNSERVED, out)) == 2, out[-3000:]

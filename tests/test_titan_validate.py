@@ -19,7 +19,6 @@ import contextlib
 import importlib.util
 import os
 import re
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -31,9 +30,8 @@ import cp_dtensor.titan  # noqa: E402, F401  before any torchtitan import: see N
 import torch  # noqa: E402
 
 from _dist import run_ranks  # noqa: E402
-from test_titan import _torchrun  # noqa: E402  one launcher for every end-to-end test
+from _titan_run import REPO, torchrun  # noqa: E402  the one launcher
 
-REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "titan_configs"
 _slow = pytest.mark.skipif(os.environ.get("CP_DTENSOR_SLOW") != "1", reason="slow tier: set CP_DTENSOR_SLOW=1")
 V, D, B, N, IGNORE = 32, 8, 2, 16, -100
@@ -140,8 +138,8 @@ def _validation_losses(out: str) -> list[float]:
 def test_validation_cp2_matches_cp1(toml, tmp_path):
     # no seed checkpoint: on CPU every CP degree initialises the same weights (Note [torchtitan on CPU] 6)
     config = CONFIGS / toml
-    cp1 = _validation_losses(_torchrun(1, tmp_path / "cp1", "--parallelism.context_parallel_degree", "1",
+    cp1 = _validation_losses(torchrun(1, tmp_path / "cp1", "--parallelism.context_parallel_degree", "1",
                                        *_VALIDATION, config=config))
-    cp2 = _validation_losses(_torchrun(2, tmp_path / "cp2", "--parallelism.context_parallel_degree", "2",
+    cp2 = _validation_losses(torchrun(2, tmp_path / "cp2", "--parallelism.context_parallel_degree", "2",
                                        *_VALIDATION, config=config))
     assert cp2 == pytest.approx(cp1, rel=2e-5), f"{toml}: validation CP=2 {cp2} vs CP=1 {cp1}"
