@@ -41,8 +41,8 @@ def test_cpu_smoke_runs_every_section(tmp_path):
         assert set(r["errors"]) >= {"out", "dq", "dk", "dv"}
     # every SDPA backend choice: the ring (K/V all-to-alls only) or, where CPU has no such kernel, "unavailable"
     status = {r["backend"]: r["status"] for r in res["sdpa"]}
-    assert status == {"flash": "ring", "efficient": "unavailable", "cudnn": "unavailable", "math": "ring",
-                      "default fp32 GQA": "ring", "default fp64": "ring"}, status
+    assert status == {"flash": "ring", "default bf16 GQA": "ring", "efficient": "unavailable", "cudnn": "unavailable",
+                      "math": "ring", "default fp32 GQA": "ring", "default fp64": "ring"}, status
     for r in res["sdpa"]:
         assert r["ok"], r
         if r["status"] == "ring":
