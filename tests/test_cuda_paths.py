@@ -436,3 +436,20 @@ def test_gqa_kv_bytes_per_kernel_call():
             kernels.kernel_bwd(do, q, k, v, out.contiguous(), lse, True, 0.25)
         assert {n for n, _ in sizes} == kinds
         assert max(n for _, n in sizes) == expanded * share, (dtype, sizes, expanded)
+
+
+
+def test_float64_on_cuda_is_refused_at_validation():
+    """No fused CUDA kernel takes float64: validation says so (and what to do) before any kernel runs."""
+    from cp_dtensor.checks import _local_error
+
+    class OnCuda(torch.Tensor):  # a CPU tensor that reports a CUDA device, as validation sees it
+        @property
+        def device(self):
+            return torch.device("cuda", 0)
+
+    q = torch.Tensor._make_subclass(OnCuda, torch.zeros(1, 4, 8, 16, dtype=torch.float64))
+    k = torch.Tensor._make_subclass(OnCuda, torch.zeros(1, 2, 8, 16, dtype=torch.float64))
+    err = _local_error(q, k, k, "striped", True, None)
+    assert err is not None and "float64" in err and "cast q, k, v to float32" in err
+    assert _local_error(q.float(), k.float(), k.float(), "striped", True, None) is None
