@@ -412,7 +412,6 @@ def test_ring_call_reads_nothing_computed_from_qkv_on_the_host():
     assert all(gathers == (2 if masked else 1) for (_, masked), (_, gathers) in found.items()), found
 
 
-
 def test_gqa_kv_bytes_per_kernel_call():
     """GQA (Hq 8, Hkv 2): the K/V bytes each CUDA kernel call receives, against the Hq-head expansion the
     ring once made. Flash gets K/V as they are (1/g of it, g = Hq/Hkv); the memory-efficient kernel gets
@@ -436,7 +435,6 @@ def test_gqa_kv_bytes_per_kernel_call():
             kernels.kernel_bwd(do, q, k, v, out.contiguous(), lse, True, 0.25)
         assert {n for n, _ in sizes} == kinds
         assert max(n for _, n in sizes) == expanded * share, (dtype, sizes, expanded)
-
 
 
 def test_float64_on_cuda_is_refused_at_validation():
