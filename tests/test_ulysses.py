@@ -199,7 +199,8 @@ def _compiled(rank, world):
     mesh = init_device_mesh("cpu", (2, 2))
     worst = 0.0
     for layout, exchange, backend in [("striped", "ring", "inductor"), ("headtail", "allgather", "aot_eager")]:
-        c = dict(layout=layout, causal=True, hq=4, hkv=1, dqk=8, dv=8, s=4, b=1, docs=False, sinks=False,
+        hq, hkv = (4, 1) if exchange == "ring" else (8, 4)  # all-gather: 2 K/V heads a rank, 2 gathered chunks
+        c = dict(layout=layout, causal=True, hq=hq, hkv=hkv, dqk=8, dv=8, s=4, b=1, docs=False, sinks=False,
                  window=None, kv_exchange=exchange, seed=11)
         torch._dynamo.reset()
         f = torch.compile(cp_dtensor.ring_attention, backend=backend, fullgraph=True)
