@@ -10,7 +10,9 @@ attention under torchtitan's own mask_mods in test_titan_flex.py.
 Runs take the form the README gives for each family: its own TOML, or ``titan_configs/llama3_debug.toml``
 with ``--model.name <family> --model.flavor <flavor>``. Default suite: qwen3 (tied-embedding FSDP) and
 llama4 iRoPE (MoE, chunks and documents), ~50 s each on a quiet machine; the rest, and CP = 4, with
-CP_DTENSOR_SLOW=1.
+CP_DTENSOR_SLOW=1. Also slow: compositions at CP = 2 (TP, compile, activation checkpointing, float8,
+resume at CP = 1), each on one or two of the new families, sharing the families' seeds and CP = 1 runs.
+Default: the GPU TOMLs of the long flavors parse and pass the start-up checks.
 """
 
 from __future__ import annotations
