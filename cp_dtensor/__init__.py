@@ -24,7 +24,8 @@ from .module import (
     shard_batch,
     unshard_sequence,
 )
-from .placement import HeadTail, Striped, sequence_placement, shard_sequence, to_mesh
+from .placement import HeadTail, Striped, sequence_placement, shard_sequence
+from .relayout import to_mesh
 from .ring import ring_attention
 
 __all__ = [

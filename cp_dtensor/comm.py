@@ -82,8 +82,6 @@ class RingComm:
         A dead or stuck neighbour surfaces here: gloo fails as soon as the peer's socket closes, and
         otherwise every transfer gives up after the process group's timeout
         (``init_process_group(..., timeout=...)``, NCCL also with TORCH_NCCL_ASYNC_ERROR_HANDLING)."""
-        if torch.compiler.is_compiling():
-            return funcol.wait_tensor(buf)
         try:
             return funcol.wait_tensor(buf)
         except RuntimeError as e:

@@ -174,10 +174,7 @@ def _plan(a: dict[str, Any]) -> _Ring | None:
         if i != mesh_dim and not (other.is_replicate() or other.is_shard(0) or other.is_shard(1)):
             raise ValueError(f"{where}: mesh dim {i} has {other}; besides CP only batch (Shard(0)) or heads "
                              "(Shard(1)) sharding, or Replicate, is supported.")
-    hq, hkv = q.to_local().shape[1], k.to_local().shape[1]
-    if hkv == 0 or hq % hkv != 0:
-        raise ValueError(f"{where}: local q heads ({hq}) must be a multiple of local k/v heads ({hkv}) "
-                         "(GQA); shard q and k/v heads over the same number of ranks.")
+    # the local shards' own rules (heads, dtypes, S_local, ...) are checks.py's, in _sdpa_handler
     return _Ring(q, k, v, mesh_dim, layout)
 
 

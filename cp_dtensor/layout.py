@@ -208,8 +208,10 @@ def step_pairs(layout: str, *, rank: int, src: int, s_local: int, causal: bool =
 FP8_SCALE_BYTES = 1  # float8 payload: one int8 power-of-two exponent per row of K and of V
 
 
-def payload_bytes(*, rows: int, head_dim: int, itemsize: int, fp8: bool = False) -> int:
-    """Bytes of one K/V ring message: K and V of ``rows`` rows (B * Hkv * S_local) of ``head_dim``
-    values, ``itemsize`` bytes each, plus for float8 one exponent byte a row. See Note [float8 ring
-    payload] in payload.py, whose ``encode_kv`` builds exactly this many bytes."""
-    return 2 * rows * (head_dim * itemsize + (FP8_SCALE_BYTES if fp8 else 0))
+def payload_bytes(*, rows: int, head_dim: int, itemsize: int, fp8: bool = False, v_head_dim: int | None = None) -> int:
+    """Bytes of one K/V message (or of the dK/dV accumulators, shaped alike): K and V of ``rows`` rows
+    (B * Hkv * S_local) of ``head_dim`` (V: ``v_head_dim``, default the same) values, ``itemsize`` bytes
+    each, plus for float8 one exponent byte a row of K and of V. See Note [float8 ring payload] in
+    payload.py, whose ``encode_kv`` builds exactly this many bytes."""
+    dv = head_dim if v_head_dim is None else v_head_dim
+    return rows * ((head_dim + dv) * itemsize + (2 * FP8_SCALE_BYTES if fp8 else 0))

@@ -1,4 +1,4 @@
-"""DTensor placements for the sequence layouts, and moving sequences between layouts and meshes.
+"""DTensor placements for the sequence layouts: the types, sharding a full tensor, reading one back.
 
 Note [Layout placements]
 ~~~~~~~~~~~~~~~~~~~~~~~~
@@ -49,7 +49,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -65,7 +64,6 @@ __all__ = [
     "placement_layout",
     "as_layout_placements",
     "shard_sequence",
-    "to_mesh",
     "full_tensor",
     "install_headtail_propagation",
 ]
@@ -191,27 +189,6 @@ def shard_sequence(
     else:
         local = shard_tensor(x, dim=dim, layout=layout, rank=coord[md], world=cp).contiguous()
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=x.shape, stride=x.stride())
-
-
-def to_mesh(x: DTensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> DTensor:
-    """``x`` on another mesh (e.g. another CP size) in ``placements`` of that mesh (build them with
-    ``sequence_placement`` for the new CP size). Every rank of the default group must call it: the
-    full tensor is gathered on ``x``'s mesh and broadcast from that mesh's first rank."""
-    src_ranks = x.device_mesh.mesh.flatten().tolist()
-    if dist.get_rank() in src_ranks:
-        full = full_tensor(x).contiguous()
-    else:
-        full = torch.empty(x.shape, dtype=x.dtype, device=mesh.device_type)
-    dist.broadcast(full, src=src_ranks[0])
-    placements = as_layout_placements(placements)
-    coord = mesh.get_coordinate()
-    local = full
-    for md, p in enumerate(placements):
-        if coord is None:  # outside the new mesh: an empty local shard, as DTensor does
-            local = full.new_empty(0)
-        elif isinstance(p, Shard | _StridedShard):
-            local = p._select_split_tensor(local, mesh.size(md), coord[md], with_padding=False)
-    return DTensor.from_local(local.contiguous(), mesh, placements, run_check=False, shape=x.shape, stride=full.stride())
 
 
 def full_tensor(x: DTensor) -> torch.Tensor:

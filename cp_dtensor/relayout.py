@@ -1,6 +1,9 @@
-"""Moving sequence-sharded DTensors between layouts on one mesh (striped <-> head-tail <-> contiguous)
-with one all-to-all per changed mesh dim and O(shard) buffers -- never the full tensor. Checkpoints use
-it to store every layout as contiguous boxes; see Note [Checkpointing layout shards] in checkpoint.py.
+"""Moving sequence-sharded DTensors between layouts, meshes and CP sizes.
+
+``relayout``: between layouts on one mesh (striped <-> head-tail <-> contiguous) with one all-to-all per
+changed mesh dim and O(shard) buffers -- never the full tensor. Checkpoints use it to store every
+layout as contiguous boxes; see Note [Checkpointing layout shards] in checkpoint.py. ``to_mesh``: onto
+another mesh (another CP size) through the full tensor.
 """
 
 from __future__ import annotations
@@ -8,16 +11,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from ._compat import _StridedShard
 from .layout import check_seq_len, local_positions
-from .placement import as_layout_placements, placement_layout
+from .placement import as_layout_placements, full_tensor, placement_layout
 
-__all__ = ["relayout"]
+__all__ = ["relayout", "to_mesh"]
 
 
 # ---- the O(shard) all-to-all between layouts; see Note [Checkpointing layout shards] in checkpoint.py ----
@@ -104,3 +109,23 @@ def _box_placements(placements: Sequence[Placement]) -> list[Placement]:
     """Every striped / head-tail placement as the contiguous ``Shard`` of its dim: a DCP box."""
     return [Shard(p.dim) if isinstance(p, _StridedShard) else p for p in placements]
 
+
+def to_mesh(x: DTensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> DTensor:
+    """``x`` on another mesh (e.g. another CP size) in ``placements`` of that mesh (build them with
+    ``sequence_placement`` for the new CP size). Every rank of the default group must call it: the
+    full tensor is gathered on ``x``'s mesh and broadcast from that mesh's first rank."""
+    src_ranks = x.device_mesh.mesh.flatten().tolist()
+    if dist.get_rank() in src_ranks:
+        full = full_tensor(x).contiguous()
+    else:
+        full = torch.empty(x.shape, dtype=x.dtype, device=mesh.device_type)
+    dist.broadcast(full, src=src_ranks[0])
+    placements = as_layout_placements(placements)
+    coord = mesh.get_coordinate()
+    local = full
+    for md, p in enumerate(placements):
+        if coord is None:  # outside the new mesh: an empty local shard, as DTensor does
+            local = full.new_empty(0)
+        elif isinstance(p, Shard | _StridedShard):
+            local = p._select_split_tensor(local, mesh.size(md), coord[md], with_padding=False)
+    return DTensor.from_local(local.contiguous(), mesh, placements, run_check=False, shape=x.shape, stride=full.stride())

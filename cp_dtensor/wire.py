@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 
+from .layout import payload_bytes
+
 __all__ = ["allgather_bytes", "check_bytes", "kv_message_bytes", "ring_bytes", "ulysses_bytes"]
 
 
@@ -20,14 +22,12 @@ def kv_message_bytes(
     fp8: bool = False,
 ) -> int:
     """One K/V block, K [B, Hkv, S, Dqk] and V [B, Hkv, S, Dv], in its wire format."""
-    rows = b * hkv * s_local
-    if fp8:
-        return rows * (dqk + dv) + 2 * rows  # one byte a value, one exponent byte per row of K and of V
-    return rows * (dqk + dv) * (comm_itemsize or itemsize)
+    itemsize = 1 if fp8 else (comm_itemsize or itemsize)
+    return payload_bytes(rows=b * hkv * s_local, head_dim=dqk, v_head_dim=dv, itemsize=itemsize, fp8=fp8)
 
 
 def _dkv_bytes(b: int, s_local: int, hkv: int, dqk: int, dv: int, itemsize: int) -> int:
-    return b * hkv * s_local * (dqk + dv) * itemsize
+    return payload_bytes(rows=b * hkv * s_local, head_dim=dqk, v_head_dim=dv, itemsize=itemsize)
 
 
 def _totals(fwd: int, bwd: int) -> dict[str, int]:

@@ -302,4 +302,12 @@ def test_block_ops_pass_opcheck():
         torch.library.opcheck(block_attn, (q, k, v, causal, scale))
         out, lse = block_attn(q.detach(), k.detach(), v.detach(), causal, scale)
         dout = torch.randn_like(out)
-        torch.library.opcheck(block_attn_backward, (dout, q.detach(), k.detach(), v.detach(), out, lse, causal, scale))
+        # as the ring passes them: row slices (views with an offset, not contiguous) of the whole shard's
+        # out, lse and dout -- e.g. lse[:, :, 1:] for the striped shift, lse[:, :, c:] for head-tail's tail
+        def rows(x):
+            return torch.cat([torch.zeros_like(x[:, :, :1]), x], 2)[:, :, 1:]
+
+        assert not rows(lse).is_contiguous() and rows(lse).storage_offset() == 1
+        torch.library.opcheck(
+            block_attn_backward, (rows(dout), q.detach(), k.detach(), v.detach(), rows(out), rows(lse), causal, scale)
+        )

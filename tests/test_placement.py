@@ -10,8 +10,9 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from _dist import run_ranks
 from cp_dtensor.placement import (
-    HeadTail, Striped, full_tensor, install_headtail_propagation, sequence_placement, shard_sequence, to_mesh,
+    HeadTail, Striped, full_tensor, install_headtail_propagation, sequence_placement, shard_sequence,
 )
+from cp_dtensor.relayout import to_mesh
 
 LAYOUTS = ("striped", "headtail", "contiguous")
 
@@ -31,15 +32,14 @@ def expected_local(x: torch.Tensor, layout: str, rank: int, world: int, dim: int
     return x.index_select(dim, torch.tensor(expected_positions(layout, rank, world, x.shape[dim])))
 
 
-def assert_correct_or_raises(fn, want: torch.Tensor, *, may_raise: bool) -> None:
-    """Never silently wrong: ``fn()`` equals ``want``, or (where torch cannot carry the layout) raises."""
-    try:
-        got = fn()
-    except Exception:
-        if not may_raise:
-            raise
-        return
-    assert torch.equal(got, want)
+def assert_correct_or_refused(fn, want: torch.Tensor, *, refused: bool) -> None:
+    """Never silently wrong: ``fn()`` equals ``want``, or -- where torch cannot carry the head-tail split
+    factor (Note [HeadTail placement]) -- DTensor's sharding propagation refuses it."""
+    if refused:
+        with pytest.raises(RuntimeError, match="Sharding propagation failed"):
+            fn()
+    else:
+        assert torch.equal(fn(), want)
 
 
 def _check_layouts(rank: int, world: int) -> None:
@@ -74,9 +74,10 @@ def _check_layouts(rank: int, world: int) -> None:
         assert torch.allclose(full_tensor(d.softmax(1)), x.softmax(1)), layout
         assert torch.equal(full_tensor(d.transpose(1, 2)), x.transpose(1, 2)), layout
         assert torch.equal(d.transpose(1, 2).full_tensor(), x.transpose(1, 2)), layout
-        assert_correct_or_raises(lambda: full_tensor(d.transpose(1, 2) @ d), x.transpose(1, 2) @ x,
-                                 may_raise=layout == "headtail")
-        assert_correct_or_raises(lambda: full_tensor(d.view(2, n, 3, 1)), x.view(2, n, 3, 1), may_raise=True)
+        assert_correct_or_refused(lambda: full_tensor(d.transpose(1, 2) @ d), x.transpose(1, 2) @ x,
+                                  refused=layout == "headtail")  # expand of the head-tail dim
+        assert_correct_or_refused(lambda: full_tensor(d.view(2, n, 3, 1)), x.view(2, n, 3, 1),
+                                  refused=layout == "headtail")
         r = distribute_tensor(x, mesh, [Replicate()])
         assert (d * r).placements == d.placements and torch.equal(full_tensor(d * r), x * x), layout
     # striped is torch's own _StridedShard; distribute_tensor understands it
@@ -85,11 +86,11 @@ def _check_layouts(rank: int, world: int) -> None:
     assert torch.equal(st.to_local(), expected_local(x, "striped", rank, world, 1))
     # head-tail: never silently wrong -- torch paths that cannot honour it fail loudly
     ht = shard_sequence(x, mesh, dim=1, layout="headtail")
-    with pytest.raises(Exception):
+    with pytest.raises(AssertionError, match="num_chunks > 0"):  # torch's own check on the split factor -1
         distribute_tensor(x, mesh, [HeadTail(1)])
-    with pytest.raises(Exception):
+    with pytest.raises(RuntimeError, match="Cannot unflatten tensor with _StridedShard placement"):
         ht.reshape(2, n // 2, 6)  # a view splitting the head-tail dim
-    with pytest.raises(Exception):
+    with pytest.raises(RuntimeError, match="Sharding propagation failed"):
         ht.reshape(2 * n, 3)  # a view merging the head-tail dim with another
     with pytest.raises(ValueError, match="divisible by"):
         shard_sequence(x[:, :-1], mesh, dim=1, layout="striped")

@@ -120,7 +120,7 @@ def test_resume_check_never_unpickles(tmp_path, monkeypatch):
     (folder / "step-30" / ".metadata").write_bytes(b"\xffnot a pickle")
 
     # the guard can fail: DCP's reader (the old code path) runs the planted code
-    with pytest.raises(Exception):
+    with pytest.raises(AttributeError, match="storage_meta"):  # after unpickling: a dict, not DCP's Metadata
         FileSystemReader(str(folder / "step-20")).read_metadata()
     assert marker.exists()
     marker.unlink()
