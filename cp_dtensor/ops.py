@@ -17,8 +17,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["block_attn", "block_attn_backward", "masked_block_attn", "masked_block_attn_backward", "masked_block_attn_merge_", "merge_"]
+__all__ = ["block_attn", "block_attn_backward", "block_attn_backward_into_", "masked_block_attn", "masked_block_attn_backward", "masked_block_attn_merge_", "merge_"]
 
+from . import kernels
 from .kernels import kernel_bwd, kernel_fwd
 
 
@@ -76,6 +77,46 @@ def _backward(ctx, dout, dlse):
 
 
 block_attn.register_autograd(_backward, setup_context=_setup_context)
+
+
+def head_chunks(q: Tensor, k: Tensor) -> list[tuple[slice, slice]]:
+    """(q heads, kv heads) per backward kernel call; see Note [Backward in head chunks] in ring.py."""
+    b, hq, hkv = q.shape[0], q.shape[1], k.shape[1]
+    if kernels.backend(q) != "cpu":
+        return [(slice(None), slice(None))]
+    groups = hq // hkv
+    n = min(hkv, -(-torch.get_num_threads() // (b * groups)))  # kv heads per call: >= one (b, head) per thread
+    while hkv % n:
+        n += 1
+    return [(slice(i * groups, (i + n) * groups), slice(i, i + n)) for i in range(0, hkv, n)]
+
+
+@torch.library.custom_op("cp_dtensor::block_attn_backward_into_", mutates_args=("dq", "dkv"))
+def block_attn_backward_into_(
+    dq: Tensor, dkv: Tensor, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+    q0: int, q1: int, k0: int, k1: int, is_causal: bool, scale: float, add: bool,
+) -> None:
+    """One ring step's backward, written into the ring's buffers: rows [q0, q1) of q against rows
+    [k0, k1) of k and v. Adds the block's dq into ``dq`` rows (sets them when ``add`` is False) and
+    writes its dk, dv into ``dkv`` (flat [dk | dv] shaped like k and v); other rows are untouched.
+    The kernel runs per group of KV heads (:func:`head_chunks`), so the only fresh gradients are
+    one group's -- in eager and compiled graphs alike (Note [Backward in head chunks] in ring.py)."""
+    dk_out, dv_out = dkv[: k.numel()].view(k.shape), dkv[k.numel() :].view(v.shape)
+    for hq, hkv in head_chunks(q, k):
+        qi, ki = (slice(None), hq, slice(q0, q1)), (slice(None), hkv, slice(k0, k1))
+        dq_c, dk_c, dv_c = kernel_bwd(dout[qi], q[qi], k[ki], v[ki], out[qi], lse[qi], is_causal, scale)
+        if add:
+            dq[qi] += dq_c
+        else:
+            dq[qi] = dq_c
+        dk_out[ki] = dk_c
+        dv_out[ki] = dv_c
+        del dq_c, dk_c, dv_c
+
+
+@block_attn_backward_into_.register_fake
+def _(dq, dkv, dout, q, k, v, out, lse, q0, q1, k0, k1, is_causal, scale, add):
+    return None
 
 
 def merge_(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> None:

@@ -55,8 +55,11 @@ whole K/V block. On CPU the backward kernel parallelises over (batch, head) pair
 per group of KV heads (with their Hq / Hkv query heads) loses no parallelism as long as every call
 still has one pair per thread; each call's dq then goes straight into the accumulator, and the
 transient shrinks to one group's. dk and dv go straight into the accumulator's layout, so there is no
-separate copy for the send. CUDA (whose kernels want every head at once) and compiled graphs
-(Inductor plans memory itself) call the kernel once per block.
+separate copy for the send. The chunks live inside one mutating custom op,
+``cp_dtensor::block_attn_backward_into_`` (ops.py), so compiled graphs get them too: traced per chunk,
+functionalization would copy the accumulator for every chunk's slice update (measured: compiled peak
+1.23x eager), while the op writes in place and Inductor re-inplaces it (compiled peak as eager's; see
+the README's torch.compile section). CUDA kernels want every head at once: one chunk per block there.
 Note [Masks in the ring]
 ~~~~~~~~~~~~~~~~~~~~~~~~
 Documents and windows (see Note [Masked ring steps] in masks.py) change what each step computes, not
@@ -95,11 +98,11 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .checks import check_documents, check_ring_args
 from .comm import RingComm, gather_ids, host_group, join_bytes, split_bytes, unpack
-from .kernels import backend
 from .layout import step_block
 from .masks import flat_runs, has_pairs, mask_bounds, runs, steps_needed
 from .ops import (
-    after, block_attn, block_attn_backward, masked_block_attn, masked_block_attn_backward, masked_block_attn_merge_, merge_,
+    after, block_attn, block_attn_backward_into_, masked_block_attn, masked_block_attn_backward,
+    masked_block_attn_merge_, merge_,
 )
 from .payload import decode_kv, encode_kv
 
@@ -203,43 +206,27 @@ def sinks_grad(dout: Tensor, out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
     return -(p_sink * d).sum((0, 2)).to(sinks.dtype)
 
 
-def _head_chunks(q: Tensor, k: Tensor) -> list[tuple[slice, slice]]:
-    """(q heads, kv heads) per backward kernel call; see Note [Backward in head chunks]."""
-    b, hq, hkv = q.shape[0], q.shape[1], k.shape[1]
-    if backend(q) != "cpu" or torch.compiler.is_compiling():
-        return [(slice(None), slice(None))]
-    groups = hq // hkv
-    n = min(hkv, -(-torch.get_num_threads() // (b * groups)))  # kv heads per call: >= one (b, head) per thread
-    while hkv % n:
-        n += 1
-    return [(slice(i * groups, (i + n) * groups), slice(i, i + n)) for i in range(0, hkv, n)]
+def _rows(rows: slice, n) -> tuple:
+    """[start, stop) of ``rows`` (a step's row slice: None or in-range bounds) over ``n`` rows."""
+    start = 0 if rows.start is None else rows.start if rows.start >= 0 else n + rows.start
+    stop = n if rows.stop is None else rows.stop if rows.stop >= 0 else n + rows.stop
+    return start, stop
 
 
 def _block_backward_(
     dq: Tensor | None, dkv: Tensor, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
     blk, scale: float, acc_dtype: torch.dtype,
 ) -> Tensor:
-    """One ring step's backward: adds the block's dq into ``dq`` (allocated when None) and writes its
-    dk, dv into ``dkv`` (flat, [dk | dv] shaped like k and v; rows outside ``blk.kv_rows`` untouched).
-    Returns dq."""
-    q_rows, kv_rows = blk.q_rows, blk.kv_rows
-    dk_out, dv_out = unpack(dkv, k, v)
-    chunks = _head_chunks(q, k)
-    first = dq is None  # step 0, whose diagonal block covers every row
-    if first and len(chunks) > 1:
+    """One ring step's backward: adds the block's dq into ``dq`` (allocated when None: step 0, whose
+    diagonal block covers every row) and writes its dk, dv into ``dkv`` (flat, [dk | dv] shaped like k
+    and v; rows outside ``blk.kv_rows`` untouched). Returns dq. See Note [Backward in head chunks]."""
+    first = dq is None
+    if first:
         dq = q.new_empty(q.shape, dtype=acc_dtype)
-    for hq, hkv in chunks:
-        qi, ki = (slice(None), hq, q_rows), (slice(None), hkv, kv_rows)
-        dq_c, dk_c, dv_c = block_attn_backward(dout[qi], q[qi], k[ki], v[ki], out[qi], lse[qi], blk.causal, scale)
-        if dq is None:  # the whole block in one call: the kernel's dq is the accumulator
-            dq = dq_c.to(acc_dtype)
-        elif first:
-            dq[qi] = dq_c
-        else:
-            dq[qi] += dq_c
-        dk_out[ki] = dk_c
-        dv_out[ki] = dv_c
-        del dq_c, dk_c, dv_c
+    s = q.shape[2]
+    block_attn_backward_into_(
+        dq, dkv, dout, q, k, v, out, lse, *_rows(blk.q_rows, s), *_rows(blk.kv_rows, s), blk.causal, scale, not first
+    )
     return dq
 
 

@@ -5,7 +5,11 @@
 Each rank runs the eager step and the ``torch.compile(fullgraph=True)`` step once to warm up (compiling
 happens there), then measures each step's resident high-water mark above what it held before the step
 (fresh process memory accounting from scripts/_bench_mem.py). The report is the largest
-rank's peak for each, and compiled / eager (target <= 1.1). ``--baseline`` replays the old compiled
+rank's peak for each, and compiled / eager (target <= 1.1). ``--p5-cap-mib C`` instead searches, for eager and compiled alike, the longest sequence whose step
+fits C MiB per rank (P5 under compile; target compiled >= 0.9 x eager): the compiled function is
+built once with ``dynamic=True``, every probe length first runs unmeasured (so a recompile never
+lands inside a measurement), and the ranks agree on each probe through an all-reduce of their peaks.
+``--baseline`` replays the old compiled
 backward, in which the joint graph merged the backward's K/V rotations into the forward's and kept
 every received block (see Note [Compiled backward re-sends K/V] in ring.py), for comparison.
 """
@@ -20,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _bench_dist import run_ranks  # noqa: E402
-from _bench_mem import _libc_live_memory, peak_since, reset_peak  # noqa: E402
+from _bench_mem import _libc_live_memory, peak_since, reset_peak, search_max  # noqa: E402
 
 import cp_dtensor  # noqa: E402
 import cp_dtensor.ring as ring  # noqa: E402
@@ -53,14 +57,62 @@ def _rank(rank, world, s_local, shape, baseline):
     return res
 
 
+def _rank_p5(rank, world, cap_bytes, shape, start, unit):
+    import torch.distributed as dist
+
+    b, hq, hkv, d = shape
+    torch._inductor.config.compile_threads = 1
+
+    def attn(q, k, v):
+        return cp_dtensor.ring_attention(q, k, v, layout="striped", is_causal=True)
+
+    compiled = torch.compile(attn, fullgraph=True, dynamic=True)
+
+    def step(fn, s_local):
+        g = torch.Generator().manual_seed(rank)
+        q, k, v = (torch.randn(b, h, s_local, d, generator=g).requires_grad_() for h in (hq, hkv, hkv))
+        out = fn(q, k, v)
+        out.backward(torch.ones_like(out))
+
+    _libc_live_memory()
+    probes = {"eager": {}, "compiled": {}}
+
+    def fits(name, fn, s_local):
+        step(fn, s_local)  # unmeasured: compiles (or recompiles) here, never inside the measurement
+        base = reset_peak()
+        step(fn, s_local)
+        peak = torch.tensor([peak_since(base)], dtype=torch.int64)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # every rank takes the same branch of the search
+        probes[name][s_local] = int(peak)
+        return int(peak) <= cap_bytes
+
+    res = {}
+    for name, fn in (("eager", attn), ("compiled", compiled)):
+        res[name] = search_max(lambda s: fits(name, fn, s), start=start, unit=unit, rel_grain=1 / 256)
+    res["probes"] = probes
+    return res
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--s-local", type=int, default=4096)
     p.add_argument("--worlds", type=int, nargs="*", default=[2, 4])
     p.add_argument("--baseline", action="store_true")
+    p.add_argument("--p5-cap-mib", type=float, default=None, help="P5 search under this per-rank cap instead")
     args = p.parse_args()
     torch.set_num_threads(1)
     shape = (1, 8, 2, 64)  # B, Hq, Hkv, D; fp32
+    if args.p5_cap_mib is not None:
+        cap = int(args.p5_cap_mib * 2**20)
+        print(f"| P | eager N_max | compiled N_max | compiled / eager | (cap {args.p5_cap_mib:g} MiB per rank)")
+        print("|---|---|---|---|")
+        for world in args.worlds:
+            r = run_ranks(world, _rank_p5, cap, shape, 1024, 64)[0]
+            e, c = world * r["eager"], world * r["compiled"]
+            print(f"| {world} | {e} | {c} | {c / e:.3f} |", flush=True)
+            print("  probes (S_local: MiB):", {k: {s: round(v / 2**20, 1) for s, v in sorted(d.items())}
+                                               for k, d in r["probes"].items()}, flush=True)
+        return
     block = 2 * shape[0] * args.s_local * shape[2] * shape[3] * 4
     print(f"| P | eager MiB | compiled MiB | compiled / eager | (compiled - eager) / K/V block |{' (baseline)' if args.baseline else ''}")
     print("|---|---|---|---|---|")

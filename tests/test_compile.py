@@ -28,13 +28,16 @@ from torch._inductor.graph import GraphLowering
 
 import cp_dtensor
 from cp_dtensor.layout import shard_tensor
-from cp_dtensor.ops import block_attn, block_attn_backward
+from cp_dtensor.ops import block_attn, block_attn_backward, block_attn_backward_into_
 from _dist import run_ranks
 from _ref import make_qkv, reference, rel_err
 
 TOL = 2e-5  # fp32 against float64, relative to the largest magnitude
 _COMM = ("all_to_all_single", "wait_tensor")
 _ATTN = ("block_attn", "block_attn_backward")
+# the backward's block runs as the mutating op cp_dtensor::block_attn_backward_into_: in the FX graph
+# under auto_functionalized, in Inductor's code re-inplaced
+_KIND = {"block_attn_backward_into_": "block_attn_backward"}
 # The Inductor setting under which Inductor's code keeps the overlap that the FX graph has by
 # construction. By default its reorder_for_peak_memory pass may move a wait_tensor up, before the block
 # it should overlap (that frees the send buffer sooner), depending on the shapes: seen in the forward
@@ -75,14 +78,19 @@ def _fx_events(gm) -> list[tuple[str, str, str | None]]:
     """(kind, node, waited-on node) for the ring's ops, in graph order."""
     events = []
     for n in gm.graph.nodes:
-        name = getattr(n.target, "_opname", None)
+        target = n.target
+        if n.op == "call_function" and "auto_functionalized" in str(target):
+            target = n.args[0]
+        name = getattr(target, "_opname", None)
+        name = _KIND.get(name, name)
         if n.op == "call_function" and name in _COMM + _ATTN:
             events.append((name, n.name, n.args[0].name if name == "wait_tensor" else None))
     return events
 
 
 _CALL = re.compile(
-    r"^\s*(?:(\w+) = )?torch\.ops\.\w+\.(all_to_all_single|wait_tensor|block_attn_backward|block_attn)\.default\((\w+)?",
+    r"^\s*(?:(\w+) = )?torch\.ops\.\w+\.(all_to_all_single|wait_tensor|block_attn_backward_into_|block_attn_backward|block_attn)"
+    r"\.default\((\w+)?",
     re.M,
 )
 
@@ -91,7 +99,9 @@ def _code_events(code: str) -> list[tuple[str, str, str | None]]:
     """The same events from Inductor's wrapper code: ``buf3 = ...all_to_all_single.default(...)``,
     ``...wait_tensor.default(buf3)``, ``buf4 = ...block_attn.default(...)``."""
     body = code[code.index("def call(") :]
-    return [(kind, out or arg, arg if kind == "wait_tensor" else None) for out, kind, arg in _CALL.findall(body)]
+    return [
+        (_KIND.get(kind, kind), out or arg, arg if kind == "wait_tensor" else None) for out, kind, arg in _CALL.findall(body)
+    ]
 
 
 def _transfers(events, attn: str) -> list[tuple[int, int]]:
@@ -310,4 +320,11 @@ def test_block_ops_pass_opcheck():
         assert not rows(lse).is_contiguous() and rows(lse).storage_offset() == 1
         torch.library.opcheck(
             block_attn_backward, (rows(dout), q.detach(), k.detach(), v.detach(), rows(out), rows(lse), causal, scale)
+        )
+        # the ring's form: into its accumulators, rows given as bounds
+        sq, sk = q.shape[2], k.shape[2]
+        dq, dkv = torch.zeros(q.shape), torch.zeros(k.numel() + v.numel())
+        torch.library.opcheck(
+            block_attn_backward_into_,
+            (dq, dkv, dout, q.detach(), k.detach(), v.detach(), out, lse, 0, sq, 0, sk, causal, scale, True),
         )

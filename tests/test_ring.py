@@ -107,7 +107,7 @@ def test_single_rank_is_plain_sdpa():
 @pytest.mark.parametrize("b,hq,hkv,threads", [(1, 4, 2, 1), (1, 4, 4, 2), (2, 8, 4, 4), (1, 32, 8, 16), (1, 6, 3, 2)])
 def test_backward_head_chunks_cover_every_head_once(b, hq, hkv, threads):
     # Note [Backward in head chunks]: each call keeps >= one (batch, head) pair per thread, whole KV groups
-    from cp_dtensor.ring import _head_chunks
+    from cp_dtensor.ops import head_chunks as _head_chunks
 
     q, k = torch.empty(b, hq, 2, 8), torch.empty(b, hkv, 2, 8)
     old = torch.get_num_threads()
