@@ -81,6 +81,20 @@ __all__ = [
 TORCH_VERSION = "2.13.0"  # what the torch touches below were written against
 TORCHTITAN_VERSION = "0.2.2"  # what the torchtitan rebinds (titan/) were written against
 
+# The torchtitan names the plugin rebinds (the rebinding code lives with the plugin, each step citing its Note).
+TITAN_MOE_KERNELS = "torchtitan.models.moe.kernels"  # a stand-in before import: Note [torchtitan on CPU] 1
+TITAN_DEVICE_HOLDERS = {  # module -> the device names it copied at import: Note [torchtitan on CPU] 2
+    "torchtitan.tools.utils": ("device_type", "device_module"),
+    "torchtitan.components.metrics": ("device_type", "device_module"),
+    "torchtitan.distributed.parallel_dims": ("device_type",),
+    "torchtitan.distributed.utils": ("device_type", "device_module"),
+    "torchtitan.tools.profiling": ("device_module",),
+}
+TITAN_FLOAT8 = "torchtitan.components.quantization.float8"  # has_cuda_capability: Note [float8 training on CPU]
+TITAN_CP = "torchtitan.distributed.context_parallel"  # prepare_context_parallel_input: Note [How the plugin hooks torchtitan]
+TITAN_CP_INPUT = "prepare_context_parallel_input"  # rebound in every module that imported it
+TITAN_CP_STEP = "apply_cp_to_attention_module"  # swapped in each family's parallelize module for the call
+
 # (module, qualified name, parameters cp_dtensor passes or replaces; None: an attribute, checked to exist).
 # Checked by tests/test_compat.py.
 PRIVATE_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
@@ -125,15 +139,12 @@ PRIVATE_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("torch.distributed.distributed_c10d", "_resolve_process_group", None),  # a pybind builtin: no signature
     ("torch.utils._python_dispatch", "TorchDispatchMode.__torch_dispatch__", ("self", "func", "types", "args", "kwargs")),
     # titan/spec.py: Note [How the plugin hooks torchtitan]
-    ("torchtitan.distributed.context_parallel", "prepare_context_parallel_input",
-     ("inputs", "labels", "extra_kwargs", "cp_mesh", "device", "load_balancer_type")),
-    ("torchtitan.models.llama3.infra.parallelize", "apply_cp_to_attention_module",
-     ("attention_modules", "cp_mesh", "attention_type")),
-    # titan/_cpu.py: Note [torchtitan on CPU] (the triton stand-in replaces this module before import)
-    ("torchtitan.tools.utils", "device_type", None),
-    ("torchtitan.tools.utils", "device_module", None),
+    (TITAN_CP, TITAN_CP_INPUT, ("inputs", "labels", "extra_kwargs", "cp_mesh", "device", "load_balancer_type")),
+    ("torchtitan.models.llama3.infra.parallelize", TITAN_CP_STEP, ("attention_modules", "cp_mesh", "attention_type")),
+    # titan/_cpu.py: Note [torchtitan on CPU] (TITAN_MOE_KERNELS needs triton to import: not checked here)
+    *((module, name, None) for module, names in TITAN_DEVICE_HOLDERS.items() for name in names),
     # titan/float8.py: Note [float8 training on CPU]
-    ("torchtitan.components.quantization.float8", "has_cuda_capability", ("major", "minor")),
+    (TITAN_FLOAT8, "has_cuda_capability", ("major", "minor")),
 )
 
 c10d_functional = torch.ops._c10d_functional  # the raw functional collectives (comm.py, debug.py)

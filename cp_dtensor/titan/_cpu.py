@@ -62,12 +62,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .._compat import TITAN_DEVICE_HOLDERS, TITAN_MOE_KERNELS
+
 __all__ = [
     "install_triton_stand_in", "use_cpu_device", "use_sum_reduction_on_gloo", "CpuDeviceModule",
     "allow_integer_histc", "use_for_loop_experts", "use_param_dtype", "unsharded_template", "init_as_unsharded",
 ]
 
-_KERNELS = "torchtitan.models.moe.kernels"
+_KERNELS = TITAN_MOE_KERNELS
 
 
 def install_triton_stand_in() -> bool:
@@ -142,25 +144,15 @@ class CpuDeviceModule:
         return {"active_bytes.all.peak": peak, "reserved_bytes.all.peak": peak, "num_alloc_retries": 0, "num_ooms": 0}
 
 
-# modules of torchtitan 0.2.2 that copied ``device_type`` / ``device_module`` at import
-_DEVICE_NAME_HOLDERS = (
-    "torchtitan.tools.utils",
-    "torchtitan.components.metrics",
-    "torchtitan.distributed.parallel_dims",
-    "torchtitan.distributed.utils",
-    "torchtitan.tools.profiling",
-)
-
-
 def use_cpu_device() -> bool:
     """Step 2 of Note [torchtitan on CPU]: point torchtitan at the CPU when there is no accelerator."""
     if torch.accelerator.is_available():
         return False
-    for name in _DEVICE_NAME_HOLDERS:
+    for name, names in TITAN_DEVICE_HOLDERS.items():  # modules that copied the device names at import
         module = importlib.import_module(name)
-        if hasattr(module, "device_type"):
+        if "device_type" in names:
             module.device_type = "cpu"
-        if hasattr(module, "device_module"):
+        if "device_module" in names:
             module.device_module = CpuDeviceModule
     return True
 

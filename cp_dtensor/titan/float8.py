@@ -21,9 +21,11 @@ import importlib
 import torch
 from torchtitan.tools.logging import logger
 
+from .._compat import TITAN_FLOAT8
+
 __all__ = ["allow_float8_on_cpu"]
 
-_FLOAT8 = "torchtitan.components.quantization.float8"
+_FLOAT8 = TITAN_FLOAT8
 
 
 def _float8_runs_on_cpu(major: int, minor: int) -> bool:

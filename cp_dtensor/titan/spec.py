@@ -56,6 +56,7 @@ import torchtitan.distributed.context_parallel as titan_cp
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.tools.logging import logger
 
+from .._compat import TITAN_CP_INPUT, TITAN_CP_STEP
 from ._cpu import (
     init_as_unsharded, unsharded_template, use_for_loop_experts, use_param_dtype, use_sum_reduction_on_gloo,
 )
@@ -68,7 +69,7 @@ from .validate import build_ring_validator
 
 __all__ = ["FAMILIES", "parallelize_with_ring", "refuse_cp_for_other_models", "train_spec"]
 
-_HOOK = "prepare_context_parallel_input"
+_HOOK = TITAN_CP_INPUT
 _TITAN_PREPARE = titan_cp.prepare_context_parallel_input
 
 
@@ -136,8 +137,8 @@ def parallelize_with_ring(model: nn.Module, parallel_dims, job_config, *, titan_
             stack.enter_context(_cp_hidden(job_config))
         if parallel_dims.cp_enabled:
             _bind_batch_sharding(section.layout)
-            if hasattr(titan_module, "apply_cp_to_attention_module"):
-                stack.enter_context(_swapped(titan_module, "apply_cp_to_attention_module", _ring_in_place))
+            if hasattr(titan_module, TITAN_CP_STEP):
+                stack.enter_context(_swapped(titan_module, TITAN_CP_STEP, _ring_in_place))
             else:  # gpt_oss: its parallelize has no CP step
                 _ring_in_place([a.inner_attention for a in attention_modules(model)], None, "")
         if getattr(model.model_args, "enable_weight_tying", False) and hasattr(titan_module, "apply_fsdp"):
