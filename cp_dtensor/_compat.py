@@ -73,6 +73,8 @@ __all__ = [
     "dtensor_default_dispatch",
     "include_mesh_coordinate_in_cache_key",
     "make_contiguous_strides_for",
+    "mesh_concatenate",
+    "mesh_unflatten",
     "redistribute_local_tensor",
     "resolve_process_group",
     "wrap_sharding_propagation",
@@ -114,6 +116,9 @@ PRIVATE_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("torch.distributed.tensor._dtensor_spec", "DTensorSpec", ("mesh", "placements", "tensor_meta")),
     ("torch.distributed.tensor._dtensor_spec", "TensorMeta", ("shape", "stride", "dtype")),
     ("torch._prims_common", "make_contiguous_strides_for", ("shape",)),
+    # titan/attention.py: the (ulysses, ring) mesh of a CP group (Note [Ulysses in torchtitan])
+    ("torch.distributed.device_mesh", "DeviceMesh._unflatten", ("self", "dim", "mesh_sizes", "mesh_dim_names")),
+    ("torch.distributed.device_mesh", "DeviceMesh._concatenate", ("device_mesh_list",)),
     # placement.py: HeadTail subclasses _StridedShard (Note [HeadTail placement]) and fixes propagation
     ("torch.distributed.tensor.placement_types", "_StridedShard", ("dim", "split_factor")),
     ("torch.distributed.tensor.placement_types", "_StridedShard.local_shard_size_and_offset",
@@ -203,3 +208,15 @@ def include_mesh_coordinate_in_cache_key() -> None:
         )
         return
     DeviceMesh._stable_hash = _stable_hash_with_coordinate
+
+
+def mesh_unflatten(mesh: DeviceMesh, sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """A 1-D ``mesh`` as a mesh of shape ``sizes`` (row-major), dims named ``names``; new process groups,
+    so every rank calls it. torch 2.13's private ``DeviceMesh._unflatten`` (torchtitan's ParallelDims uses it)."""
+    return mesh._unflatten(0, sizes, names)
+
+
+def mesh_concatenate(meshes: list[DeviceMesh]) -> DeviceMesh:
+    """Sub-meshes of one root mesh stacked as the dims of one mesh, in the given order (a transpose when
+    reordered); reuses their groups. torch 2.13's private ``DeviceMesh._concatenate``."""
+    return DeviceMesh._concatenate(meshes)

@@ -15,6 +15,20 @@ divided by the number of valid tokens of the whole global batch (counted by the 
 sharding, over the data-parallel ranks only). torchtitan sums that over the dp x cp "loss" mesh for
 the log, and FSDP (which with CP spans dp_shard x cp) sums gradients with divide factor 1, so both
 the logged loss and the gradients are the full-sequence mean, as at CP = 1.
+
+Note [Ulysses in torchtitan]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``[cp_dtensor] ulysses_degree = U`` splits the P = context_parallel_degree CP ranks into a (U, R = P / U)
+mesh for ``ring_attention`` (Note [Ulysses x ring] in ulysses.py): heads all-to-all over U, ring over R.
+``ulysses_mesh`` makes U the fast-varying dim of the CP group, mesh[u, r] = CP rank r * U + u, so a
+Ulysses group is U consecutive CP ranks -- on a cluster, whose CP ranks fill a node before the next,
+the all-to-all stays inside a node and only the ring crosses nodes. ring_attention's contract is that
+mesh rank (u, r) holds the 1-D layout shard of its row-major index p = u * R + r, which is *not* its CP
+rank r * U + u; so ``shard_cp_batch`` shards inputs, labels, positions and mask ids by
+``ulysses_shard_index`` = p (the same permutation of shards for every layout; the loss, a sum over all
+tokens, does not care which rank holds which shard). Heads: TP splits Hq first, each Ulysses rank
+then takes (Hq / TP) / U of a TP rank's heads, so U must divide Hq / TP (checked at start,
+config.check_job_config); K/V heads follow Note [GQA under Ulysses].
 """
 
 from __future__ import annotations
@@ -24,13 +38,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from .._compat import mesh_concatenate, mesh_unflatten
 from ..layout import check_seq_len, local_positions, shard_tensor
 from ..ring import ring_attention
 from .flex import RingMask, shard_masks
 
-__all__ = ["RingAttention", "shard_cp_batch"]
+__all__ = ["RingAttention", "shard_cp_batch", "ulysses_mesh", "ulysses_shard_index"]
 
 
 class RingAttention(nn.Module):
@@ -42,10 +58,11 @@ class RingAttention(nn.Module):
     it is read at every call (FSDP swaps the parameter object) and is not a submodule.
     """
 
-    def __init__(self, *, group: dist.ProcessGroup, layout: str, comm_dtype: torch.dtype | None = None,
-                 mask_key: str | None = None, sinks_of: nn.Module | None = None):
+    def __init__(self, *, group: dist.ProcessGroup | DeviceMesh, layout: str, comm_dtype: torch.dtype | None = None,
+                 mask_key: str | None = None, sinks_of: nn.Module | None = None, kv_exchange: str = "ring"):
         super().__init__()
         self.group, self.layout, self.comm_dtype = group, layout, comm_dtype  # comm_dtype None: K/V travel as they are
+        self.kv_exchange = kv_exchange  # group: a process group, or a 2-D (U, R) mesh (Note [Ulysses in torchtitan])
         self.mask_key = mask_key
         object.__setattr__(self, "_sinks_of", sinks_of)  # a reference, not a child module
 
@@ -76,6 +93,7 @@ class RingAttention(nn.Module):
         out = ring_attention(
             q, k, v, group=self.group, layout=self.layout, is_causal=is_causal, scale=scale,
             comm_dtype=self.comm_dtype, document_ids=ids, window_size=window, sinks=sinks,
+            kv_exchange=self.kv_exchange,
         )  # out: [B, Hq, S_local, Dv]
         if tp_heads is not None:
             out = DTensor.from_local(out, *tp_heads, run_check=False)
@@ -91,7 +109,12 @@ class RingAttention(nn.Module):
     def extra_repr(self) -> str:
         extra = "" if self.mask_key is None else f", mask_key={self.mask_key!r}"
         extra += "" if self._sinks_of is None else ", sinks"
-        return f"layout={self.layout!r}, cp={dist.get_world_size(self.group)}, comm_dtype={self.comm_dtype}{extra}"
+        if isinstance(self.group, DeviceMesh):
+            cp = f"cp={self.group.size()} (ulysses={self.group.size(0)} x ring={self.group.size(1)})"
+        else:
+            cp = f"cp={dist.get_world_size(self.group)}"
+        extra += "" if self.kv_exchange == "ring" else f", kv_exchange={self.kv_exchange!r}"
+        return f"layout={self.layout!r}, {cp}, comm_dtype={self.comm_dtype}{extra}"
 
 
 def _tp_head_sharding(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
@@ -117,6 +140,21 @@ def _tp_head_sharding(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     return q.device_mesh, q.placements
 
 
+def ulysses_mesh(cp_mesh: DeviceMesh, ulysses: int) -> DeviceMesh:
+    """The (ulysses, ring) mesh of the CP group ``cp_mesh`` (1-D, P ranks): mesh[u, r] = CP rank r * U + u
+    (Note [Ulysses in torchtitan]). Every rank must call it (it makes process groups)."""
+    world = cp_mesh.size()
+    ring_major = mesh_unflatten(cp_mesh, (world // ulysses, ulysses), ("cp_ring", "cp_ulysses"))  # [r, u] = r * U + u
+    out = mesh_concatenate([ring_major["cp_ulysses"], ring_major["cp_ring"]])  # [u, r] = r * U + u
+    assert out.mesh.tolist() == cp_mesh.mesh.reshape(-1, ulysses).T.tolist(), "ulysses mesh order"
+    return out
+
+
+def ulysses_shard_index(cp_rank: int, world: int, ulysses: int) -> int:
+    """The 1-D shard index p = u * R + r that CP rank r * U + u holds (Note [Ulysses in torchtitan])."""
+    return (cp_rank % ulysses) * (world // ulysses) + cp_rank // ulysses
+
+
 def shard_cp_batch(
     inputs: torch.Tensor,
     labels: torch.Tensor,
@@ -126,15 +164,18 @@ def shard_cp_batch(
     load_balancer_type: str | None = None,
     *,
     layout: str,
+    ulysses: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
     """This CP rank's share of a batch; see Note [CP batch and positions].
 
     Same signature as torchtitan's ``prepare_context_parallel_input`` (whose place it takes), plus
-    ``layout``; ``load_balancer_type`` is ignored: the layout decides the balance.
+    ``layout`` and ``ulysses`` (the U of Note [Ulysses in torchtitan]: the shard is then that of
+    ``ulysses_shard_index``); ``load_balancer_type`` is ignored: the layout decides the balance.
     inputs, labels: [B, N] -> [B, S_local]; adds extra_kwargs["positions"]: [1, S_local]; the ids of
     extra_kwargs["attention_masks"] (RingMask or a dict of them): [B, N] -> [B, S_local].
     """
     rank, world = cp_mesh.get_local_rank(), cp_mesh.size()
+    rank = ulysses_shard_index(rank, world, ulysses)  # this rank's 1-D shard index; = rank when ulysses == 1
     seq_len = inputs.shape[1]
     # e.g. a validation seq_len that the start-up check did not see
     check_seq_len(layout, world, seq_len, fix="Change [training]/[validation] seq_len.")

@@ -14,6 +14,7 @@ from ..layout import LAYOUTS, layout_unit
 
 __all__ = ["COMM_DTYPES", "FAMILIES", "CPDTensor", "JobConfig", "check_job_config", "cp_section"]
 
+KV_EXCHANGES = ("ring", "allgather")  # [cp_dtensor] kv_exchange values, as ring_attention(kv_exchange=...) takes them
 FAMILIES = ("llama3", "qwen3", "deepseek_v3", "llama4", "gpt_oss")  # torchtitan 0.2.2 model names the plugin serves
 
 COMM_DTYPES = {  # [cp_dtensor] comm_dtype -> the K/V ring payload dtype (see Note [float8 ring payload])
@@ -35,6 +36,12 @@ class CPDTensor:
     comm_dtype: str | None = None
     """dtype of the K/V blocks on the ring, e.g. "float8_e4m3fn" (about half of bf16's bytes); unset: the input dtype."""
 
+    ulysses_degree: int = 1
+    """U: heads all-to-all over U CP ranks, ring over the other CP / U (Note [Ulysses x ring]); must divide the CP degree."""
+
+    kv_exchange: str = "ring"
+    """How K/V reach every rank of the ring: "ring" (P - 1 hops) or "allgather" (one gather; Note [All-gather K/V])."""
+
     def __post_init__(self):
         if self.layout not in LAYOUTS:
             raise ValueError(
@@ -47,6 +54,12 @@ class CPDTensor:
                 f'got {self.comm_dtype!r}. Set e.g. comm_dtype = "float8_e4m3fn" in the TOML, pass '
                 "--cp_dtensor.comm_dtype float8_e4m3fn, or remove the key."
             )
+        if not isinstance(self.ulysses_degree, int) or self.ulysses_degree < 1:
+            raise ValueError(f"[cp_dtensor] ulysses_degree must be an integer >= 1; got {self.ulysses_degree!r}. "
+                             "Set ulysses_degree = 1 (ring only) or a divisor of context_parallel_degree.")
+        if self.kv_exchange not in KV_EXCHANGES:
+            raise ValueError(f"[cp_dtensor] kv_exchange must be one of {', '.join(KV_EXCHANGES)}; got "
+                             f'{self.kv_exchange!r}. Set kv_exchange = "ring" (or "allgather") in the TOML.')
 
     @property
     def comm_torch_dtype(self) -> torch.dtype | None:
@@ -90,6 +103,7 @@ def check_job_config(job_config: Any, world_size: int) -> None:
             f"context_parallel_degree ({cp}) must divide the number of ranks ({world_size}). "
             f"Launch a multiple of {cp} ranks or change [parallelism] context_parallel_degree."
         )
+    _check_ulysses(job_config, cp, tp)
     if cp == 1:
         return
     layout = cp_section(job_config).layout
@@ -134,6 +148,42 @@ def check_job_config(job_config: Any, world_size: int) -> None:
             "cp_dtensor context parallelism does not support: " + "; ".join(unsupported)
             + ". Turn these off or set context_parallel_degree = 1."
         )
+
+
+def _check_ulysses(job_config: Any, cp: int, tp: int) -> None:
+    # See Note [Ulysses in torchtitan] (attention.py): TP splits the query heads first, then the U ranks of a Ulysses group split
+    # each TP rank's Hq / TP heads, so U must divide Hq / TP (K/V heads need no rule: Note [GQA under Ulysses]).
+    section = getattr(job_config, "cp_dtensor", None)
+    ulysses = 1 if section is None else section.ulysses_degree
+    if ulysses == 1:
+        return
+    if cp % ulysses != 0:
+        raise ValueError(
+            f"[cp_dtensor] ulysses_degree ({ulysses}) must divide context_parallel_degree ({cp}): CP runs as "
+            f"ulysses_degree x ring ranks. Set context_parallel_degree = a multiple of {ulysses} (e.g. "
+            f"{ulysses * max(1, cp // ulysses)}) or ulysses_degree = a divisor of {cp}."
+        )
+    name, flavor = job_config.model.name, job_config.model.flavor
+    if name not in FAMILIES:
+        return  # refused below with the families the plugin serves
+    _attn_type(name, flavor)  # raises for an unknown flavor
+    args = _flavor_args(name, flavor)
+    n_heads = getattr(args, "n_heads", None)
+    if n_heads is None or n_heads % tp != 0:
+        return  # torchtitan's TP refuses heads it cannot split
+    if (n_heads // tp) % ulysses != 0:
+        raise ValueError(
+            f"[cp_dtensor] ulysses_degree ({ulysses}) must divide the query heads each TP rank holds: "
+            f"{name} {flavor} has n_heads = {n_heads}, tensor_parallel_degree = {tp}, so {n_heads // tp} heads "
+            f"per TP rank. Use a ulysses_degree that divides {n_heads // tp}"
+            + (", or a smaller tensor_parallel_degree." if tp > 1 else ".")
+        )
+
+
+def _flavor_args(family: str, flavor: str):
+    import importlib
+
+    return importlib.import_module(f"torchtitan.models.{family}").get_train_spec().model_args[flavor]
 
 
 def _attn_type(family: str, flavor: str) -> str:

@@ -51,7 +51,7 @@ import torch.distributed as dist
 from torch import nn
 from torchtitan.tools.logging import logger
 
-from .attention import RingAttention
+from .attention import RingAttention, ulysses_mesh
 from .config import CPDTensor
 from .flex import ring_masks
 
@@ -89,13 +89,19 @@ def apply_ring_attention(model: nn.Module, cp_mesh, cfg: CPDTensor) -> nn.Module
             f'cp_dtensor supports attn_type "sdpa" and "flex"; this model flavor uses "{attn_type}". Pick an SDPA '
             'or flex flavor (e.g. "debugmodel", "debugmodel_flex_attn") or set context_parallel_degree = 1.'
         )
-    group = cp_mesh.get_group() if cp_mesh is not None else _single_rank_group()
+    if cp_mesh is None:
+        group = _single_rank_group()
+    elif cfg.ulysses_degree > 1:  # (U, R) mesh, U fast-varying in the CP group: Note [Ulysses in torchtitan]
+        group = ulysses_mesh(cp_mesh, cfg.ulysses_degree)
+    else:
+        group = cp_mesh.get_group()
     for attn in attention_modules(model):
         mask_key = None
         if attn_type == "flex" and hasattr(attn, "use_rope"):  # llama4 passes its whole {"rope", "nope"} dict
             mask_key = "rope" if attn.use_rope else "nope"
         attn.inner_attention = RingAttention(
             group=group, layout=cfg.layout, comm_dtype=cfg.comm_torch_dtype, mask_key=mask_key,
+            kv_exchange=cfg.kv_exchange,
             sinks_of=attn if isinstance(getattr(attn, "sinks", None), nn.Parameter) else None,
         )
     if attn_type == "flex":

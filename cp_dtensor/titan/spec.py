@@ -53,6 +53,7 @@ from typing import Any
 
 import torch.nn as nn
 import torchtitan.distributed.context_parallel as titan_cp
+from torch.distributed.device_mesh import DeviceMesh
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.tools.logging import logger
 
@@ -95,11 +96,14 @@ def _ring_in_place(attention_modules, cp_mesh, attention_type: str) -> None:
     assert all(isinstance(m, RingAttention) for m in attention_modules), "ring attention was not attached"
     first = attention_modules[0]
     payload = "as the input dtype" if first.comm_dtype is None else f"comm_dtype={str(first.comm_dtype)[6:]}"
-    logger.info(f"Applied cp_dtensor ring attention (layout={first.layout}) to the model; K/V ring payload {payload}")
+    ulysses = f", ulysses={first.group.size(0)} x ring={first.group.size(1)}" if isinstance(first.group, DeviceMesh) else ""
+    exchange = "" if first.kv_exchange == "ring" else f", kv_exchange={first.kv_exchange}"
+    logger.info(f"Applied cp_dtensor ring attention (layout={first.layout}{ulysses}{exchange}) to the model; "
+                f"K/V ring payload {payload}")
 
 
-def _bind_batch_sharding(layout: str) -> None:
-    bound = functools.partial(shard_cp_batch, layout=layout)
+def _bind_batch_sharding(layout: str, ulysses: int = 1) -> None:
+    bound = functools.partial(shard_cp_batch, layout=layout, ulysses=ulysses)
     bound._cp_dtensor = True
     n_bound = 0
     for module in list(sys.modules.values()):
@@ -136,7 +140,7 @@ def parallelize_with_ring(model: nn.Module, parallel_dims, job_config, *, titan_
             apply_ring_attention(model, parallel_dims.get_mesh("cp") if parallel_dims.cp_enabled else None, section)
             stack.enter_context(_cp_hidden(job_config))
         if parallel_dims.cp_enabled:
-            _bind_batch_sharding(section.layout)
+            _bind_batch_sharding(section.layout, section.ulysses_degree)
             if hasattr(titan_module, TITAN_CP_STEP):
                 stack.enter_context(_swapped(titan_module, TITAN_CP_STEP, _ring_in_place))
             else:  # gpt_oss: its parallelize has no CP step
