@@ -7,6 +7,7 @@ torch import it inside their handler.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
@@ -55,6 +56,10 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mem-budget-gib", type=float, help="per-rank memory budget (GiB): report the smallest CP that fits")
     p.add_argument("--reserved-gib", type=float, default=0.0, help="per-rank memory not modelled (weights, optimizer, ...)")
     p.add_argument("--max-cp", type=int, default=4096, help="largest CP the budget search tries (default 4096)")
+    p.add_argument("--island", type=int, help="compare K/V exchanges (ring, allgather, U x R): ranks per fast "
+                   "island (a node's NVLink); needs --intra-gbps, --inter-gbps, --tflops")
+    p.add_argument("--intra-gbps", type=float, help="per-rank link inside an island, GB/s (with --island)")
+    p.add_argument("--inter-gbps", type=float, help="per-rank link between islands, GB/s (with --island)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.set_defaults(func=_cmd_plan)
 
@@ -87,9 +92,51 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         cp = _plan.smallest_cp(_plan.PlanInput(cp=1, **fields), mem_budget_gib=args.mem_budget_gib, max_cp=args.max_cp)
         if cp is None:
             raise ValueError(f"no CP up to {args.max_cp} fits {args.mem_budget_gib} GiB per rank.")
-    result = _plan.make_plan(_plan.PlanInput(cp=cp, **fields), mem_budget_gib=args.mem_budget_gib, max_cp=args.max_cp)
-    print(json.dumps(result.to_dict()) if args.json else format_plan(result))
+    inp = _plan.PlanInput(cp=cp, **fields)
+    result = _plan.make_plan(inp, mem_budget_gib=args.mem_budget_gib, max_cp=args.max_cp)
+    exchanges = best = None
+    if args.island is not None or args.intra_gbps is not None or args.inter_gbps is not None:
+        if None in (args.island, args.intra_gbps, args.inter_gbps):
+            raise ValueError("comparing K/V exchanges needs all of --island, --intra-gbps and --inter-gbps.")
+        exchanges = _plan.compare_exchanges(inp, island=args.island, intra_gbps=args.intra_gbps,
+                                            inter_gbps=args.inter_gbps)
+        best = _plan.recommend(exchanges, mem_budget_gib=args.mem_budget_gib)
+    if args.json:
+        d = result.to_dict()
+        if exchanges is not None:
+            d["exchanges"] = [dataclasses.asdict(x) | {"total_s": x.total_s} for x in exchanges]
+            d["recommended"] = None if best is None else best.name
+        print(json.dumps(d))
+    else:
+        print(format_plan(result))
+        if exchanges is not None:
+            print()
+            print(format_exchanges(inp, exchanges, best, args))
     return 0
+
+
+def format_exchanges(inp: _plan.PlanInput, exchanges: list, best, args: argparse.Namespace) -> str:
+    """The K/V exchange comparison: one row per way to move K/V (Note [Plan exchanges] in plan.py)."""
+    out = [
+        f"K/V exchanges on {inp.cp} ranks, islands of {args.island} at {args.intra_gbps:g} GB/s, "
+        f"{args.inter_gbps:g} GB/s between, {inp.tflops:g} TFLOP/s (per rank per layer, fwd+bwd)",
+        "  exchange         bytes sent      memory      compute/comm  est. time    exposed comm",
+    ]
+    for x in exchanges:
+        ratio = "-" if x.compute_over_comm is None else f"{x.compute_over_comm:.2f}"
+        mark = "  <- recommended" if best is not None and x is best else ""
+        out.append(
+            f"  {x.name:<16} {(x.fwd_bytes + x.bwd_bytes) / (1 << 20):>9,.1f} MiB  {x.memory_total / (1 << 30):>7.2f} GiB"
+            f"  {ratio:>12}  {_secs(x.total_s):>11}  {_secs(x.exposed_s):>11}{mark}"
+        )
+    if best is None:
+        out.append(f"  none fits {args.mem_budget_gib:g} GiB per rank")
+    elif best.ulysses > 1:
+        out.append(
+            f"  run it: ring_attention(..., group=mesh, kv_exchange={best.kv_exchange!r}) with a ({best.ulysses}, "
+            f"{best.ring}) mesh whose Ulysses dim stays inside an island (see Note [Plan exchanges])"
+        )
+    return "\n".join(out)
 
 
 def _bytes(n: float) -> str:
