@@ -64,6 +64,7 @@ __all__ = [
     "shard_tensor",
     "unshard_tensor",
     "step_block",
+    "pairs_upto",
     "block_pairs",
     "step_pairs",
     "FP8_SCALE_BYTES",
@@ -187,15 +188,27 @@ def step_block(layout: str, *, rank: int, src: int, world: int, s_local: int, is
     return Block(slice(c, None), slice(None), False)
 
 
+def pairs_upto(h: int, nq: int, nk: int) -> int:
+    """Kept (query, key) pairs of an nq x nk rectangle whose mask keeps column c of row r iff c - r <= h:
+    #{(r, c) in [0, nq) x [0, nk): c - r <= h} = sum over r of clamp(r + h + 1, 0, nk). h = 0 is the
+    top-left causal mask; masks.py counts its bands with it too."""
+
+    def tri(t: int) -> int:  # sum of clamp(x, 0, nk) for x <= t
+        if t <= 0:
+            return 0
+        if t <= nk:
+            return t * (t + 1) // 2
+        return nk * (nk + 1) // 2 + (t - nk) * nk
+
+    return tri(h + nq) - tri(h)
+
+
 def block_pairs(blk: Block | None, s_local: int) -> int:
     """(query, key) pairs ``blk`` keeps on a q block and a K/V block of ``s_local`` rows each."""
     if blk is None:
         return 0
     rows, cols = len(range(s_local)[blk.q_rows]), len(range(s_local)[blk.kv_rows])
-    if not blk.causal:
-        return rows * cols
-    m = min(rows, cols)  # top-left causal: row i keeps min(i + 1, cols) keys
-    return m * (m + 1) // 2 + (rows - m) * cols
+    return pairs_upto(0, rows, cols) if blk.causal else rows * cols
 
 
 def step_pairs(layout: str, *, rank: int, src: int, s_local: int, causal: bool = True) -> int:

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .layout import check_layout
+from .layout import check_layout, pairs_upto
 
 __all__ = ["Rect", "Run", "band_rects", "segments", "block_rects", "mask_bounds", "runs", "steps_needed", "kept_pairs"]
 
@@ -131,21 +131,8 @@ class Rect:
         """Kept pairs in the rectangle (closed form)."""
         nq, nk = self.q1 - self.q0, self.k1 - self.k0
         lo, hi = self.band
-        upto = _pairs_upto  # pairs with col - row <= h
+        upto = pairs_upto  # pairs with col - row <= h (layout.py)
         return (nq * nk if hi is None else upto(hi, nq, nk)) - (0 if lo is None else upto(lo - 1, nq, nk))
-
-
-def _pairs_upto(h: int, nq: int, nk: int) -> int:
-    """#{(r, c) in [0, nq) x [0, nk): c - r <= h} = sum over r of clamp(r + h + 1, 0, nk)."""
-
-    def tri(t: int) -> int:  # sum of clamp(x, 0, nk) for x <= t
-        if t <= 0:
-            return 0
-        if t <= nk:
-            return t * (t + 1) // 2
-        return nk * (nk + 1) // 2 + (t - nk) * nk
-
-    return tri(h + nq) - tri(h)
 
 
 def _ceil_div(a: int, b: int) -> int:
