@@ -6,11 +6,10 @@ The K/V blocks that travel are the one place where CP adds communication. With
 ``comm_dtype=torch.float8_e4m3fn`` (or ``float8_e5m2``) each row of each head of K and V -- D values --
 is scaled by a power of two chosen with torchao's float8 scaling utilities (axiswise amax -> scale,
 rounded down to a power of two) and saturated to float8. Only the scale's exponent travels, as one
-int8 per row, so the message is
-
-    2 * B * Hkv * S * (D + 1) bytes      vs  2 * B * Hkv * S * D * itemsize unquantized,
-
-a ratio of (D + 1) / (2 D) for bf16 inputs (0.508 at D = 64, 0.504 at D = 128). A power-of-two
+int8 per row (``layout.FP8_SCALE_BYTES``), so a row costs D + 1 bytes instead of D * itemsize
+(``layout.payload_bytes``, the one statement of the message size; the planner charges it, and
+tests/test_plan.py checks it against ``encode_kv``'s buffer): (D + 1) / (2 D) of the bf16 bytes
+(0.508 at D = 64, 0.504 at D = 128). A power-of-two
 scale loses no precision (it only moves the exponent), so a row's relative error is float8's own:
 2^-4 for e4m3. The receiving rank dequantizes into the input dtype before the block's kernel.
 
