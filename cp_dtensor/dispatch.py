@@ -34,20 +34,22 @@ The kernel choice (``_fused_sdp_choice``) is a C++ stub, not an op, and the math
 by one, and DTensor would all-gather K and V -- silently, no ring. So both composite ops are caught
 before they decompose, wherever they show up:
 
-* with autograd on, the math op's AutogradCPU and AutogradCUDA kernels are ``_math_autograd`` (a
-  ``torch.library`` registration on the runtime keys, which outrank the composite kernel; removed by
-  ``uninstall_sdpa_handlers``): plain tensors and DTensors
-  that are not sequence-sharded get the composite decomposition exactly as before;
+* outside inference mode (``no_grad`` included), the math op's AutogradCPU and AutogradCUDA kernels
+  are ``_math_autograd``: a ``torch.library`` registration on the runtime keys, which outrank the
+  composite kernel, removed by ``uninstall_sdpa_handlers``. Plain tensors and DTensors that are not
+  sequence-sharded get the composite decomposition exactly as before;
 * under ``torch.inference_mode`` composite ops reach DTensor's dispatcher itself, so
   ``scaled_dot_product_attention`` and the math op get DTensor handlers too.
 
 A sequence-sharded call is then re-issued as ``_scaled_dot_product_flash_attention_for_cpu`` on the
 same DTensors. Its handler is the one above, whatever the device (the CPU kernel is never reached: the
 DTensor handler replaces it), and its autograd formula calls the ``_backward`` op that the same handler
-serves. So every backend choice runs the ring or raises the handler's ValueError (a mask, dropout --
-``dropout_mask`` too --, Hq != Hkv without ``enable_gqa``), on every rank before any collective. The
+serves. So every backend choice runs the ring or raises the handler's ValueError (a mask, dropout or a
+``dropout_mask``, Hq != Hkv without ``enable_gqa``) on every rank before any collective. The
 math op's second result (the attention weights, which a sequence-sharded call cannot have) is an
-empty placeholder; ``F.scaled_dot_product_attention`` never returns it.
+empty placeholder; ``F.scaled_dot_product_attention`` never returns it. Tests: tests/test_cuda_paths.py
+(CPU: ``sdpa_kernel(MATH)``, ``no_grad``, inference mode, dropout, masks); scripts/gpu_check.py (every
+CUDA backend choice).
 """
 
 from __future__ import annotations
