@@ -141,7 +141,7 @@ def timing(s_local: int, iters: int, shape, world: int = 2) -> dict:
             base[layout] = rec
         res[name] = rec
     block = 2 * shape[0] * s_local * shape[3] * shape[2] * 4
-    for name, layout, length, window in CASES:
+    for name, layout, _length, window in CASES:
         rec, ref = res[name], base[layout if window is None else layout]
         it_ratio = statistics.median(a / b for a, b in zip(rec["ring"], ref["ring"]))
         rec.update(time_vs_causal=it_ratio, pairs_vs_causal=rec["kept_pairs"] / ref["kept_pairs"],

@@ -201,7 +201,7 @@ def _paired_rank(rank, world, sizes, layouts, shape, dtype, iters):
         full = tuple(_qkv(shape, s * world, dtype, seed=0)) if rank == 0 else None
         qs, ks, vs = q[:, :, 1:], k[:, :, :-1], v[:, :, :-1]  # the striped shift's strictly causal block
         r = dict(ring={lay: [] for lay in layouts}, ideal=[], together=[], alone=[], full=[], strict=[])
-        for i in range(iters + 1):  # the first is the warm-up
+        for _ in range(iters + 1):  # the first is the warm-up
             for layout in layouts:
                 dist.barrier()
                 t0 = time.perf_counter()

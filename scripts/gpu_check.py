@@ -528,7 +528,7 @@ def check_overhead(args, device, n):
     for layout in args.layouts:
         qs, ks, vs, dos = _shards((q, k, v, do), layout, args.sim_world)
 
-        def ring():
+        def ring(qs=qs, ks=ks, vs=vs, dos=dos):  # bound now: the loop deletes its names below
             outs, lses = ring_forward_sim(qs, ks, vs, layout=layout, scale=scale)
             ring_backward_sim(dos, qs, ks, vs, outs, lses, layout=layout, scale=scale)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 
 def make_qkv(seed: int, b: int, hq: int, hkv: int, n: int, d: int, *, scale: float = 1.0):

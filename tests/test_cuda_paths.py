@@ -16,7 +16,6 @@ import torch.distributed as dist
 
 import cp_dtensor
 import cp_dtensor.kernels as kernels
-import cp_dtensor.ring as ring
 from cp_dtensor.layout import shard_tensor
 from _dist import run_ranks
 from _ref import abs_rel_err, masked_reference

@@ -103,8 +103,8 @@ def test_report_merges_ranks_and_shows_failures():
 def test_watch_syncs_collects_sync_warnings():
     gc = _module()
     with gc.watch_syncs(False) as seen:
-        warnings.warn("called a synchronizing CUDA operation")
-        warnings.warn("something else")
+        warnings.warn("called a synchronizing CUDA operation", stacklevel=1)
+        warnings.warn("something else", stacklevel=1)
     assert len(seen) == 1 and "synchronizing" in seen[0]
 
 

@@ -9,7 +9,6 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from _dist import run_ranks

@@ -33,7 +33,7 @@ def _parse(config: Path, *overrides: str):
 
 def test_cp_dtensor_section_without_config_module_stops_the_parse(tmp_path):
     toml = tmp_path / "no_config_module.toml"
-    toml.write_text("\n".join(l for l in CONFIG.read_text().splitlines() if "custom_config_module" not in l))
+    toml.write_text("\n".join(line for line in CONFIG.read_text().splitlines() if "custom_config_module" not in line))
     with pytest.raises(ValueError, match=r"Invalid field names .*'cp_dtensor'"):
         _parse(toml)
 
