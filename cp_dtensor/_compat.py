@@ -52,12 +52,12 @@ from typing import Any
 import torch
 from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
 from torch.distributed.tensor._sharding_prop import LocalLRUCache
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
 from torch.distributed.tensor.placement_types import _StridedShard, _StridedShardOffsetMode
 from torch.utils._python_dispatch import TorchDispatchMode
 

@@ -83,8 +83,8 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceSt
 from torch.distributed.tensor import DTensor, Replicate
 
 from . import _manifest
-from ._compat import compute_local_shape_and_global_offset
 from ._agree import agreed, dcp_call, rank_world
+from ._compat import compute_local_shape_and_global_offset
 from ._manifest import CheckpointError, CheckpointExistsError
 from .placement import as_layout_placements, placement_layout
 from .relayout import _box_placements, _layout_moves, relayout

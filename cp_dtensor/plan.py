@@ -73,7 +73,7 @@ import math
 import re
 from dataclasses import asdict, dataclass, field, replace
 
-from . import masks, wire
+from . import masks
 from .layout import check_layout, check_seq_len, layout_unit, payload_bytes, step_pairs
 
 __all__ = [

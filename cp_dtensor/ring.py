@@ -101,8 +101,13 @@ from .comm import RingComm, gather_ids, host_group, join_bytes, split_bytes, unp
 from .layout import step_block
 from .masks import flat_runs, has_pairs, mask_bounds, runs, steps_needed
 from .ops import (
-    after, block_attn, block_attn_backward_into_, masked_block_attn, masked_block_attn_backward,
-    masked_block_attn_merge_, merge_,
+    after,
+    block_attn,
+    block_attn_backward_into_,
+    masked_block_attn,
+    masked_block_attn_backward,
+    masked_block_attn_merge_,
+    merge_,
 )
 from .payload import decode_kv, encode_kv
 

@@ -23,11 +23,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _bench_dist import run_ranks  # noqa: E402
-from _bench_mem import _libc_live_memory, peak_since, reset_peak, search_max  # noqa: E402
-
 import cp_dtensor  # noqa: E402
 import cp_dtensor.ring as ring  # noqa: E402
+from _bench_dist import run_ranks  # noqa: E402
+from _bench_mem import _libc_live_memory, peak_since, reset_peak, search_max  # noqa: E402
 
 
 def _rank(rank, world, s_local, shape, baseline):

@@ -27,12 +27,11 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _bench_dist import run_ranks  # noqa: E402
-
 import cp_dtensor  # noqa: E402
 from cp_dtensor.debug import CommBytes  # noqa: E402
 from cp_dtensor.layout import shard_tensor  # noqa: E402
 from cp_dtensor.masks import block_rects, kept_pairs, mask_bounds, runs, segments  # noqa: E402
+from _bench_dist import run_ranks  # noqa: E402
 
 CASES = [  # name, layout, documents (mean length, None: none), window
     ("causal striped", "striped", None, None),

@@ -36,14 +36,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
+from tqdm import tqdm  # noqa: E402
+
 import cp_dtensor  # noqa: E402
 from cp_dtensor.comm import RingComm  # noqa: E402
 from cp_dtensor.debug import CommBytes  # noqa: E402
 from cp_dtensor.layout import step_block  # noqa: E402
 from cp_dtensor.ops import block_attn, block_attn_backward  # noqa: E402
 from cp_dtensor.plan import PlanInput, memory_bytes  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
 import _bench_mem as mem  # noqa: E402
 import _bench_report as report  # noqa: E402
 import _bench_work as work  # noqa: E402

@@ -18,21 +18,28 @@ from unittest import mock
 
 import pytest
 import torch
-from safetensors import safe_open
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from _dist import RankFailure, run_ranks
 from cp_dtensor.checkpoint import (
-    CheckpointError, CheckpointExistsError, export_hf_safetensors, latest_checkpoint, load_hf_safetensors,
-    load_sequence_sharded, relayout, save_checkpoint, save_sequence_sharded,
+    CheckpointError,
+    CheckpointExistsError,
+    export_hf_safetensors,
+    latest_checkpoint,
+    load_hf_safetensors,
+    load_sequence_sharded,
+    relayout,
+    save_checkpoint,
+    save_sequence_sharded,
 )
 from cp_dtensor.placement import HeadTail, sequence_placement, shard_sequence
+from _dist import RankFailure, run_ranks
 
 LAYOUTS = ("striped", "headtail", "contiguous")
 SHAPE, SEQ_DIM = (2, 2, 32, 4), 2  # a KV cache: [B, Hkv, N, D], sharded along N
@@ -421,10 +428,11 @@ def test_latest_checkpoint_skips_malformed_steps(tmp_path):
 # ---- HF safetensors export of llama3 weights, loaded back at CP=1 and through the ring at CP=2 ----
 
 def _llama(seed: int):
-    import cp_dtensor.titan  # noqa: F401  (torchtitan without triton; see Note [torchtitan on CPU])
     from torchtitan.models.llama3.model.args import TransformerModelArgs
     from torchtitan.models.llama3.model.model import Transformer
     from torchtitan.models.llama3.model.state_dict_adapter import Llama3StateDictAdapter
+
+    import cp_dtensor.titan  # noqa: F401  (torchtitan without triton; see Note [torchtitan on CPU])
 
     args = TransformerModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, max_seq_len=64,
                                 rope_theta=500000)

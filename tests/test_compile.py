@@ -227,6 +227,7 @@ def _compile_p2(rank, world):
 
     # 4. F.scaled_dot_product_attention on sequence-sharded DTensors (the SDPA dispatch rule).
     from torch.distributed.device_mesh import init_device_mesh
+
     from cp_dtensor.placement import full_tensor
 
     mesh = init_device_mesh("cpu", (world,))

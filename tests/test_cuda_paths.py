@@ -236,8 +236,8 @@ def _math_cases(rank, world):
     from torch.distributed.tensor.debug import CommDebugMode
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from _ref import make_qkv, reference, rel_err
     from cp_dtensor.placement import full_tensor, shard_sequence
+    from _ref import make_qkv, reference, rel_err
 
     mesh = init_device_mesh("cpu", (world,))
     ring = {"all_to_all_single": world - 1}

@@ -9,11 +9,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 
-from _dist import run_ranks
-from _ref import make_qkv, reference, rel_err
-
 import cp_dtensor.dispatch as dispatch
 from cp_dtensor.placement import full_tensor, sequence_placement, shard_sequence
+from _dist import run_ranks
+from _ref import make_qkv, reference, rel_err
 
 LAYOUTS = ("striped", "headtail", "contiguous")
 TOL = 1e-5  # fp32 against float64, relative to the largest magnitude

@@ -31,8 +31,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from test_titan import CONFIG, _from_seed, _losses, _parse, _torchrun, seed_ckpt  # noqa: F401  (fixture)
 from _dist import run_ranks
+from test_titan import CONFIG, _from_seed, _losses, _parse, _torchrun, seed_ckpt  # noqa: F401  (fixture)
 
 F8 = ["--model.converters", "quantize.linear.float8", "--quantize.linear.float8.recipe_name", "rowwise"]
 PAYLOAD = ["--cp_dtensor.comm_dtype", "float8_e4m3fn"]

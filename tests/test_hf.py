@@ -18,7 +18,13 @@ transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
 from transformers import (  # noqa: E402
-    GptOssConfig, GptOssForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen3Config,
+    GptOssConfig,
+    GptOssForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen3Config,
     Qwen3ForCausalLM,
 )
 

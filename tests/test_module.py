@@ -12,10 +12,10 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.debug import CommDebugMode
 
-from _dist import run_ranks
-from _ref import rel_err
 from cp_dtensor.dispatch import install_sdpa_handlers
 from cp_dtensor.module import apply_context_parallel, reduce_gradients, shard_batch, unshard_sequence
+from _dist import run_ranks
+from _ref import rel_err
 
 TOL = 1e-5  # fp32, relative to the largest magnitude
 

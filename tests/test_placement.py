@@ -8,11 +8,16 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from _dist import run_ranks
 from cp_dtensor.placement import (
-    HeadTail, Striped, full_tensor, install_headtail_propagation, sequence_placement, shard_sequence,
+    HeadTail,
+    Striped,
+    full_tensor,
+    install_headtail_propagation,
+    sequence_placement,
+    shard_sequence,
 )
 from cp_dtensor.relayout import to_mesh
+from _dist import run_ranks
 
 LAYOUTS = ("striped", "headtail", "contiguous")
 

@@ -11,7 +11,8 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import cp_dtensor
 from cp_dtensor.debug import CommBytes

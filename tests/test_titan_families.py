@@ -28,7 +28,8 @@ if importlib.util.find_spec("torchtitan") is None:
     pytest.skip("torchtitan is not installed", allow_module_level=True)
 
 from _titan_run import step_losses  # noqa: E402
-from test_titan import _losses as _titan_losses, _torchrun  # noqa: E402  one launcher for every end-to-end test
+from test_titan import _losses as _titan_losses  # noqa: E402  one launcher for every end-to-end test
+from test_titan import _torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "titan_configs"

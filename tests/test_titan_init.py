@@ -22,10 +22,9 @@ if importlib.util.find_spec("torchtitan") is None:
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+from cp_dtensor.titan._cpu import WRAPPER_NAMES, init_as_unsharded, unsharded_template, unwrapped_name  # noqa: E402
 from _dist import run_ranks  # noqa: E402
 from test_titan import _assert_close, _losses, _torchrun  # noqa: E402  one launcher for every end-to-end test
-
-from cp_dtensor.titan._cpu import WRAPPER_NAMES, init_as_unsharded, unsharded_template, unwrapped_name  # noqa: E402
 
 _slow = pytest.mark.skipif(os.environ.get("CP_DTENSOR_SLOW") != "1", reason="slow tier: set CP_DTENSOR_SLOW=1")
 _FRESH = ["--training.steps", "4"]  # no seed checkpoint: every run initialises its own weights

@@ -19,9 +19,10 @@ import torch.distributed.checkpoint as dcp
 if importlib.util.find_spec("torchtitan") is None:
     pytest.skip("torchtitan is not installed", allow_module_level=True)
 
+from torch.distributed.checkpoint import FileSystemReader  # noqa: E402
+
 import cp_dtensor.titan  # noqa: E402, F401  before any torchtitan import: see Note [torchtitan on CPU]
 from cp_dtensor.titan.resume import check_resume, checkpoint_to_resume, saved_batch_degree  # noqa: E402
-from torch.distributed.checkpoint import FileSystemReader  # noqa: E402
 from _titan_run import run_torchrun, step_losses  # noqa: E402  the one launcher for every end-to-end test
 from test_titan import _torchrun  # noqa: E402
 

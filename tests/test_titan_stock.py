@@ -22,6 +22,7 @@ if importlib.util.find_spec("torchtitan") is None:
 
 import cp_dtensor.titan  # noqa: E402, F401  before any torchtitan import: see Note [torchtitan on CPU]
 from _titan_run import CONFIG, run_torchrun  # noqa: E402  the one launcher
+
 UNSERVED = r'name = "llama3_ft" \(cp_dtensor serves llama3, qwen3, deepseek_v3, llama4, gpt_oss\)'
 
 

@@ -15,9 +15,9 @@ import pytest
 if importlib.util.find_spec("torchtitan") is None:
     pytest.skip("torchtitan is not installed", allow_module_level=True)
 
-import cp_dtensor.titan  # noqa: E402, F401  before any torchtitan import: see Note [torchtitan on CPU]
 import torch  # noqa: E402
 
+import cp_dtensor.titan  # noqa: E402, F401  before any torchtitan import: see Note [torchtitan on CPU]
 from _dist import run_ranks  # noqa: E402
 
 B, HQ, HKV, S, D = 2, 4, 2, 16, 8

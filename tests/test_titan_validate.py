@@ -26,9 +26,9 @@ import pytest
 if importlib.util.find_spec("torchtitan") is None:
     pytest.skip("torchtitan is not installed", allow_module_level=True)
 
-import cp_dtensor.titan  # noqa: E402, F401  before any torchtitan import: see Note [torchtitan on CPU]
 import torch  # noqa: E402
 
+import cp_dtensor.titan  # noqa: E402, F401  before any torchtitan import: see Note [torchtitan on CPU]
 from _dist import run_ranks  # noqa: E402
 from _titan_run import REPO, torchrun  # noqa: E402  the one launcher
 

@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
+from test_masks import _random_ids
 from torch.distributed.device_mesh import init_device_mesh
 
 import cp_dtensor
@@ -19,7 +20,6 @@ from cp_dtensor.ulysses import kv_replicas, union_order
 from cp_dtensor.wire import allgather_bytes, check_bytes, ring_bytes, ulysses_bytes
 from _dist import run_ranks
 from _ref import abs_rel_err, masked_reference
-from test_masks import _random_ids
 
 TOL = {torch.float32: 2e-5, torch.float64: 1e-10}
 MESHES = [(2, 2), (1, 4), (4, 1)]

@@ -59,12 +59,20 @@ from torchtitan.tools.logging import logger
 
 from .._compat import TITAN_CP_INPUT, TITAN_CP_STEP
 from ._cpu import (
-    init_as_unsharded, unsharded_template, use_for_loop_experts, use_param_dtype, use_sum_reduction_on_gloo,
+    init_as_unsharded,
+    unsharded_template,
+    use_for_loop_experts,
+    use_param_dtype,
+    use_sum_reduction_on_gloo,
 )
 from .attention import RingAttention, shard_cp_batch
 from .config import FAMILIES, CPDTensor, check_job_config, cp_section
 from .families import (
-    apply_family_fixes, apply_ring_attention, attention_modules, tied_embedding_fsdp, tied_embedding_tp,
+    apply_family_fixes,
+    apply_ring_attention,
+    attention_modules,
+    tied_embedding_fsdp,
+    tied_embedding_tp,
 )
 from .validate import build_ring_validator
 

@@ -13,9 +13,11 @@ from __future__ import annotations
 import os
 import sys
 
+# isort: off
 from cp_dtensor.titan import check_job_config  # registers the plugin before torchtitan.train is imported
 from cp_dtensor.titan.resume import check_resume
 from torchtitan.train import Trainer, main as titan_main
+# isort: on
 
 
 class CPTrainer(Trainer):
