@@ -107,8 +107,9 @@ _FOUR_RANKS = pytest.mark.skipif(
     [
         ["--parallelism.context_parallel_degree", "4"],
         ["--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"],
+        pytest.param(["--parallelism.context_parallel_degree", "4", "--compile.enable"], marks=_FOUR_RANKS),
     ],
-    ids=["cp4", "cp2xtp2"],
+    ids=["cp4", "cp2xtp2", "cp4_compiled"],
 )
 def test_four_ranks_match_cp1(overrides, seed_ckpt, cp1_losses, tmp_path):
     _assert_close(_losses(_torchrun(4, tmp_path, *overrides, *_from_seed(seed_ckpt))), cp1_losses)
