@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from cp_dtensor.layout import local_positions, step_block
+from cp_dtensor.layout import local_positions, step_block, step_pairs
 from cp_dtensor.ops import block_attn, block_attn_backward
 from cp_dtensor.plan import PlanInput, make_plan
 
@@ -24,24 +24,10 @@ def _slice_len(sl: slice, n: int) -> int:
     return len(range(*sl.indices(n)))
 
 
-def block_pairs(layout: str, *, rank: int, src: int, world: int, s_local: int) -> int:
-    """(query, key) pairs the causal kernel call of one ring step computes, from the step's slices."""
-    blk = step_block(layout, rank=rank, src=src, world=world, s_local=s_local, is_causal=True)
-    if blk is None:
-        return 0
-    rows, cols = _slice_len(blk.q_rows, s_local), _slice_len(blk.kv_rows, s_local)
-    if not blk.causal:
-        return rows * cols
-    assert rows == cols, "causal ring blocks are square (top-left = bottom-right alignment)"
-    return rows * (rows + 1) // 2
-
-
 def work_table(layout: str, world: int, s_local: int) -> list[list[int]]:
-    """Kept pairs per (rank, step) of a causal ring, from cp_dtensor.layout.step_block."""
-    return [
-        [block_pairs(layout, rank=r, src=(r - t) % world, world=world, s_local=s_local) for t in range(world)]
-        for r in range(world)
-    ]
+    """Kept pairs per (rank, step) of a causal ring: cp_dtensor.layout.step_pairs (step_block's slices)."""
+    return [[step_pairs(layout, rank=r, src=(r - t) % world, s_local=s_local) for t in range(world)]
+            for r in range(world)]
 
 
 def brute_force_table(layout: str, world: int, s_local: int) -> list[list[int]]:
