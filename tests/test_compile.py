@@ -329,3 +329,10 @@ def test_block_ops_pass_opcheck():
             block_attn_backward_into_,
             (dq, dkv, dout, q.detach(), k.detach(), v.detach(), out, lse, 0, sq, 0, sk, causal, scale, True),
         )
+        # and a row range of the whole shard's out / lse / dout, as the striped shift passes them (q[1:]
+        # against k[:-1]): the op slices lse itself
+        k1 = sk - 1 if causal else sk
+        torch.library.opcheck(
+            block_attn_backward_into_,
+            (dq, dkv, dout, q.detach(), k.detach(), v.detach(), out, lse, 1, sq, 0, k1, causal, scale, True),
+        )
