@@ -150,7 +150,7 @@ def _wire_bytes(rank, world, comm_dtype):
     with torch.device("meta"):
         model = Transformer(llama3_args["debugmodel"])
     # what the plugin's parallelize function does with the parsed [cp_dtensor] section
-    cfg = types.SimpleNamespace(layout="striped", comm_torch_dtype=comm_dtype)
+    cfg = types.SimpleNamespace(layout="striped", comm_torch_dtype=comm_dtype, ulysses_degree=1, kv_exchange="ring")
     apply_ring_attention(model, types.SimpleNamespace(get_group=lambda: dist.group.WORLD), cfg)
     g = torch.Generator().manual_seed(rank)
     q, k, v = (torch.randn(2, 4, 16, 64, generator=g, dtype=torch.bfloat16) for _ in range(3))
