@@ -99,7 +99,9 @@ def _case(rng: random.Random, world: int, i: int):
     )
 
 
-def _run(rank, world, c, dtype, comm_dtype=None):
+def masked_case(c: dict, world: int):
+    """Full-sequence float64 q, k, v, dO, document ids, sinks of case ``c`` on ``world`` ranks, and the
+    float64 reference (out and gradients) they must give."""
     n = c["s"] * world
     g = torch.Generator().manual_seed(c["seed"])
     q = torch.randn(c["b"], c["hq"], n, c["dqk"], generator=g, dtype=torch.float64)
@@ -109,6 +111,11 @@ def _run(rank, world, c, dtype, comm_dtype=None):
     ids = _random_ids(random.Random(c["seed"]), c["b"], n) if c["docs"] else None
     sinks = torch.randn(c["hq"], generator=g, dtype=torch.float64) if c["sinks"] else None
     want = masked_reference(q, k, v, do, is_causal=c["causal"], document_ids=ids, window_size=c["window"], sinks=sinks)
+    return q, k, v, do, ids, sinks, want
+
+
+def _run(rank, world, c, dtype, comm_dtype=None):
+    q, k, v, do, ids, sinks, want = masked_case(c, world)
 
     def shard(x, dim=2):
         return shard_tensor(x, dim=dim, layout=c["layout"], rank=rank, world=world)

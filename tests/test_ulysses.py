@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
-from test_masks import _random_ids
+from test_masks import masked_case
 from torch.distributed.device_mesh import init_device_mesh
 
 import cp_dtensor
@@ -19,7 +19,7 @@ from cp_dtensor.masks import Run, runs
 from cp_dtensor.ulysses import kv_replicas, union_order
 from cp_dtensor.wire import allgather_bytes, check_bytes, ring_bytes, ulysses_bytes
 from _dist import run_ranks
-from _ref import abs_rel_err, masked_reference
+from _ref import abs_rel_err
 
 TOL = {torch.float32: 2e-5, torch.float64: 1e-10}
 MESHES = [(2, 2), (1, 4), (4, 1)]
@@ -62,15 +62,7 @@ def _case(rng: random.Random, i: int, u_: int):
 
 
 def _run(rank, world, c, group, dtype=torch.float32):
-    n = c["s"] * world
-    g = torch.Generator().manual_seed(c["seed"])
-    q = torch.randn(c["b"], c["hq"], n, c["dqk"], generator=g, dtype=torch.float64)
-    k = torch.randn(c["b"], c["hkv"], n, c["dqk"], generator=g, dtype=torch.float64)
-    v = torch.randn(c["b"], c["hkv"], n, c["dv"], generator=g, dtype=torch.float64)
-    do = torch.randn(c["b"], c["hq"], n, c["dv"], generator=g, dtype=torch.float64)
-    ids = _random_ids(random.Random(c["seed"]), c["b"], n) if c["docs"] else None
-    sinks = torch.randn(c["hq"], generator=g, dtype=torch.float64) if c["sinks"] else None
-    want = masked_reference(q, k, v, do, is_causal=c["causal"], document_ids=ids, window_size=c["window"], sinks=sinks)
+    q, k, v, do, ids, sinks, want = masked_case(c, world)
 
     def shard(x, dim=2):
         return shard_tensor(x, dim=dim, layout=c["layout"], rank=rank, world=world)
