@@ -46,6 +46,15 @@ def backend(x: Tensor) -> str:
     return "cpu" if x.device.type == "cpu" else "cuda"
 
 
+CAUSAL_STRIP = {"cpu": 256, "cuda": 0}  # See Note [Causal staircase] in masks.py
+
+
+def causal_strip(device: torch.device) -> int:
+    """Rows per strip of a masked step's causal squares on ``device`` (masks.block_rects' ``strip``;
+    0: one kernel call per square)."""
+    return CAUSAL_STRIP["cpu" if device.type == "cpu" else "cuda"]
+
+
 def _use_flash(q: Tensor, mask: Tensor | None) -> bool:
     return mask is None and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0
 

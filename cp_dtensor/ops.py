@@ -141,16 +141,17 @@ def _segments(ids: Tensor) -> list[tuple[int, int, int]]:
     return [(s, e, d) for s, e, d in zip(starts, starts[1:] + [n], values)]
 
 
-def _batch_rects(q_ids, k_ids, q_runs: list[int], k_runs: list[int], lo, hi):
+def _batch_rects(q_ids, k_ids, q_runs: list[int], k_runs: list[int], lo, hi, device: torch.device):
     """[(batch slice, rectangles)]: one entry for the whole batch when every row has the same ids."""
     from .masks import block_rects, unflat_runs
 
     qr, kr = unflat_runs(q_runs), unflat_runs(k_runs)
+    strip = kernels.causal_strip(device)
     if q_ids is None:
-        return [(slice(None), block_rects(qr, kr, lo, hi))]
+        return [(slice(None), block_rects(qr, kr, lo, hi, strip=strip))]
     same = q_ids.shape[0] == 1 or bool((q_ids == q_ids[:1]).all() and (k_ids == k_ids[:1]).all())
     rows = [slice(None)] if same else [slice(b, b + 1) for b in range(q_ids.shape[0])]
-    return [(b, block_rects(qr, kr, lo, hi, _segments(q_ids[b][0]), _segments(k_ids[b][0]))) for b in rows]
+    return [(b, block_rects(qr, kr, lo, hi, _segments(q_ids[b][0]), _segments(k_ids[b][0]), strip=strip)) for b in rows]
 
 
 class _Fresh:
@@ -221,7 +222,7 @@ def masked_block_attn(
     out = q.new_empty((*q.shape[:3], v.shape[3]), dtype=acc)
     lse = q.new_empty(q.shape[:3], dtype=acc)
     masks = _Masks(q.dtype, q.device)
-    for b, rects in _batch_rects(q_ids, k_ids, q_runs, k_runs, lo, hi):
+    for b, rects in _batch_rects(q_ids, k_ids, q_runs, k_runs, lo, hi, q.device):
         fresh = _Fresh()
         for r in rects:
             qs, ks = (b, slice(None), slice(r.q0, r.q1)), (b, slice(None), slice(r.k0, r.k1))
@@ -254,7 +255,7 @@ def masked_block_attn_merge_(
     and ``lse`` [B, Hq, Sq] (fp32): only the rows a rectangle keeps are touched, and no block-sized
     result is allocated. See Note [Online softmax merge] in ring.py."""
     masks = _Masks(q.dtype, q.device)
-    for b, rects in _batch_rects(q_ids, k_ids, q_runs, k_runs, lo, hi):
+    for b, rects in _batch_rects(q_ids, k_ids, q_runs, k_runs, lo, hi, q.device):
         for r in rects:
             qs, ks = (b, slice(None), slice(r.q0, r.q1)), (b, slice(None), slice(r.k0, r.k1))
             out_r, lse_r = kernel_fwd(q[qs], k[ks], v[ks], r.kind == "causal", scale, masks(r))
@@ -279,7 +280,7 @@ def masked_block_attn_backward(
     dkv = k.new_empty(k.numel() + v.numel(), dtype=acc)
     dk, dv = dkv[: k.numel()].view(k.shape), dkv[k.numel() :].view(v.shape)
     masks = _Masks(q.dtype, q.device)
-    for b, rects in _batch_rects(q_ids, k_ids, q_runs, k_runs, lo, hi):
+    for b, rects in _batch_rects(q_ids, k_ids, q_runs, k_runs, lo, hi, q.device):
         fresh_q, fresh_k = _Fresh(), _Fresh()
         for r in rects:
             qs, ks = (b, slice(None), slice(r.q0, r.q1)), (b, slice(None), slice(r.k0, r.k1))

@@ -38,7 +38,7 @@ def test_rectangles_cover_exactly_the_mask():
         n = s * world
         lo, hi = mask_bounds(rng.random() < 0.5, (rng.choice([-1, 0, 1, 3, 7, 20]), rng.choice([-1, 0, 2, 9])))
         ids = _random_ids(rng, 1, n)[0] if rng.random() < 0.6 else None
-        tile = rng.choice([0, 1, 3])
+        tile, strip = rng.choice([0, 1, 3]), rng.choice([0, 0, 1, 2, 3])  # strips: Note [Causal staircase]
         for rank in range(world):
             for src in range(world):
                 qp, kp = (local_positions(layout, r, world, n) for r in (rank, src))
@@ -50,7 +50,7 @@ def test_rectangles_cover_exactly_the_mask():
                 if ids is not None:
                     want &= ids[qp][:, None] == ids[kp][None, :]
                     segs = (segments(ids[qp].tolist()), segments(ids[kp].tolist()))
-                rects = block_rects(runs(layout, rank, world, s), runs(layout, src, world, s), lo, hi, *segs, tile=tile)
+                rects = block_rects(runs(layout, rank, world, s), runs(layout, src, world, s), lo, hi, *segs, tile=tile, strip=strip)
                 got = torch.zeros(s, s, dtype=torch.int64)
                 for r in rects:
                     a, b = r.band
@@ -85,6 +85,24 @@ def test_band_costs_about_twice_its_pairs():
     assert area / kept < 1.6, area / kept
 
 
+def test_causal_staircase_on_cpu_only():
+    """Note [Causal staircase]: on CPU a causal square of 2-4 strips (of 256 rows) becomes a strip
+    staircase -- one full rectangle and one 256-row causal square per strip -- and others stay whole;
+    CUDA never cuts."""
+    from cp_dtensor.kernels import causal_strip
+
+    strip = causal_strip(torch.device("cpu"))
+    assert strip == 256 and causal_strip(torch.device("cuda")) == 0
+    one = runs("contiguous", 0, 1, 4096)
+    for n, pieces in ((256, 1), (512, 3), (640, 5), (1024, 7), (1025, 1), (2048, 1)):
+        segs = [(0, n, 0), (n, 4096, 1)]
+        rects = [r for r in block_rects(one, one, None, 0, segs, segs, strip=strip) if r.q1 <= n]
+        assert len(rects) == pieces, (n, rects)
+        assert sum(r.kept() for r in rects) == n * (n + 1) // 2
+        causal = [r for r in rects if r.kind == "causal"]
+        assert all(r.q1 - r.q0 <= strip for r in causal) or pieces == 1, (n, causal)
+
+
 def _case(rng: random.Random, world: int, i: int):
     layout = rng.choice(cp_dtensor.LAYOUTS)
     hq, hkv = rng.choice([(4, 2), (2, 2), (4, 1)])
@@ -109,6 +127,8 @@ def masked_case(c: dict, world: int):
     v = torch.randn(c["b"], c["hkv"], n, c["dv"], generator=g, dtype=torch.float64)
     do = torch.randn(c["b"], c["hq"], n, c["dv"], generator=g, dtype=torch.float64)
     ids = _random_ids(random.Random(c["seed"]), c["b"], n) if c["docs"] else None
+    if c.get("halves"):  # two documents of n / 2 tokens
+        ids = (torch.arange(n) // (n // 2)).expand(c["b"], n)
     sinks = torch.randn(c["hq"], generator=g, dtype=torch.float64) if c["sinks"] else None
     want = masked_reference(q, k, v, do, is_causal=c["causal"], document_ids=ids, window_size=c["window"], sinks=sinks)
     return q, k, v, do, ids, sinks, want
@@ -150,6 +170,13 @@ def _accuracy(rank, world):
     c = dict(layout="striped", causal=True, hq=4, hkv=2, dqk=16, dv=16, s=8, b=1, docs=True, sinks=True, seed=7,
              window=(5, 0))
     assert _run(rank, world, c, torch.float32, comm_dtype=torch.float8_e4m3fn) < 0.1
+    # documents long enough for the CPU staircase (Note [Causal staircase]): causal squares of 320-640
+    # rows, cut into 256-row strips
+    for layout in cp_dtensor.LAYOUTS:
+        c = dict(layout=layout, causal=True, hq=2, hkv=1, dqk=16, dv=8, s=640, b=1, docs=True, halves=True,
+                 sinks=True, seed=11, window=None)
+        assert _run(rank, world, c, torch.float64) <= TOL[torch.float64], (layout, world)
+        assert _run(rank, world, c, torch.float32) <= TOL[torch.float32], (layout, world)
     return worst
 
 
