@@ -20,6 +20,11 @@ assert exactly these contracts and compute by the textbook formula):
   whole block's: 1 / Hkv of an expanded block); an additive ``attn_bias`` [B, H, Sq, Sk] whose rows
   start on 16-element boundaries; lse padded to a multiple of 32, which the backward wants back padded
   and contiguous.
+* CUDA flash, variable length (``_flash_attention_forward`` / ``_backward`` with cumulative
+  sequence lengths): many sequences packed along one token dim, q [Tq, Hq, D], k and v [Tk, Hkv, D]
+  (last dim contiguous), ``cu_seqlens`` int32 on the device, [0, ..., T]; native GQA; ``is_causal``
+  only where every packed sequence is square (the ring's are); lse [Hq, Tq] fp32, which the backward
+  wants contiguous in that layout; no dropout, so no rng state. See Note [Varlen rectangles] in ops.py.
 * float64 has no fused CUDA kernel: ``checks.py`` refuses it on CUDA before the ring.
 
 Note [Value head size]
@@ -36,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["backend", "kernel_bwd", "kernel_fwd"]
+__all__ = ["backend", "causal_strip", "kernel_bwd", "kernel_bwd_varlen", "kernel_fwd", "kernel_fwd_varlen", "varlen"]
 
 aten = torch.ops.aten
 
@@ -137,4 +142,46 @@ def kernel_bwd(dout, q, k, v, out, lse, is_causal: bool, scale: float, mask: Ten
         )
         grads.append((dq, dk.sum(1, keepdim=True), dv.sum(1, keepdim=True)))
     dq, dk, dv = (torch.cat(x, 1) for x in zip(*grads)) if hkv > 1 else grads[0]
+    return dq[..., :dqk], dk[..., :dqk], dv[..., :dv_size]
+
+
+def varlen(q: Tensor) -> bool:
+    """Whether unmasked rectangles of ``q``'s dtype and head size run as one variable-length call per
+    kind (CUDA flash) rather than one call each. See Note [Varlen rectangles] in ops.py."""
+    return backend(q) == "cuda" and _use_flash(q, None)
+
+
+def _varlen_pad(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    dqk, dv = q.shape[-1], v.shape[-1]
+    if dv < dqk:
+        return q, k, _pad_last(v, dqk)
+    return (_pad_last(q, dv), _pad_last(k, dv), v) if dv > dqk else (q, k, v)
+
+
+def kernel_fwd_varlen(
+    q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, is_causal: bool, scale: float
+) -> tuple[Tensor, Tensor]:
+    """One call over packed sequences: q [Tq, Hq, Dqk], k [Tk, Hkv, Dqk], v [Tk, Hkv, Dv]; sequence i is
+    q rows [cu_q[i], cu_q[i + 1]) against k rows [cu_k[i], cu_k[i + 1]). Returns out [Tq, Hq, Dv] and
+    lse [Hq, Tq] fp32. See Note [Kernel contracts]."""
+    dv = v.shape[-1]
+    q, k, v = _varlen_pad(q, k, v)
+    out, lse = aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, is_causal, False, scale=scale)[:2]
+    return out[..., :dv], lse
+
+
+def kernel_bwd_varlen(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int,
+    max_k: int, is_causal: bool, scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward of :func:`kernel_fwd_varlen` given the rows' *final* out and lse ([Hq, Tq]): dq, dk, dv."""
+    dqk, dv_size = q.shape[-1], v.shape[-1]
+    if dv_size < dqk:
+        v, out, dout = _pad_last(v, dqk), _pad_last(out, dqk), _pad_last(dout, dqk)
+    elif dv_size > dqk:
+        q, k = _pad_last(q, dv_size), _pad_last(k, dv_size)
+    empty = q.new_empty(0, dtype=torch.int64)  # no dropout: the kernel never reads the rng state
+    dq, dk, dv = aten._flash_attention_backward(
+        dout, q, k, v, out, lse.contiguous(), cu_q, cu_k, max_q, max_k, 0.0, is_causal, empty, empty, scale=scale
+    )
     return dq[..., :dqk], dk[..., :dqk], dv[..., :dv_size]

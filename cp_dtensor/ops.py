@@ -14,13 +14,15 @@ as one more K/V block at the peak of the backward. ``is_causal`` is only used fo
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 from torch import Tensor
 
 __all__ = ["block_attn", "block_attn_backward", "block_attn_backward_into_", "masked_block_attn", "masked_block_attn_backward", "masked_block_attn_merge_", "merge_"]
 
 from . import kernels
-from .kernels import kernel_bwd, kernel_fwd
+from .kernels import kernel_bwd, kernel_bwd_varlen, kernel_fwd, kernel_fwd_varlen
 
 
 def _seq_major(x: Tensor) -> Tensor:
@@ -208,6 +210,110 @@ class _Masks:
         return self.cache[key]
 
 
+# Note [Varlen rectangles]
+# ~~~~~~~~~~~~~~~~~~~~~~~~
+# A masked step with many short documents has a few rectangles per document: a call per rectangle is
+# a kernel launch per rectangle, each too small to fill a GPU. Where CUDA's flash kernel takes the
+# dtype and head size, the step's unmasked rectangles instead run as two variable-length calls, one
+# for all full rectangles and one for all causal squares (square, so the kernel's bottom-right causal
+# alignment is the ring's), every (batch row, rectangle) one packed sequence: launches per step no
+# longer grow with the number of documents. The packed q, k, v (and out, dout, lse in the backward)
+# are gathered copies, one block's worth. Window tiles (rectangles with an explicit band) keep their
+# own calls (memory-efficient kernel with a bias). The CPU kernel has no variable-length form: one
+# call per rectangle there (see Note [Causal staircase] in masks.py for how its squares are cut).
+
+
+def _offsets(lengths: list[int], device: torch.device) -> Tensor:
+    """[0, l0, l0 + l1, ...] as int32 on ``device``: built on the host (the rectangles are host values)
+    and sent without making the host wait (pinned memory, non-blocking; the caching host allocator
+    keeps the buffer until the copy is done)."""
+    x = torch.tensor([0, *accumulate(lengths)], dtype=torch.int32)
+    return x.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else x
+
+
+class _Pack:
+    """Rectangles x batch rows as the packed sequences of one variable-length call."""
+
+    def __init__(self, rects: list, batch: range, device: torch.device):
+        self.rects, self.batch = rects, batch
+        seqs = [(r.q1 - r.q0, r.k1 - r.k0) for r in rects for _ in batch]
+        self.max_q, self.max_k = max(n for n, _ in seqs), max(n for _, n in seqs)
+        self.cu_q = _offsets([n for n, _ in seqs], device)
+        self.cu_k = _offsets([n for _, n in seqs], device)
+
+    def q_rows(self, x: Tensor) -> Tensor:
+        """[B, H, S, D] -> the rectangles' query rows packed, [Tq, H, D]."""
+        return torch.cat([x[bi, :, r.q0 : r.q1].transpose(0, 1) for r in self.rects for bi in self.batch])
+
+    def k_rows(self, x: Tensor) -> Tensor:
+        return torch.cat([x[bi, :, r.k0 : r.k1].transpose(0, 1) for r in self.rects for bi in self.batch])
+
+    def lse_rows(self, lse: Tensor) -> Tensor:
+        """[B, H, S] -> [H, Tq]."""
+        return torch.cat([lse[bi, :, r.q0 : r.q1] for r in self.rects for bi in self.batch], 1)
+
+    def split(self, packed: Tensor, keys: bool = False) -> list[Tensor]:
+        """[T, H, D] -> per rectangle [B', H, n, D] (views)."""
+        out, at, nb = [], 0, len(self.batch)
+        for r in self.rects:
+            n = (r.k1 - r.k0) if keys else (r.q1 - r.q0)
+            out.append(packed[at : at + nb * n].unflatten(0, (nb, n)).permute(0, 2, 1, 3))
+            at += nb * n
+        return out
+
+    def split_lse(self, lse: Tensor) -> list[Tensor]:
+        """[H, Tq] -> per rectangle [B', H, n] (views)."""
+        out, at, nb = [], 0, len(self.batch)
+        for r in self.rects:
+            n = r.q1 - r.q0
+            out.append(lse[:, at : at + nb * n].unflatten(1, (nb, n)).transpose(0, 1))
+            at += nb * n
+        return out
+
+
+def _packed(q: Tensor, rects: list) -> tuple[list, dict[str, list]]:
+    """(rectangles called one by one, {kind: rectangles packed into one call}): Note [Varlen rectangles]."""
+    if not kernels.varlen(q):
+        return rects, {}
+    groups: dict[str, list] = {"full": [], "causal": []}
+    alone = []
+    for r in rects:
+        (groups[r.kind] if r.kind in groups else alone).append(r)
+    return alone, {kind: rs for kind, rs in groups.items() if rs}
+
+
+def _forward_pieces(q: Tensor, k: Tensor, v: Tensor, b: slice, rects: list, scale: float, masks):
+    """(rectangle, out_r, lse_r) of every rectangle of batch rows ``b``, in no particular order."""
+    alone, groups = _packed(q, rects)
+    for r in alone:
+        qs, ks = (b, slice(None), slice(r.q0, r.q1)), (b, slice(None), slice(r.k0, r.k1))
+        yield r, *kernel_fwd(q[qs], k[ks], v[ks], r.kind == "causal", scale, masks(r))
+    for kind, rs in groups.items():
+        pack = _Pack(rs, range(q.shape[0])[b], q.device)
+        out, lse = kernel_fwd_varlen(
+            pack.q_rows(q), pack.k_rows(k), pack.k_rows(v), pack.cu_q, pack.cu_k, pack.max_q, pack.max_k,
+            kind == "causal", scale,
+        )
+        yield from zip(rs, pack.split(out), pack.split_lse(lse))
+
+
+def _backward_pieces(dout, q, k, v, out, lse, b: slice, rects: list, scale: float, masks):
+    """(rectangle, (dq_r, dk_r, dv_r)) of every rectangle of batch rows ``b``, given the rows' final out
+    and lse, in no particular order."""
+    alone, groups = _packed(q, rects)
+    for r in alone:
+        qs, ks = (b, slice(None), slice(r.q0, r.q1)), (b, slice(None), slice(r.k0, r.k1))
+        yield r, kernel_bwd(dout[qs], q[qs], k[ks], v[ks], out[qs], lse[qs].contiguous(), r.kind == "causal", scale,
+                            masks(r))
+    for kind, rs in groups.items():
+        pack = _Pack(rs, range(q.shape[0])[b], q.device)
+        dq, dk, dv = kernel_bwd_varlen(
+            pack.q_rows(dout), pack.q_rows(q), pack.k_rows(k), pack.k_rows(v), pack.q_rows(out), pack.lse_rows(lse),
+            pack.cu_q, pack.cu_k, pack.max_q, pack.max_k, kind == "causal", scale,
+        )
+        yield from zip(rs, zip(pack.split(dq), pack.split(dk, keys=True), pack.split(dv, keys=True)))
+
+
 @torch.library.custom_op("cp_dtensor::masked_block_attn", mutates_args=())
 def masked_block_attn(
     q: Tensor, k: Tensor, v: Tensor, q_ids: Tensor | None, k_ids: Tensor | None,
@@ -224,9 +330,8 @@ def masked_block_attn(
     masks = _Masks(q.dtype, q.device)
     for b, rects in _batch_rects(q_ids, k_ids, q_runs, k_runs, lo, hi, q.device):
         fresh = _Fresh()
-        for r in rects:
-            qs, ks = (b, slice(None), slice(r.q0, r.q1)), (b, slice(None), slice(r.k0, r.k1))
-            out_r, lse_r = kernel_fwd(q[qs], k[ks], v[ks], r.kind == "causal", scale, masks(r))
+        for r, out_r, lse_r in _forward_pieces(q, k, v, b, rects, scale, masks):
+            qs = (b, slice(None), slice(r.q0, r.q1))
             whole, new = fresh(r.q0, r.q1)
             if whole:
                 out[qs], lse[qs] = out_r, lse_r
@@ -256,9 +361,8 @@ def masked_block_attn_merge_(
     result is allocated. See Note [Online softmax merge] in ring.py."""
     masks = _Masks(q.dtype, q.device)
     for b, rects in _batch_rects(q_ids, k_ids, q_runs, k_runs, lo, hi, q.device):
-        for r in rects:
-            qs, ks = (b, slice(None), slice(r.q0, r.q1)), (b, slice(None), slice(r.k0, r.k1))
-            out_r, lse_r = kernel_fwd(q[qs], k[ks], v[ks], r.kind == "causal", scale, masks(r))
+        for r, out_r, lse_r in _forward_pieces(q, k, v, b, rects, scale, masks):
+            qs = (b, slice(None), slice(r.q0, r.q1))
             merge_(out[qs], lse[qs], out_r, lse_r)
 
 
@@ -282,11 +386,8 @@ def masked_block_attn_backward(
     masks = _Masks(q.dtype, q.device)
     for b, rects in _batch_rects(q_ids, k_ids, q_runs, k_runs, lo, hi, q.device):
         fresh_q, fresh_k = _Fresh(), _Fresh()
-        for r in rects:
+        for r, g in _backward_pieces(dout, q, k, v, out, lse, b, rects, scale, masks):
             qs, ks = (b, slice(None), slice(r.q0, r.q1)), (b, slice(None), slice(r.k0, r.k1))
-            g = kernel_bwd(
-                dout[qs], q[qs], k[ks], v[ks], out[qs], lse[qs].contiguous(), r.kind == "causal", scale, masks(r)
-            )
             whole, new = fresh_q(r.q0, r.q1)
             if whole:
                 dq[qs] = g[0]

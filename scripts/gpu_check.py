@@ -10,10 +10,11 @@ and peak memory per rank against the planner. Writes DIR/gpu_check.json and DIR/
     payload.py, ring.py, kernels.py and the DTensor SDPA handlers run unchanged on CUDA tensors. gloo's
     send/recv would not do (they hand raw pointers to a host socket) and NCCL refuses two ranks on one
     device. Cases: every layout x bf16/fp16 (flash) / fp32 (memory-efficient per KV group) x causal /
-    full / masked (documents + window + sinks, Dv < Dqk), forward and backward, against float64
-    attention by the textbook formula; then F.scaled_dot_product_attention on sequence-sharded DTensors
-    under every SDPA backend choice (flash, efficient, cudnn, math, the default for fp32 GQA, fp64):
-    the ring (collectives counted: the P - 1 all-to-alls of K/V only) or a ValueError, never a gather.
+    full / masked (documents + window + sinks, Dv < Dqk; documents alone: varlen flash), forward and
+    backward, against float64 attention by the textbook formula; then F.scaled_dot_product_attention
+    on sequence-sharded DTensors under every SDPA backend choice (flash, efficient, cudnn, math, the
+    default for fp32 GQA, fp64): the ring (collectives counted: the P - 1 all-to-alls of K/V only) or
+    a ValueError, never a gather.
 (b) host syncs: ``torch.cuda.set_sync_debug_mode`` around ring calls (fwd+bwd, unmasked, documents,
     DTensor SDPA) on every rank. The mode is process-wide, and gloo's CUDA all-to-all itself
     synchronises its copy streams in its worker thread, so "error" would fail gloo's transfer, not our
@@ -115,12 +116,13 @@ def _qkv(seed, b, hq, hkv, n, d, dv, device):
 def _ring_cases(cfg, rank, world, device):
     """Every layout x case: ring_attention fwd+bwd on this rank's shards vs float64 (errors of this rank)."""
     d = cfg["head_dim"]
-    cases = [  # name, dtype, (Hq, Hkv), Dv, causal, masked
+    cases = [  # name, dtype, (Hq, Hkv), Dv, causal, masked (True: documents + window + sinks; "docs": documents)
         ("bf16 GQA causal (flash)", torch.bfloat16, (8, 2), d, True, False),
         ("bf16 GQA full (flash)", torch.bfloat16, (8, 2), d, False, False),
         ("fp16 MHA causal (flash)", torch.float16, (4, 4), d, True, False),
         ("fp32 GQA causal (efficient, per KV group)", torch.float32, (8, 2), d, True, False),
         ("bf16 GQA docs+window+sinks, Dv<Dqk", torch.bfloat16, (8, 2), d // 2, True, True),
+        ("bf16 GQA docs (varlen flash), Dv<Dqk", torch.bfloat16, (8, 2), d // 2, True, "docs"),
         ("fp32 MQA docs+window+sinks, Dv<Dqk", torch.float32, (4, 1), d // 2, True, True),
     ]
     n, bsz, rows = cfg["ring_seq_len"], 2, []
@@ -153,13 +155,15 @@ def _ring_case(rank, world, device, layout, seed, bsz, n, d, dtype, hq, hkv, dv,
         opts = dict(document_ids=ids, window=(n // 5, 0), sinks=sinks)
         kw = dict(document_ids=shard_tensor(ids, dim=1, layout=layout, rank=rank, world=world),  # host ids
                   window_size=(n // 5, 0), sinks=sinks.float().requires_grad_())
+        if masked == "docs":  # documents alone: every rectangle in the varlen calls (Note [Varlen rectangles])
+            opts, kw = dict(document_ids=ids), dict(document_ids=kw["document_ids"])
     want = reference(q, k, v, do, is_causal=causal, **opts)
     shard = lambda x: shard_tensor(x, dim=2, layout=layout, rank=rank, world=world)  # noqa: E731
     ql, kl, vl = (shard(x).to(dtype).contiguous().requires_grad_() for x in (q, k, v))
     out = cp_dtensor.ring_attention(ql, kl, vl, layout=layout, is_causal=causal, **kw)
     out.backward(shard(do).to(dtype))
     errs = {m: abs_rel_err(a, shard(b)) for m, a, b in zip(("out", "dq", "dk", "dv"), (out, ql.grad, kl.grad, vl.grad), want)}
-    if masked:  # each rank holds its queries' share of d sinks: sum them (on the host)
+    if "sinks" in kw:  # each rank holds its queries' share of d sinks: sum them (on the host)
         total = kw["sinks"].grad.detach().cpu().double()
         dist.all_reduce(total)
         errs["dsinks"] = abs_rel_err(total, want[4].cpu())

@@ -125,6 +125,65 @@ class StrictCuda:
         dq, dk, dv = _grads(dout, q, k, v, out, lse[..., : q.shape[2]], scale, is_causal, bias)
         return dq, dk, dv, None
 
+    def _varlen(self, name, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, window):
+        """The packed-sequence contract (Note [Kernel contracts]); returns the sequences' row ranges."""
+        assert dropout_p == 0.0 and window == (None, None), f"{name}: no dropout, no window"
+        assert q.dim() == k.dim() == v.dim() == 3, f"{name}: packed [T, H, D], got {q.shape}"
+        assert q.dtype == k.dtype == v.dtype and all(_dense(x) for x in (q, k, v)), f"{name}: last dim not dense"
+        assert k.shape == v.shape and q.shape[-1] == k.shape[-1], f"{name}: one head size"
+        assert q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0
+        assert q.shape[1] % k.shape[1] == 0
+        for cu, t in ((cu_q, q.shape[0]), (cu_k, k.shape[0])):
+            assert cu.dtype == torch.int32 and cu.dim() == 1 and cu.is_contiguous() and cu.device == q.device
+            assert int(cu[0]) == 0 and int(cu[-1]) == t and bool((cu[1:] > cu[:-1]).all()), f"{name}: {cu}"
+        assert cu_q.numel() == cu_k.numel(), f"{name}: one k range per q range"
+        lq, lk = (cu_q[1:] - cu_q[:-1]).tolist(), (cu_k[1:] - cu_k[:-1]).tolist()
+        assert (max_q, max_k) == (max(lq), max(lk)), f"{name}: max lengths {max_q, max_k} vs {max(lq), max(lk)}"
+        if is_causal:
+            assert lq == lk, f"{name}: is_causal on non-square sequences (flash aligns them bottom-right)"
+        self.calls.append((name, q.shape[1], k.shape[1]))
+        return list(zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()))
+
+    @staticmethod
+    def _bhsd(x, a, b):  # packed rows [a, b) of [T, H, D] as [1, H, n, D]
+        return x[a:b].transpose(0, 1).unsqueeze(0)
+
+    def _flash_attention_forward(
+        self, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *, scale=None,
+        window_size_left=None, window_size_right=None, seqused_k=None, alibi_slopes=None, block_table=None,
+        num_splits=None,
+    ):
+        assert scale is not None and not return_debug_mask and seqused_k is None and alibi_slopes is None
+        seqs = self._varlen("flash_varlen", q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal,
+                            (window_size_left, window_size_right))
+        out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+        lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32)
+        for a, b, c, d in seqs:
+            s, _, ve = _math(self._bhsd(q, a, b), self._bhsd(k, c, d), self._bhsd(v, c, d), scale, is_causal)
+            out[a:b] = (torch.softmax(s, -1) @ ve)[0].transpose(0, 1).to(q.dtype)
+            lse[:, a:b] = torch.logsumexp(s, -1)[0].float()
+        return out, lse, torch.zeros(2, dtype=torch.int64), torch.empty(()), torch.empty(0)
+
+    def _flash_attention_backward(
+        self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, rng_state, unused, *,
+        scale=None, window_size_left=None, window_size_right=None,
+    ):
+        assert scale is not None
+        seqs = self._varlen("flash_varlen_bwd", q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal,
+                            (window_size_left, window_size_right))
+        assert dout.shape == out.shape == q.shape and _dense(dout) and _dense(out), "flash varlen bwd: dout/out"
+        assert dout.dtype == out.dtype == q.dtype, f"flash varlen bwd: dout {dout.dtype}, out {out.dtype}, q {q.dtype}"
+        # read through a raw pointer as a dense [Hq, Tq] fp32 array
+        assert lse.dtype == torch.float32 and lse.shape == (q.shape[1], q.shape[0]) and lse.is_contiguous(), lse.shape
+        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for a, b, c, d in seqs:
+            g = _grads(self._bhsd(dout, a, b), self._bhsd(q, a, b), self._bhsd(k, c, d), self._bhsd(v, c, d),
+                       self._bhsd(out, a, b), lse[:, a:b].unsqueeze(0), scale, is_causal)
+            dq[a:b] = g[0][0].transpose(0, 1)
+            dk[c:d] += g[1][0].transpose(0, 1)
+            dv[c:d] += g[2][0].transpose(0, 1)
+        return dq, dk, dv
+
     def __getattr__(self, name):  # any other aten op (the CPU kernel included) must not be reached
         raise AssertionError(f"the CUDA branch called aten.{name}")
 
@@ -193,6 +252,58 @@ def _ring_cases(rank, world):
                 assert kinds <= {"flash", "efficient"}, kinds
             worst[str(dtype)] = max(worst.get(str(dtype), 0.0), err)
     return worst
+
+
+def _varlen_cases(rank, world):
+    """Documents without a window on CUDA flash dtypes: every step's unmasked rectangles in at most two
+    variable-length calls (full, causal), whatever the number of documents (Note [Varlen rectangles])."""
+    standin = StrictCuda()
+    worst = 0.0
+    with _as_cuda(standin):
+        for i, (layout, b, same, (dqk, dv)) in enumerate(
+            (lay, b, same, hd) for lay in cp_dtensor.LAYOUTS for b, same in ((1, True), (2, True), (2, False))
+            for hd in ((16, 16), (16, 8))
+        ):
+            s, hq, hkv = 12, 4, 2
+            n = s * world
+            g = torch.Generator().manual_seed(100 + i)
+            q = torch.randn(b, hq, n, dqk, generator=g, dtype=torch.float64)
+            k = torch.randn(b, hkv, n, dqk, generator=g, dtype=torch.float64)
+            v = torch.randn(b, hkv, n, dv, generator=g, dtype=torch.float64)
+            do = torch.randn(b, hq, n, dv, generator=g, dtype=torch.float64)
+            ids = torch.zeros(b, n, dtype=torch.int64)
+            rng = random.Random(i)
+            for row in range(b):  # 1-token documents up to ones longer than a block
+                for cut in sorted(rng.sample(range(1, n), 6)):
+                    ids[row, cut:] += 1
+                if same:
+                    ids[row] = ids[0]
+            want = masked_reference(q, k, v, do, is_causal=True, document_ids=ids)
+
+            def shard(x, dim=2):
+                return shard_tensor(x, dim=dim, layout=layout, rank=rank, world=world)
+
+            ql, kl, vl = (shard(x).to(torch.bfloat16).requires_grad_() for x in (q, k, v))
+            standin.calls.clear()
+            out = cp_dtensor.ring_attention(ql, kl, vl, layout=layout, is_causal=True, document_ids=shard(ids, 1))
+            out.backward(shard(do).to(torch.bfloat16))
+            err = max(abs_rel_err(a, shard(w)) for a, w in zip((out, ql.grad, kl.grad, vl.grad), want[:4]))
+            assert err <= 3e-2, (layout, b, same, dqk, dv, err)
+            worst = max(worst, err)
+            names = [name for name, _, _ in standin.calls]
+            assert set(names) <= {"flash_varlen", "flash_varlen_bwd"}, names
+            rows = 1 if same else b  # batch rows with their own documents get their own calls
+            assert names.count("flash_varlen") <= 2 * world * rows, names
+            assert names.count("flash_varlen_bwd") <= 2 * world * rows, names
+            assert all((qh, kh) == (hq, hkv) for _, qh, kh in standin.calls), standin.calls
+    return worst
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_documents_run_as_varlen_calls_on_cuda_flash(world):
+    """Many documents per block, bf16, every layout, one or two batch rows (shared or own ids), Dv != Dqk:
+    exact vs float64 through the varlen stand-ins, at most two varlen calls per step and batch row group."""
+    run_ranks(world, _varlen_cases)
 
 
 @pytest.mark.parametrize("world", [2, 3])
