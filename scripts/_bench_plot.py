@@ -1,4 +1,5 @@
-"""The plots of bench_ring.py, from its JSON record: time vs N, the per-(rank, step) work heat map, memory vs N."""
+"""The plots of bench_ring.py, from its JSON record: time vs N, the per-(rank, step) work heat map, memory vs N;
+and bench_masks.py's balance of packed documents over ranks."""
 
 from __future__ import annotations
 
@@ -112,3 +113,28 @@ def all_plots(res: dict, out_dir: str) -> list[str]:
     if res.get("memory"):
         paths.append(memory_vs_n(res, os.path.join(out_dir, "ring_memory_vs_n.png")))
     return paths
+
+
+def mask_balance(rows: list[dict], n: int, path: str) -> str:
+    """bench_masks.py's balance rows: kept-pair work max/mean over ranks per layout and P (bars: mean
+    of the seeds; ticks: the worst seed)."""
+    worlds = sorted({r["world"] for r in rows})
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    width = 0.8 / len(COLORS)
+    for i, (layout, color) in enumerate(COLORS.items()):
+        mine = {r["world"]: r for r in rows if r["layout"] == layout}
+        xs = [j + (i - (len(COLORS) - 1) / 2) * width for j in range(len(worlds))]
+        ax.bar(xs, [mine[w]["max_over_mean"] for w in worlds], width, color=color, label=layout)
+        ax.plot(xs, [mine[w]["worst"] for w in worlds], "_", color="k", markersize=12)
+    ax.axhline(1.0, color="k", lw=0.8, ls="--")
+    ax.set_xticks(range(len(worlds)), [f"P = {w}" for w in worlds])
+    ax.set(ylabel="busiest rank's kept pairs / mean",
+           title=f"Causal packed documents, log-normal lengths ~2048, N = {n}\n"
+                 "per-rank work: bars mean of 3 seeds, ticks the worst seed")
+    ax.title.set_fontsize(10)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -4,21 +4,24 @@
 
 (a) packed documents of 512 and 2048 tokens vs none (striped): ring time ratio next to the kept-pair
     ratio; (b) a (256, 0) sliding window vs full causal, contiguous and striped: time and bytes;
-    (c) per-rank kept-pair work max/mean with log-normal document lengths around 2k tokens, P = 2, 4, 8.
+    (c) per-rank kept-pair work max/mean with log-normal document lengths around 2k tokens, P = 2, 4, 8;
+    (d) a probe: the documents rings again with every K/V transfer replaced by a local copy.
 Masked ring efficiency = (one process running the same masked attention on the full sequence with the
 same kernels, / P) / ring time, as P4 is for the unmasked ring. Each iteration times every case back to
 back (ring on both ranks, then the single-process run on rank 0 alone) and the ratios are medians of
-per-iteration ratios, as in bench_ring.py's --paired-s-local. Writes bench_out/masks.json and prints a
-markdown table.
+per-iteration ratios, as in bench_ring.py's --paired-s-local. Writes bench_out/masks.json and the balance plot
+(mask_balance.png; --docs-img copies it to docs/img/) and prints markdown tables.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import random
+import shutil
 import statistics
 import sys
 import time
@@ -28,6 +31,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 import cp_dtensor  # noqa: E402
+from cp_dtensor.comm import RingComm  # noqa: E402
 from cp_dtensor.debug import CommBytes  # noqa: E402
 from cp_dtensor.layout import shard_tensor  # noqa: E402
 from cp_dtensor.masks import block_rects, kept_pairs, mask_bounds, runs, segments  # noqa: E402
@@ -40,7 +44,27 @@ CASES = [  # name, layout, documents (mean length, None: none), window
     ("causal contiguous", "contiguous", None, None),
     ("window 256 contiguous", "contiguous", None, (256, 0)),
     ("window 256 striped", "striped", None, (256, 0)),
+    # probes: the same rings with every K/V transfer replaced by a local copy (timing only; results are
+    # not the attention): what the ring costs on this machine without moving a byte
+    ("docs 2048 striped, no transfers", "striped", 2048, None),
+    ("docs 512 striped, no transfers", "striped", 512, None),
 ]
+PROBE = ", no transfers"
+
+
+@contextlib.contextmanager
+def _no_transfers(on: bool):
+    """Replace the ring's rotations by local copies (a timing probe; see CASES)."""
+    if not on:
+        yield
+        return
+    rotate, wait = RingComm.rotate, RingComm.wait
+    RingComm.rotate = lambda self, buf, shift=1: buf.clone()
+    RingComm.wait = lambda self, buf: buf
+    try:
+        yield
+    finally:
+        RingComm.rotate, RingComm.wait = rotate, wait
 
 
 def doc_ids(n: int, length: int | None, *, lognormal: bool = False, seed: int = 0) -> torch.Tensor | None:
@@ -107,7 +131,7 @@ def _rank(rank, world, s_local, iters, shape):
             lids = None if ids is None else shard_tensor(ids, dim=1, layout=layout, rank=rank, world=world)
             dist.barrier()
             t0 = time.perf_counter()
-            with CommBytes() as cb:
+            with CommBytes() as cb, _no_transfers(name.endswith(PROBE)):
                 fwd_bwd(*local, layout, lids, window, None)
             ring = time.perf_counter() - t0
             sent[name] = (cb.by_op["all_to_all_single"], cb.by_op["all_gather_into_tensor"])
@@ -157,6 +181,7 @@ def main() -> None:
     p.add_argument("--balance-n", type=int, default=65536)
     p.add_argument("--skip-timing", action="store_true")
     p.add_argument("--out", default="bench_out")
+    p.add_argument("--docs-img", action="store_true", help="copy the balance plot to docs/img/")
     args = p.parse_args()
     torch.set_num_threads(1)
     shape = (1, 4, 2, 64)  # B, Hq, Hkv, D; fp32, causal forward + backward
@@ -175,6 +200,12 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "masks.json"), "w") as f:
         json.dump(res, f, indent=1)
+    import _bench_plot as plot
+
+    path = plot.mask_balance(res["balance"], args.balance_n, os.path.join(args.out, "mask_balance.png"))
+    if args.docs_img:
+        os.makedirs("docs/img", exist_ok=True)
+        shutil.copy(path, os.path.join("docs/img", os.path.basename(path)))
 
 
 if __name__ == "__main__":
