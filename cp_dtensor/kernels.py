@@ -24,7 +24,11 @@ assert exactly these contracts and compute by the textbook formula):
   sequence lengths): many sequences packed along one token dim, q [Tq, Hq, D], k and v [Tk, Hkv, D]
   (last dim contiguous), ``cu_seqlens`` int32 on the device, [0, ..., T]; native GQA; ``is_causal``
   only where every packed sequence is square (the ring's are); lse [Hq, Tq] fp32, which the backward
-  wants contiguous in that layout; no dropout, so no rng state. See Note [Varlen rectangles] in ops.py.
+  wants contiguous in that layout; no dropout, so no rng state. A window ``(left, right)`` keeps, for
+  row r of a sequence of Lq rows and Lk keys, the keys r + Lk - Lq - left .. r + Lk - Lq + right (-1:
+  unbounded; flash-attn's bottom-right alignment), every row keeping at least one; whether the build
+  takes windows is probed once per device (:func:`flash_windows`). See Note [Varlen rectangles] in
+  ops.py.
 * float64 has no fused CUDA kernel: ``checks.py`` refuses it on CUDA before the ring.
 
 Note [Value head size]
@@ -41,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["backend", "causal_strip", "kernel_bwd", "kernel_bwd_varlen", "kernel_fwd", "kernel_fwd_varlen", "varlen"]
+__all__ = ["backend", "causal_strip", "kernel_bwd", "kernel_bwd_varlen", "flash_windows", "kernel_fwd", "kernel_fwd_varlen", "varlen"]
 
 aten = torch.ops.aten
 
@@ -158,21 +162,49 @@ def _varlen_pad(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor
     return (_pad_last(q, dv), _pad_last(k, dv), v) if dv > dqk else (q, k, v)
 
 
+_FLASH_WINDOWS: dict[torch.device, bool] = {}  # per device: whether flash takes window sizes
+
+
+def flash_windows(q: Tensor) -> bool:
+    """Whether window bands of ``q``'s calls run as flash windows (one rectangle per band, packed)
+    rather than as tiles with a bias: CUDA flash dtypes on a build that takes window sizes, probed
+    once per device with a two-token call (tensors made on the device: no copy, no wait)."""
+    if not varlen(q):
+        return False
+    if q.device not in _FLASH_WINDOWS:
+        x = torch.zeros(2, 1, 8, dtype=torch.bfloat16, device=q.device)
+        cu = torch.arange(0, 3, 2, dtype=torch.int32, device=q.device)  # [0, 2]
+        try:
+            aten._flash_attention_forward(x, x, x, cu, cu, 2, 2, 0.0, False, False, scale=1.0, window_size_left=1,
+                                          window_size_right=0)
+            _FLASH_WINDOWS[q.device] = True
+        except RuntimeError:  # a build without local attention refuses at the call, on the host
+            _FLASH_WINDOWS[q.device] = False
+    return _FLASH_WINDOWS[q.device]
+
+
+def _windows(window: tuple[int, int] | None) -> dict:
+    return {} if window is None else dict(window_size_left=window[0], window_size_right=window[1])
+
+
 def kernel_fwd_varlen(
-    q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, is_causal: bool, scale: float
+    q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, is_causal: bool, scale: float,
+    window: tuple[int, int] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """One call over packed sequences: q [Tq, Hq, Dqk], k [Tk, Hkv, Dqk], v [Tk, Hkv, Dv]; sequence i is
-    q rows [cu_q[i], cu_q[i + 1]) against k rows [cu_k[i], cu_k[i + 1]). Returns out [Tq, Hq, Dv] and
-    lse [Hq, Tq] fp32. See Note [Kernel contracts]."""
+    q rows [cu_q[i], cu_q[i + 1]) against k rows [cu_k[i], cu_k[i + 1]), within ``window`` (left,
+    right) if given. Returns out [Tq, Hq, Dv] and lse [Hq, Tq] fp32. See Note [Kernel contracts]."""
     dv = v.shape[-1]
     q, k, v = _varlen_pad(q, k, v)
-    out, lse = aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, is_causal, False, scale=scale)[:2]
+    out, lse = aten._flash_attention_forward(
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, is_causal, False, scale=scale, **_windows(window)
+    )[:2]
     return out[..., :dv], lse
 
 
 def kernel_bwd_varlen(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int,
-    max_k: int, is_causal: bool, scale: float,
+    max_k: int, is_causal: bool, scale: float, window: tuple[int, int] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The backward of :func:`kernel_fwd_varlen` given the rows' *final* out and lse ([Hq, Tq]): dq, dk, dv."""
     dqk, dv_size = q.shape[-1], v.shape[-1]
@@ -182,6 +214,7 @@ def kernel_bwd_varlen(
         q, k = _pad_last(q, dv_size), _pad_last(k, dv_size)
     empty = q.new_empty(0, dtype=torch.int64)  # no dropout: the kernel never reads the rng state
     dq, dk, dv = aten._flash_attention_backward(
-        dout, q, k, v, out, lse.contiguous(), cu_q, cu_k, max_q, max_k, 0.0, is_causal, empty, empty, scale=scale
+        dout, q, k, v, out, lse.contiguous(), cu_q, cu_k, max_q, max_k, 0.0, is_causal, empty, empty, scale=scale,
+        **_windows(window),
     )
     return dq[..., :dqk], dk[..., :dqk], dv[..., :dv_size]

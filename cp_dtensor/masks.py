@@ -156,7 +156,9 @@ def band_rects(
     i0: int, i1: int, j0: int, j1: int, a: int | None, b: int | None, *, tile: int = 0, strip: int = 0
 ) -> list[Rect]:
     """Rectangles covering exactly {(i, j): i0 <= i < i1, j0 <= j < j1, a <= j - i <= b}, each row of
-    each rectangle keeping at least one key. See Note [Masked ring steps]."""
+    each rectangle keeping at least one key. See Note [Masked ring steps]. ``tile``: rows per window
+    tile (0: a quarter of the window; negative: one rectangle for the whole band, for kernels that
+    take the window themselves)."""
     # rows whose band meets [j0, j1)
     if b is not None:
         i0 = max(i0, j0 - b)
@@ -172,6 +174,8 @@ def band_rects(
     if a is None:
         return _causal_rects(i0, i1, j0, j1, b, strip)
     tile = tile or (max(32, (b - a + 1) // 4) if b is not None else 256)
+    if tile < 0:
+        tile = i1 - i0
     out = []
     for t0 in range(i0, i1, tile):
         t1 = min(i1, t0 + tile)

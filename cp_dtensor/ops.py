@@ -143,17 +143,21 @@ def _segments(ids: Tensor) -> list[tuple[int, int, int]]:
     return [(s, e, d) for s, e, d in zip(starts, starts[1:] + [n], values)]
 
 
-def _batch_rects(q_ids, k_ids, q_runs: list[int], k_runs: list[int], lo, hi, device: torch.device):
+def _batch_rects(q_ids, k_ids, q_runs: list[int], k_runs: list[int], lo, hi, q: Tensor):
     """[(batch slice, rectangles)]: one entry for the whole batch when every row has the same ids."""
     from .masks import block_rects, unflat_runs
 
     qr, kr = unflat_runs(q_runs), unflat_runs(k_runs)
-    strip = kernels.causal_strip(device)
+    strip = kernels.causal_strip(q.device)
+    tile = -1 if lo is not None and kernels.flash_windows(q) else 0  # one rectangle per window band
     if q_ids is None:
-        return [(slice(None), block_rects(qr, kr, lo, hi, strip=strip))]
+        return [(slice(None), block_rects(qr, kr, lo, hi, tile=tile, strip=strip))]
     same = q_ids.shape[0] == 1 or bool((q_ids == q_ids[:1]).all() and (k_ids == k_ids[:1]).all())
     rows = [slice(None)] if same else [slice(b, b + 1) for b in range(q_ids.shape[0])]
-    return [(b, block_rects(qr, kr, lo, hi, _segments(q_ids[b][0]), _segments(k_ids[b][0]), strip=strip)) for b in rows]
+    return [
+        (b, block_rects(qr, kr, lo, hi, _segments(q_ids[b][0]), _segments(k_ids[b][0]), tile=tile, strip=strip))
+        for b in rows
+    ]
 
 
 class _Fresh:
@@ -212,15 +216,19 @@ class _Masks:
 
 # Note [Varlen rectangles]
 # ~~~~~~~~~~~~~~~~~~~~~~~~
-# A masked step with many short documents has a few rectangles per document: a call per rectangle is
-# a kernel launch per rectangle, each too small to fill a GPU. Where CUDA's flash kernel takes the
-# dtype and head size, the step's unmasked rectangles instead run as two variable-length calls, one
-# for all full rectangles and one for all causal squares (square, so the kernel's bottom-right causal
-# alignment is the ring's), every (batch row, rectangle) one packed sequence: launches per step no
-# longer grow with the number of documents. The packed q, k, v (and out, dout, lse in the backward)
-# are gathered copies, one block's worth. Window tiles (rectangles with an explicit band) keep their
-# own calls (memory-efficient kernel with a bias). The CPU kernel has no variable-length form: one
-# call per rectangle there (see Note [Causal staircase] in masks.py for how its squares are cut).
+# A masked step with many short documents has a few rectangles per document, and a window of W tokens
+# is cut into tiles of W / 4 rows: a call per rectangle is a kernel launch per rectangle, each too
+# small to fill a GPU (a 128-token window over a 16k block: 512 tiles a step). Where CUDA's flash
+# kernel takes the dtype and head size, the step's rectangles instead run as variable-length calls,
+# every (batch row, rectangle) one packed sequence: one call for all full rectangles, one for all
+# causal squares (square, so the kernel's bottom-right causal alignment is the ring's), and, where the
+# flash build takes window sizes (kernels.flash_windows), each window band as one rectangle instead of
+# tiles, one call per distinct (left, right) the bands need (the band read with flash's bottom-right
+# alignment; usually one or two per step). Launches per step then no longer grow with the number of
+# documents or the block length. The packed q, k, v (and out, dout, lse in the backward) are gathered
+# copies, one block's worth. Without window support, window tiles keep their own calls (memory-efficient
+# kernel with a bias). The CPU kernel has no variable-length form: one call per rectangle there (see
+# Note [Causal staircase] in masks.py for how its squares are cut).
 
 
 def _offsets(lengths: list[int], device: torch.device) -> Tensor:
@@ -271,15 +279,33 @@ class _Pack:
         return out
 
 
-def _packed(q: Tensor, rects: list) -> tuple[list, dict[str, list]]:
-    """(rectangles called one by one, {kind: rectangles packed into one call}): Note [Varlen rectangles]."""
+def _flash_window(r) -> tuple[int, int]:
+    """The band of a "mask" rectangle as flash's (left, right) window (Note [Kernel contracts]): row i
+    keeps keys i + off - left .. i + off + right with off = Sk - Sq; -1 unbounded. Non-negative by
+    construction (masks.band_rects trims rows without keys)."""
+    lo, hi = r.band
+    off = (r.k1 - r.k0) - (r.q1 - r.q0)
+    left, right = (-1 if lo is None else off - lo), (-1 if hi is None else hi - off)
+    assert left >= -1 and right >= -1 and (lo is None or left >= 0) and (hi is None or right >= 0), (r, left, right)
+    return left, right
+
+
+def _packed(q: Tensor, rects: list) -> tuple[list, dict[tuple, list]]:
+    """(rectangles called one by one, {(kind, window): rectangles packed into one call}): Note [Varlen
+    rectangles]."""
     if not kernels.varlen(q):
         return rects, {}
-    groups: dict[str, list] = {"full": [], "causal": []}
+    windows = kernels.flash_windows(q)
+    groups: dict[tuple, list] = {}
     alone = []
     for r in rects:
-        (groups[r.kind] if r.kind in groups else alone).append(r)
-    return alone, {kind: rs for kind, rs in groups.items() if rs}
+        if r.kind in ("full", "causal"):
+            groups.setdefault((r.kind, None), []).append(r)
+        elif windows:
+            groups.setdefault(("mask", _flash_window(r)), []).append(r)
+        else:
+            alone.append(r)
+    return alone, groups
 
 
 def _forward_pieces(q: Tensor, k: Tensor, v: Tensor, b: slice, rects: list, scale: float, masks):
@@ -288,11 +314,11 @@ def _forward_pieces(q: Tensor, k: Tensor, v: Tensor, b: slice, rects: list, scal
     for r in alone:
         qs, ks = (b, slice(None), slice(r.q0, r.q1)), (b, slice(None), slice(r.k0, r.k1))
         yield r, *kernel_fwd(q[qs], k[ks], v[ks], r.kind == "causal", scale, masks(r))
-    for kind, rs in groups.items():
+    for (kind, window), rs in groups.items():
         pack = _Pack(rs, range(q.shape[0])[b], q.device)
         out, lse = kernel_fwd_varlen(
             pack.q_rows(q), pack.k_rows(k), pack.k_rows(v), pack.cu_q, pack.cu_k, pack.max_q, pack.max_k,
-            kind == "causal", scale,
+            kind == "causal", scale, window,
         )
         yield from zip(rs, pack.split(out), pack.split_lse(lse))
 
@@ -305,11 +331,11 @@ def _backward_pieces(dout, q, k, v, out, lse, b: slice, rects: list, scale: floa
         qs, ks = (b, slice(None), slice(r.q0, r.q1)), (b, slice(None), slice(r.k0, r.k1))
         yield r, kernel_bwd(dout[qs], q[qs], k[ks], v[ks], out[qs], lse[qs].contiguous(), r.kind == "causal", scale,
                             masks(r))
-    for kind, rs in groups.items():
+    for (kind, window), rs in groups.items():
         pack = _Pack(rs, range(q.shape[0])[b], q.device)
         dq, dk, dv = kernel_bwd_varlen(
             pack.q_rows(dout), pack.q_rows(q), pack.k_rows(k), pack.k_rows(v), pack.q_rows(out), pack.lse_rows(lse),
-            pack.cu_q, pack.cu_k, pack.max_q, pack.max_k, kind == "causal", scale,
+            pack.cu_q, pack.cu_k, pack.max_q, pack.max_k, kind == "causal", scale, window,
         )
         yield from zip(rs, zip(pack.split(dq), pack.split(dk, keys=True), pack.split(dv, keys=True)))
 
@@ -328,7 +354,7 @@ def masked_block_attn(
     out = q.new_empty((*q.shape[:3], v.shape[3]), dtype=acc)
     lse = q.new_empty(q.shape[:3], dtype=acc)
     masks = _Masks(q.dtype, q.device)
-    for b, rects in _batch_rects(q_ids, k_ids, q_runs, k_runs, lo, hi, q.device):
+    for b, rects in _batch_rects(q_ids, k_ids, q_runs, k_runs, lo, hi, q):
         fresh = _Fresh()
         for r, out_r, lse_r in _forward_pieces(q, k, v, b, rects, scale, masks):
             qs = (b, slice(None), slice(r.q0, r.q1))
@@ -360,7 +386,7 @@ def masked_block_attn_merge_(
     and ``lse`` [B, Hq, Sq] (fp32): only the rows a rectangle keeps are touched, and no block-sized
     result is allocated. See Note [Online softmax merge] in ring.py."""
     masks = _Masks(q.dtype, q.device)
-    for b, rects in _batch_rects(q_ids, k_ids, q_runs, k_runs, lo, hi, q.device):
+    for b, rects in _batch_rects(q_ids, k_ids, q_runs, k_runs, lo, hi, q):
         for r, out_r, lse_r in _forward_pieces(q, k, v, b, rects, scale, masks):
             qs = (b, slice(None), slice(r.q0, r.q1))
             merge_(out[qs], lse[qs], out_r, lse_r)
@@ -384,7 +410,7 @@ def masked_block_attn_backward(
     dkv = k.new_empty(k.numel() + v.numel(), dtype=acc)
     dk, dv = dkv[: k.numel()].view(k.shape), dkv[k.numel() :].view(v.shape)
     masks = _Masks(q.dtype, q.device)
-    for b, rects in _batch_rects(q_ids, k_ids, q_runs, k_runs, lo, hi, q.device):
+    for b, rects in _batch_rects(q_ids, k_ids, q_runs, k_runs, lo, hi, q):
         fresh_q, fresh_k = _Fresh(), _Fresh()
         for r, g in _backward_pieces(dout, q, k, v, out, lse, b, rects, scale, masks):
             qs, ks = (b, slice(None), slice(r.q0, r.q1)), (b, slice(None), slice(r.k0, r.k1))

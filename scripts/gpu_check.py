@@ -10,7 +10,7 @@ and peak memory per rank against the planner. Writes DIR/gpu_check.json and DIR/
     payload.py, ring.py, kernels.py and the DTensor SDPA handlers run unchanged on CUDA tensors. gloo's
     send/recv would not do (they hand raw pointers to a host socket) and NCCL refuses two ranks on one
     device. Cases: every layout x bf16/fp16 (flash) / fp32 (memory-efficient per KV group) x causal /
-    full / masked (documents + window + sinks, Dv < Dqk; documents alone: varlen flash), forward and
+    full / masked (documents + window + sinks, Dv < Dqk; documents, window alone: varlen flash), forward and
     backward, against float64 attention by the textbook formula; then F.scaled_dot_product_attention
     on sequence-sharded DTensors under every SDPA backend choice (flash, efficient, cudnn, math, the
     default for fp32 GQA, fp64): the ring (collectives counted: the P - 1 all-to-alls of K/V only) or
@@ -116,13 +116,14 @@ def _qkv(seed, b, hq, hkv, n, d, dv, device):
 def _ring_cases(cfg, rank, world, device):
     """Every layout x case: ring_attention fwd+bwd on this rank's shards vs float64 (errors of this rank)."""
     d = cfg["head_dim"]
-    cases = [  # name, dtype, (Hq, Hkv), Dv, causal, masked (True: documents + window + sinks; "docs": documents)
+    cases = [  # name, dtype, (Hq, Hkv), Dv, causal, masked (True: documents + window + sinks; "docs", "window": one of them)
         ("bf16 GQA causal (flash)", torch.bfloat16, (8, 2), d, True, False),
         ("bf16 GQA full (flash)", torch.bfloat16, (8, 2), d, False, False),
         ("fp16 MHA causal (flash)", torch.float16, (4, 4), d, True, False),
         ("fp32 GQA causal (efficient, per KV group)", torch.float32, (8, 2), d, True, False),
         ("bf16 GQA docs+window+sinks, Dv<Dqk", torch.bfloat16, (8, 2), d // 2, True, True),
         ("bf16 GQA docs (varlen flash), Dv<Dqk", torch.bfloat16, (8, 2), d // 2, True, "docs"),
+        ("bf16 GQA sliding window (flash window), Dv<Dqk", torch.bfloat16, (8, 2), d // 2, True, "window"),
         ("fp32 MQA docs+window+sinks, Dv<Dqk", torch.float32, (4, 1), d // 2, True, True),
     ]
     n, bsz, rows = cfg["ring_seq_len"], 2, []
@@ -157,6 +158,8 @@ def _ring_case(rank, world, device, layout, seed, bsz, n, d, dtype, hq, hkv, dv,
                   window_size=(n // 5, 0), sinks=sinks.float().requires_grad_())
         if masked == "docs":  # documents alone: every rectangle in the varlen calls (Note [Varlen rectangles])
             opts, kw = dict(document_ids=ids), dict(document_ids=kw["document_ids"])
+        if masked == "window":  # a window alone: one band per step, in flash's own window if the build has it
+            opts, kw = dict(window=(n // 5, 0)), dict(window_size=(n // 5, 0))
     want = reference(q, k, v, do, is_causal=causal, **opts)
     shard = lambda x: shard_tensor(x, dim=2, layout=layout, rank=rank, world=world)  # noqa: E731
     ql, kl, vl = (shard(x).to(dtype).contiguous().requires_grad_() for x in (q, k, v))
@@ -168,7 +171,9 @@ def _ring_case(rank, world, device, layout, seed, bsz, n, d, dtype, hq, hkv, dv,
         dist.all_reduce(total)
         errs["dsinks"] = abs_rel_err(total, want[4].cpu())
     worst = max(errs.values())
-    return dict(errors=errs, worst=worst, ok=worst <= TOL[dtype])
+    # whether torch's flash build took the window bands as flash windows (else: tiles with a bias)
+    windows = cp_dtensor.kernels.flash_windows(ql) if "window_size" in kw else None
+    return dict(errors=errs, worst=worst, ok=worst <= TOL[dtype], flash_windows=windows)
 
 
 _BACKENDS = [  # name, backend (None: SDPA's own choice), dtype, (Hq, Hkv)

@@ -58,8 +58,10 @@ def _grads(dout, q, k, v, out, lse, scale, is_causal, bias=None):
 class StrictCuda:
     """Stand-ins for the CUDA attention ops kernels.py calls; records what each call received."""
 
-    def __init__(self):
+    def __init__(self, windows: bool = True):
         self.calls: list[tuple[str, int, int]] = []  # (op, q heads, k heads)
+        self.windows = windows  # whether this "flash build" takes window sizes (else it refuses them)
+        self.windowed = 0  # calls that passed a window
 
     def _common(self, name, q, k, v, dropout_p, is_causal):
         assert dropout_p == 0.0
@@ -127,7 +129,12 @@ class StrictCuda:
 
     def _varlen(self, name, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, window):
         """The packed-sequence contract (Note [Kernel contracts]); returns the sequences' row ranges."""
-        assert dropout_p == 0.0 and window == (None, None), f"{name}: no dropout, no window"
+        assert dropout_p == 0.0, f"{name}: no dropout"
+        if window != (None, None):
+            if not self.windows:  # as a build without local attention: a host-side error at the call
+                raise RuntimeError(f"{name}: this flash build does not support local (sliding window) attention")
+            self.windowed += 1
+            assert all(isinstance(w, int) and w >= -1 for w in window) and not is_causal, f"{name}: window {window}"
         assert q.dim() == k.dim() == v.dim() == 3, f"{name}: packed [T, H, D], got {q.shape}"
         assert q.dtype == k.dtype == v.dtype and all(_dense(x) for x in (q, k, v)), f"{name}: last dim not dense"
         assert k.shape == v.shape and q.shape[-1] == k.shape[-1], f"{name}: one head size"
@@ -145,6 +152,21 @@ class StrictCuda:
         return list(zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()))
 
     @staticmethod
+    def _window_bias(nq, nk, window):
+        """flash-attn's sliding window, bottom-right aligned: row i keeps keys i + nk - nq - left ..
+        i + nk - nq + right (-1: unbounded). Asserts every row keeps one (the kernel's result is
+        undefined otherwise)."""
+        if window == (None, None):
+            return None
+        left, right = window
+        d = torch.arange(nk)[None, :] - torch.arange(nq)[:, None] - (nk - nq)
+        keep = torch.ones(nq, nk, dtype=torch.bool)
+        keep &= d >= -left if left >= 0 else True
+        keep &= d <= right if right >= 0 else True
+        assert keep.any(1).all(), f"flash window {window} on {nq} x {nk} leaves a row without keys"
+        return torch.zeros(nq, nk, dtype=torch.float64).masked_fill(~keep, float("-inf"))
+
+    @staticmethod
     def _bhsd(x, a, b):  # packed rows [a, b) of [T, H, D] as [1, H, n, D]
         return x[a:b].transpose(0, 1).unsqueeze(0)
 
@@ -154,12 +176,13 @@ class StrictCuda:
         num_splits=None,
     ):
         assert scale is not None and not return_debug_mask and seqused_k is None and alibi_slopes is None
-        seqs = self._varlen("flash_varlen", q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal,
-                            (window_size_left, window_size_right))
+        window = (window_size_left, window_size_right)
+        seqs = self._varlen("flash_varlen", q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, window)
         out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
         lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32)
         for a, b, c, d in seqs:
-            s, _, ve = _math(self._bhsd(q, a, b), self._bhsd(k, c, d), self._bhsd(v, c, d), scale, is_causal)
+            bias = self._window_bias(b - a, d - c, window)
+            s, _, ve = _math(self._bhsd(q, a, b), self._bhsd(k, c, d), self._bhsd(v, c, d), scale, is_causal, bias)
             out[a:b] = (torch.softmax(s, -1) @ ve)[0].transpose(0, 1).to(q.dtype)
             lse[:, a:b] = torch.logsumexp(s, -1)[0].float()
         return out, lse, torch.zeros(2, dtype=torch.int64), torch.empty(()), torch.empty(0)
@@ -169,16 +192,17 @@ class StrictCuda:
         scale=None, window_size_left=None, window_size_right=None,
     ):
         assert scale is not None
-        seqs = self._varlen("flash_varlen_bwd", q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal,
-                            (window_size_left, window_size_right))
+        window = (window_size_left, window_size_right)
+        seqs = self._varlen("flash_varlen_bwd", q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, window)
         assert dout.shape == out.shape == q.shape and _dense(dout) and _dense(out), "flash varlen bwd: dout/out"
         assert dout.dtype == out.dtype == q.dtype, f"flash varlen bwd: dout {dout.dtype}, out {out.dtype}, q {q.dtype}"
         # read through a raw pointer as a dense [Hq, Tq] fp32 array
         assert lse.dtype == torch.float32 and lse.shape == (q.shape[1], q.shape[0]) and lse.is_contiguous(), lse.shape
         dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for a, b, c, d in seqs:
+            bias = self._window_bias(b - a, d - c, window)
             g = _grads(self._bhsd(dout, a, b), self._bhsd(q, a, b), self._bhsd(k, c, d), self._bhsd(v, c, d),
-                       self._bhsd(out, a, b), lse[:, a:b].unsqueeze(0), scale, is_causal)
+                       self._bhsd(out, a, b), lse[:, a:b].unsqueeze(0), scale, is_causal, bias)
             dq[a:b] = g[0][0].transpose(0, 1)
             dk[c:d] += g[1][0].transpose(0, 1)
             dv[c:d] += g[2][0].transpose(0, 1)
@@ -189,8 +213,10 @@ class StrictCuda:
 
 
 def _as_cuda(standin):
-    """Run the CUDA branches on CPU tensors: kernels.backend says "cuda", aten ops are the stand-ins."""
-    return mock.patch.multiple(kernels, aten=standin, backend=lambda x: "cuda")
+    """Run the CUDA branches on CPU tensors: kernels.backend says "cuda", aten ops are the stand-ins (and
+    the flash-windows probe asks them afresh)."""
+    return _stack(mock.patch.multiple(kernels, aten=standin, backend=lambda x: "cuda"),
+                  mock.patch.dict(kernels._FLASH_WINDOWS, clear=True))
 
 
 def _ring_cases(rank, world):
@@ -198,6 +224,7 @@ def _ring_cases(rank, world):
     standin = StrictCuda()
     worst = {}
     with _as_cuda(standin):
+        assert kernels.flash_windows(torch.zeros(1, 1, 2, 8, dtype=torch.bfloat16))  # probed once, before the cases
         for i, (layout, (hq, hkv), dtype, masked) in enumerate(
             (lay, h, dt, m) for lay in cp_dtensor.LAYOUTS for h in ((4, 2), (4, 4), (8, 1))
             for dt in (torch.bfloat16, torch.float32) for m in (False, True)
@@ -255,54 +282,67 @@ def _ring_cases(rank, world):
 
 
 def _varlen_cases(rank, world):
-    """Documents without a window on CUDA flash dtypes: every step's unmasked rectangles in at most two
-    variable-length calls (full, causal), whatever the number of documents (Note [Varlen rectangles])."""
-    standin = StrictCuda()
+    """Documents and windows on CUDA flash dtypes: every step's rectangles in a few variable-length calls
+    (full, causal, one per window the bands need), whatever the number of documents; on a flash build
+    without windows, window tiles fall back to the memory-efficient kernel (Note [Varlen rectangles])."""
     worst = 0.0
-    with _as_cuda(standin):
-        for i, (layout, b, same, (dqk, dv)) in enumerate(
-            (lay, b, same, hd) for lay in cp_dtensor.LAYOUTS for b, same in ((1, True), (2, True), (2, False))
-            for hd in ((16, 16), (16, 8))
-        ):
-            s, hq, hkv = 12, 4, 2
-            n = s * world
-            g = torch.Generator().manual_seed(100 + i)
-            q = torch.randn(b, hq, n, dqk, generator=g, dtype=torch.float64)
-            k = torch.randn(b, hkv, n, dqk, generator=g, dtype=torch.float64)
-            v = torch.randn(b, hkv, n, dv, generator=g, dtype=torch.float64)
-            do = torch.randn(b, hq, n, dv, generator=g, dtype=torch.float64)
-            ids = torch.zeros(b, n, dtype=torch.int64)
-            rng = random.Random(i)
-            for row in range(b):  # 1-token documents up to ones longer than a block
-                for cut in sorted(rng.sample(range(1, n), 6)):
-                    ids[row, cut:] += 1
-                if same:
-                    ids[row] = ids[0]
-            want = masked_reference(q, k, v, do, is_causal=True, document_ids=ids)
+    windows = [None, (5, 0), (2, 3), (-1, 2), (7, -1), (30, 0)]
+    seen = {"windowed flash": 0, "efficient tiles": 0}
+    for i, (layout, b, same, (dqk, dv), flash_windows) in enumerate(
+        (lay, b, same, hd, fw) for lay in cp_dtensor.LAYOUTS for b, same in ((1, True), (2, True), (2, False))
+        for hd in ((16, 16), (16, 8)) for fw in (True, False)
+    ):
+        standin = StrictCuda(windows=flash_windows)
+        window = windows[(i // 2) % len(windows)]
+        s, hq, hkv = 12, 4, 2
+        n = s * world
+        g = torch.Generator().manual_seed(100 + i)
+        q = torch.randn(b, hq, n, dqk, generator=g, dtype=torch.float64)
+        k = torch.randn(b, hkv, n, dqk, generator=g, dtype=torch.float64)
+        v = torch.randn(b, hkv, n, dv, generator=g, dtype=torch.float64)
+        do = torch.randn(b, hq, n, dv, generator=g, dtype=torch.float64)
+        ids = torch.zeros(b, n, dtype=torch.int64)
+        rng = random.Random(i)
+        for row in range(b):  # 1-token documents up to ones longer than a block
+            for cut in sorted(rng.sample(range(1, n), 6 if (i // 4) % 2 else 2)):
+                ids[row, cut:] += 1
+            if same:
+                ids[row] = ids[0]
+        want = masked_reference(q, k, v, do, is_causal=True, document_ids=ids, window_size=window)
 
-            def shard(x, dim=2):
-                return shard_tensor(x, dim=dim, layout=layout, rank=rank, world=world)
+        def shard(x, dim=2):
+            return shard_tensor(x, dim=dim, layout=layout, rank=rank, world=world)
 
-            ql, kl, vl = (shard(x).to(torch.bfloat16).requires_grad_() for x in (q, k, v))
+        ql, kl, vl = (shard(x).to(torch.bfloat16).requires_grad_() for x in (q, k, v))
+        with _as_cuda(standin):
+            assert kernels.flash_windows(ql) == flash_windows  # the probe: one tiny windowed call
             standin.calls.clear()
-            out = cp_dtensor.ring_attention(ql, kl, vl, layout=layout, is_causal=True, document_ids=shard(ids, 1))
+            out = cp_dtensor.ring_attention(ql, kl, vl, layout=layout, is_causal=True, document_ids=shard(ids, 1),
+                                            window_size=window)
             out.backward(shard(do).to(torch.bfloat16))
-            err = max(abs_rel_err(a, shard(w)) for a, w in zip((out, ql.grad, kl.grad, vl.grad), want[:4]))
-            assert err <= 3e-2, (layout, b, same, dqk, dv, err)
-            worst = max(worst, err)
-            names = [name for name, _, _ in standin.calls]
-            assert set(names) <= {"flash_varlen", "flash_varlen_bwd"}, names
-            rows = 1 if same else b  # batch rows with their own documents get their own calls
-            assert names.count("flash_varlen") <= 2 * world * rows, names
-            assert names.count("flash_varlen_bwd") <= 2 * world * rows, names
-            assert all((qh, kh) == (hq, hkv) for _, qh, kh in standin.calls), standin.calls
+        err = max(abs_rel_err(a, shard(w)) for a, w in zip((out, ql.grad, kl.grad, vl.grad), want[:4]))
+        assert err <= 3e-2, (layout, b, same, dqk, dv, window, flash_windows, err)
+        worst = max(worst, err)
+        names = [name for name, _, _ in standin.calls]
+        assert all((qh, kh) == (hq, hkv) for name, qh, kh in standin.calls if name.startswith("flash")), standin.calls
+        if flash_windows or window is None or window[0] < 0:
+            assert set(names) <= {"flash_varlen", "flash_varlen_bwd"}, (window, flash_windows, names)
+        else:  # window tiles, with a bias, on the memory-efficient kernel
+            assert set(names) <= {"flash_varlen", "flash_varlen_bwd", "efficient", "efficient_bwd"}, (window, names)
+        seen["windowed flash"] += standin.windowed
+        seen["efficient tiles"] += names.count("efficient")
+        rows = 1 if same else b  # batch rows with their own documents get their own calls
+        varlen = [n_ for n_ in names if n_.startswith("flash_varlen")]
+        assert len(varlen) <= 2 * 6 * world * rows, (window, len(varlen))  # <= 6 calls a step, fwd and bwd
+    assert all(seen.values()), seen  # both window paths ran
     return worst
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
-def test_documents_run_as_varlen_calls_on_cuda_flash(world):
-    """Many documents per block, bf16, every layout, one or two batch rows (shared or own ids), Dv != Dqk:
-    exact vs float64 through the varlen stand-ins, at most two varlen calls per step and batch row group."""
+def test_documents_and_windows_run_as_varlen_calls_on_cuda_flash(world):
+    """Many documents per block with windows (one- and two-sided, below and above S_local), bf16, every
+    layout, one or two batch rows (shared or own ids), Dv != Dqk, flash builds with and without window
+    support: exact vs float64 through the varlen stand-ins."""
     run_ranks(world, _varlen_cases)
 
 

@@ -35,7 +35,7 @@ def test_cpu_smoke_runs_every_section(tmp_path):
     assert res["ok"] and res["config"]["ranks"] == 2
     # (a) every layout x case, each against float64 within its dtype's tolerance, none exact by accident
     assert {(r["layout"], r["case"]) for r in res["ring"]} == {(lay, r["case"]) for lay in LAYOUTS for r in res["ring"]}
-    assert len(res["ring"]) == 7 * len(LAYOUTS)
+    assert len(res["ring"]) == 8 * len(LAYOUTS)
     for r in res["ring"]:
         assert r["ok"] and 0 < r["worst"] <= r["tol"], r
         assert set(r["errors"]) >= {"out", "dq", "dk", "dv"}
