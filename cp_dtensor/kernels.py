@@ -45,7 +45,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["backend", "causal_strip", "kernel_bwd", "kernel_bwd_varlen", "flash_windows", "kernel_fwd", "kernel_fwd_varlen", "varlen"]
+__all__ = [
+    "backend", "causal_strip", "flash_windows", "kernel_bwd", "kernel_bwd_varlen", "kernel_fwd", "kernel_fwd_varlen",
+    "varlen",
+]
 
 aten = torch.ops.aten
 

@@ -599,3 +599,24 @@ def test_float64_on_cuda_is_refused_at_validation():
     err = _local_error(q, k, k, "striped", True, None)
     assert err is not None and "float64" in err and "cast q, k, v to float32" in err
     assert _local_error(q.float(), k.float(), k.float(), "striped", True, None) is None
+
+
+def test_standins_take_the_real_schemas():
+    """Each stand-in takes exactly the positional arguments of the real CUDA op's schema (torch 2.13), and
+    every keyword kernels.py passes is one of the schema's: a torch bump that moves an argument fails
+    here, not silently on the first GPU."""
+    import inspect
+
+    for name in (
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
+        "_flash_attention_forward", "_flash_attention_backward",
+    ):
+        schema = getattr(_REAL, name).default._schema
+        positional = [a.name for a in schema.arguments if not a.kwarg_only]
+        keywords = {a.name for a in schema.arguments if a.kwarg_only}
+        params = list(inspect.signature(getattr(StrictCuda, name)).parameters.values())[1:]  # past self
+        mine_pos = [p for p in params if p.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD]
+        mine_kw = {p.name for p in params if p.kind == inspect.Parameter.KEYWORD_ONLY}
+        assert len(mine_pos) == len(positional), (name, [p.name for p in mine_pos], positional)
+        assert mine_kw <= keywords, (name, mine_kw - keywords)
