@@ -75,6 +75,22 @@ def _pad_last(x: Tensor, d: int) -> Tensor:
     return x if x.shape[-1] == d else F.pad(x, (0, d - x.shape[-1]))
 
 
+def _pad_fwd(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v with one head size, the narrower side zero-padded: Note [Value head size]."""
+    dqk, dv = q.shape[-1], v.shape[-1]
+    if dv < dqk:
+        return q, k, _pad_last(v, dqk)
+    return (_pad_last(q, dv), _pad_last(k, dv), v) if dv > dqk else (q, k, v)
+
+
+def _pad_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor) -> tuple[Tensor, ...]:
+    """dout, q, k, v, out with one head size (v, out and dout padded like v): Note [Value head size]."""
+    dqk, dv = q.shape[-1], v.shape[-1]
+    if dv < dqk:
+        return _pad_last(dout, dqk), q, k, _pad_last(v, dqk), _pad_last(out, dqk)
+    return (dout, _pad_last(q, dv), _pad_last(k, dv), v, out) if dv > dqk else (dout, q, k, v, out)
+
+
 def _group(x: Tensor, h: int, g: int) -> Tensor:
     """KV head ``h`` of x [B, Hkv, S, D] copied for its g query heads: [B, g, S, D]."""
     one = x[:, h : h + 1]
@@ -94,11 +110,8 @@ def kernel_fwd(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float, m
     """One fused-kernel call on one rectangle: out [B, Hq, Sq, Dv] (kernel strides), lse [B, Hq, Sq] fp32.
     q, k: [B, Hq | Hkv, S, Dqk]; v: [B, Hkv, Sk, Dv]; ``mask``: additive [Sq, Sk] in q's dtype or None.
     See Note [Kernel contracts] and Note [Value head size]."""
-    dqk, dv = q.shape[-1], v.shape[-1]
-    if dv < dqk:
-        v = _pad_last(v, dqk)
-    elif dv > dqk:
-        q, k = _pad_last(q, dv), _pad_last(k, dv)
+    dv = v.shape[-1]
+    q, k, v = _pad_fwd(q, k, v)
     if backend(q) == "cpu":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)[:2]
         return out[..., :dv], lse
@@ -120,10 +133,7 @@ def kernel_fwd(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float, m
 def kernel_bwd(dout, q, k, v, out, lse, is_causal: bool, scale: float, mask: Tensor | None = None):
     """The backward of :func:`kernel_fwd` given the rows' *final* out and lse: dq, dk, dv (kernel strides)."""
     dqk, dv_size = q.shape[-1], v.shape[-1]
-    if dv_size < dqk:
-        v, out, dout = _pad_last(v, dqk), _pad_last(out, dqk), _pad_last(dout, dqk)
-    elif dv_size > dqk:
-        q, k = _pad_last(q, dv_size), _pad_last(k, dv_size)
+    dout, q, k, v, out = _pad_bwd(dout, q, k, v, out)
     if backend(q) == "cpu":
         dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale
@@ -156,13 +166,6 @@ def varlen(q: Tensor) -> bool:
     """Whether unmasked rectangles of ``q``'s dtype and head size run as one variable-length call per
     kind (CUDA flash) rather than one call each. See Note [Varlen rectangles] in ops.py."""
     return backend(q) == "cuda" and _use_flash(q, None)
-
-
-def _varlen_pad(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    dqk, dv = q.shape[-1], v.shape[-1]
-    if dv < dqk:
-        return q, k, _pad_last(v, dqk)
-    return (_pad_last(q, dv), _pad_last(k, dv), v) if dv > dqk else (q, k, v)
 
 
 _FLASH_WINDOWS: dict[torch.device, bool] = {}  # per device: whether flash takes window sizes
@@ -198,7 +201,7 @@ def kernel_fwd_varlen(
     q rows [cu_q[i], cu_q[i + 1]) against k rows [cu_k[i], cu_k[i + 1]), within ``window`` (left,
     right) if given. Returns out [Tq, Hq, Dv] and lse [Hq, Tq] fp32. See Note [Kernel contracts]."""
     dv = v.shape[-1]
-    q, k, v = _varlen_pad(q, k, v)
+    q, k, v = _pad_fwd(q, k, v)
     out, lse = aten._flash_attention_forward(
         q, k, v, cu_q, cu_k, max_q, max_k, 0.0, is_causal, False, scale=scale, **_windows(window)
     )[:2]
@@ -211,10 +214,7 @@ def kernel_bwd_varlen(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The backward of :func:`kernel_fwd_varlen` given the rows' *final* out and lse ([Hq, Tq]): dq, dk, dv."""
     dqk, dv_size = q.shape[-1], v.shape[-1]
-    if dv_size < dqk:
-        v, out, dout = _pad_last(v, dqk), _pad_last(out, dqk), _pad_last(dout, dqk)
-    elif dv_size > dqk:
-        q, k = _pad_last(q, dv_size), _pad_last(k, dv_size)
+    dout, q, k, v, out = _pad_bwd(dout, q, k, v, out)
     empty = q.new_empty(0, dtype=torch.int64)  # no dropout: the kernel never reads the rng state
     dq, dk, dv = aten._flash_attention_backward(
         dout, q, k, v, out, lse.contiguous(), cu_q, cu_k, max_q, max_k, 0.0, is_causal, empty, empty, scale=scale,

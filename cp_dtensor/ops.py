@@ -239,6 +239,11 @@ def _offsets(lengths: list[int], device: torch.device) -> Tensor:
     return x.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else x
 
 
+def _span(r, keys: bool) -> slice:
+    """A rectangle's key (or query) rows."""
+    return slice(r.k0, r.k1) if keys else slice(r.q0, r.q1)
+
+
 class _Pack:
     """Rectangles x batch rows as the packed sequences of one variable-length call."""
 
@@ -249,16 +254,13 @@ class _Pack:
         self.cu_q = _offsets([n for n, _ in seqs], device)
         self.cu_k = _offsets([n for _, n in seqs], device)
 
-    def q_rows(self, x: Tensor) -> Tensor:
-        """[B, H, S, D] -> the rectangles' query rows packed, [Tq, H, D]."""
-        return torch.cat([x[bi, :, r.q0 : r.q1].transpose(0, 1) for r in self.rects for bi in self.batch])
-
-    def k_rows(self, x: Tensor) -> Tensor:
-        return torch.cat([x[bi, :, r.k0 : r.k1].transpose(0, 1) for r in self.rects for bi in self.batch])
+    def rows(self, x: Tensor, keys: bool = False) -> Tensor:
+        """[B, H, S, D] -> the rectangles' query (or key) rows packed, [T, H, D]."""
+        return torch.cat([x[bi, :, _span(r, keys)].transpose(0, 1) for r in self.rects for bi in self.batch])
 
     def lse_rows(self, lse: Tensor) -> Tensor:
         """[B, H, S] -> [H, Tq]."""
-        return torch.cat([lse[bi, :, r.q0 : r.q1] for r in self.rects for bi in self.batch], 1)
+        return torch.cat([lse[bi, :, _span(r, False)] for r in self.rects for bi in self.batch], 1)
 
     def split(self, packed: Tensor, keys: bool = False) -> list[Tensor]:
         """[T, H, D] -> per rectangle [B', H, n, D] (views)."""
@@ -317,7 +319,7 @@ def _forward_pieces(q: Tensor, k: Tensor, v: Tensor, b: slice, rects: list, scal
     for (kind, window), rs in groups.items():
         pack = _Pack(rs, range(q.shape[0])[b], q.device)
         out, lse = kernel_fwd_varlen(
-            pack.q_rows(q), pack.k_rows(k), pack.k_rows(v), pack.cu_q, pack.cu_k, pack.max_q, pack.max_k,
+            pack.rows(q), pack.rows(k, keys=True), pack.rows(v, keys=True), pack.cu_q, pack.cu_k, pack.max_q, pack.max_k,
             kind == "causal", scale, window,
         )
         yield from zip(rs, pack.split(out), pack.split_lse(lse))
@@ -334,7 +336,7 @@ def _backward_pieces(dout, q, k, v, out, lse, b: slice, rects: list, scale: floa
     for (kind, window), rs in groups.items():
         pack = _Pack(rs, range(q.shape[0])[b], q.device)
         dq, dk, dv = kernel_bwd_varlen(
-            pack.q_rows(dout), pack.q_rows(q), pack.k_rows(k), pack.k_rows(v), pack.q_rows(out), pack.lse_rows(lse),
+            pack.rows(dout), pack.rows(q), pack.rows(k, keys=True), pack.rows(v, keys=True), pack.rows(out), pack.lse_rows(lse),
             pack.cu_q, pack.cu_k, pack.max_q, pack.max_k, kind == "causal", scale, window,
         )
         yield from zip(rs, zip(pack.split(dq), pack.split(dk, keys=True), pack.split(dv, keys=True)))
