@@ -1,11 +1,14 @@
 """Every touch of a private torch or torchtitan internal, one place each, with the version it was written for.
 
-Written against torch 2.13.0 and torchtitan 0.2.2. The rest of cp_dtensor imports the private torch
+Written against torch 2.13.0 and torchtitan 0.2.2, and checked on every torch the project claims
+(``TORCH_VERSIONS``, the range ``pyproject.toml`` admits): tests/test_compat.py runs in both CI legs,
+torch 2.13.0 (the dev stack) and the newest release (scripts/test_newest.sh). The rest of cp_dtensor imports the private torch
 names it needs from here (``_StridedShard``, ``DTensorSpec``, ``redistribute_local_tensor``, the raw
 ``_c10d_functional`` ops, ...) and reaches DTensor's dispatcher only through the functions below.
 ``PRIVATE_SYMBOLS`` lists every hooked symbol with the parameters cp_dtensor relies on;
 tests/test_compat.py checks each one, so a torch or torchtitan bump fails one clear test instead of
-somewhere deep. The torchtitan rebinds themselves live with the plugin (titan/spec.py, titan/_cpu.py,
+somewhere deep; a new torch release joins ``TORCH_VERSIONS`` (and the bound in pyproject.toml) when the
+newest leg passes on it. The torchtitan rebinds themselves live with the plugin (titan/spec.py, titan/_cpu.py,
 titan/float8.py, each citing its Note); their targets are listed here.
 
 Note [Rank-specialised compiled graphs]
@@ -23,7 +26,7 @@ the same way. So every rank compiles its own graph, and a compile cache must key
   the same on every rank; the ring appears only when AOTAutograd traces through DTensor's dispatch
   (dispatch.py). AOTAutograd's cache keys that graph by its inputs' ``DTensor._stable_hash_for_caching``
   -> ``DTensorSpec._stable_hash`` -> ``DeviceMesh._stable_hash``, which (torch 2.13) hashes the mesh's
-  ranks, shape and names but not *this rank's coordinate in it*. Every rank computes the same key, the
+  ranks, shape and names but not *this rank's coordinate in it* (still so in 2.14 and 2.15). Every rank computes the same key, the
   last to finish a cold run owns the cache entry, and on the next run every rank loads that one rank's
   forward and backward: the other ranks then post collectives of other sizes (gloo: "Received data
   size doesn't match expected size"; NCCL: a hang or wrong data). Plain DTensor has the same bug without cp_dtensor:
@@ -33,7 +36,7 @@ the same way. So every rank compiles its own graph, and a compile cache must key
 The fix is the key, narrowly: ``include_mesh_coordinate_in_cache_key`` makes ``DeviceMesh._stable_hash``
 also hash ``mesh.get_coordinate()`` (this rank's coordinate on every mesh dim, so the rank in the CP
 group too), and so every DTensor graph AOTAutograd caches is keyed by the rank it was traced on. Nothing
-else reads ``_stable_hash`` in torch 2.13 (DTensor sharding propagation uses ``__hash__``). The cost:
+else reads ``_stable_hash`` in torch 2.13-2.15 (DTensor sharding propagation uses ``__hash__``). The cost:
 one compile per rank (which happens anyway: the ranks trace concurrently) and one AOTAutograd cache entry
 per rank instead of one shared (wrong) one. A model under ``apply_context_parallel`` (module.py)
 compiles to the local ring's graph with ``DTensor.from_local`` and the mesh in Dynamo's graph; torch
@@ -81,6 +84,7 @@ __all__ = [
 ]
 
 TORCH_VERSION = "2.13.0"  # what the torch touches below were written against
+TORCH_VERSIONS = ("2.13", "2.14", "2.15")  # where each is checked: CI's two legs (2.13.0, 2.15.0); 2.14.1 by hand
 TORCHTITAN_VERSION = "0.2.2"  # what the torchtitan rebinds (titan/) were written against
 
 # The torchtitan names the plugin rebinds (the rebinding code lives with the plugin, each step citing its Note).

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ._extras import require
 from .comm import all_gather_host, all_gather_objects, group_size, host_group
 from .layout import LAYOUTS, global_order, layout_unit
 
@@ -209,6 +210,8 @@ def check_ring_args(
     """Validate ``ring_attention``'s arguments on every rank of ``group`` -- a group, or a 2-D mesh's
     (ring, Ulysses) groups with ``ulysses`` = U. Returns the resolved scale and the global (min, max)
     document id (None without documents, or when not gathered: compiled)."""
+    if comm_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # the row scales come from torchao
+        require("float8", f"comm_dtype={comm_dtype}")
     groups = group if isinstance(group, tuple) else (group,)
     if any(g is None or dist.get_rank(g) < 0 for g in groups):
         raise ValueError(

@@ -44,12 +44,17 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
 
-from .checks import check_ring_args
-from .layout import check_layout, global_order, shard_tensor
-from .ring import _ring_attention
+from ._extras import require
+
+require("hf", "cp_dtensor.hf (transformers models under context parallelism)")
+
+from transformers import AttentionInterface  # noqa: E402
+from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
+
+from .checks import check_ring_args  # noqa: E402
+from .layout import check_layout, global_order, shard_tensor  # noqa: E402
+from .ring import _ring_attention  # noqa: E402
 
 __all__ = ["apply_context_parallel_hf", "register", "shift_labels", "NAME"]
 

@@ -6,7 +6,11 @@ float8 linears run there. See Note [How the plugin hooks torchtitan] in spec.py,
 CPU] in _cpu.py and Note [float8 training on CPU] in float8.py.
 """
 
-from ._cpu import install_triton_stand_in
+from .._extras import require
+
+require("titan", "cp_dtensor.titan (the torchtitan plugin)")
+
+from ._cpu import install_triton_stand_in  # noqa: E402
 
 install_triton_stand_in()  # before the first `import torchtitan`; see Note [torchtitan on CPU]
 

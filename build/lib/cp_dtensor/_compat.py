@@ -1,0 +1,226 @@
+"""Every touch of a private torch or torchtitan internal, one place each, with the version it was written for.
+
+Written against torch 2.13.0 and torchtitan 0.2.2, and checked on every torch the project claims
+(``TORCH_VERSIONS``, the range ``pyproject.toml`` admits): tests/test_compat.py runs in both CI legs,
+torch 2.13.0 (the dev stack) and the newest release (scripts/test_newest.sh). The rest of cp_dtensor imports the private torch
+names it needs from here (``_StridedShard``, ``DTensorSpec``, ``redistribute_local_tensor``, the raw
+``_c10d_functional`` ops, ...) and reaches DTensor's dispatcher only through the functions below.
+``PRIVATE_SYMBOLS`` lists every hooked symbol with the parameters cp_dtensor relies on;
+tests/test_compat.py checks each one, so a torch or torchtitan bump fails one clear test instead of
+somewhere deep; a new torch release joins ``TORCH_VERSIONS`` (and the bound in pyproject.toml) when the
+newest leg passes on it. The torchtitan rebinds themselves live with the plugin (titan/spec.py, titan/_cpu.py,
+titan/float8.py, each citing its Note); their targets are listed here.
+
+Note [Rank-specialised compiled graphs]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The ring's compiled graph is different on every rank of the CP group, by construction: each rank's
+``all_to_all_single`` has its own split sizes (send to rank + 1, receive from rank - 1; comm.py) and
+each causal step its own slices (rank vs the block's source rank; layout.py ``step_block``). Those are
+Python ints chosen when the graph is traced; making them graph inputs would need run-time split sizes
+and data-dependent slice bounds, and would not help DTensor's own collectives, which are rank-specialised
+the same way. So every rank compiles its own graph, and a compile cache must key it by rank.
+
+* ``ring_attention`` on local shards: Dynamo traces the ring itself, so the rank-specific constants
+  are in the graph Dynamo hands on; Inductor's FX graph cache keys differ per rank. Safe as is.
+* ``F.scaled_dot_product_attention`` on DTensors: Dynamo's graph is one SDPA call on DTensor inputs,
+  the same on every rank; the ring appears only when AOTAutograd traces through DTensor's dispatch
+  (dispatch.py). AOTAutograd's cache keys that graph by its inputs' ``DTensor._stable_hash_for_caching``
+  -> ``DTensorSpec._stable_hash`` -> ``DeviceMesh._stable_hash``, which (torch 2.13) hashes the mesh's
+  ranks, shape and names but not *this rank's coordinate in it* (still so in 2.14 and 2.15). Every rank computes the same key, the
+  last to finish a cold run owns the cache entry, and on the next run every rank loads that one rank's
+  forward and backward: the other ranks then post collectives of other sizes (gloo: "Received data
+  size doesn't match expected size"; NCCL: a hang or wrong data). Plain DTensor has the same bug without cp_dtensor:
+  a compiled ``x.redistribute(placements=[Shard(0)])`` of a replicated ``x`` (a rank-dependent local
+  slice) returns rank 1's rows on rank 0 in the second run, silently.
+
+The fix is the key, narrowly: ``include_mesh_coordinate_in_cache_key`` makes ``DeviceMesh._stable_hash``
+also hash ``mesh.get_coordinate()`` (this rank's coordinate on every mesh dim, so the rank in the CP
+group too), and so every DTensor graph AOTAutograd caches is keyed by the rank it was traced on. Nothing
+else reads ``_stable_hash`` in torch 2.13-2.15 (DTensor sharding propagation uses ``__hash__``). The cost:
+one compile per rank (which happens anyway: the ranks trace concurrently) and one AOTAutograd cache entry
+per rank instead of one shared (wrong) one. A model under ``apply_context_parallel`` (module.py)
+compiles to the local ring's graph with ``DTensor.from_local`` and the mesh in Dynamo's graph; torch
+2.13's AOTAutograd cache bypasses that graph or keys its mesh input differently in every process, and
+Inductor's FX graph cache, which sees the rank-specific ring, serves it: safe without the patch.
+torchtitan's plugin calls ``ring_attention`` on local shards: the first case.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch._prims_common import make_contiguous_strides_for
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._redistribute import redistribute_local_tensor
+from torch.distributed.tensor._sharding_prop import LocalLRUCache
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard, _StridedShardOffsetMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = [
+    "DTensorSpec",
+    "TensorMeta",
+    "TorchDispatchMode",
+    "_StridedShard",
+    "_StridedShardOffsetMode",
+    "c10d_functional",
+    "compute_local_shape_and_global_offset",
+    "custom_op_handlers",
+    "dtensor_default_dispatch",
+    "include_mesh_coordinate_in_cache_key",
+    "make_contiguous_strides_for",
+    "mesh_concatenate",
+    "mesh_unflatten",
+    "redistribute_local_tensor",
+    "resolve_process_group",
+    "wrap_sharding_propagation",
+]
+
+TORCH_VERSION = "2.13.0"  # what the torch touches below were written against
+TORCH_VERSIONS = ("2.13", "2.14", "2.15")  # where each is checked: CI's two legs (2.13.0, 2.15.0); 2.14.1 by hand
+TORCHTITAN_VERSION = "0.2.2"  # what the torchtitan rebinds (titan/) were written against
+
+# The torchtitan names the plugin rebinds (the rebinding code lives with the plugin, each step citing its Note).
+TITAN_MOE_KERNELS = "torchtitan.models.moe.kernels"  # a stand-in before import: Note [torchtitan on CPU] 1
+TITAN_DEVICE_HOLDERS = {  # module -> the device names it copied at import: Note [torchtitan on CPU] 2
+    "torchtitan.tools.utils": ("device_type", "device_module"),
+    "torchtitan.components.metrics": ("device_type", "device_module"),
+    "torchtitan.distributed.parallel_dims": ("device_type",),
+    "torchtitan.distributed.utils": ("device_type", "device_module"),
+    "torchtitan.tools.profiling": ("device_module",),
+}
+TITAN_FLOAT8 = "torchtitan.components.quantization.float8"  # has_cuda_capability: Note [float8 training on CPU]
+TITAN_CP = "torchtitan.distributed.context_parallel"  # prepare_context_parallel_input: Note [How the plugin hooks torchtitan]
+TITAN_CP_INPUT = "prepare_context_parallel_input"  # rebound in every module that imported it
+TITAN_CP_STEP = "apply_cp_to_attention_module"  # swapped in each family's parallelize module for the call
+
+# (module, qualified name, parameters cp_dtensor passes or replaces; None: an attribute, checked to exist).
+# Checked by tests/test_compat.py.
+PRIVATE_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
+    # Note [Rank-specialised compiled graphs] (below)
+    ("torch.distributed.device_mesh", "DeviceMesh._stable_hash", ("self",)),
+    ("torch.distributed.tensor._dtensor_spec", "DTensorSpec._stable_hash", ("self",)),
+    ("torch.distributed.tensor", "DTensor._stable_hash_for_caching", ("self",)),
+    # dispatch.py: the SDPA handlers (Note [SDPA dispatch]) and DTensor's ordinary path
+    ("torch.distributed.tensor", "DTensor._op_dispatcher._custom_op_handlers", None),
+    ("torch.distributed.tensor", "DTensor._op_dispatcher.unwrap_to_op_info", ("op_call", "args", "kwargs")),
+    ("torch.distributed.tensor", "DTensor._op_dispatcher._dispatch_get_local_results_slow_path",
+     ("op_call", "args", "op_info")),
+    ("torch.distributed.tensor", "DTensor._op_dispatcher.sharding_propagator.propagate", ("op_info",)),
+    ("torch.distributed.tensor", "DTensor._op_dispatcher.wrap", ("res", "spec")),
+    ("torch.distributed.tensor._redistribute", "redistribute_local_tensor",
+     ("local_tensor", "current_spec", "target_spec")),
+    ("torch.distributed.tensor._dtensor_spec", "DTensorSpec", ("mesh", "placements", "tensor_meta")),
+    ("torch.distributed.tensor._dtensor_spec", "TensorMeta", ("shape", "stride", "dtype")),
+    ("torch._prims_common", "make_contiguous_strides_for", ("shape",)),
+    # titan/attention.py: the (ulysses, ring) mesh of a CP group (Note [Ulysses in torchtitan])
+    ("torch.distributed.device_mesh", "DeviceMesh._unflatten", ("self", "dim", "mesh_sizes", "mesh_dim_names")),
+    ("torch.distributed.device_mesh", "DeviceMesh._concatenate", ("device_mesh_list",)),
+    # placement.py: HeadTail subclasses _StridedShard (Note [HeadTail placement]) and fixes propagation
+    ("torch.distributed.tensor.placement_types", "_StridedShard", ("dim", "split_factor")),
+    ("torch.distributed.tensor.placement_types", "_StridedShard.local_shard_size_and_offset",
+     ("self", "curr_local_size", "num_chunks", "rank", "offset_mode")),
+    ("torch.distributed.tensor.placement_types", "_StridedShard._local_shard_size_and_offset",
+     ("self", "curr_local_size", "num_chunks", "rank", "offset_mode")),
+    ("torch.distributed.tensor.placement_types", "_StridedShard._select_split_tensor",
+     ("self", "tensor", "num_chunks", "index")),
+    ("torch.distributed.tensor.placement_types", "_StridedShardOffsetMode.FIRST", None),
+    ("torch.distributed.tensor", "DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding_non_cached",
+     ("op_schema",)),
+    ("torch.distributed.tensor._sharding_prop", "LocalLRUCache", ("user_function",)),
+    # checkpoint.py: DCP's box of a strided shard (Note [Checkpoint layouts])
+    ("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset",
+     ("global_shape", "mesh", "placements")),
+    # comm.py, debug.py: the raw functional collectives
+    ("torch.ops._c10d_functional", "all_to_all_single", None),
+    ("torch.ops._c10d_functional", "all_gather_into_tensor", None),
+    ("torch.ops._c10d_functional", "reduce_scatter_tensor", None),
+    ("torch.ops._c10d_functional", "all_reduce", None),
+    ("torch.ops._c10d_functional", "broadcast", None),
+    ("torch.ops._c10d_functional", "wait_tensor", None),
+    ("torch.distributed.distributed_c10d", "_resolve_process_group", None),  # a pybind builtin: no signature
+    ("torch.utils._python_dispatch", "TorchDispatchMode.__torch_dispatch__", ("self", "func", "types", "args", "kwargs")),
+    # titan/spec.py: Note [How the plugin hooks torchtitan]
+    (TITAN_CP, TITAN_CP_INPUT, ("inputs", "labels", "extra_kwargs", "cp_mesh", "device", "load_balancer_type")),
+    ("torchtitan.models.llama3.infra.parallelize", TITAN_CP_STEP, ("attention_modules", "cp_mesh", "attention_type")),
+    # titan/_cpu.py: Note [torchtitan on CPU] (TITAN_MOE_KERNELS needs triton to import: not checked here)
+    *((module, name, None) for module, names in TITAN_DEVICE_HOLDERS.items() for name in names),
+    # titan/float8.py: Note [float8 training on CPU]
+    (TITAN_FLOAT8, "has_cuda_capability", ("major", "minor")),
+)
+
+c10d_functional = torch.ops._c10d_functional  # the raw functional collectives (comm.py, debug.py)
+
+
+def custom_op_handlers() -> dict[Any, Callable]:
+    """DTensor's table of per-op handlers that replace its own dispatch (torch's experimental CP uses it too)."""
+    return DTensor._op_dispatcher._custom_op_handlers
+
+
+def dtensor_default_dispatch(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> object:
+    """What DTensor does for ``op`` without a custom handler: propagate shardings, run locally, wrap."""
+    dispatcher = DTensor._op_dispatcher
+    info = dispatcher.unwrap_to_op_info(op, args, kwargs)
+    dispatcher.sharding_propagator.propagate(info)
+    local = dispatcher._dispatch_get_local_results_slow_path(op, args, info)
+    return dispatcher.wrap(local, info.output_sharding.output_spec)
+
+
+def wrap_sharding_propagation(fix: Callable[[object], object]) -> None:
+    """Pass every ``OutputSharding`` DTensor's propagator computes through ``fix`` (idempotent per ``fix``)."""
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    inner = propagator.propagate_op_sharding_non_cached
+    if getattr(inner, "_cp_dtensor_fix", None) is fix:
+        return
+
+    def propagate_op_sharding_non_cached(op_schema):
+        return fix(inner(op_schema))
+
+    propagate_op_sharding_non_cached._cp_dtensor_fix = fix
+    # the same two instance attributes ShardingPropagator.__init__ sets up: the rule and its cache
+    propagator.propagate_op_sharding_non_cached = propagate_op_sharding_non_cached
+    propagator.propagate_op_sharding = LocalLRUCache(propagate_op_sharding_non_cached)
+
+
+def _stable_hash_with_coordinate(self: DeviceMesh) -> str:
+    # See Note [Rank-specialised compiled graphs]
+    key = f"{_torch_stable_hash(self)}|coordinate={self.get_coordinate()}"
+    return hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
+
+
+_torch_stable_hash = getattr(DeviceMesh, "_stable_hash", None)
+_torch_stable_hash = getattr(_torch_stable_hash, "__wrapped__", _torch_stable_hash)  # a reloaded module
+_stable_hash_with_coordinate.__wrapped__ = _torch_stable_hash
+
+
+def include_mesh_coordinate_in_cache_key() -> None:
+    """Key compiled DTensor graphs by this rank's mesh coordinate (idempotent); see
+    Note [Rank-specialised compiled graphs]."""
+    if _torch_stable_hash is None:
+        warnings.warn(
+            "cp_dtensor: this torch has no DeviceMesh._stable_hash (cp_dtensor was written against torch "
+            f"{TORCH_VERSION}); compiled SDPA on DTensors may load another rank's graph from a warm compile "
+            "cache. Set TORCHINDUCTOR_AUTOGRAD_CACHE=0 if a second run fails with a collective mismatch.",
+            stacklevel=2,
+        )
+        return
+    DeviceMesh._stable_hash = _stable_hash_with_coordinate
+
+
+def mesh_unflatten(mesh: DeviceMesh, sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """A 1-D ``mesh`` as a mesh of shape ``sizes`` (row-major), dims named ``names``; new process groups,
+    so every rank calls it. torch 2.13's private ``DeviceMesh._unflatten`` (torchtitan's ParallelDims uses it)."""
+    return mesh._unflatten(0, sizes, names)
+
+
+def mesh_concatenate(meshes: list[DeviceMesh]) -> DeviceMesh:
+    """Sub-meshes of one root mesh stacked as the dims of one mesh, in the given order (a transpose when
+    reordered); reuses their groups. torch 2.13's private ``DeviceMesh._concatenate``."""
+    return DeviceMesh._concatenate(meshes)

@@ -1,0 +1,62 @@
+"""The optional extras: which feature needs which package, and the error that names the extra to install.
+
+torch (and safetensors) are cp_dtensor's only core dependencies: the ring, masks, 2-D CP, the DTensor
+rule, the module path, checkpoints and the planner need nothing else. Three features need a package a
+user may not have (``pyproject.toml`` ``[project.optional-dependencies]``):
+
+=========  ================  ===============================================================
+extra      package           feature
+=========  ================  ===============================================================
+titan      torchtitan 0.2.x  ``cp_dtensor.titan``: the torchtitan plugin (TOML jobs)
+float8     torchao           ``comm_dtype=torch.float8_*`` K/V payloads; float8 training in torchtitan
+hf         transformers      ``cp_dtensor.hf``: transformers models under CP
+=========  ================  ===============================================================
+
+Using a feature whose package is missing raises :class:`ImportError` naming the extra
+(``pip install 'cp_dtensor[titan]'``). The check only looks the package up (``find_spec``), so it
+imports nothing: torchtitan must not be imported before the plugin's CPU preparations (Note [torchtitan
+on CPU] in titan/_cpu.py). The same environment on every rank means every rank raises alike, before
+any communication.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+
+__all__ = ["EXTRAS", "require"]
+
+EXTRAS = {"titan": "torchtitan", "float8": "torchao", "hf": "transformers"}
+# the versions each extra's glue was written for: (lowest, first not served)
+_SERVED = {"titan": ((0, 2), (0, 3))}
+
+
+def _version(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in text.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def require(extra: str, feature: str) -> None:
+    """Raise ImportError, naming ``pip install 'cp_dtensor[extra]'``, unless ``extra``'s package is
+    installed in a version the glue serves."""
+    package = EXTRAS[extra]
+    try:
+        spec = importlib.util.find_spec(package)
+    except ValueError:  # sys.modules[package] is None: the import is blocked, as good as absent
+        spec = None
+    if spec is None:
+        raise ImportError(
+            f"{feature} needs {package}, which is not installed. Install the extra: pip install 'cp_dtensor[{extra}]'"
+        )
+    if extra in _SERVED:
+        have = importlib.metadata.version(package)
+        lo, hi = _SERVED[extra]
+        if not lo <= _version(have)[: len(lo)] < hi:
+            want = f">={'.'.join(map(str, lo))},<{'.'.join(map(str, hi))}"
+            raise ImportError(
+                f"{feature} serves {package}{want}; this environment has {package} {have}. Install a served "
+                f"version: pip install 'cp_dtensor[{extra}]'"
+            )

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# CI's second leg: the default suite on the newest torch release, in its own venv (.venv-newest/, created or
+# reused). The stack is requirements/newest.txt: torch 2.15.0 (PyPI's CUDA build, ~5 GB; it runs on CPU),
+# transformers and torchao, no torchtitan 0.2.2 (its tests skip). pip's machine-wide configuration here caps
+# torch at the releases stored locally; PIP_CONFIG_FILE=/dev/null lifts that for this venv only.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=.venv-newest
+if [ ! -x "$venv/bin/python" ]; then
+  python3 -m venv "$venv"
+fi
+stamp=$venv/.cp_dtensor-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ requirements/newest.txt -nt "$stamp" ]; then
+  PIP_CONFIG_FILE=/dev/null "$venv/bin/python" -m pip install -q --disable-pip-version-check \
+    -c requirements/newest.txt -e '.[float8,hf,test]'
+  touch "$stamp"
+fi
+"$venv/bin/python" -c 'import torch; print(f"newest leg: torch {torch.__version__}")'
+exec "$venv/bin/python" -m pytest tests -q "$@"
