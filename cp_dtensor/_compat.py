@@ -156,6 +156,39 @@ PRIVATE_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     (TITAN_FLOAT8, "has_cuda_capability", ("major", "minor")),
 )
 
+# torchtitan 0.3 (titan/v03/): the rows below are checked when torchtitan 0.3 is installed (the newest leg),
+# the torchtitan rows above when 0.2.2 is (the dev leg); see tests/test_compat.py.
+TORCHTITAN03_VERSION = "0.3.0"  # what the 0.3 glue (titan/v03/) was written against
+TITAN03_DEVICE_HOLDERS = {  # module -> the device names it copied at import: Note [torchtitan 0.3 on CPU] 1
+    "torchtitan.tools.utils": ("device_type", "device_module"),
+    "torchtitan.components.metrics": ("device_type", "device_module"),
+    "torchtitan.models.common.token_dispatcher": ("device_type", "device_module"),
+    "torchtitan.distributed.parallel_dims": ("device_type",),
+    "torchtitan.distributed.utils": ("device_type", "device_module"),
+    "torchtitan.tools.profiler": ("device_module",),
+}
+TITAN03_CP_STEP = "apply_cp_to_forward"  # swapped in each family's parallelize module: Note [How the 0.3 plugin hooks torchtitan]
+TITAN03_PRIVATE_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
+    # titan/v03/trainer.py: Note [How the 0.3 plugin hooks torchtitan]
+    ("torchtitan.trainer", "Trainer.post_dataloading_process", ("self", "input_dict", "labels")),
+    ("torchtitan.trainer", "Trainer.Config", None),
+    ("torchtitan.distributed.context_parallel", TITAN03_CP_STEP, ("attention_modules", "cp_mesh")),
+    ("torchtitan.models.llama3.parallelize", TITAN03_CP_STEP, ("attention_modules", "cp_mesh")),
+    ("torchtitan.models.qwen3.parallelize", TITAN03_CP_STEP, ("attention_modules", "cp_mesh")),
+    ("torchtitan.models.deepseek_v3.parallelize", TITAN03_CP_STEP, ("attention_modules", "cp_mesh")),
+    ("torchtitan.models.gpt_oss.parallelize", TITAN03_CP_STEP, ("attention_modules", "cp_mesh")),
+    ("torchtitan.models.common.attention", "FlexAttention.Config", None),
+    ("torchtitan.models.common.attention", "VarlenAttention.Config", None),
+    # titan/v03/main.py: the config registry and the trainer's main
+    ("torchtitan.config.manager", "ConfigManager._load_config", ("self", "args")),
+    ("torchtitan.train", "ConfigManager", None),
+    ("torchtitan.train", "main", ()),
+    ("torchtitan.hf_datasets.text_datasets", "DATASETS", None),
+    ("torchtitan.hf_datasets", "DatasetConfig", ("path", "loader", "sample_processor")),
+    # titan/v03/_cpu.py: Note [torchtitan 0.3 on CPU]
+    *((module, name, None) for module, names in TITAN03_DEVICE_HOLDERS.items() for name in names),
+)
+
 c10d_functional = torch.ops._c10d_functional  # the raw functional collectives (comm.py, debug.py)
 
 

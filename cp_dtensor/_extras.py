@@ -7,7 +7,7 @@ user may not have (``pyproject.toml`` ``[project.optional-dependencies]``):
 =========  ================  ===============================================================
 extra      package           feature
 =========  ================  ===============================================================
-titan      torchtitan 0.2.x  ``cp_dtensor.titan``: the torchtitan plugin (TOML jobs)
+titan      torchtitan 0.2/0.3 ``cp_dtensor.titan``: the torchtitan plugin (0.2.2 TOML jobs; 0.3 config registry)
 float8     torchao           ``comm_dtype=torch.float8_*`` K/V payloads; float8 training in torchtitan
 hf         transformers      ``cp_dtensor.hf``: transformers models under CP
 =========  ================  ===============================================================
@@ -24,11 +24,11 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 
-__all__ = ["EXTRAS", "require"]
+__all__ = ["EXTRAS", "installed_version", "require"]
 
 EXTRAS = {"titan": "torchtitan", "float8": "torchao", "hf": "transformers"}
 # the versions each extra's glue was written for: (lowest, first not served)
-_SERVED = {"titan": ((0, 2), (0, 3))}
+_SERVED = {"titan": ((0, 2), (0, 4))}  # 0.2.x: titan/*.py (TOML); 0.3.x: titan/v03/ (config registry)
 
 
 def _version(text: str) -> tuple[int, ...]:
@@ -60,3 +60,8 @@ def require(extra: str, feature: str) -> None:
                 f"{feature} serves {package}{want}; this environment has {package} {have}. Install a served "
                 f"version: pip install 'cp_dtensor[{extra}]'"
             )
+
+
+def installed_version(extra: str) -> tuple[int, ...]:
+    """(major, minor, patch) of ``extra``'s installed package, read from its metadata (nothing is imported)."""
+    return _version(importlib.metadata.version(EXTRAS[extra]))

@@ -53,3 +53,25 @@ def step_losses(out: str, *, first: int = 1, last: int | None = None) -> list[fl
     assert sorted(by_step) == list(range(first, last + 1)), f"steps logged: {sorted(by_step)}\n{out[-3000:]}"
     assert all(len(v) == 1 for v in by_step.values()), f"ranks disagree on the loss: {by_step}"
     return [by_step[s].pop() for s in range(first, last + 1)]
+
+
+# ---- torchtitan 0.3: --module / --config instead of a TOML (tests/test_titan03.py) ----
+
+def run_torchrun_03(nproc: int, dump: Path, *args: str, entry: Sequence[str] = TRAIN, timeout: float | None = 420,
+                    ) -> tuple[int, str]:
+    """Run one torchtitan 0.3 job of ``nproc`` ranks (``args``: --module, --config and flags); returns its exit
+    code and the output of every rank."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *entry,
+           *args, "--dump_folder", str(dump), "--metrics.disable_color_printing"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def torchrun_03(nproc: int, dump: Path, *args: str, **kwargs) -> str:
+    """:func:`run_torchrun_03` for a job that must succeed: its output, or :class:`TorchrunFailed`."""
+    code, out = run_torchrun_03(nproc, dump, *args, **kwargs)
+    if code != 0:
+        raise TorchrunFailed(f"exit {code}: {nproc} ranks, {' '.join(args)}\n...\n{out[-6000:]}")
+    return out

@@ -36,8 +36,6 @@ import inspect
 import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
-from torchtitan.models.attention import get_document_mask_mod
-
 from ..layout import shard_tensor
 
 __all__ = ["RingMask", "document_ids", "chunk_ids", "ring_masks", "shard_masks"]
@@ -70,6 +68,8 @@ class RingMask(BlockMask):
 def document_ids(tokens: Tensor, eos_id: int) -> Tensor:
     """Document ids [B, N] (int64) of torchtitan's block_causal mask: taken from the closure of
     torchtitan's ``get_document_mask_mod`` (eos ends a document; see Note [Flex masks as ring masks])."""
+    from torchtitan.models.attention import get_document_mask_mod  # 0.2.2's module; 0.3 (v03/) imports this file too
+
     mask_mod = get_document_mask_mod(tokens, eos_id)
     return inspect.getclosurevars(mask_mod).nonlocals["sequence_indices"].long()
 

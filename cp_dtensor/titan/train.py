@@ -1,7 +1,9 @@
 """Entry point: torchtitan's Trainer with cp_dtensor's context parallelism, on CPU (gloo) or GPU.
 
     torchrun --standalone --nproc_per_node=2 -m cp_dtensor.titan.train \
-        --job.config_file titan_configs/llama3_debug.toml [torchtitan CLI overrides]
+        --job.config_file titan_configs/llama3_debug.toml [torchtitan CLI overrides]       # torchtitan 0.2.2
+    torchrun --standalone --nproc_per_node=2 -m cp_dtensor.titan.train --module llama3 \
+        --config llama3_debugmodel --parallelism.context_parallel_degree 2 [flags]      # torchtitan 0.3
 
 Importing ``cp_dtensor.titan`` first is what lets torchtitan import without triton on a CPU machine
 (Note [torchtitan on CPU]); otherwise this is torchtitan's own ``main``, with the job's CP settings
@@ -14,27 +16,37 @@ import os
 import sys
 
 # isort: off
-from cp_dtensor.titan import check_job_config  # registers the plugin before torchtitan.train is imported
-from cp_dtensor.titan.resume import check_resume
-from torchtitan.train import Trainer, main as titan_main
+import cp_dtensor.titan  # noqa: F401  registers the plugin (either torchtitan) before torchtitan.train is imported
+from cp_dtensor._extras import installed_version
 # isort: on
 
+V03 = installed_version("titan") >= (0, 3)  # torchtitan 0.3: the config-registry glue (titan/v03/main.py)
 
-class CPTrainer(Trainer):
-    """torchtitan's Trainer; fails fast, on every rank, on a CP setup cp_dtensor cannot run or a
-    resume that would skip or repeat data (Note [Resume across CP degrees] in resume.py)."""
+if not V03:
+    from cp_dtensor.titan import check_job_config
+    from cp_dtensor.titan.resume import check_resume
+    from torchtitan.train import Trainer, main as titan_main
 
-    def init_distributed(self):
-        check_job_config(self.job_config, world_size=int(os.environ.get("WORLD_SIZE", "1")))
-        return super().init_distributed()
+    class CPTrainer(Trainer):
+        """torchtitan's Trainer; fails fast, on every rank, on a CP setup cp_dtensor cannot run or a
+        resume that would skip or repeat data (Note [Resume across CP degrees] in resume.py)."""
 
-    def train(self):
-        check_resume(self.checkpointer, self.parallel_dims, load_step=self.job_config.checkpoint.load_step)
-        return super().train()
+        def init_distributed(self):
+            check_job_config(self.job_config, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+            return super().init_distributed()
+
+        def train(self):
+            check_resume(self.checkpointer, self.parallel_dims, load_step=self.job_config.checkpoint.load_step)
+            return super().train()
 
 
 def _run() -> None:
-    titan_main(CPTrainer)
+    if V03:
+        from cp_dtensor.titan.v03.main import main as main_03
+
+        main_03()
+    else:
+        titan_main(CPTrainer)
     # torchtitan has closed the trainer and destroyed the process group. Leave without running the
     # interpreter's teardown: about one run in eight, destroying gloo's and the checkpointer's
     # background threads there aborted the process ("terminate called without an active exception",

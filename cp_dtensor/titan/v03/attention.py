@@ -1,0 +1,134 @@
+"""torchtitan 0.3: the ring as each layer's inner attention, its masks, and the batch each CP rank keeps.
+
+Note [0.3 inner attention as the ring]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+torchtitan 0.3's decoders (llama3, qwen3, deepseek_v3, gpt_oss) call ``attention.inner_attention(q, k, v,
+attention_masks=..., scale=..., enable_gqa=...)`` with q, k, v as [B, L, N, H] (gpt_oss adds
+``out_transform=`` for its sinks). The inner attention is a FlexAttention or a VarlenAttention module
+(0.3 refuses "sdpa" for these families); both build their masks from one thing, the per-document
+``positions`` [B, N] the dataloader yields (a position resets to 0 where a document starts): causal, and
+no attention across documents; gpt_oss's sliding-window layers add ``0 <= q - k < W``.
+
+Under the plugin every inner attention is ``RingInnerAttention`` and the masks are ``RingDocs`` (the
+document ids ``cumsum(positions == 0)``, never decreasing, plus the window), so one rule serves flex and
+varlen alike and no [N, N] BlockMask is built (on CPU that needs torch.compile). ``shard_batch`` shards
+inputs, labels, positions and the ids in the layout, as 0.2.2's ``shard_cp_batch`` does; positions are
+the data's own (0.3 rotates by position within the document), so they are sharded, not recomputed.
+The ring then runs at CP = 1 too (a group of this rank alone): CP = 1 and CP = P compute the same
+masks, and FlexAttention has no CPU backward in torch 2.13-2.15.
+
+gpt_oss's sinks: as in 0.2.2 (Note [gpt_oss sinks] in ../families.py) the ring puts the sinks in the
+merged softmax and hands ``out_transform`` an lse of +inf, so the model's ``sigmoid(lse - sinks)``
+rescale is exactly 1 with zero gradient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ... import ring_attention
+from ...layout import check_seq_len, shard_tensor
+
+__all__ = ["RingDocs", "RingInnerAttention", "ring_masks", "shard_batch"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RingDocs:
+    """The mask rule one layer's attention gets: causal, within documents, optionally a window."""
+
+    ids: torch.Tensor  # [B, N] document ids (global), or [B, S_local] after shard_batch; non-decreasing along N
+    window_size: tuple[int, int] | None = None  # gpt_oss sliding window W: (W - 1, 0)
+
+
+def document_ids(positions: torch.Tensor) -> torch.Tensor:
+    """[B, N] positions (0 where a document starts) -> [B, N] int64 document ids (0.3's own rule)."""
+    return torch.cumsum((positions == 0).to(torch.int64), dim=1)
+
+
+def ring_masks(model_config, positions: torch.Tensor):
+    """What the model's ``get_attention_masks(positions)`` would return, as ring rules: one ``RingDocs``,
+    or gpt_oss's ``{"basic_mask", "sliding_window_mask"}`` dict (the model picks a layer's entry by key)."""
+    ids = document_ids(positions)
+    window = None
+    for layer in getattr(model_config, "layers", []):
+        w = getattr(getattr(layer, "attention", None), "sliding_window_size", None)
+        if w is not None:
+            window = w
+            break
+    if type(model_config).__module__.startswith("torchtitan.models.gpt_oss"):
+        masks = {"basic_mask": RingDocs(ids)}
+        if window is not None:
+            masks["sliding_window_mask"] = RingDocs(ids, window_size=(window - 1, 0))
+        return masks
+    return RingDocs(ids)
+
+
+def shard_batch(inputs: torch.Tensor, labels: torch.Tensor, extra: dict[str, Any], *, layout: str, rank: int,
+                world: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    """This CP rank's share of a batch (Note [0.3 inner attention as the ring]): inputs, labels and
+    positions [B, N] -> [B, S_local]; every ``RingDocs`` id tensor alike."""
+    check_seq_len(layout, world, inputs.shape[1], fix="Change --training.seq_len (or the validator's seq_len).")
+
+    def shard(x: torch.Tensor) -> torch.Tensor:
+        return shard_tensor(x, dim=1, layout=layout, rank=rank, world=world).contiguous()
+
+    masks = extra.get("attention_masks")
+    if isinstance(masks, RingDocs):
+        extra["attention_masks"] = dataclasses.replace(masks, ids=shard(masks.ids))
+    elif isinstance(masks, dict):
+        extra["attention_masks"] = {k: dataclasses.replace(m, ids=shard(m.ids)) for k, m in masks.items()}
+    if extra.get("positions") is not None:
+        extra["positions"] = shard(extra["positions"])
+    return shard(inputs), shard(labels), extra
+
+
+class RingInnerAttention(nn.Module):
+    """Stands in for 0.3's FlexAttention / VarlenAttention: ring attention over ``group`` with the
+    ``RingDocs`` the model passes. ``sinks_of``: the attention module whose ``sinks`` join the softmax
+    (gpt_oss), read at every call (FSDP swaps the parameter object); a reference, not a child module."""
+
+    def __init__(self, *, group: dist.ProcessGroup | DeviceMesh, layout: str, comm_dtype: torch.dtype | None = None,
+                 kv_exchange: str = "ring", sinks_of: nn.Module | None = None):
+        super().__init__()
+        self.group, self.layout, self.comm_dtype, self.kv_exchange = group, layout, comm_dtype, kv_exchange
+        object.__setattr__(self, "_sinks_of", sinks_of)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attention_masks=None,
+                scale: float | None = None, enable_gqa: bool = False, out_transform=None, score_mod=None,
+                **kwargs) -> torch.Tensor:
+        # q: [B, S_local, Hq, Dqk]; k: [B, S_local, Hkv, Dqk]; v: [B, S_local, Hkv, Dv]
+        if score_mod is not None:
+            raise NotImplementedError("cp_dtensor ring attention takes no flex score_mod; torchtitan 0.3's "
+                                      "llama3, qwen3, deepseek_v3 and gpt_oss pass none.")
+        ids, window = None, None
+        if attention_masks is not None:
+            if not isinstance(attention_masks, RingDocs):
+                raise TypeError(f"cp_dtensor ring attention got a {type(attention_masks).__name__} mask; it needs "
+                                "the plugin's RingDocs (Note [0.3 inner attention as the ring]). Train through "
+                                "cp_dtensor's trainer (python -m cp_dtensor.titan.train).")
+            ids, window = attention_masks.ids, attention_masks.window_size
+        sinks = None if self._sinks_of is None else self._sinks_of.sinks
+        out = ring_attention(
+            q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(),
+            group=self.group, layout=self.layout,
+            is_causal=True, scale=scale, comm_dtype=self.comm_dtype, document_ids=ids, window_size=window,
+            sinks=sinks, kv_exchange=self.kv_exchange,
+        ).transpose(1, 2)  # [B, S_local, Hq, Dv]
+        if out_transform is None:
+            return out
+        if sinks is None:
+            raise NotImplementedError("cp_dtensor ring attention hands out_transform an lse only for gpt_oss-style "
+                                      "sinks (Note [0.3 inner attention as the ring]); this model has none.")
+        # the sinks are already in `out`: an lse of +inf makes gpt_oss's sigmoid(lse - sinks) exactly 1
+        return out_transform(out, out.new_full(out.shape[:-1], float("inf"), dtype=torch.float32))
+
+    def extra_repr(self) -> str:
+        cp = self.group.size() if isinstance(self.group, DeviceMesh) else dist.get_world_size(self.group)
+        extra = "" if self._sinks_of is None else ", sinks"
+        return f"layout={self.layout!r}, cp={cp}, comm_dtype={self.comm_dtype}, kv_exchange={self.kv_exchange!r}{extra}"

@@ -1,0 +1,230 @@
+"""torchtitan 0.3's Trainer with cp_dtensor's context parallelism: the config section, the checks, the hooks.
+
+Note [How the 0.3 plugin hooks torchtitan]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+torchtitan 0.3 builds a trainer from a ``Trainer.Config`` that a config-registry function returns
+(``--module llama3 --config llama3_debugmodel``). The plugin's ``CPTrainer`` subclasses ``Trainer``; its
+``Config`` adds the ``cp_dtensor`` section (``--cp_dtensor.layout``, ``.ulysses_degree``, ``.kv_exchange``,
+``.comm_dtype``: the 0.2.2 TOML section's fields), and ``as_cp_config`` turns any family's config into
+one. Its ``__init__`` checks the job on every rank before the process group starts, then wraps the
+model spec's ``parallelize_fn``; the wrapper, around the family's own parallelize function:
+
+* replaces every layer's ``attention.inner_attention`` (FlexAttention or VarlenAttention) with
+  ``RingInnerAttention`` over the CP group (or a group of this rank alone at CP = 1), and the model's
+  ``get_attention_masks`` with ``ring_masks`` (Note [0.3 inner attention as the ring]);
+* swaps the family's ``apply_cp_to_forward`` (0.3's own CP: an all-gather of K/V around FlexAttention)
+  for a check that the ring is in place, for the duration of the call;
+* rebinds ``prepare_context_parallel_input`` in ``torchtitan.trainer`` and ``torchtitan.components.validate``
+  -- which call it from ``post_dataloading_process`` and the validator -- to ``shard_batch`` in the layout.
+
+0.3's ``spmd_types`` and ``full_dtensor`` backends put CP into the model's own sharding (a ``local_map``
+boundary that all-gathers K/V); the ring runs under ``partial_dtensor``, which the plugin's configs select
+(``as_cp_config``); a job that sets another backend is refused at start, naming ``partial_dtensor``.
+``as_cp_config`` also fixes ``--debug.seed`` (42) where the config leaves it unset: torchtitan then draws a
+new seed per run, and a CP = 1 and a CP = 2 run of the same command would start from different weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import importlib
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torchtitan.tools.logging import logger
+from torchtitan.trainer import Trainer
+
+from ..._compat import TITAN03_CP_STEP
+from .._cpu import init_as_unsharded, unsharded_template, use_for_loop_experts, use_sum_reduction_on_gloo
+from ..attention import ulysses_mesh, ulysses_shard_index
+from ..config import CPDTensor
+from ...layout import layout_unit
+from .attention import RingInnerAttention, ring_masks, shard_batch
+
+__all__ = ["FAMILIES", "CPTrainer", "as_cp_config", "check_config"]
+
+FAMILIES = ("llama3", "qwen3", "deepseek_v3", "gpt_oss")  # torchtitan 0.3 model names the plugin serves
+BACKEND = "partial_dtensor"  # the spmd_backend the ring runs under
+SEED = 42  # the plugin's --debug.seed where a config sets none (torchtitan's default rolls a new one per run)
+_BATCH_HOLDERS = ("torchtitan.trainer", "torchtitan.components.validate")  # call prepare_context_parallel_input
+
+
+def _inner_attention_kind(model_config) -> str | None:
+    """"flex" / "varlen" / "sdpa" / another class name, of the model's first full-attention layer."""
+    from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention, VarlenAttention
+
+    first = getattr(model_config, "first_attention", None)
+    inner = getattr(first, "inner_attention", None)
+    for kind, cls in (("flex", FlexAttention), ("varlen", VarlenAttention), ("sdpa", ScaledDotProductAttention)):
+        if isinstance(inner, cls.Config):
+            return kind
+    return None if inner is None else type(inner).__qualname__
+
+
+def check_config(config: Any, world_size: int) -> None:
+    """Raise on every rank, before any collective, for a job cp_dtensor cannot run as configured."""
+    par = config.parallelism
+    cp, tp = par.context_parallel_degree, par.tensor_parallel_degree
+    section: CPDTensor = config.cp_dtensor
+    if cp < 1 or world_size % cp != 0:
+        raise ValueError(f"--parallelism.context_parallel_degree ({cp}) must be >= 1 and divide the number of ranks "
+                         f"({world_size}). Launch a multiple of {cp} ranks or change the degree.")
+    if section.ulysses_degree > 1 and cp % section.ulysses_degree != 0:
+        raise ValueError(f"--cp_dtensor.ulysses_degree ({section.ulysses_degree}) must divide "
+                         f"--parallelism.context_parallel_degree ({cp}): CP runs as ulysses x ring ranks.")
+    unsupported = []
+    if par.spmd_backend != BACKEND:
+        unsupported.append(f'--parallelism.spmd_backend {par.spmd_backend} (cp_dtensor runs under "{BACKEND}", '
+                           "which its trainer selects by default: drop the flag or pass "
+                           f"--parallelism.spmd_backend {BACKEND})")
+    name = config.model_spec.name
+    if name not in FAMILIES:
+        unsupported.append(f'--module {name} (cp_dtensor serves {", ".join(FAMILIES)} on torchtitan 0.3)')
+    else:
+        kind = _inner_attention_kind(config.model_spec.model)
+        if kind not in ("flex", "varlen"):
+            unsupported.append(f'{name} {config.model_spec.flavor} with inner attention "{kind}" (the ring '
+                               'replaces "flex" and "varlen")')
+    if par.pipeline_parallel_degree > 1:
+        unsupported.append("--parallelism.pipeline_parallel_degree > 1")
+    if par.expert_parallel_degree > 1:
+        unsupported.append("--parallelism.expert_parallel_degree > 1")
+    if tp > 1:
+        unsupported.append("--parallelism.tensor_parallel_degree > 1 (not yet on torchtitan 0.3)")
+    if unsupported:
+        raise ValueError("cp_dtensor context parallelism (torchtitan 0.3) does not support: " + "; ".join(unsupported)
+                         + ". Change these or run torchtitan without the plugin.")
+    if cp == 1:
+        return
+    unit = layout_unit(section.layout, cp)
+    for what, seq_len in (("--training.seq_len", config.training.seq_len),
+                          ("the validator's seq_len", getattr(config.validator, "seq_len", config.training.seq_len))):
+        if seq_len % unit != 0 or seq_len % (2 * cp) != 0:
+            need = max(unit, 2 * cp)
+            raise ValueError(f"{what} ({seq_len}) does not fit: the {section.layout} layout on {cp} CP ranks needs a "
+                             f"multiple of {unit} (and torchtitan a multiple of 2 * CP = {2 * cp}). Use a multiple "
+                             f"of {need}.")
+
+
+def as_cp_config(config: Trainer.Config) -> CPTrainer.Config:
+    """A family's ``Trainer.Config`` as the plugin's (the same values, the ``cp_dtensor`` section added, and
+    ``spmd_backend`` = partial_dtensor: Note [How the 0.3 plugin hooks torchtitan])."""
+    if isinstance(config, CPTrainer.Config):
+        return config
+    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
+    values["parallelism"] = dataclasses.replace(config.parallelism, spmd_backend=BACKEND)
+    if config.debug.seed is None:  # same initial weights at every CP degree; --debug.seed still wins
+        values["debug"] = dataclasses.replace(config.debug, seed=SEED)
+    return CPTrainer.Config(**values)
+
+
+def _single_rank_group() -> dist.ProcessGroup:
+    # CP = 1: the ring on this rank alone (every rank creates every group)
+    if dist.get_world_size() == 1:
+        return dist.group.WORLD
+    group, _ = dist.new_subgroups(group_size=1)
+    return group
+
+
+@contextlib.contextmanager
+def _swapped(module, name: str, value):
+    old = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, old)
+
+
+def _ring_in_place(attention_modules, cp_mesh) -> None:
+    # stands in for torchtitan's apply_cp_to_forward; see Note [How the 0.3 plugin hooks torchtitan]
+    assert all(isinstance(m, RingInnerAttention) for m in attention_modules), "ring attention was not attached"
+
+
+def _bind_batch_sharding(section: CPDTensor) -> None:
+    def prepare(inputs, labels, extra_kwargs, cp_mesh, device, load_balancer_type=None, ptrr_mask_key=None):
+        rank, world = cp_mesh.get_local_rank(), cp_mesh.size()
+        rank = ulysses_shard_index(rank, world, section.ulysses_degree)  # Note [Ulysses in torchtitan]
+        return shard_batch(inputs, labels, extra_kwargs, layout=section.layout, rank=rank, world=world)
+
+    prepare._cp_dtensor = True
+    for name in _BATCH_HOLDERS:
+        module = importlib.import_module(name)
+        assert hasattr(module, "prepare_context_parallel_input"), f"{name} no longer calls prepare_context_parallel_input"
+        module.prepare_context_parallel_input = prepare
+
+
+def apply_ring_attention(model: nn.Module, cp_mesh: DeviceMesh | None, section: CPDTensor) -> list[nn.Module]:
+    """Every layer's inner attention -> ``RingInnerAttention`` over ``cp_mesh`` (None: this rank alone), and
+    the model's masks -> ring rules. Returns the new inner attention modules."""
+    if cp_mesh is None:
+        group = _single_rank_group()
+    elif section.ulysses_degree > 1:
+        group = ulysses_mesh(cp_mesh, section.ulysses_degree)
+    else:
+        group = cp_mesh.get_group()
+    ring = []
+    for i, block in model.layers.items():
+        attn = getattr(block, "attention", None)
+        if attn is None or not hasattr(attn, "inner_attention"):
+            raise ValueError(f"cp_dtensor: layer {i} of {type(model).__name__} has no attention.inner_attention (a "
+                             "linear-attention layer?); the ring serves full-attention decoders. Set "
+                             "--parallelism.context_parallel_degree 1 and run torchtitan without the plugin.")
+        sinks = attn if isinstance(getattr(attn, "sinks", None), nn.Parameter) else None
+        attn.inner_attention = RingInnerAttention(group=group, layout=section.layout, comm_dtype=section.comm_torch_dtype,
+                                                  kv_exchange=section.kv_exchange, sinks_of=sinks)
+        ring.append(attn.inner_attention)
+    return ring
+
+
+def parallelize_with_ring(model: nn.Module, *, titan_fn, section: CPDTensor, parallel_dims, **kwargs) -> nn.Module:
+    """``titan_fn`` (a family's own parallelize function) with the ring in place of its attention."""
+    template = unsharded_template(model)  # CPU: Note [torchtitan 0.3 on CPU] 3
+    if n := use_for_loop_experts(model):
+        logger.info(f"cp_dtensor: {n} MoE expert modules use torchtitan's for-loop experts (CPU)")
+    cp_mesh = parallel_dims.get_mesh("cp") if parallel_dims.cp_enabled else None
+    ring = apply_ring_attention(model, cp_mesh, section)
+    model_config = model.config
+    titan_module = sys.modules[titan_fn.__module__]
+    with contextlib.ExitStack() as stack:
+        if hasattr(titan_module, TITAN03_CP_STEP):
+            stack.enter_context(_swapped(titan_module, TITAN03_CP_STEP, _ring_in_place))
+        model = titan_fn(model, parallel_dims=parallel_dims, **kwargs)
+    model.get_attention_masks = functools.partial(ring_masks, model_config)  # Note [0.3 inner attention as the ring]
+    if cp_mesh is not None:
+        _bind_batch_sharding(section)
+    first = ring[0]
+    logger.info(f"Applied cp_dtensor ring attention (layout={section.layout}, cp={parallel_dims.cp}"
+                + (f", ulysses={section.ulysses_degree}" if section.ulysses_degree > 1 else "")
+                + ("" if section.kv_exchange == "ring" else f", kv_exchange={section.kv_exchange}")
+                + f") to the model; K/V payload {'as the input dtype' if first.comm_dtype is None else first.comm_dtype}")
+    use_sum_reduction_on_gloo(model)
+    if init_as_unsharded(model, template):
+        logger.info("cp_dtensor: weights initialised on an unsharded CPU replica, then sharded: the same at every "
+                    "CP / FSDP degree (Note [torchtitan 0.3 on CPU] 3)")
+    return model
+
+
+class CPTrainer(Trainer):
+    """torchtitan 0.3's Trainer with cp_dtensor's ring attention (Note [How the 0.3 plugin hooks torchtitan])."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        cp_dtensor: CPDTensor = field(default_factory=CPDTensor)
+        """cp_dtensor's context-parallel options (as the 0.2.2 TOML's [cp_dtensor] section)."""
+
+    def __init__(self, config: Config):
+        check_config(config, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        spec = config.model_spec
+        if not getattr(spec.parallelize_fn, "_cp_dtensor", False):
+            fn = functools.partial(parallelize_with_ring, titan_fn=spec.parallelize_fn, section=config.cp_dtensor)
+            fn._cp_dtensor = True
+            config.model_spec = dataclasses.replace(spec, parallelize_fn=fn)
+        super().__init__(config)
