@@ -7,6 +7,7 @@ offline, with the repo on PYTHONPATH; the output of all ranks comes back as one 
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import re
 import subprocess
@@ -18,6 +19,28 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "titan_configs" / "llama3_debug.toml"
 TRAIN = ("-m", "cp_dtensor.titan.train")  # the plugin's launcher (Note [torchtitan on CPU])
 _STEP_LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([0-9.]+)")
+
+
+def titan_version() -> tuple[int, ...] | None:
+    """The installed torchtitan's (major, minor, patch); None when it is not installed."""
+    try:
+        text = importlib.metadata.version("torchtitan")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return tuple(int("".join(c for c in part if c.isdigit()) or 0) for part in text.split("+")[0].split(".")[:3])
+
+
+def skip_unless_titan(series: tuple[int, int]) -> None:
+    """Skip the calling test module unless torchtitan ``series`` (major, minor) is installed: the 0.2.2 TOML
+    plugin's tests run in the dev leg, 0.3's (test_titan03.py) where torchtitan 0.3 is installed."""
+    import pytest
+
+    have = titan_version()
+    if have is None:
+        pytest.skip("torchtitan is not installed", allow_module_level=True)
+    if have[:2] != series:
+        pytest.skip(f"these tests are for torchtitan {series[0]}.{series[1]}; this environment has "
+                    f"{'.'.join(map(str, have))}", allow_module_level=True)
 
 
 class TorchrunFailed(AssertionError):

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import inspect
 import re
 from pathlib import Path
@@ -15,6 +14,7 @@ import torch
 import cp_dtensor  # noqa: F401  (installs the patches)
 from cp_dtensor import _compat
 from _dist import run_ranks
+from _titan_run import titan_version
 
 
 def _resolve(module: str, qualname: str):
@@ -24,14 +24,21 @@ def _resolve(module: str, qualname: str):
     return obj
 
 
-@pytest.mark.parametrize(("module", "qualname", "params"), _compat.PRIVATE_SYMBOLS,
-                         ids=[f"{m}.{q}" for m, q, _ in _compat.PRIVATE_SYMBOLS])
-def test_private_symbol_still_there(module, qualname, params):
+_ROWS = [(*row, (0, 2)) for row in _compat.PRIVATE_SYMBOLS] + [(*row, (0, 3)) for row in _compat.TITAN03_PRIVATE_SYMBOLS]
+
+
+@pytest.mark.parametrize(("module", "qualname", "params", "titan"), _ROWS,
+                         ids=[f"{m}.{q}" + (f"[titan{t[0]}.{t[1]}]" if m.startswith("torchtitan") else "")
+                              for m, q, _, t in _ROWS])
+def test_private_symbol_still_there(module, qualname, params, titan):
     """If this fails after a torch / torchtitan upgrade, revisit the code _compat.py names for the symbol
-    (written against torch _compat.TORCH_VERSION, torchtitan _compat.TORCHTITAN_VERSION)."""
+    (written against torch _compat.TORCH_VERSION, torchtitan _compat.TORCHTITAN_VERSION / TORCHTITAN03_VERSION)."""
     if module.startswith("torchtitan"):
-        if importlib.util.find_spec("torchtitan") is None:
+        have = titan_version()
+        if have is None:
             pytest.skip("torchtitan is not installed (the [titan] extra): its rows run in the dev leg")
+        if have[:2] != titan:
+            pytest.skip(f"a torchtitan {titan[0]}.{titan[1]} row; this environment has torchtitan {have[0]}.{have[1]}")
         import cp_dtensor.titan  # noqa: F401  (the triton stand-in, before torchtitan's modules import)
 
     try:

@@ -19,6 +19,9 @@ import pytest
 
 if importlib.util.find_spec("torchtitan") is None:
     pytest.skip("torchtitan is not installed", allow_module_level=True)
+from _titan_run import skip_unless_titan  # noqa: E402
+
+skip_unless_titan((0, 2))  # torchtitan 0.3: tests/test_titan03*.py
 
 import cp_dtensor.titan  # noqa: E402, F401  before any torchtitan import: see Note [torchtitan on CPU]
 from _titan_run import CONFIG, REPO, TRAIN, run_torchrun, step_losses, torchrun  # noqa: E402  the one launcher

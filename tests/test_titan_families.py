@@ -26,6 +26,9 @@ import pytest
 
 if importlib.util.find_spec("torchtitan") is None:
     pytest.skip("torchtitan is not installed", allow_module_level=True)
+from _titan_run import skip_unless_titan  # noqa: E402
+
+skip_unless_titan((0, 2))  # torchtitan 0.3: tests/test_titan03*.py
 
 from _titan_run import step_losses  # noqa: E402
 from test_titan import _losses as _titan_losses  # noqa: E402  one launcher for every end-to-end test

@@ -36,6 +36,7 @@ import inspect
 import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
+
 from ..layout import shard_tensor
 
 __all__ = ["RingMask", "document_ids", "chunk_ids", "ring_masks", "shard_masks"]

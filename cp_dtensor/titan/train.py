@@ -23,9 +23,11 @@ from cp_dtensor._extras import installed_version
 V03 = installed_version("titan") >= (0, 3)  # torchtitan 0.3: the config-registry glue (titan/v03/main.py)
 
 if not V03:
+    from torchtitan.train import Trainer
+    from torchtitan.train import main as titan_main
+
     from cp_dtensor.titan import check_job_config
     from cp_dtensor.titan.resume import check_resume
-    from torchtitan.train import Trainer, main as titan_main
 
     class CPTrainer(Trainer):
         """torchtitan's Trainer; fails fast, on every rank, on a CP setup cp_dtensor cannot run or a

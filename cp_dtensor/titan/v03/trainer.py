@@ -42,10 +42,10 @@ from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from ..._compat import TITAN03_CP_STEP
+from ...layout import layout_unit
 from .._cpu import init_as_unsharded, unsharded_template, use_for_loop_experts, use_sum_reduction_on_gloo
 from ..attention import ulysses_mesh, ulysses_shard_index
 from ..config import CPDTensor
-from ...layout import layout_unit
 from .attention import RingInnerAttention, ring_masks, shard_batch
 
 __all__ = ["FAMILIES", "CPTrainer", "as_cp_config", "check_config"]
