@@ -184,11 +184,26 @@ def apply_ring_attention(model: nn.Module, cp_mesh: DeviceMesh | None, section: 
     return ring
 
 
+def _experts_return_input_dtype(model: nn.Module) -> int:
+    """gpt_oss's grouped experts compute in bf16 and, unlike the common experts (``.type_as(x)``), return bf16:
+    with fp32 parameters (``--training.mixed_precision_param float32``) the MoE combine's scatter_add then
+    fails ("Expected self.dtype to be equal to src.dtype"). Cast their output back to the input's dtype, as
+    the common experts do; a no-op under bf16. Returns how many expert modules were fixed."""
+    from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts
+
+    fixed = [m for m in model.modules() if isinstance(m, GptOssGroupedExperts)]
+    for m in fixed:
+        m.register_forward_hook(lambda mod, args, out: out.to(args[0].dtype))
+    return len(fixed)
+
+
 def parallelize_with_ring(model: nn.Module, *, titan_fn, section: CPDTensor, parallel_dims, **kwargs) -> nn.Module:
     """``titan_fn`` (a family's own parallelize function) with the ring in place of its attention."""
     template = unsharded_template(model)  # CPU: Note [torchtitan 0.3 on CPU] 3
     if n := use_for_loop_experts(model):
         logger.info(f"cp_dtensor: {n} MoE expert modules use torchtitan's for-loop experts (CPU)")
+    if n := _experts_return_input_dtype(model):
+        logger.info(f"cp_dtensor: {n} gpt_oss expert modules return their input's dtype (fp32 training)")
     cp_mesh = parallel_dims.get_mesh("cp") if parallel_dims.cp_enabled else None
     ring = apply_ring_attention(model, cp_mesh, section)
     model_config = model.config
