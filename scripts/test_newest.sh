@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # CI's second leg: the default suite on the newest torch release, in its own venv (.venv-newest/, created or
 # reused). The stack is requirements/newest.txt: torch 2.15.0 (PyPI's CUDA build, ~5 GB; it runs on CPU),
-# transformers and torchao, no torchtitan 0.2.2 (its tests skip). pip's machine-wide configuration here caps
+# transformers, torchao and torchtitan 0.3.0 (tests/test_titan03.py runs; the 0.2.2 TOML plugin's tests skip). pip's machine-wide configuration here caps
 # torch at the releases stored locally; PIP_CONFIG_FILE=/dev/null lifts that for this venv only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,7 +12,7 @@ fi
 stamp=$venv/.cp_dtensor-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ requirements/newest.txt -nt "$stamp" ]; then
   PIP_CONFIG_FILE=/dev/null "$venv/bin/python" -m pip install -q --disable-pip-version-check \
-    -c requirements/newest.txt -e '.[float8,hf,test]'
+    -c requirements/newest.txt -e '.[titan,float8,hf,test]'
   touch "$stamp"
 fi
 "$venv/bin/python" -c 'import torch; print(f"newest leg: torch {torch.__version__}")'
