@@ -51,47 +51,125 @@ def _assert_close(losses: list[float], ref: list[float]) -> None:
 _CP1: dict[str, list[float]] = {}
 
 
-def _cp1(family: str, tmp_path_factory) -> list[float]:
+def _cp1(family: str, tmp_path_factory, *, check_trains: bool = True) -> list[float]:
     """The CP = 1 losses of ``family``'s debug model, one run per session."""
     if family not in _CP1:
         out = _run(1, tmp_path_factory.mktemp(f"{family}_cp1"), family)
         assert "Applied cp_dtensor ring attention (layout=striped, cp=1)" in out
         losses = _losses(out)
-        assert losses[-1] < losses[0], f"the reference run does not train: {losses}"
+        assert not check_trains or losses[-1] < losses[0], f"the reference run does not train: {losses}"
         _CP1[family] = losses
     return _CP1[family]
 
 
-@pytest.mark.parametrize("family", ["llama3", "qwen3"])
-def test_cp2_matches_cp1(family, tmp_path, tmp_path_factory):
-    out = _run(2, tmp_path, family)
-    assert "Applied cp_dtensor ring attention (layout=striped, cp=2)" in out
+@pytest.mark.parametrize(("family", "flags"), [("llama3", []), ("deepseek_v3", ["--cp_dtensor.layout", "headtail"])],
+                         ids=["llama3", "deepseek_v3_headtail"])
+def test_cp2_matches_cp1(family, flags, tmp_path, tmp_path_factory):
+    out = _run(2, tmp_path, family, *flags)
+    layout = flags[-1] if flags else "striped"
+    assert f"Applied cp_dtensor ring attention (layout={layout}, cp=2)" in out
     _assert_close(_losses(out), _cp1(family, tmp_path_factory))
-
-
-@_SLOW
-@pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss"])
-def test_moe_families_cp2_match_cp1(family, tmp_path, tmp_path_factory):
-    out = _run(2, tmp_path, family)
-    assert "Applied cp_dtensor ring attention (layout=striped, cp=2)" in out
-    _assert_close(_losses(out), _cp1(family, tmp_path_factory))
-
-
-@_SLOW
-@pytest.mark.parametrize("flags", [["--cp_dtensor.layout", "headtail"], ["--cp_dtensor.kv_exchange", "allgather"]],
-                         ids=["headtail", "allgather"])
-def test_cp2_options_match_cp1(flags, tmp_path, tmp_path_factory):
-    _assert_close(_losses(_run(2, tmp_path, "llama3", *flags)), _cp1("llama3", tmp_path_factory))
 
 
 def test_stock_main_with_the_plugin_as_module(tmp_path, tmp_path_factory):
     # torchtitan's own main: `--module cp_dtensor.titan` makes its ConfigManager import the plugin's config
-    # registry, whose configs build cp_dtensor's trainer; contiguous layout, to cover a third layout
-    args = ["--module", "cp_dtensor.titan", "--config", "llama3_debugmodel", "--parallelism.context_parallel_degree",
-            "2", "--cp_dtensor.layout", "contiguous", *SMALL]
+    # registry, whose configs build cp_dtensor's trainer (qwen3: tied embeddings, q/k norms)
+    args = ["--module", "cp_dtensor.titan", "--config", "qwen3_debugmodel", "--parallelism.context_parallel_degree",
+            "2", *SMALL]
     out = torchrun_03(2, tmp_path, *args, entry=STOCK)
-    assert "Applied cp_dtensor ring attention (layout=contiguous, cp=2)" in out
-    _assert_close(_losses(out), _cp1("llama3", tmp_path_factory))
+    assert "Applied cp_dtensor ring attention (layout=striped, cp=2)" in out
+    _assert_close(_losses(out), _cp1("qwen3", tmp_path_factory))
+
+
+def test_resume_cp2_checkpoint_at_cp1(tmp_path, tmp_path_factory):
+    # DCP reshards the FSDP-over-CP parameters and optimizer state from 2 ranks to 1; the dataloader state is
+    # per data-parallel rank, and CP ranks are not data-parallel ranks, so step 3 continues the same data
+    ckpt = ["--checkpoint.enable", "--checkpoint.interval", "2"]
+    _run(2, tmp_path, "llama3", *ckpt)
+    assert (tmp_path / "checkpoint" / "step-2").is_dir()
+    out = _run(1, tmp_path, "llama3", *ckpt, "--checkpoint.load_step", "2")
+    assert "Loading the checkpoint from" in out and "step-2" in out
+    _assert_close(step_losses(out, first=STEPS, last=STEPS), _cp1("llama3", tmp_path_factory)[STEPS - 1:])
+
+
+@_SLOW
+@pytest.mark.parametrize("flags", [["--cp_dtensor.kv_exchange", "allgather"], ["--cp_dtensor.ulysses_degree", "2"],
+                                   ["--cp_dtensor.layout", "contiguous"]], ids=["allgather", "ulysses2", "contiguous"])
+def test_cp2_options_match_cp1(flags, tmp_path, tmp_path_factory):
+    _assert_close(_losses(_run(2, tmp_path, "llama3", *flags)), _cp1("llama3", tmp_path_factory))
+
+
+@_SLOW
+def test_gpt_oss_cp2_matches_cp1_at_step_1(tmp_path, tmp_path_factory):
+    # gpt_oss's experts run in bf16 whatever the parameters (torchtitan 0.3 casts to bf16 for grouped_mm)
+    # and clamp in swiglu: CP = 1 and CP = 2 agree at step 1 (measured 2e-5) and then drift (5e-4 at step 2,
+    # 1e-3 at step 3 with lr 1e-4). The attention layers themselves match exactly (next test).
+    out = _run(2, tmp_path, "gpt_oss")
+    assert "Applied cp_dtensor ring attention (layout=striped, cp=2)" in out
+    assert _losses(out)[0] == pytest.approx(_cp1("gpt_oss", tmp_path_factory, check_trains=False)[0], abs=1e-4)
+
+
+def _gpt_oss_attention(rank, world):
+    # gpt_oss's attention layers (sinks; sliding window on even layers, documents on all) at CP = 1 (the ring
+    # on this rank alone) and CP = 2: the outputs and the parameter gradients must agree
+    import torch
+    import torch.distributed as dist
+    from torchtitan.models.gpt_oss import model_registry
+
+    from cp_dtensor.layout import shard_tensor
+    from cp_dtensor.titan.config import CPDTensor
+    from cp_dtensor.titan.v03.attention import ring_masks, shard_batch
+    from cp_dtensor.titan.v03.trainer import apply_ring_attention
+
+    cfg = model_registry("debugmodel").model
+    with torch.device("meta"):
+        model = cfg.build()
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+        for block in model.layers.values():
+            block.attention.sinks.normal_()  # non-trivial sinks
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 128, cfg.dim, generator=g)
+    positions = torch.cat([torch.arange(50), torch.arange(78)]).unsqueeze(0)  # two documents
+
+    class _Mesh:  # the one call apply_ring_attention makes on a CP mesh
+        def get_group(self):
+            return dist.group.WORLD
+
+    results = []
+    for cp_mesh in (None, _Mesh()):
+        apply_ring_attention(model, cp_mesh, CPDTensor())
+        model.zero_grad()
+        extra = {"positions": positions.clone(), "attention_masks": ring_masks(cfg, positions)}
+        xs = x
+        if cp_mesh is not None:
+            xs, _, extra = shard_batch(x, x, extra, layout="striped", rank=rank, world=world)
+        blocks = list(model.layers.values())[:2]  # a sliding-window layer and a full one
+        assert [b.attn_mask_key for b in blocks] == ["sliding_window_mask", "basic_mask"]
+        outs = [b.attention(xs, extra["attention_masks"][b.attn_mask_key], extra["positions"]) for b in blocks]
+        sum((o * o).sum() for o in outs).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        if cp_mesh is not None:
+            for t in grads.values():
+                dist.all_reduce(t)
+        results.append(([o.detach() for o in outs], grads))
+    (ref_outs, ref_grads), (outs, grads) = results
+    assert any("sinks" in n for n in grads)
+    for ref, out in zip(ref_outs, outs):
+        torch.testing.assert_close(out, shard_tensor(ref, dim=1, layout="striped", rank=rank, world=world),
+                                   rtol=1e-5, atol=1e-6)
+    for n, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[n], rtol=1e-4, atol=1e-5, msg=n)
+    return True
+
+
+def test_gpt_oss_attention_layers_match_cp1():
+    import cp_dtensor.titan  # noqa: F401  (imports torchtitan before the ranks fork)
+    from _dist import run_ranks
+
+    assert run_ranks(2, _gpt_oss_attention) == [True, True]
 
 
 def test_bad_config_fails_on_every_rank_at_start(tmp_path):
