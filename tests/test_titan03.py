@@ -6,7 +6,7 @@
 Reference: the same command at CP = 1 on one rank. The plugin fixes the seed (torchtitan 0.3 draws a new one
 per run otherwise) and, on CPU, initialises the weights on an unsharded replica, so both runs start from the
 same weights (Note [torchtitan 0.3 on CPU]). The runs here are fp32 (``--training.mixed_precision_param
-float32``; torchtitan's default is bf16 parameters under FSDP) and short (3 steps, seq_len 128, batch 1), and
+float32``: the plugin's CPU default; torchtitan's default is bf16 parameters under FSDP) and short (3 steps, seq_len 128, batch 1), and
 the logged losses must agree within 2e-5 (5 printed decimals). Measured (llama3, fp32): CP = 2 equals
 CP = 1 to every printed digit; with bf16 parameters they differ by up to 7e-5 (bf16 rounding of a
 different reduction order), which is why the comparison runs in fp32.
@@ -196,6 +196,11 @@ def test_plugin_config_defaults_and_flags(capsys):
     cfg = _config()
     assert isinstance(cfg, CPTrainer.Config)
     assert cfg.parallelism.spmd_backend == "partial_dtensor" and cfg.debug.seed == 42
+    import torch
+
+    if not torch.accelerator.is_available():  # Note [torchtitan 0.3 on CPU] 4
+        assert cfg.training.mixed_precision_param == "float32"
+        assert _config("llama3", "--training.mixed_precision_param", "bfloat16").training.mixed_precision_param == "bfloat16"
     assert cfg.cp_dtensor.layout == "striped" and cfg.cp_dtensor.kv_exchange == "ring"
     if not Path("tests/assets/c4_test").exists():  # torchtitan's test assets are not pip-installed
         assert cfg.dataloader.dataset == "cp_dtensor_tiny" and cfg.hf_assets_path.endswith("assets/tokenizer")

@@ -14,6 +14,11 @@ there is no accelerator, so a CUDA run is untouched:
    0.2.2's steps 3-6, applied by the same functions (``use_sum_reduction_on_gloo``, ``allow_integer_histc``,
    ``use_for_loop_experts``, ``unsharded_template`` / ``init_as_unsharded``): a run starts from the
    weights of a one-rank run at every CP / FSDP degree.
+4. Parameter dtype. torchtitan 0.3's default ``mixed_precision_param`` is bf16 (FSDP casts parameters for
+   the forward); on CPU that buys nothing and makes CP = 1 and CP = 2 differ by bf16 rounding of different
+   reduction orders (llama3 debug: up to 7e-5 at step 3). The plugin's configs use fp32 there
+   (``as_cp_config`` in trainer.py); ``--training.mixed_precision_param bfloat16`` still wins. (gpt_oss's
+   and the common MoE experts cast to bf16 for ``torch._grouped_mm`` whatever this says.)
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -122,6 +123,8 @@ def as_cp_config(config: Trainer.Config) -> CPTrainer.Config:
     values["parallelism"] = dataclasses.replace(config.parallelism, spmd_backend=BACKEND)
     if config.debug.seed is None:  # same initial weights at every CP degree; --debug.seed still wins
         values["debug"] = dataclasses.replace(config.debug, seed=SEED)
+    if not torch.accelerator.is_available():  # CPU: fp32 parameters (Note [torchtitan 0.3 on CPU] 4); the flag wins
+        values["training"] = dataclasses.replace(config.training, mixed_precision_param="float32")
     return CPTrainer.Config(**values)
 
 
