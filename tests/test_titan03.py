@@ -243,6 +243,10 @@ def test_plugin_config_defaults_and_flags(capsys):
     (["--parallelism.context_parallel_degree", "2", "--cp_dtensor.layout", "headtail", "--training.seq_len", "134"], 2,
      r"headtail layout on 2 CP ranks needs a multiple of 4"),
     (["--parallelism.context_parallel_degree", "3"], 4, r"context_parallel_degree \(3\) must be >= 1 and divide"),
+    (["--parallelism.context_parallel_degree", "4", "--cp_dtensor.ulysses_degree", "3"], 4,
+     r"ulysses_degree \(3\) must divide --parallelism.context_parallel_degree \(4\)"),
+    (["--parallelism.context_parallel_degree", "32", "--cp_dtensor.ulysses_degree", "32"], 32,
+     r"ulysses_degree \(32\) must divide the query heads \(16\)"),
     (["--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"], 4,
      r"tensor_parallel_degree > 1 \(not yet on torchtitan 0.3\)"),
 ])

@@ -80,6 +80,11 @@ def check_config(config: Any, world_size: int) -> None:
     if section.ulysses_degree > 1 and cp % section.ulysses_degree != 0:
         raise ValueError(f"--cp_dtensor.ulysses_degree ({section.ulysses_degree}) must divide "
                          f"--parallelism.context_parallel_degree ({cp}): CP runs as ulysses x ring ranks.")
+    heads = getattr(getattr(config.model_spec.model, "first_attention", None), "n_heads", None)
+    if section.ulysses_degree > 1 and heads is not None and heads % section.ulysses_degree != 0:
+        raise ValueError(f"--cp_dtensor.ulysses_degree ({section.ulysses_degree}) must divide the query heads "
+                         f"({heads}): each Ulysses rank takes n_heads / U of them (Note [Ulysses in torchtitan]). "
+                         f"Use a ulysses_degree that divides {heads}.")
     unsupported = []
     if par.spmd_backend != BACKEND:
         unsupported.append(f'--parallelism.spmd_backend {par.spmd_backend} (cp_dtensor runs under "{BACKEND}", '
