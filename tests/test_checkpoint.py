@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import json
 import os
 import pickle
@@ -490,6 +491,7 @@ def _export_and_ring(rank: int, world: int, path: str) -> None:
     torch.testing.assert_close(logits[1], want, rtol=1e-5, atol=1e-5)  # and the ring is the model
 
 
+@pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason="torchtitan (the [titan] extra) is not installed")
 def test_hf_safetensors_export_load_llama3(tmp_path):
     path = str(tmp_path / "hf")
     source, adapter = _llama(0)  # imports torchtitan once, before the ranks fork
