@@ -197,7 +197,7 @@ def unshard_sequence(x: Tensor, cp_mesh: DeviceMesh | None = None, *, layout: st
     _check_cp_mesh(cp_mesh)
     dim = dim % x.dim()
     cp = cp_mesh.size()
-    gathered = funcol.all_gather_tensor_autograd(x.contiguous(), gather_dim=dim, group=cp_mesh)
+    gathered = funcol.all_gather_single_autograd(x.contiguous(), gather_dim=dim, group=cp_mesh)
     return unshard_tensor(list(gathered.chunk(cp, dim=dim)), dim=dim, layout=layout)
 
 
