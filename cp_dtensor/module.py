@@ -166,7 +166,7 @@ def document_ids_from_positions(positions: Tensor, cp_mesh: DeviceMesh, *, layou
     _check_cp_mesh(cp_mesh)
     cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
     starts = (positions == 0).to(torch.uint8).contiguous()  # [B, S_local]
-    every = funcol.all_gather_tensor(starts, gather_dim=0, group=cp_mesh).view(cp, *starts.shape)
+    every = funcol.all_gather_single(starts, gather_dim=0, group=cp_mesh).view(cp, *starts.shape)
     b, s = starts.shape
     full = torch.empty(b, cp * s, dtype=torch.int64, device=positions.device)
     full[:, global_order(layout, cp, cp * s).to(positions.device)] = every.permute(1, 0, 2).reshape(b, cp * s).long()

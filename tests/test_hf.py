@@ -107,7 +107,7 @@ def _check(name, world, mesh, layouts, batch, weights, keep=None, *, how="hf", c
     keep = torch.ones(weights.shape[:2]) if keep is None else keep
     ref_model = copy.deepcopy(base)
     if checkpointing:
-        ref_model.gradient_checkpointing_enable()
+        ref_model.activation_checkpointing_enable()
         ref_model.train()
     ref = _run(ref_model, ref_batch or batch, weights, keep, **{**options, **(ref_options or {})})
     for layout in layouts:
@@ -117,7 +117,7 @@ def _check(name, world, mesh, layouts, batch, weights, keep=None, *, how="hf", c
         else:  # the README's module path hands transformers models to the same integration
             apply_context_parallel(model, mesh, layout=layout, documents="position_ids" if how == "module-docs" else None)
         if checkpointing:
-            model.gradient_checkpointing_enable()
+            model.activation_checkpointing_enable()
             model.train()
         where = f"{name} P={world} {layout} {how} {options} ckpt={checkpointing}"
         _compare(where, _run(model, batch, weights, keep, mesh=mesh, layout=layout, **options), ref, keep)
