@@ -16,6 +16,7 @@ from .checkpoint import (
     save_checkpoint,
     save_sequence_sharded,
 )
+from .decode import sharded_cache_attention
 from .layout import LAYOUTS
 from .module import (
     apply_context_parallel,
@@ -48,6 +49,7 @@ __all__ = [
     "sequence_placement",
     "shard_batch",
     "shard_sequence",
+    "sharded_cache_attention",
     "to_mesh",
     "unshard_sequence",
 ]
