@@ -240,8 +240,14 @@ def cp_dtensor_attention(module: nn.Module, query: Tensor, key: Tensor, value: T
                          "cp_dtensor.hf.apply_context_parallel_hf(model, cp_mesh, layout=...) instead of setting it.")
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     window, err = _window(module, sliding_window, causal)
-    err = err or _local_error(ctx, query, key, attention_mask, dropout, softcap, kwargs)
     sinks = s_aux if s_aux is not None else getattr(module, "sinks", None)
+    if getattr(ctx, "step", None) is not None and ctx.step.kind == "decode":  # Note [generate() under CP]
+        refused = attention_mask.why if isinstance(attention_mask, _Refused) else None
+        err = err or refused or _local_error(ctx, query, query, None, dropout, softcap, kwargs)
+        if err is not None:  # the decode step's inputs are replicated: every rank raises alike
+            raise ValueError(err)
+        return ctx.decode(module, query, key, value, scaling, window, sinks), None
+    err = err or _local_error(ctx, query, key, attention_mask, dropout, softcap, kwargs)
     group = ctx.mesh.get_group()
     ids = kwargs.get("document_ids")
     if err is None and ids is None:
@@ -330,6 +336,9 @@ def apply_context_parallel_hf(
 
     model.register_forward_pre_hook(check, with_kwargs=True)
     model.register_forward_hook(lambda *_: setattr(ctx, "pending", None), always_call=True)  # this call's only
+    from .hf_generate import enable_generate  # generate(): ring prefill, then a sequence-sharded KV cache
+
+    enable_generate(model, ctx)
     return model
 
 
