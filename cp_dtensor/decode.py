@@ -225,6 +225,13 @@ def sharded_cache_attention(
     err = _local_error(q, k, v, q_positions, k_positions, scale, window_size, sinks)
     fp = _fingerprint(q, k, v, q_positions, scale, window_size, sinks, err is None) if world > 1 else []
     _agree(err, fp, group, world)
+    return attend(q, k, v, q_positions=q_positions, k_positions=k_positions, group=group, world=world, scale=scale,
+                  window_size=window_size, sinks=sinks)
+
+
+def attend(q, k, v, *, q_positions, k_positions, group, world: int, scale, window_size, sinks) -> Tensor:
+    """:func:`sharded_cache_attention` after its checks: for callers whose replicated inputs agree by
+    construction (generate() under CP, where every rank computes the new tokens' q alike)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     b, hq, t, dv = q.shape[0], q.shape[1], q.shape[2], v.shape[3]

@@ -32,12 +32,12 @@ from torch import Tensor, nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .comm import all_gather, all_gather_objects, host_group, wait
-from .decode import _digest, sharded_cache_attention
+from .decode import _digest, _local_error, attend
 from .layout import global_order, layout_unit, shard_tensor
 
 __all__ = ["ShardedCache", "ShardedCacheLayer", "cache_bytes", "enable_generate"]
 
-_GROW = 256  # columns added to a layer's buffer at a time while decoding
+_GROW = 64  # columns added to a layer's buffer at a time while decoding
 
 
 class _Step:
@@ -214,8 +214,14 @@ def decode_attention(ctx, module: nn.Module, query: Tensor, key: Tensor, value: 
     """The decode step's attention: the new queries against this rank's share of the layer's cache.
     query: [B, Hq, T, D]; key, value: this rank's [B, Hkv, S_r, D(v)]. Returns [B, T, Hq, Dv]."""
     layer = ctx.cache.layers[module.layer_idx]
-    out = sharded_cache_attention(query, key, value, q_positions=ctx.step.q_positions, k_positions=layer.positions,
-                                  group=ctx.mesh.get_group(), scale=scaling, window_size=window, sinks=sinks)
+    q_pos, k_pos = ctx.step.q_positions, layer.positions
+    # every rank computed query, positions and options alike from the agreed call (the generate() wrapper):
+    # only the local checks run here, no agreement round per layer
+    err = _local_error(query, key, value, q_pos, k_pos, scaling, window, sinks)
+    if err is not None:
+        raise ValueError(err)
+    out = attend(query, key, value, q_positions=q_pos, k_positions=k_pos, group=ctx.mesh.get_group(),
+                 world=ctx.mesh.size(), scale=scaling, window_size=window, sinks=sinks)
     return out.transpose(1, 2).contiguous()
 
 
@@ -264,6 +270,10 @@ def _generate_error(model, args, kwargs) -> tuple[str | None, tuple]:
         if getattr(config, name, False):
             return f"generate() under CP does not return {name}: {why}. Drop {name}=True.", ()
     mask = kwargs.get("attention_mask")
+    pad, eos = config.pad_token_id, config.eos_token_id
+    eos = set() if eos is None else set(eos if isinstance(eos, (list, tuple)) else [eos])
+    if mask is None and isinstance(pad, int) and pad not in eos and bool((ids == pad).any()):
+        mask = (ids != pad).long()  # the mask generate() infers from pad tokens
     if mask is not None:
         if not isinstance(mask, Tensor) or tuple(mask.shape) != tuple(ids.shape):
             return f"attention_mask must be a 2-D [B, N] = {tuple(ids.shape)} padding mask under CP.", ()
@@ -276,7 +286,8 @@ def _generate_error(model, args, kwargs) -> tuple[str | None, tuple]:
         "max_length", "max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p",
         "eos_token_id", "pad_token_id", "num_return_sequences", "repetition_penalty", "return_dict_in_generate",
         "output_logits", "output_scores"))
-    return None, (tuple(ids.shape), _digest(ids.cpu()), _digest(None if mask is None else mask.cpu()), settings)
+    given = kwargs.get("attention_mask")
+    return None, (tuple(ids.shape), _digest(ids.cpu()), _digest(None if given is None else given.cpu()), settings)
 
 
 def enable_generate(model: nn.Module, ctx) -> None:
