@@ -14,8 +14,9 @@ generate a :class:`ShardedCache` -- a transformers ``Cache`` whose layers hold o
   and returns them for the ring (hf.py's attention function, no K/V all-gather). A hook after the base
   model rebuilds only the hidden rows the LM head reads (``logits_to_keep``, 1 in generate) by one
   all-gather of [P, B, k, H], so every rank computes the same logits.
-* decode (T new tokens, the same on every rank): the layers run replicated; ``cache.update`` keeps the
-  token of column c on rank c mod P only (the striped layout, continued) and returns this rank's
+* decode (T new tokens, the same on every rank): the layers run replicated; ``cache.update`` keeps each
+  new token on one rank only -- the one holding the fewest tokens, lowest first: column c mod P after a
+  striped prefill (the striped layout, continued) -- and returns this rank's
   share; the attention function runs :func:`cp_dtensor.sharded_cache_attention` (decode.py) over it --
   one all-gather of B * Hq * T * (Dv + 1) fp32 values per layer, bit-identical outputs on every rank,
   hence identical logits, sampling (same seed) and EOS decisions: every rank stops at the same step.
@@ -37,7 +38,28 @@ from .layout import global_order, layout_unit, shard_tensor
 
 __all__ = ["ShardedCache", "ShardedCacheLayer", "cache_bytes", "enable_generate"]
 
-_GROW = 64  # columns added to a layer's buffer at a time while decoding
+_GROW = 32  # columns added to a layer's buffer at a time while decoding
+
+
+class _Positions:
+    """The global positions of this rank's cache slots, [B, S_r]: the same for every layer, stored once."""
+
+    def __init__(self):
+        self.buf: Tensor | None = None
+        self.held = 0
+
+    def extend(self, held: int, pos: Tensor, cap: int) -> Tensor:
+        """Slots ``held - t .. held`` hold ``pos`` [B, t] (written by the first layer to get there)."""
+        if self.buf is None or self.held < held:
+            n = held - pos.shape[1]
+            if self.buf is None or held > self.buf.shape[1]:
+                grown = pos.new_empty(pos.shape[0], cap)
+                if n:
+                    grown[:, :n] = self.buf[:, :n]
+                self.buf = grown
+            self.buf[:, n:held] = pos
+            self.held = held
+        return self.buf[:, :held]
 
 
 class _Step:
@@ -59,35 +81,30 @@ class ShardedCacheLayer(CacheLayerMixin):
     is_croppable = False
     is_sliding = False
 
-    def __init__(self, ctx):
+    def __init__(self, ctx, positions: _Positions | None = None):
         super().__init__()
         self._ctx = ctx
-        self._k = self._v = self._pos = None
+        self._k = self._v = None
+        self._pos = _Positions() if positions is None else positions
         self.positions: Tensor | None = None
         self.held = 0  # S_r
         self.columns = 0  # the global sequence length seen
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
-        b = key_states.shape[0]
         self._k, self._v = key_states[:, :, :0].clone(), value_states[:, :, :0].clone()
-        self._pos = torch.empty(b, 0, dtype=torch.long, device=key_states.device)
-        self._view()
+        self.keys, self.values = self._k, self._v
         self.is_initialized = True
-
-    def _view(self) -> None:
-        n = self.held
-        self.keys, self.values, self.positions = self._k[:, :, :n], self._v[:, :, :n], self._pos[:, :n]
 
     def _append(self, k: Tensor, v: Tensor, pos: Tensor) -> None:
         n, t = self.held, k.shape[2]
         if n + t > self._k.shape[2]:  # grow by whole blocks: amortised appends, a bounded overhang
             cap = n + t + (_GROW if self._ctx.step.kind == "decode" else 0)
-            grow = lambda x, dim: torch.cat([x.narrow(dim, 0, n), x.new_empty(  # noqa: E731
-                *x.shape[:dim], cap - n, *x.shape[dim + 1:])], dim)
-            self._k, self._v, self._pos = grow(self._k, 2), grow(self._v, 2), grow(self._pos, 1)
-        self._k[:, :, n:n + t], self._v[:, :, n:n + t], self._pos[:, n:n + t] = k, v, pos
+            grow = lambda x: torch.cat([x[:, :, :n], x.new_empty(*x.shape[:2], cap - n, x.shape[3])], 2)  # noqa: E731
+            self._k, self._v = grow(self._k), grow(self._v)
+        self._k[:, :, n:n + t], self._v[:, :, n:n + t] = k, v
         self.held = n + t
-        self._view()
+        self.keys, self.values = self._k[:, :, :n + t], self._v[:, :, :n + t]
+        self.positions = self._pos.extend(n + t, pos, self._k.shape[2])
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         step = self._ctx.step
@@ -114,7 +131,8 @@ class ShardedCacheLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self._k = self._v = self._pos = self.positions = self.keys = self.values = None
+        self._k = self._v = self.positions = self.keys = self.values = None
+        self._pos = _Positions()
         self.held = self.columns = 0
         self.is_initialized = False
 
@@ -129,23 +147,22 @@ class ShardedCache(Cache):
     """A transformers ``Cache`` of :class:`ShardedCacheLayer` s: each rank holds its own tokens only."""
 
     def __init__(self, ctx, num_layers: int):
-        super().__init__(layers=[ShardedCacheLayer(ctx) for _ in range(num_layers)])
+        positions = _Positions()  # shared: every layer holds the same slots
+        super().__init__(layers=[ShardedCacheLayer(ctx, positions) for _ in range(num_layers)])
 
 
 def cache_bytes(cache: Cache) -> int:
-    """Bytes of K/V (and positions) this rank's cache holds."""
-    total = 0
+    """Bytes of the K/V (and positions) storage this rank's cache allocates, each buffer once."""
+    seen, total = set(), 0
     for layer in cache.layers:
         for x in (layer.keys, layer.values, getattr(layer, "positions", None)):
-            total += 0 if x is None else x.numel() * x.element_size()
+            if x is not None and x.untyped_storage().data_ptr() not in seen:
+                seen.add(x.untyped_storage().data_ptr())
+                total += x.untyped_storage().nbytes()
     return total
 
 
 # -- the model hooks ----------------------------------------------------------------------------------
-
-
-def _get(args, kwargs, name, index):
-    return kwargs[name] if name in kwargs else (args[index] if len(args) > index else None)
 
 
 def _base_pre_hook(ctx, module, args, kwargs):
@@ -170,12 +187,19 @@ def _base_pre_hook(ctx, module, args, kwargs):
         kpos = shard(padded(pos.masked_fill(~real, -1), -1)).index_select(1, keep)
         ctx.step = _Step("prefill", kpos, keep, n)
         ctx.prompt = (n, pad)
+        every = global_order(ctx.layout, cp, n + pad).view(cp, -1)  # [P, S_local]: each rank's columns
+        ctx.held = (every < n).sum(1).tolist()  # the prompt tokens each rank keeps
         kwargs["input_ids"], kwargs["position_ids"] = shard(padded(ids, 0)), shard(padded(pos, 0))
         if mask is not None or pad:
             kwargs["attention_mask"] = shard(padded(real.long(), 0))
         return args, kwargs
-    c0 = cache.get_seq_length()  # decode: column c stays on rank c mod P
-    keep = torch.nonzero((torch.arange(c0, c0 + n) % cp) == rank).flatten()
+    # decode: each new column goes to the rank holding the fewest tokens (the lowest on ties) -- for the
+    # striped layout exactly column mod P; after another layout's prefill it evens out the shares
+    owners = []
+    for _ in range(n):
+        owners.append(min(range(cp), key=lambda r: (ctx.held[r], r)))
+        ctx.held[owners[-1]] += 1
+    keep = torch.nonzero(torch.tensor(owners) == rank).flatten()
     kpos = pos.masked_fill(~real, -1).index_select(1, keep.to(ids.device))
     ctx.step = _Step("decode", kpos, keep, n, q_positions=pos.contiguous())
     return args, kwargs
@@ -292,7 +316,7 @@ def _generate_error(model, args, kwargs) -> tuple[str | None, tuple]:
 
 def enable_generate(model: nn.Module, ctx) -> None:
     """Install the generate() support on a model that ``apply_context_parallel_hf`` has prepared."""
-    ctx.step, ctx.cache, ctx.prompt, ctx.keep_logits = None, None, None, 0
+    ctx.step, ctx.cache, ctx.prompt, ctx.held, ctx.keep_logits = None, None, None, None, 0
     base = model.base_model
     base.register_forward_pre_hook(lambda m, a, k: _base_pre_hook(ctx, m, a, k), with_kwargs=True)
     base.register_forward_hook(lambda m, a, k, o: _base_post_hook(ctx, m, a, k, o), with_kwargs=True)

@@ -35,6 +35,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # this checkout's cp_dtensor
 sys.path.insert(0, os.path.dirname(__file__))
+from cp_dtensor.hf_generate import cache_bytes  # noqa: E402  (each buffer once: K, V, the shared positions)
 from _bench_dist import run_ranks  # noqa: E402
 from _bench_mem import _libc_live_memory, peak_since, reset_peak  # noqa: E402
 
@@ -59,17 +60,6 @@ def build_model(cp_mesh=None, max_len: int = 40000, layout: str = "striped"):
 
 def prompt(n: int) -> torch.Tensor:
     return torch.randint(1, SHAPE["vocab_size"], (1, n), generator=torch.Generator().manual_seed(n))
-
-
-def cache_bytes(cache) -> int:
-    """Bytes of the K/V (and positions) storage this rank's cache allocates."""
-    seen, total = set(), 0
-    for layer in cache.layers:
-        for x in (layer.keys, layer.values, getattr(layer, "positions", None)):
-            if x is not None and x.untyped_storage().data_ptr() not in seen:
-                seen.add(x.untyped_storage().data_ptr())
-                total += x.untyped_storage().nbytes()
-    return total
 
 
 def timed_generate(model, ids: torch.Tensor, new_tokens: int, count_bytes: bool = False) -> dict:

@@ -23,8 +23,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # this checkout's cp_dtensor
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_decode import build_model, cache_bytes  # noqa: E402
+from bench_decode import build_model  # noqa: E402
 
+from cp_dtensor.hf_generate import cache_bytes  # noqa: E402
 from _bench_dist import run_ranks  # noqa: E402  (the scripts' forked-gloo launcher)
 
 

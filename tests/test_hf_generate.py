@@ -135,8 +135,7 @@ def _check_generate(rank: int, world: int) -> None:
         where = f"{name} {layout} P={world} B={b} N={n} pad={pad}"
         _compare(out, ref, where)
         assert _same_on_every_rank(torch.stack(out.logits), world), where
-        if layout == "striped":
-            _check_cache(out, rank, world, where)
+        _check_cache(out, rank, world, where)
         # EOS: every rank stops at the step the reference does
         if i == 0:
             eos = int(ref.sequences[0, n + 2])
