@@ -68,21 +68,24 @@ def timed_generate(model, ids: torch.Tensor, new_tokens: int, count_bytes: bool 
 
     from cp_dtensor.debug import CommBytes
 
-    stamps, sent = [], []
+    stamps, cpu, sent = [], [], []
     meter = CommBytes() if count_bytes else None
 
     class Stamp(LogitsProcessor):
         def __call__(self, input_ids, scores):
             stamps.append(time.perf_counter())
+            cpu.append(time.process_time())
             sent.append(meter.sent if meter is not None else 0)
             return scores
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     with torch.no_grad(), (meter if meter is not None else contextlib.nullcontext()):
         out = model.generate(input_ids=ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
                              eos_token_id=None, logits_processor=[Stamp()], return_dict_in_generate=True)
     steps = [b - a for a, b in zip(stamps, stamps[1:])]
+    cpu_steps = [b - a for a, b in zip(cpu, cpu[1:])]
     return dict(prefill_s=stamps[0] - t0, decode_s=statistics.median(steps) if steps else None,
+                prefill_cpu_s=cpu[0] - c0, decode_cpu_s=statistics.median(cpu_steps) if cpu_steps else None,
                 step_bytes=[b - a for a, b in zip(sent, sent[1:])], tokens=out.sequences[0, ids.shape[1]:].tolist(),
                 cache_bytes=cache_bytes(out.cache), held=[layer.keys.shape[2] for layer in out.cache.layers])
 
@@ -96,7 +99,8 @@ def rank_main(rank: int, world: int, kind: str, lengths: list[int], new_tokens: 
     model = build_model(mesh)
     timed_generate(model, prompt(16), 2)  # warm-up: gloo connections, lazy state
     small = timed_generate(model, prompt(256), 4, count_bytes=world > 1)  # the wire, and the short-cache floor
-    out = dict(floor_decode_s=small["decode_s"], step_bytes=small["step_bytes"])
+    out = dict(floor_decode_s=small["decode_s"], floor_decode_cpu_s=small["decode_cpu_s"], step_bytes=small["step_bytes"],
+               load_average=os.getloadavg())
     for n in lengths:
         gc.collect()
         _libc_live_memory()
@@ -136,7 +140,9 @@ def main() -> None:
                   bytes_per_token_per_layer=per_layer, formula=formula)
     print(f"\nbytes sent per decoded token per layer (rank 0): {per_layer} (formula {formula})")
     print(f"decode floor (N=256): cp1 {1e3 * one['floor_decode_s']:.1f} ms, "
-          f"cp1-sharded {1e3 * runs['cp1-sharded'][0]['floor_decode_s']:.1f} ms, cp2 {1e3 * two[0]['floor_decode_s']:.1f} ms")
+          f"cp1-sharded {1e3 * runs['cp1-sharded'][0]['floor_decode_s']:.1f} ms, cp2 {1e3 * two[0]['floor_decode_s']:.1f} ms"
+          f" (cpu: {1e3 * one['floor_decode_cpu_s']:.1f} / {1e3 * runs['cp1-sharded'][0]['floor_decode_cpu_s']:.1f} / "
+          f"{1e3 * two[0]['floor_decode_cpu_s']:.1f} ms); load average {os.getloadavg()}")
     print("| N | prefill cp1 / cp2 (s) | ratio | decode ms/token cp1 / cp1-sharded / cp2 | cp2÷cp1 | cp2÷cp1-sharded | "
           "cache MiB/rank cp1 / cp2 | ratio | tokens equal |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -149,11 +155,25 @@ def main() -> None:
                    decode_ratio_sharded=max(r["decode_s"] for r in b) / s["decode_s"],
                    cache_ratio=cache2 / a["cache_bytes"],
                    tokens_equal=all(r["tokens"] == a["tokens"] for r in b) and s["tokens"] == a["tokens"])
+        row.update(prefill_cpu_ratio=max(r["prefill_cpu_s"] for r in b) / a["prefill_cpu_s"],
+                   decode_cpu_ratio=max(r["decode_cpu_s"] for r in b) / a["decode_cpu_s"],
+                   decode_cpu_ratio_sharded=max(r["decode_cpu_s"] for r in b) / s["decode_cpu_s"])
         rows[n] = row
         print(f"| {n} | {a['prefill_s']:.1f} / {max(r['prefill_s'] for r in b):.1f} | {row['prefill_ratio']:.2f} | "
               f"{1e3 * a['decode_s']:.1f} / {1e3 * s['decode_s']:.1f} / {1e3 * max(r['decode_s'] for r in b):.1f} | "
               f"{row['decode_ratio']:.2f} | {row['decode_ratio_sharded']:.2f} | {a['cache_bytes'] / 2**20:.1f} / "
               f"{cache2 / 2**20:.1f} | {row['cache_ratio']:.3f} | {row['tokens_equal']} |")
+    print("\nCPU seconds of the busiest rank (time.process_time: what the work costs, without the waits a loaded "
+          "machine adds):")
+    print("| N | prefill cpu s cp1 / cp2 | ratio | decode cpu ms/token cp1 / cp1-sharded / cp2 | cp2÷cp1 | cp2÷cp1-sharded |")
+    print("|---|---|---|---|---|---|")
+    for n in args.lengths:
+        a, s, b = one[str(n)], runs["cp1-sharded"][0][str(n)], [r[str(n)] for r in two]
+        row = rows[n]
+        print(f"| {n} | {a['prefill_cpu_s']:.1f} / {max(r['prefill_cpu_s'] for r in b):.1f} | "
+              f"{row['prefill_cpu_ratio']:.2f} | {1e3 * a['decode_cpu_s']:.1f} / {1e3 * s['decode_cpu_s']:.1f} / "
+              f"{1e3 * max(r['decode_cpu_s'] for r in b):.1f} | {row['decode_cpu_ratio']:.2f} | "
+              f"{row['decode_cpu_ratio_sharded']:.2f} |")
     if len(args.lengths) >= 2:
         budget = one[str(max(args.lengths))]["peak_bytes"]
         n1 = longest({n: one[str(n)]["peak_bytes"] for n in args.lengths}, budget)
