@@ -304,6 +304,10 @@ def apply_context_parallel_hf(
     ``documents=None`` follows transformers' sdpa / eager rule for packed sequences (position ids that do
     not advance by 1 start a sequence when the call has no attention_mask and use_cache is off);
     ``documents="position_ids"`` applies them with use_cache on too.
+
+    ``model.generate(...)`` then runs under CP as well, every rank passing the same full, unsharded inputs:
+    a ring prefill into a sequence-sharded KV cache, then decoding from it (Note [generate() under CP] in
+    hf_generate.py).
     """
     from .module import _check_cp_mesh
 

@@ -98,7 +98,8 @@ def rank_main(rank: int, world: int, kind: str, lengths: list[int], new_tokens: 
     mesh = None if kind == "cp1" else init_device_mesh("cpu", (world,))
     model = build_model(mesh)
     timed_generate(model, prompt(16), 2)  # warm-up: gloo connections, lazy state
-    small = timed_generate(model, prompt(256), 4, count_bytes=world > 1)  # the wire, and the short-cache floor
+    small = timed_generate(model, prompt(256), 8)  # the short-cache floor: everything but attention over the cache
+    small["step_bytes"] = timed_generate(model, prompt(64), 3, count_bytes=world > 1)["step_bytes"]  # the wire
     out = dict(floor_decode_s=small["decode_s"], floor_decode_cpu_s=small["decode_cpu_s"], step_bytes=small["step_bytes"],
                load_average=os.getloadavg())
     for n in lengths:
