@@ -30,11 +30,16 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
-from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .comm import all_gather, all_gather_objects, host_group, wait
-from .decode import _digest, _local_error, attend
-from .layout import global_order, layout_unit, shard_tensor
+from ._extras import require
+
+require("hf", "cp_dtensor.hf_generate (transformers generate() under context parallelism)")
+
+from transformers.cache_utils import Cache, CacheLayerMixin  # noqa: E402
+
+from .comm import all_gather, all_gather_objects, host_group, wait  # noqa: E402
+from .decode import _digest, _local_error, attend  # noqa: E402
+from .layout import global_order, layout_unit, shard_tensor  # noqa: E402
 
 __all__ = ["ShardedCache", "ShardedCacheLayer", "cache_bytes", "enable_generate"]
 
