@@ -111,14 +111,14 @@ def _same_on_every_rank(x: torch.Tensor, world: int) -> bool:
     return all(torch.equal(e, x) for e in every)
 
 
-CASES = [  # (model, layout, batch, prompt length, left padding per row)
+CASES = [  # (model, layout, batch, prompt length -- never divisible by 2 or 3 --, left padding per row)
     ("llama", "striped", 2, 13, None),
     ("llama", "headtail", 1, 11, None),
-    ("llama", "striped", 3, 14, [0, 5, 2]),  # left padding
-    ("qwen3", "striped", 2, 10, [3, 0]),
-    ("qwen3", "contiguous", 1, 7, None),
+    ("llama", "striped", 3, 19, [0, 5, 2]),  # left padding
+    ("qwen3", "striped", 2, 7, [3, 0]),
+    ("qwen3", "contiguous", 1, 5, None),
     ("mistral", "striped", 2, 17, [0, 4]),  # window 6 < prompt: decoding crosses its edge
-    ("gpt-oss", "striped", 2, 15, [2, 0]),  # sinks, per-layer windows
+    ("gpt-oss", "striped", 2, 13, [2, 0]),  # sinks, per-layer windows
     ("gpt-oss", "headtail", 1, 1, None),  # a one-token prompt (shorter than P)
 ]
 
