@@ -106,6 +106,17 @@ def _check_values(rank: int, world: int) -> int:
             dist.all_gather(every, out)
             assert all(torch.equal(e, out) for e in every), opts
         checked += 1
+    # the cache in chunks of keys (merged like ranks): a chunk of 5 * 8 score elements here
+    import cp_dtensor.decode as decode
+
+    saved, decode._CHUNK = decode._CHUNK, 40
+    try:
+        for opts in (dict(t=1, n=60, holes=0.3), dict(t=3, window=(7, 0), sinks=True, n=50)):
+            c = _case(12, world, b=1, **opts)
+            ref = _reference(c["q"], c["k"], c["v"], c["qp"], c["kp"], None, c["window"], c["sinks"])
+            assert rel_err(_run(c, rank), ref) <= TOL, opts
+    finally:
+        decode._CHUNK = saved
     # bf16 inputs: merged in fp32, returned in bf16
     c = _case(7, world, t=2, dtype=torch.bfloat16)
     out = _run(c, rank)
