@@ -47,9 +47,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from .checks import check_ring_args
+from .attention import _ring_attention
+from .checks import check_cp_mesh, check_ring_args
 from .layout import check_layout, global_order, shard_tensor
-from .ring import _ring_attention
 
 __all__ = ["apply_context_parallel_hf", "register", "shift_labels", "NAME"]
 
@@ -294,9 +294,7 @@ def apply_context_parallel_hf(
     not advance by 1 start a sequence when the call has no attention_mask and use_cache is off);
     ``documents="position_ids"`` applies them with use_cache on too.
     """
-    from .module import _check_cp_mesh
-
-    _check_cp_mesh(cp_mesh)
+    check_cp_mesh(cp_mesh)
     check_layout(layout)
     if documents not in (None, "position_ids"):
         raise ValueError(f"documents must be None or 'position_ids'; got {documents!r}.")

@@ -19,7 +19,10 @@ from itertools import accumulate
 import torch
 from torch import Tensor
 
-__all__ = ["block_attn", "block_attn_backward", "block_attn_backward_into_", "masked_block_attn", "masked_block_attn_backward", "masked_block_attn_merge_", "merge_"]
+__all__ = [
+    "after", "block_attn", "block_attn_backward", "block_attn_backward_into_", "masked_block_attn",
+    "masked_block_attn_backward", "masked_block_attn_merge_", "merge_", "tie", "tie_",
+]
 
 from . import kernels
 from .kernels import kernel_bwd, kernel_bwd_varlen, kernel_fwd, kernel_fwd_varlen
@@ -471,3 +474,23 @@ def after(x: Tensor, dep: Tensor) -> Tensor:
 @after.register_fake
 def _(x, dep):
     return torch.empty_like(x)
+
+
+@torch.library.custom_op("cp_dtensor::tie_", mutates_args=("buf",))
+def tie_(buf: Tensor, dep: Tensor) -> None:
+    """Nothing, done to ``buf`` once ``dep`` exists: in a compiled graph every later reader of ``buf`` (the
+    first K/V collective) then comes after ``dep`` (the agreement). See Note [Compiled agreement] in
+    checks.py. Inductor re-inplaces it: no copy, no kernel."""
+
+
+@tie_.register_fake
+def _(buf, dep):
+    return None
+
+
+def tie(buf: Tensor, ready: Tensor | None) -> Tensor:
+    """``buf``, tied after ``ready`` when given (compiled calls; eager passes None)."""
+    if ready is not None:
+        with torch.no_grad():  # the tie has no gradient: keep it out of autograd (2-D: q, k, v's heads)
+            tie_(buf, ready)
+    return buf

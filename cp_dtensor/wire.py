@@ -14,7 +14,7 @@ import math
 
 from .layout import payload_bytes
 
-__all__ = ["allgather_bytes", "check_bytes", "kv_message_bytes", "ring_bytes", "ulysses_bytes"]
+__all__ = ["FINGERPRINT_INTS", "allgather_bytes", "check_bytes", "kv_message_bytes", "ring_bytes", "ulysses_bytes"]
 
 
 def kv_message_bytes(
@@ -78,7 +78,10 @@ def ulysses_bytes(
     return _totals(a2a + inner["fwd"], a2a + inner["bwd"])  # the backward's all-to-alls mirror the forward's
 
 
-def check_bytes(p: int, u: int = 1, fields: int = 20) -> int:
+FINGERPRINT_INTS = 20  # int64 fields per rank in the agreement check (checks.Fingerprint)
+
+
+def check_bytes(p: int, u: int = 1, fields: int = FINGERPRINT_INTS) -> int:
     """The agreement check's all-gather(s) of ``fields`` int64 per rank (Note [Agreeing before the ring]
     in checks.py): over the ring group, then (on a 2-D mesh) the Ulysses group."""
     r = p // u
