@@ -95,16 +95,28 @@ class Mask:
         self.active |= ulysses > 1 and layout != "striped" and self.hi is not None
         self.steps = steps_needed(layout, world, s_local, self.lo, self.hi, ulysses) if self.active else world
 
+        self._args: dict[tuple[int, int], tuple] = {}  # (rank, src) -> the op's arguments, derived once
+
     def keeps(self, rank: int, src: int) -> bool:
         return has_pairs(self.layout, rank, src, self.world, self.s_local, self.lo, self.hi, self.ulysses)
 
     def args(self, rank: int, src: int) -> tuple:
-        """masked_block_attn's arguments after q, k, v (before scale)."""
-        q_ids = k_ids = None
-        if self.ids is not None:
-            q_ids, k_ids = self.ids[rank], self.ids[src]
-        rs = (flat_runs(runs(self.layout, r, self.world, self.s_local, self.ulysses)) for r in (rank, src))
-        return (q_ids, k_ids, *rs, self.lo, self.hi)
+        """masked_block_attn's arguments after q, k, v (before scale): the same objects for the forward
+        and the backward of the call (Note [One plan per call] in masks.py)."""
+        if (rank, src) not in self._args:
+            q_ids = k_ids = None
+            if self.ids is not None:
+                q_ids, k_ids = self._row(rank), self._row(src)
+            rs = (flat_runs(runs(self.layout, r, self.world, self.s_local, self.ulysses)) for r in (rank, src))
+            self._args[rank, src] = (q_ids, k_ids, *rs, self.lo, self.hi)
+        return self._args[rank, src]
+
+    def _row(self, r: int) -> Tensor:
+        """Rank r's ids [B, S_local]: one view per rank and call."""
+        key = (r, -1)
+        if key not in self._args:
+            self._args[key] = (self.ids[r],)
+        return self._args[key][0]
 
 
 def no_mask(layout: str, world: int, s_local: int, is_causal: bool) -> Mask:
