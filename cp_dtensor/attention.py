@@ -106,9 +106,11 @@ def ring_attention(
 
 
 def _ring_attention(q, k, v, *, group, layout, is_causal, scale, comm_dtype=None, document_ids=None,
-                    window_size=None, sinks=None, kv_exchange="ring", error: str | None = None) -> Tensor:
+                    window_size=None, sinks=None, kv_exchange="ring", error: str | None = None,
+                    agreed: tuple[int, int] | None = None) -> Tensor:
     """``ring_attention`` with a caller's own local ``error`` (e.g. an unsupported argument the module
-    path saw) that raises on every rank through the agreement check, like a bad argument."""
+    path saw) that raises on every rank through the agreement check, like a bad argument; ``agreed``:
+    see ``checks.agree`` (the transformers path, which agreed before deriving the documents)."""
     group = group if group is not None else dist.group.WORLD
     mesh = None
     if isinstance(group, DeviceMesh):
@@ -123,7 +125,7 @@ def _ring_attention(q, k, v, *, group, layout, is_causal, scale, comm_dtype=None
     agreed = agree(
         q, k, v, groups=groups, layout=layout, is_causal=is_causal, scale=scale, comm_dtype=comm_dtype,
         document_ids=document_ids, window_size=window_size, sinks=sinks, kv_exchange=kv_exchange, ulysses=u_,
-        error=error,
+        error=error, agreed=agreed,
     )
     if agreed.failed is not None:  # compiled: the agreement raises at run time (Note [Compiled agreement])
         return tie(q.new_zeros((*q.shape[:3], v.shape[3])), agreed.ready)  # tied, so the op is not dropped

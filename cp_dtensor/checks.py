@@ -57,8 +57,8 @@ from torch import Tensor
 
 from ._compat import resolve_process_group
 from .comm import all_gather_host, all_gather_objects, gather_ids, group_size, host_group
-from .layout import LAYOUTS, global_order, layout_unit
-from .wire import FINGERPRINT_INTS
+from .layout import LAYOUTS, in_global_order, layout_unit
+from .wire import FINGERPRINT_INTS, KV_EXCHANGES
 
 __all__ = ["Agreed", "Fingerprint", "agree", "check_cp_mesh", "check_documents", "check_ring_args", "local_error"]
 
@@ -70,7 +70,6 @@ _FIELDS = (
 _PER_RANK = ("id_min", "id_max")  # gathered alongside, allowed to differ between ranks
 _ID_DTYPES = (torch.int64, torch.int32)
 _COMM_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
-KV_EXCHANGES = ("ring", "allgather")
 
 
 def check_cp_mesh(cp_mesh) -> None:
@@ -329,6 +328,10 @@ def check_ring_args(
     err = error or local_error(
         q, k, v, layout, is_causal, scale, comm_dtype, document_ids, window_size, sinks, kv_exchange, ulysses
     )
+    if torch.compiler.is_compiling():  # the front door's op agrees at run time (Note [Compiled agreement])
+        if err is not None and group_size(groups) == 1:
+            raise ValueError(err)
+        return _resolve_scale(q, scale), None
     fp = _fingerprint(
         q, k, v, layout, is_causal, scale, comm_dtype, document_ids, window_size, sinks, kv_exchange, ulysses,
         err is None,
@@ -353,10 +356,15 @@ class Agreed(NamedTuple):
 def agree(
     q, k, v, *, groups: tuple[dist.ProcessGroup, ...], layout: str, is_causal, scale, comm_dtype=None,
     document_ids=None, window_size=None, sinks=None, kv_exchange="ring", ulysses: int = 1, error: str | None = None,
+    agreed: tuple[int, int] | None = None,
 ) -> Agreed:
     """The one preamble of ``ring_attention`` for a group or a (U, R) mesh's (ring, Ulysses) groups:
     validate locally, agree across ranks, gather the document ids and check them -- on every rank alike,
-    before any K/V moves. Eager it runs here; compiled it is one opaque op (Note [Compiled agreement])."""
+    before any K/V moves. Eager it runs here; compiled it is one opaque op (Note [Compiled agreement]).
+
+    ``agreed``: the caller has just run :func:`check_ring_args` on these arguments (without the ids),
+    and derived ``document_ids`` and ``error`` identically on every rank, the ids' global (min, max)
+    given here (hf.py): eager, the fingerprints are not gathered again."""
     _check_member(groups)
     err = error or local_error(
         q, k, v, layout, is_causal, scale, comm_dtype, document_ids, window_size, sinks, kv_exchange, ulysses
@@ -380,7 +388,15 @@ def agree(
         if ids is not None:  # the ids are the result: they carry the dependency (one tensor, not two)
             return Agreed(_resolve_scale(q, scale), ready, None)
         return Agreed(_resolve_scale(q, scale), None, ready)
-    gathered = _agree_and_gather(fp, err, tuple(host_group(g) for g in groups), layout, ids, sink_values)
+    hosts = tuple(host_group(g) for g in groups)
+    if agreed is not None:
+        if err is not None:  # the same on every rank (see above)
+            raise ValueError(err)
+        gathered = None if ids is None else gather_ids(ids, hosts, agreed)
+        if gathered is not None:
+            check_documents(gathered, layout)
+        return Agreed(_resolve_scale(q, scale), gathered, None)
+    gathered = _agree_and_gather(fp, err, hosts, layout, ids, sink_values)
     return Agreed(_resolve_scale(q, scale), gathered, None)
 
 
@@ -425,10 +441,7 @@ def _(token, fingerprint, error, group, ulysses_group, layout, document_ids, sin
 def check_documents(ids: Tensor, layout: str) -> None:
     """Raise, on every rank alike, when the gathered document ids [P, B, S_local] decrease along the
     global sequence (every rank holds the same gathered ids, so every rank decides the same)."""
-    world, b, s = ids.shape
-    order = global_order(layout, world, world * s).to(ids.device)
-    full = torch.empty(b, world * s, dtype=ids.dtype, device=ids.device)
-    full[:, order] = ids.permute(1, 0, 2).reshape(b, world * s)
+    full = in_global_order(ids, layout)  # [B, N]
     bad = torch.nonzero(full[:, 1:] < full[:, :-1])
     if bad.numel():
         row, pos = bad[0].tolist()

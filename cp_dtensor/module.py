@@ -40,7 +40,7 @@ from torch.overrides import TorchFunctionMode
 
 from .attention import _ring_attention
 from .checks import check_cp_mesh
-from .layout import check_layout, check_seq_len, global_order, layout_unit, shard_tensor, unshard_tensor
+from .layout import check_layout, check_seq_len, global_order, layout_unit, shard_tensor, unshard_tensor, wrap_dim
 from .placement import full_tensor
 
 __all__ = ["apply_context_parallel", "document_ids_from_positions", "shard_batch", "unshard_sequence", "reduce_gradients"]
@@ -190,7 +190,7 @@ def unshard_sequence(x: Tensor, cp_mesh: DeviceMesh | None = None, *, layout: st
     if isinstance(x, DTensor):
         return full_tensor(x)
     check_cp_mesh(cp_mesh)
-    dim = dim % x.dim()
+    dim = wrap_dim(dim, x.dim())
     cp = cp_mesh.size()
     gathered = funcol.all_gather_tensor_autograd(x.contiguous(), gather_dim=dim, group=cp_mesh)
     return unshard_tensor(list(gathered.chunk(cp, dim=dim)), dim=dim, layout=layout)

@@ -35,7 +35,7 @@ What ring attention itself holds on a rank, in the compute dtype unless stated:
   backward: 2 K/V step buffers, 2 dK/dV accumulators in flight (leaving + arriving), this step's
             dK/dV share, the owner's fp32 dK/dV, fp32 dQ, dO, and the kernel's fresh dQ, dK, dV of
             one block. On CPU the ring calls the backward kernel per group of KV heads (Note
-            [Backward in head chunks] in ring.py), so there the last term is smaller than modelled.
+            [Backward in head chunks] in blocks.py), so there the last term is smaller than modelled.
 
 Weights, optimizer state, MLP/norm activations, kernel workspace and allocator slack are not
 modelled: pass them as ``reserved_gib``.

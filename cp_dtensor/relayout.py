@@ -21,7 +21,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from ._compat import _StridedShard
 from .dispatch import install_sdpa_dispatch
-from .layout import check_seq_len, local_positions, shard_tensor
+from .layout import check_seq_len, local_positions, shard_tensor, wrap_dim
 from .placement import as_layout_placements, full_tensor, placement_layout, sequence_placement
 
 __all__ = ["relayout", "shard_sequence", "to_mesh"]
@@ -48,7 +48,7 @@ def shard_sequence(
     dimension ``mesh_dim`` of ``mesh`` (other mesh dims replicate). Local slicing, no communication.
     ``full_tensor()`` gives ``x`` back in its original order."""
     install_sdpa_dispatch()  # SDPA on what this returns runs the ring (idempotent); Note [SDPA dispatch]
-    dim, md = dim % x.dim(), _cp_mesh_dim(mesh, mesh_dim)
+    dim, md = wrap_dim(dim, x.dim()), _cp_mesh_dim(mesh, mesh_dim)
     cp = mesh.size(md)
     placement = sequence_placement(layout, dim, seq_len=x.shape[dim], cp=cp)
     placements = [Replicate()] * mesh.ndim

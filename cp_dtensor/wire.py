@@ -14,7 +14,7 @@ import math
 
 from .layout import payload_bytes
 
-__all__ = ["FINGERPRINT_INTS", "allgather_bytes", "check_bytes", "kv_message_bytes", "ring_bytes", "ulysses_bytes"]
+__all__ = ["FINGERPRINT_INTS", "KV_EXCHANGES", "allgather_bytes", "check_bytes", "kv_message_bytes", "ring_bytes", "ulysses_bytes"]
 
 
 def kv_message_bytes(
@@ -78,6 +78,7 @@ def ulysses_bytes(
     return _totals(a2a + inner["fwd"], a2a + inner["bwd"])  # the backward's all-to-alls mirror the forward's
 
 
+KV_EXCHANGES = ("ring", "allgather")  # ring_attention(kv_exchange=...) and [cp_dtensor] kv_exchange
 FINGERPRINT_INTS = 20  # int64 fields per rank in the agreement check (checks.Fingerprint)
 
 
