@@ -24,7 +24,7 @@ from .dispatch import install_sdpa_dispatch
 from .layout import check_seq_len, local_positions, shard_tensor, wrap_dim
 from .placement import as_layout_placements, full_tensor, placement_layout, sequence_placement
 
-__all__ = ["relayout", "shard_sequence", "to_mesh"]
+__all__ = ["box_placements", "layout_moves", "relayout", "shard_sequence", "to_mesh"]
 
 
 def _cp_mesh_dim(mesh: DeviceMesh, mesh_dim: int | str | None) -> int:
@@ -102,7 +102,7 @@ def _exchange(local: Tensor, *, dim: int, seq_len: int, src: str, dst: str, grou
 _SEQ_SHARDS = (Shard, _StridedShard)  # _StridedShard is no Shard subclass in torch 2.13
 
 
-def _layout_moves(x: DTensor, placements: Sequence[Placement]) -> list[tuple[int, int, str, str]]:
+def layout_moves(x: DTensor, placements: Sequence[Placement]) -> list[tuple[int, int, str, str]]:
     """(mesh dim, tensor dim, src layout, dst layout) for every mesh dim whose placement changes.
     Raises unless each change is between sequence layouts of one tensor dim no other mesh dim shards."""
     mesh, src_pl = x.device_mesh, as_layout_placements(x.placements)
@@ -134,7 +134,7 @@ def relayout(x: DTensor, placements: Sequence[Placement]) -> DTensor:
     """``x`` in other sequence layouts on the same mesh (e.g. ``[Striped(...)]`` -> ``[Shard(1)]``), by
     one all-to-all per changed mesh dim with O(shard) buffers -- never the full tensor."""
     install_sdpa_dispatch()  # See Note [SDPA dispatch]
-    moves = _layout_moves(x, placements)  # validated on every rank before any collective
+    moves = layout_moves(x, placements)  # validated on every rank before any collective
     local = x.to_local()
     for md, d, src, dst in moves:
         local = _exchange(local, dim=d, seq_len=x.shape[d], src=src, dst=dst, group=(x.device_mesh, md))
@@ -142,7 +142,7 @@ def relayout(x: DTensor, placements: Sequence[Placement]) -> DTensor:
                               shape=x.shape, stride=x.stride())
 
 
-def _box_placements(placements: Sequence[Placement]) -> list[Placement]:
+def box_placements(placements: Sequence[Placement]) -> list[Placement]:
     """Every striped / head-tail placement as the contiguous ``Shard`` of its dim: a DCP box."""
     return [Shard(p.dim) if isinstance(p, _StridedShard) else p for p in placements]
 
