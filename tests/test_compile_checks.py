@@ -9,6 +9,7 @@ One spawn of ranks runs every case; shapes are tiny and forward-only, so Inducto
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from unittest import mock
 
@@ -113,6 +114,9 @@ def _check_order(codes: list[str], where: str) -> None:
     first = min((i for i in (code.find(c) for c in _COLLECTIVES) if i >= 0), default=len(code))
     at = code.find("cp_dtensor.agree_")
     assert 0 <= at < first, f"{where}: the agreement is not before the first collective:\n{code}"
+    tie, sent = (re.search(rf"{op}\.default\((\w+),", code) for op in ("tie_", "all_to_all_single"))
+    if "def call(" in codes[0] and tie and sent:  # Inductor re-inplaces the tie: the payload is not copied
+        assert tie.group(1) == sent.group(1), f"{where}: the tie copied the K/V payload:\n{code}"
 
 
 def _faults(rank, world, backends, faults, mesh_shape):
