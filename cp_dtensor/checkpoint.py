@@ -69,7 +69,6 @@ import errno
 import glob
 import json
 import os
-import re
 import shutil
 import warnings
 from collections.abc import Callable, Mapping
@@ -85,7 +84,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from . import _manifest
 from ._agree import agreed, dcp_call, rank_world
 from ._compat import compute_local_shape_and_global_offset
-from ._manifest import CheckpointError, CheckpointExistsError
+from ._manifest import STEP_DIR, CheckpointError, CheckpointExistsError
 from .placement import as_layout_placements, placement_layout
 from .relayout import box_placements, layout_moves, relayout
 
@@ -290,7 +289,6 @@ def load_sequence_sharded(path: str | os.PathLike, like: Mapping[str, Tensor], *
 
 # ---- step directories; see Note [Crash-safe checkpoint directories] ----
 
-_STEP_DIR = re.compile(r"step-(\d+)")
 
 
 def save_checkpoint(state: Mapping[str, Tensor], root: str | os.PathLike, *, step: int, overwrite: bool = False,
@@ -318,7 +316,7 @@ def latest_checkpoint(root: str | os.PathLike) -> str | None:
         return None
     best: tuple[int, str] | None = None
     for name in sorted(os.listdir(root)):
-        if not (m := _STEP_DIR.fullmatch(name)):
+        if not (m := STEP_DIR.fullmatch(name)):
             continue
         path, step = os.path.join(root, name), int(m.group(1))
         if name != f"step-{step}":
