@@ -1,11 +1,8 @@
 """torchtitan plugin: context parallelism through cp_dtensor's ring attention, turned on from the TOML.
 
 Importing this package (``[experimental] custom_import = "cp_dtensor.titan"``) registers cp_dtensor's
-train spec for every family it serves (llama3, qwen3, deepseek_v3, llama4, gpt_oss) and, on a machine
-without an accelerator, stands in for torchtitan's triton MoE kernels module, points torchtitan at the
-CPU and lets its float8 linears run there -- what must happen before torchtitan builds anything. The
-CPU patch of ``torch.histc`` (integer histograms for MoE routers) waits until the trainer actually
-parallelizes a model through the plugin (``parallelize_with_ring``). See Note [How the plugin hooks torchtitan] in spec.py, Note [torchtitan on
+train spec for every family it serves (llama3, qwen3, deepseek_v3, llama4, gpt_oss) and, on a machine without an accelerator, points torchtitan at the CPU and lets its
+float8 linears run there. See Note [How the plugin hooks torchtitan] in spec.py, Note [torchtitan on
 CPU] in _cpu.py and Note [float8 training on CPU] in float8.py.
 """
 
@@ -15,7 +12,7 @@ install_triton_stand_in()  # before the first `import torchtitan`; see Note [tor
 
 import torchtitan.protocols.train_spec as _titan_specs  # noqa: E402
 
-from ._cpu import use_cpu_device  # noqa: E402
+from ._cpu import allow_integer_histc, use_cpu_device  # noqa: E402
 from .config import FAMILIES, CPDTensor, check_job_config  # noqa: E402
 from .data import register_dataset  # noqa: E402
 from .families import apply_ring_attention  # noqa: E402
@@ -41,4 +38,5 @@ _register()
 _titan_specs.get_train_spec = refuse_cp_for_other_models(_titan_specs.get_train_spec)  # Note [Stock torchtitan.train with a [cp_dtensor] section]
 register_dataset()
 use_cpu_device()
+allow_integer_histc()  # see Note [torchtitan on CPU], 4a
 allow_float8_on_cpu()  # see Note [float8 training on CPU]

@@ -23,8 +23,7 @@ no accelerator (or, for 3, only on gloo), so a CUDA run is untouched.
    factor, 1.0, which is skipped: the same gradients.
 4. MoE. (a) The routers count tokens per expert with ``torch.histc`` on int64 expert indices, which
    torch has no CPU kernel for (``"histogram_cpu" not implemented for 'Long'``). On CPU,
-   ``torch.histc`` is rebound once -- when the plugin first parallelizes a model (spec.py), not at
-   import -- to a wrapper that computes integer histograms with
+   ``torch.histc`` is rebound once, here, to a wrapper that computes integer histograms with
    ``bincount`` (the same bins: width (max - min) / bins, max in the last bin, outside values dropped)
    and passes every other call to torch's own. (b) The grouped-GEMM experts pad with torchtitan's
    triton kernels (step 1); on CPU every MoE layer uses torchtitan's for-loop experts instead

@@ -59,7 +59,6 @@ from torchtitan.tools.logging import logger
 
 from .._compat import TITAN_CP_INPUT, TITAN_CP_STEP
 from ._cpu import (
-    allow_integer_histc,
     init_as_unsharded,
     unsharded_template,
     use_for_loop_experts,
@@ -138,8 +137,6 @@ def parallelize_with_ring(model: nn.Module, parallel_dims, job_config, *, titan_
         logger.info(f"cp_dtensor: {n} parameters built in another dtype now {param_dtype} (CPU; Note [torchtitan on CPU])")
     if n := use_for_loop_experts(model):
         logger.info(f"cp_dtensor: {n} MoE expert modules use torchtitan's for-loop experts (CPU; Note [torchtitan on CPU])")
-    if allow_integer_histc():  # the first model the plugin parallelizes, on CPU: Note [torchtitan on CPU] 4a
-        logger.info("cp_dtensor: torch.histc takes integer inputs on CPU (MoE routers; Note [torchtitan on CPU])")
     # CPU: Note [torchtitan on CPU] 6; pipeline stages keep torchtitan's per-stage seeds
     template = None if parallel_dims.pp_enabled else unsharded_template(model)
     apply_family_fixes(model)
