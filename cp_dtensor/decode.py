@@ -43,7 +43,7 @@ _FIELDS = ("ok", "batch", "q_heads", "kv_heads", "new_tokens", "head_dim", "valu
 _CHUNK = 1 << 24  # score elements per local chunk of keys (64 MiB in fp32)
 
 
-def _local_error(q, k, v, q_positions, k_positions, scale, window_size, sinks) -> str | None:
+def local_error(q, k, v, q_positions, k_positions, scale, window_size, sinks) -> str | None:
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, Tensor):
             return f"{_NAME}: {name} must be a Tensor; got {type(x).__name__}."
@@ -98,7 +98,7 @@ def _bits(x: float) -> int:
     return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
-def _digest(x: Tensor | None) -> int:
+def digest(x: Tensor | None) -> int:
     """An exact fingerprint of a CPU tensor's bits (wrapping integer arithmetic: the same on every rank);
     -1 for none, -2 off the CPU (reading it there would wait for the device)."""
     if x is None:
@@ -120,7 +120,7 @@ def _fingerprint(q, k, v, q_positions, scale, window_size, sinks, ok: bool) -> l
         int(ok), dim(q, 0), dim(q, 1), dim(k, 1), dim(q, 2), dim(q, 3), dim(v, 3),
         _DTYPES.index(q.dtype) if isinstance(q, Tensor) and q.dtype in _DTYPES else -1,
         _bits(scale) if isinstance(scale, (int, float)) else -1, int(window[0]), int(window[1]),
-        _digest(sinks) if ok else -3, _digest(q) if ok else -3, _digest(q_positions) if ok else -3,
+        digest(sinks) if ok else -3, digest(q) if ok else -3, digest(q_positions) if ok else -3,
     ]
 
 
@@ -222,7 +222,7 @@ def sharded_cache_attention(
     if group is not None and dist.get_rank(group) < 0:
         raise ValueError(f"{_NAME} was called on a rank outside its CP group (global rank {dist.get_rank()}); "
                          "call it on the group's ranks only, or pass their group.")
-    err = _local_error(q, k, v, q_positions, k_positions, scale, window_size, sinks)
+    err = local_error(q, k, v, q_positions, k_positions, scale, window_size, sinks)
     fp = _fingerprint(q, k, v, q_positions, scale, window_size, sinks, err is None) if world > 1 else []
     _agree(err, fp, group, world)
     return attend(q, k, v, q_positions=q_positions, k_positions=k_positions, group=group, world=world, scale=scale,

@@ -38,7 +38,7 @@ require("hf", "cp_dtensor.hf_generate (transformers generate() under context par
 from transformers.cache_utils import Cache, CacheLayerMixin  # noqa: E402
 
 from .comm import all_gather, all_gather_objects, host_group, wait  # noqa: E402
-from .decode import _digest, _local_error, attend  # noqa: E402
+from .decode import attend, digest, local_error  # noqa: E402
 from .layout import global_order, layout_unit, shard_tensor  # noqa: E402
 
 __all__ = ["ShardedCache", "ShardedCacheLayer", "cache_bytes", "enable_generate"]
@@ -246,7 +246,7 @@ def decode_attention(ctx, module: nn.Module, query: Tensor, key: Tensor, value: 
     q_pos, k_pos = ctx.step.q_positions, layer.positions
     # every rank computed query, positions and options alike from the agreed call (the generate() wrapper):
     # only the local checks run here, no agreement round per layer
-    err = _local_error(query, key, value, q_pos, k_pos, scaling, window, sinks)
+    err = local_error(query, key, value, q_pos, k_pos, scaling, window, sinks)
     if err is not None:
         raise ValueError(err)
     out = attend(query, key, value, q_positions=q_pos, k_positions=k_pos, group=ctx.mesh.get_group(),
@@ -316,7 +316,7 @@ def _generate_error(model, args, kwargs) -> tuple[str | None, tuple]:
         "eos_token_id", "pad_token_id", "num_return_sequences", "repetition_penalty", "return_dict_in_generate",
         "output_logits", "output_scores"))
     given = kwargs.get("attention_mask")
-    return None, (tuple(ids.shape), _digest(ids.cpu()), _digest(None if given is None else given.cpu()), settings)
+    return None, (tuple(ids.shape), digest(ids.cpu()), digest(None if given is None else given.cpu()), settings)
 
 
 def enable_generate(model: nn.Module, ctx) -> None:
