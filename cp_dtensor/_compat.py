@@ -80,6 +80,7 @@ __all__ = [
     "mesh_unflatten",
     "redistribute_local_tensor",
     "resolve_process_group",
+    "restore_cache_key",
     "wrap_sharding_propagation",
 ]
 
@@ -245,6 +246,12 @@ def include_mesh_coordinate_in_cache_key() -> None:
         )
         return
     DeviceMesh._stable_hash = _stable_hash_with_coordinate
+
+
+def restore_cache_key() -> None:
+    """Undo :func:`include_mesh_coordinate_in_cache_key` (``cp_dtensor.uninstall_sdpa_dispatch``)."""
+    if _torch_stable_hash is not None:
+        DeviceMesh._stable_hash = _torch_stable_hash
 
 
 def mesh_unflatten(mesh: DeviceMesh, sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 
-__all__ = ["EXTRAS", "installed_version", "require"]
+__all__ = ["EXTRAS", "installed", "installed_version", "require"]
 
 EXTRAS = {"titan": "torchtitan", "float8": "torchao", "hf": "transformers"}
 # the versions each extra's glue was written for: (lowest, first not served)
@@ -39,15 +39,19 @@ def _version(text: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
+def installed(extra: str) -> bool:
+    """Whether ``extra``'s package can be imported (looked up, not imported)."""
+    try:
+        return importlib.util.find_spec(EXTRAS[extra]) is not None
+    except ValueError:  # sys.modules[package] is None: the import is blocked, as good as absent
+        return False
+
+
 def require(extra: str, feature: str) -> None:
     """Raise ImportError, naming ``pip install 'cp_dtensor[extra]'``, unless ``extra``'s package is
     installed in a version the glue serves."""
     package = EXTRAS[extra]
-    try:
-        spec = importlib.util.find_spec(package)
-    except ValueError:  # sys.modules[package] is None: the import is blocked, as good as absent
-        spec = None
-    if spec is None:
+    if not installed(extra):
         raise ImportError(
             f"{feature} needs {package}, which is not installed. Install the extra: pip install 'cp_dtensor[{extra}]'"
         )

@@ -39,6 +39,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import struct
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
@@ -47,6 +48,7 @@ from typing import Any
 import torch
 
 MANIFEST = "manifest.json"
+STEP_DIR = re.compile(r"step-(\d+)")  # a step's directory: save_checkpoint's, named as torchtitan names its own
 FORMAT, VERSION = "cp_dtensor.sequence_sharded", 1
 CHECKSUMS = ("sha256", "crc32")  # crc32: ~3x faster (zlib), catches accidents only
 _CHUNK = 8 << 20

@@ -5,7 +5,7 @@ Note [All-gather K/V]
 Instead of P - 1 ring rotations, every rank gathers every rank's K/V (Llama 3's choice, torch CP's
 default): one collective per chunk of K/V heads, which a fast fabric moves as large transfers and a
 slow one no worse than the ring. The steps are the ring's, same order, same per-step code
-(``ring.step_forward`` / ``ring.step_backward``), so every layout and mask is exact in the same way;
+(``blocks.step_forward`` / ``blocks.step_backward``), so every layout and mask is exact in the same way;
 only where block ``src`` comes from changes.
 
 Overlap per chunk: the K/V heads are split in ``gather_chunks`` chunks (2 when Hkv is even, else 1),
@@ -40,10 +40,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .blocks import Mask, add_sinks, no_mask, step_backward, step_forward
 from .comm import all_gather, reduce_scatter, unpack, wait
-from .ops import after
+from .ops import after, tie
 from .payload import decode_kv, encode_kv
-from .ring import _Mask, _no_mask, add_sinks, step_backward, step_forward
 
 __all__ = ["allgather_forward", "allgather_backward", "gather_chunks"]
 
@@ -62,19 +62,21 @@ def _heads(x: Tensor, h: slice) -> Tensor:
 
 def allgather_forward(
     q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup, layout: str, is_causal: bool, scale: float,
-    comm_dtype: torch.dtype | None = None, mask: _Mask | None = None, sinks: Tensor | None = None,
+    comm_dtype: torch.dtype | None = None, mask: Mask | None = None, sinks: Tensor | None = None,
+    ready: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``ring.ring_forward`` with every block from all-gathers. q: [B, Hq, S, Dqk]; k: [B, Hkv, S, Dqk];
     v: [B, Hkv, S, Dv]. Returns out [B, Hq, S, Dv] (q's dtype) and lse [B, Hq, S] (fp32/fp64)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    mask = mask if mask is not None else _no_mask(layout, world, q.shape[2], is_causal)
+    mask = mask if mask is not None else no_mask(layout, world, q.shape[2], is_causal)
     chunks = gather_chunks(q, k)
 
     def post(i: int) -> Tensor | None:  # [P * n] of chunk i's encoded K/V, posted
         if mask.steps <= 1 or i >= len(chunks):
             return None
         hs = chunks[i][1]
-        return all_gather(encode_kv(_heads(k, hs), _heads(v, hs), comm_dtype), group)
+        buf = encode_kv(_heads(k, hs), _heads(v, hs), comm_dtype)
+        return all_gather(tie(buf, ready) if i == 0 else buf, group)  # chunk 0 after the agreement (compiled)
 
     outs, lses = [], []
     nxt = post(0)
@@ -100,11 +102,11 @@ def allgather_forward(
 def allgather_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
     *, group: dist.ProcessGroup, layout: str, is_causal: bool, scale: float, comm_dtype: torch.dtype | None = None,
-    mask: _Mask | None = None,
+    mask: Mask | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``ring.ring_backward`` with the blocks from all-gathers and dK/dV from reduce-scatters."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    mask = mask if mask is not None else _no_mask(layout, world, q.shape[2], is_causal)
+    mask = mask if mask is not None else no_mask(layout, world, q.shape[2], is_causal)
     dout = dout.contiguous()
     acc_dtype = torch.promote_types(q.dtype, torch.float32)
     chunks = gather_chunks(q, k)

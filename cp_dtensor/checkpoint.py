@@ -69,7 +69,6 @@ import errno
 import glob
 import json
 import os
-import re
 import shutil
 import warnings
 from collections.abc import Callable, Mapping
@@ -85,9 +84,9 @@ from torch.distributed.tensor import DTensor, Replicate
 from . import _manifest
 from ._agree import agreed, dcp_call, rank_world
 from ._compat import compute_local_shape_and_global_offset
-from ._manifest import CheckpointError, CheckpointExistsError
+from ._manifest import STEP_DIR, CheckpointError, CheckpointExistsError
 from .placement import as_layout_placements, placement_layout
-from .relayout import _box_placements, _layout_moves, relayout
+from .relayout import box_placements, layout_moves, relayout
 
 __all__ = [
     "CheckpointError",
@@ -156,7 +155,7 @@ def _lost_race(path: str) -> CheckpointError:
 
 def _write(state: Mapping[str, Tensor], tmp: str, *, thread_count: int, path: str) -> None:
     """Every rank's boxes into ``tmp`` (one safetensors file per rank that holds any)."""
-    boxes = {key: relayout(v, _box_placements(v.placements)) if isinstance(v, DTensor) else v
+    boxes = {key: relayout(v, box_placements(v.placements)) if isinstance(v, DTensor) else v
              for key, v in _sorted_items(state)}
     writer = HuggingFaceStorageWriter(tmp, save_distributed=True, thread_count=thread_count)
     dcp_call("save", lambda: dcp.save(boxes, storage_writer=writer), path)
@@ -177,7 +176,7 @@ def _save(state: Mapping[str, Tensor], path: str, *, overwrite: bool, checksum: 
                 raise ValueError(f"save_sequence_sharded saves tensors only (safetensors); {key!r} is a "
                                  f"{type(value).__name__}. Save other state separately.")
             if isinstance(value, DTensor):
-                _layout_moves(value, _box_placements(value.placements))
+                layout_moves(value, box_placements(value.placements))
             saved_from[key] = _saved_from(value)
         if os.path.lexists(path) and not os.path.isdir(path):
             raise ValueError(f"{path} is a file, not a checkpoint directory; save to another path.")
@@ -241,7 +240,7 @@ def _contiguous_stride(shape) -> tuple[int, ...]:
 
 
 def _empty_box(like: DTensor) -> DTensor:
-    placements = _box_placements(as_layout_placements(like.placements))
+    placements = box_placements(as_layout_placements(like.placements))
     local_shape, _ = compute_local_shape_and_global_offset(like.shape, like.device_mesh, placements)
     device = like.device_mesh.device_type if like.is_meta else like.to_local().device
     local = torch.empty(local_shape, dtype=like.dtype, device=device)
@@ -266,7 +265,7 @@ def load_sequence_sharded(path: str | os.PathLike, like: Mapping[str, Tensor], *
     def verify() -> None:
         for value in like.values():
             if isinstance(value, DTensor):
-                _layout_moves(value, _box_placements(value.placements))
+                layout_moves(value, box_placements(value.placements))
         manifest = _manifest.read(root)
         _manifest.check_listing(root, manifest)
         _manifest.check_request(root, manifest, {k: v.shape for k, v in like.items()})
@@ -290,7 +289,6 @@ def load_sequence_sharded(path: str | os.PathLike, like: Mapping[str, Tensor], *
 
 # ---- step directories; see Note [Crash-safe checkpoint directories] ----
 
-_STEP_DIR = re.compile(r"step-(\d+)")
 
 
 def save_checkpoint(state: Mapping[str, Tensor], root: str | os.PathLike, *, step: int, overwrite: bool = False,
@@ -318,7 +316,7 @@ def latest_checkpoint(root: str | os.PathLike) -> str | None:
         return None
     best: tuple[int, str] | None = None
     for name in sorted(os.listdir(root)):
-        if not (m := _STEP_DIR.fullmatch(name)):
+        if not (m := STEP_DIR.fullmatch(name)):
             continue
         path, step = os.path.join(root, name), int(m.group(1))
         if name != f"step-{step}":

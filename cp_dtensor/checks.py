@@ -8,31 +8,60 @@ passed -- into a small int64 fingerprint, and one ``all_gather`` of the fingerpr
 lets every rank see every other rank's view. On a 2-D mesh (U, R) the fingerprints travel over the ring
 group and then the Ulysses group (``comm.all_gather_host``): every rank still sees all P of them before
 any K/V or head moves. Then every rank raises the same error, or none does.
-Only when some rank failed is the text of its error gathered too. Under ``torch.compile`` shapes are
-static per graph and a data-dependent raise would break the graph, so only the local checks run
-there.
+Only when some rank failed is the text of its error gathered too. Compiled calls agree the same way
+(Note [Compiled agreement]).
 
 The fingerprint holds host values only (shapes, dtypes, options; the ids' range, from ids the ring
 reads on the host anyway) and travels over the CP group's gloo twin (``comm.host_group``), so on
 CUDA the check never makes the host wait for the device. Sinks on a GPU are not read for the
 comparison (that would be a sync): equal sinks there are the caller's contract, as for any
-replicated parameter.
+replicated parameter. The fields are named in ``Fingerprint``; ``wire.FINGERPRINT_INTS`` is their count.
+
+Note [Compiled agreement]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+Under ``torch.compile`` the checks cannot raise while tracing: each rank traces its own graph, so a
+rank whose input is bad would stop at trace time while the others, tracing fine, would then post K/V
+collectives of other sizes (gloo aborts the process: "Received data size doesn't match expected
+size") or compute silently wrong outputs. So the cross-rank part runs inside the compiled graph, as
+one opaque custom op, ``cp_dtensor::agree_``, that the compiler neither looks into nor drops:
+
+* its arguments are the fingerprint's Python values -- constants of each rank's graph (SymInts when a
+  length is dynamic) --, this rank's local error text or None, the CP groups' names, and the tensors
+  whose values the fingerprint reads (the document ids, CPU sinks);
+* at run time it does what the eager path does (``_agree_and_gather``: the fingerprints' all-gather
+  over the gloo twins, the raise, the ids' gather and their check), so every rank raises the same
+  ``ValueError`` with eager's text, before any K/V moves; the exception leaves the compiled function as
+  a Python exception;
+* it mutates a one-element token (a side effect: neither AOTAutograd nor Inductor may eliminate it, even
+  when nothing reads its result) and returns the gathered ids [P, B, S_local] (int64; an empty tensor
+  without documents). That result is ``Agreed.ids``, or ``Agreed.ready`` without documents; each
+  exchange ties its first payload to it with
+  ``cp_dtensor::tie_`` (ops.py), so the first K/V collective has a data dependency on the agreement and
+  no scheduler can issue it earlier. ``tie_`` "mutates" the payload without writing it: Inductor
+  re-inplaces it (no copy); aot_eager clones the payload once per call. A call that moves no K/V (one
+  step: a narrow window) ties its output instead: a mutated token nobody reads is dead code to
+  AOTAutograd, and the op would be dropped.
+* A local error (bad on this rank only) is passed to the op instead of raised; the front door then
+  returns a placeholder of the output's shape, which the op's raise at run time never lets anyone see.
 """
 
 from __future__ import annotations
 
 import math
 import struct
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ._extras import require
-from .comm import all_gather_host, all_gather_objects, group_size, host_group
-from .layout import LAYOUTS, global_order, layout_unit
+from ._compat import resolve_process_group
+from ._extras import installed, require
+from .comm import all_gather_host, all_gather_objects, gather_ids, group_size, host_group
+from .layout import LAYOUTS, in_global_order, layout_unit
+from .wire import FINGERPRINT_INTS, KV_EXCHANGES
 
-__all__ = ["check_documents", "check_ring_args"]
+__all__ = ["Agreed", "Fingerprint", "agree", "check_cp_mesh", "check_documents", "check_ring_args", "local_error"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _FIELDS = (
@@ -41,11 +70,19 @@ _FIELDS = (
 )
 _PER_RANK = ("id_min", "id_max")  # gathered alongside, allowed to differ between ranks
 _ID_DTYPES = (torch.int64, torch.int32)
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_HAS_TORCHAO = installed("float8")  # looked up once, not imported (_extras.py)
 _COMM_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
-KV_EXCHANGES = ("ring", "allgather")
 
 
-def _local_error(
+def check_cp_mesh(cp_mesh) -> None:
+    """The CP mesh of the module and transformers paths is 1-D (the same on every rank: raises alike)."""
+    if cp_mesh.ndim != 1:
+        raise ValueError(f"the CP mesh must be 1-D; got a {cp_mesh.ndim}-D mesh {cp_mesh.mesh_dim_names}. "
+                         'Pass the CP dimension of a larger mesh, e.g. world_mesh["cp"].')
+
+
+def local_error(
     q, k, v, layout: str, is_causal, scale, comm_dtype=None, document_ids=None, window_size=None, sinks=None,
     kv_exchange="ring", ulysses: int = 1,
 ) -> str | None:
@@ -149,32 +186,68 @@ def _float_bits(x: float) -> int:
     return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
+class Fingerprint(NamedTuple):
+    """What one rank's call looks like, as int64s: every field but the last two must agree across the
+    CP group (Note [Agreeing before the ring]). -1 marks a value that is invalid (or absent)."""
+
+    ok: int  #: 1 when this rank's local checks passed
+    batch: int
+    q_heads: int
+    kv_heads: int
+    seq_len_local: int
+    head_dim: int
+    dtype: int  #: index into _DTYPES
+    layout: int  #: index into LAYOUTS
+    is_causal: int
+    scale: int  #: the float's bits
+    comm_dtype: int  #: index into _COMM_DTYPES
+    value_head_dim: int
+    document_ids: int  #: 1 when given
+    window_left: int
+    window_right: int
+    sinks: int  #: -1 none; -2 on a device (not read: no sync); else bits of two weighted sums of the values
+    kv_exchange: int  #: index into KV_EXCHANGES
+    ulysses: int
+    id_min: int  #: this rank's smallest document id (may differ between ranks)
+    id_max: int  #: this rank's largest document id (may differ between ranks)
+
+
+_FIELDS = Fingerprint._fields[:-2]  # those that must agree
+assert len(Fingerprint._fields) == FINGERPRINT_INTS  # the all-gather's size, stated in wire.py
+
+
 def _fingerprint(
     q, k, v, layout: str, is_causal, scale, comm_dtype, document_ids, window_size, sinks, kv_exchange, ulysses, ok: bool
-):
+) -> Fingerprint:
+    """The fingerprint's trace-time part: shapes, dtypes and options (Python values, constants of a
+    compiled graph). ``sinks``, ``id_min`` and ``id_max`` read tensor values: see :func:`_with_values`."""
     def dims(x, i):
-        return int(x.shape[i]) if isinstance(x, Tensor) and x.dim() == 4 else -1
+        return x.shape[i] if isinstance(x, Tensor) and x.dim() == 4 else -1
 
     dtype = _DTYPES.index(q.dtype) if isinstance(q, Tensor) and q.dtype in _DTYPES else -1
     scale_bits = _float_bits(scale) if isinstance(scale, (int, float)) else -1
-    docs = ok and document_ids is not None
     window = tuple(window_size) if ok and window_size is not None else (-1, -1)
-    # the sinks' values, by two weighted sums of their bits (equal sinks on every rank is the contract)
-    sink = -1
-    if ok and sinks is not None and sinks.device.type != "cpu":
-        sink = -2  # compared only where reading them costs no device sync
-    elif ok and sinks is not None:
+    return Fingerprint(
+        ok=int(ok), batch=dims(q, 0), q_heads=dims(q, 1), kv_heads=dims(k, 1), seq_len_local=dims(q, 2),
+        head_dim=dims(q, 3), dtype=dtype, layout=LAYOUTS.index(layout) if layout in LAYOUTS else -1,
+        is_causal=int(bool(is_causal)), scale=scale_bits,
+        comm_dtype=_COMM_DTYPES.index(comm_dtype) if comm_dtype in _COMM_DTYPES else -1,
+        value_head_dim=dims(v, 3), document_ids=int(ok and document_ids is not None), window_left=int(window[0]),
+        window_right=int(window[1]), sinks=-1 if not ok or sinks is None else -2,
+        kv_exchange=KV_EXCHANGES.index(kv_exchange) if kv_exchange in KV_EXCHANGES else -1, ulysses=int(ulysses),
+        id_min=0, id_max=0,
+    )
+
+
+def _with_values(fp: Fingerprint, document_ids: Tensor | None, sinks: Tensor | None) -> Fingerprint:
+    """``fp`` with the fields read from tensor values: the ids' range and CPU sinks (host reads only)."""
+    if fp.sinks == -2 and sinks is not None and sinks.device.type == "cpu":
+        # the sinks' values, by two weighted sums of their bits (equal sinks on every rank is the contract)
         w = sinks.detach().double()
-        sink = _float_bits(float(w.sum()) + 2.0 * float((w * torch.arange(1, w.numel() + 1, device=w.device)).sum()))
-    id_min = int(document_ids.min()) if docs and document_ids.numel() else 0
-    id_max = int(document_ids.max()) if docs and document_ids.numel() else 0
-    return [
-        int(ok), dims(q, 0), dims(q, 1), dims(k, 1), dims(q, 2), dims(q, 3), dtype,
-        LAYOUTS.index(layout) if layout in LAYOUTS else -1, int(bool(is_causal)), scale_bits,
-        _COMM_DTYPES.index(comm_dtype) if comm_dtype in _COMM_DTYPES else -1,
-        dims(v, 3), int(docs), int(window[0]), int(window[1]), sink,
-        KV_EXCHANGES.index(kv_exchange) if kv_exchange in KV_EXCHANGES else -1, int(ulysses), id_min, id_max,
-    ]
+        fp = fp._replace(sinks=_float_bits(float(w.sum()) + 2.0 * float((w * torch.arange(1, w.numel() + 1)).sum())))
+    if fp.document_ids and document_ids.numel():
+        fp = fp._replace(id_min=int(document_ids.min()), id_max=int(document_ids.max()))
+    return fp
 
 
 def _describe(field: str, value: int):
@@ -202,44 +275,33 @@ def _describe(field: str, value: int):
     return value
 
 
-def check_ring_args(
-    q, k, v, *, group: dist.ProcessGroup | tuple[dist.ProcessGroup, ...], layout: str, is_causal, scale,
-    comm_dtype=None, document_ids=None, window_size=None, sinks=None, kv_exchange="ring", ulysses: int = 1,
-    error: str | None = None,
-) -> tuple[float, tuple[int, int] | None]:
-    """Validate ``ring_attention``'s arguments on every rank of ``group`` -- a group, or a 2-D mesh's
-    (ring, Ulysses) groups with ``ulysses`` = U. Returns the resolved scale and the global (min, max)
-    document id (None without documents, or when not gathered: compiled)."""
-    if comm_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # the row scales come from torchao
+def _check_member(groups: tuple[dist.ProcessGroup, ...], comm_dtype) -> None:
+    if comm_dtype in _FP8 and not _HAS_TORCHAO:  # the row scales come from torchao: the [float8] extra
         require("float8", f"comm_dtype={comm_dtype}")
-    groups = group if isinstance(group, tuple) else (group,)
     if any(g is None or dist.get_rank(g) < 0 for g in groups):
         raise ValueError(
             "ring_attention was called on a rank that is not a member of its CP group "
             f"(global rank {dist.get_rank()}); call it only on the ranks of `group`, or pass their group."
         )
-    err = error or _local_error(
-        q, k, v, layout, is_causal, scale, comm_dtype, document_ids, window_size, sinks, kv_exchange, ulysses
-    )
-    world = group_size(groups)
+
+
+def _agree(fp: Fingerprint, err: str | None, hosts: tuple[dist.ProcessGroup, ...]) -> tuple[int, int] | None:
+    """One all-gather of every rank's fingerprint over the host groups; raises the same ValueError on
+    every rank when any rank failed its local checks or the ranks disagree. Returns the global (min, max)
+    document id (None without documents). Then raises this rank's own ``err``, if any (world 1)."""
+    world = group_size(hosts)
     id_range = None
-    if world > 1 and not torch.compiler.is_compiling():
-        host = tuple(host_group(g) for g in groups)
-        fp = _fingerprint(
-            q, k, v, layout, is_causal, scale, comm_dtype, document_ids, window_size, sinks, kv_exchange, ulysses,
-            err is None,
-        )
-        mine = torch.tensor(fp)  # host values only: nothing here waits for the device
-        every = all_gather_host(mine, host).view(world, -1)
+    if world > 1:
+        every = all_gather_host(torch.tensor(list(fp), dtype=torch.int64), hosts).view(world, -1)
         if not bool((every[:, 0] == 1).all()):
-            errors = all_gather_objects(err, host)
+            errors = all_gather_objects(err, hosts)
             bad = [(r, e) for r, e in enumerate(errors) if e is not None]
             raise ValueError(
                 "ring_attention rejected the inputs of rank(s) "
                 + ", ".join(str(r) for r, _ in bad) + ": " + bad[0][1]
             )
         n = len(_FIELDS)
-        if document_ids is not None:
+        if fp.document_ids:
             id_range = (int(every[:, n].min()), int(every[:, n + 1].max()))
         every = every[:, :n]
         differ = (every != every[0]).any(0)
@@ -251,22 +313,140 @@ def check_ring_args(
                 f"ring_attention needs the same {', '.join(fields)} on every rank of the CP group; got {table}. "
                 "Every rank must hold an equal-length shard of one sequence and pass the same options."
             )
+    elif fp.document_ids:
+        id_range = (fp.id_min, fp.id_max)
     if err is not None:
         raise ValueError(err)
-    if world == 1 and document_ids is not None and not torch.compiler.is_compiling():
-        id_range = (int(document_ids.min()), int(document_ids.max()))
-    return (1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)), id_range
+    return id_range
 
 
-def check_documents(ids: Tensor, layout: str, group: dist.ProcessGroup) -> None:
+def check_ring_args(
+    q, k, v, *, group: dist.ProcessGroup | tuple[dist.ProcessGroup, ...], layout: str, is_causal, scale,
+    comm_dtype=None, document_ids=None, window_size=None, sinks=None, kv_exchange="ring", ulysses: int = 1,
+    error: str | None = None,
+) -> tuple[float, tuple[int, int] | None]:
+    """Validate ``ring_attention``'s arguments on every rank of ``group`` -- a group, or a 2-D mesh's
+    (ring, Ulysses) groups with ``ulysses`` = U -- eagerly. Returns the resolved scale and the global
+    (min, max) document id (None without documents). The front door's preamble is :func:`agree`."""
+    groups = group if isinstance(group, tuple) else (group,)
+    _check_member(groups, comm_dtype)
+    err = error or local_error(
+        q, k, v, layout, is_causal, scale, comm_dtype, document_ids, window_size, sinks, kv_exchange, ulysses
+    )
+    if torch.compiler.is_compiling():  # the front door's op agrees at run time (Note [Compiled agreement])
+        if err is not None and group_size(groups) == 1:
+            raise ValueError(err)
+        return _resolve_scale(q, scale), None
+    fp = _fingerprint(
+        q, k, v, layout, is_causal, scale, comm_dtype, document_ids, window_size, sinks, kv_exchange, ulysses,
+        err is None,
+    )
+    id_range = _agree(_with_values(fp, document_ids, sinks), err, tuple(host_group(g) for g in groups))
+    return _resolve_scale(q, scale), id_range
+
+
+def _resolve_scale(q: Tensor, scale) -> float:
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+
+
+class Agreed(NamedTuple):
+    """What the preamble hands the exchange: every rank saw the same call."""
+
+    scale: float
+    ids: Tensor | None  #: every rank's document ids [P, B, S_local] on the host, checked; None without
+    ready: Tensor | None  #: compiled, without ids: the agreement's result, which the first payload must wait for
+    failed: str | None = None  #: compiled only: a local error that the agreement raises at run time, on every rank
+
+
+def agree(
+    q, k, v, *, groups: tuple[dist.ProcessGroup, ...], layout: str, is_causal, scale, comm_dtype=None,
+    document_ids=None, window_size=None, sinks=None, kv_exchange="ring", ulysses: int = 1, error: str | None = None,
+    agreed: tuple[int, int] | None = None,
+) -> Agreed:
+    """The one preamble of ``ring_attention`` for a group or a (U, R) mesh's (ring, Ulysses) groups:
+    validate locally, agree across ranks, gather the document ids and check them -- on every rank alike,
+    before any K/V moves. Eager it runs here; compiled it is one opaque op (Note [Compiled agreement]).
+
+    ``agreed``: the caller has just run :func:`check_ring_args` on these arguments (without the ids),
+    and derived ``document_ids`` and ``error`` identically on every rank, the ids' global (min, max)
+    given here (hf.py): eager, the fingerprints are not gathered again."""
+    _check_member(groups, comm_dtype)
+    err = error or local_error(
+        q, k, v, layout, is_causal, scale, comm_dtype, document_ids, window_size, sinks, kv_exchange, ulysses
+    )
+    ok = err is None
+    fp = _fingerprint(
+        q, k, v, layout, is_causal, scale, comm_dtype, document_ids, window_size, sinks, kv_exchange, ulysses, ok
+    )
+    ids = document_ids if ok else None
+    sink_values = sinks.detach() if ok and isinstance(sinks, Tensor) else None
+    if torch.compiler.is_compiling():  # See Note [Compiled agreement]
+        if group_size(groups) == 1 and ids is None and ok:
+            return Agreed(_resolve_scale(q, scale), None, None)
+        token = torch.zeros(1, dtype=torch.int64)
+        names = [g.group_name for g in groups]  # (ring, Ulysses) on a 2-D mesh
+        ready = agree_(token, list(fp), err, names[0], names[1] if len(names) > 1 else None, layout, ids, sink_values)
+        if not ok:  # the front door returns a placeholder [B, Hq, S_local, Dv]: it needs q and v's shapes
+            if not all(isinstance(x, Tensor) and x.dim() == 4 for x in (q, v)):
+                raise ValueError(err)
+            return Agreed(1.0, None, ready, failed=err)
+        if ids is not None:  # the ids are the result: they carry the dependency (one tensor, not two)
+            return Agreed(_resolve_scale(q, scale), ready, None)
+        return Agreed(_resolve_scale(q, scale), None, ready)
+    hosts = tuple(host_group(g) for g in groups)
+    if agreed is not None:
+        if err is not None:  # the same on every rank (see above)
+            raise ValueError(err)
+        gathered = None if ids is None else gather_ids(ids, hosts, agreed)
+        if gathered is not None:
+            check_documents(gathered, layout)
+        return Agreed(_resolve_scale(q, scale), gathered, None)
+    gathered = _agree_and_gather(fp, err, hosts, layout, ids, sink_values)
+    return Agreed(_resolve_scale(q, scale), gathered, None)
+
+
+def _agree_and_gather(
+    fp: Fingerprint, err: str | None, hosts: tuple[dist.ProcessGroup, ...], layout: str, ids: Tensor | None,
+    sinks: Tensor | None,
+) -> Tensor | None:
+    """Agree (raising on every rank alike), then gather the document ids and check them."""
+    id_range = _agree(_with_values(fp, ids, sinks), err, hosts)
+    if ids is None:
+        return None
+    every = gather_ids(ids, hosts, id_range)  # [P, B, S_local] on the host, before K/V moves
+    check_documents(every, layout)
+    return every
+
+
+@torch.library.custom_op("cp_dtensor::agree_", mutates_args=("token",))
+def agree_(
+    token: Tensor, fingerprint: list[int], error: str | None, group: str, ulysses_group: str | None, layout: str,
+    document_ids: Tensor | None, sinks: Tensor | None,
+) -> Tensor:
+    """:func:`agree`'s cross-rank part as an op a compiled graph runs: see Note [Compiled agreement].
+    Returns every rank's document ids [P, B, S_local] (int64, on the host), or an empty tensor."""
+    hosts = tuple(host_group(g) for g in _resolve(group, ulysses_group))
+    every = _agree_and_gather(Fingerprint(*fingerprint), error, hosts, layout, document_ids, sinks)
+    token.fill_(1)
+    return token.new_empty(0) if every is None else every.to(torch.int64)
+
+
+def _resolve(group: str, ulysses_group: str | None) -> tuple[dist.ProcessGroup, ...]:
+    return tuple(resolve_process_group(name) for name in (group, ulysses_group) if name is not None)
+
+
+@agree_.register_fake
+def _(token, fingerprint, error, group, ulysses_group, layout, document_ids, sinks):
+    if document_ids is None or error is not None:
+        return token.new_empty(0)
+    world = group_size(_resolve(group, ulysses_group))
+    return document_ids.new_empty((world, *document_ids.shape), dtype=torch.int64)
+
+
+def check_documents(ids: Tensor, layout: str) -> None:
     """Raise, on every rank alike, when the gathered document ids [P, B, S_local] decrease along the
     global sequence (every rank holds the same gathered ids, so every rank decides the same)."""
-    if torch.compiler.is_compiling():
-        return
-    world, b, s = ids.shape
-    order = global_order(layout, world, world * s).to(ids.device)
-    full = torch.empty(b, world * s, dtype=ids.dtype, device=ids.device)
-    full[:, order] = ids.permute(1, 0, 2).reshape(b, world * s)
+    full = in_global_order(ids, layout)  # [B, N]
     bad = torch.nonzero(full[:, 1:] < full[:, :-1])
     if bad.numel():
         row, pos = bad[0].tolist()

@@ -88,7 +88,9 @@ class RingComm:
             raise lost_peer(e, self.group) from e
 
 
-_HOST_GROUPS: dict[str, dist.ProcessGroup] = {}  # a cache: one gloo twin per device group
+# a cache: one gloo twin per device group, keyed by name and kept with the group it twins -- a process
+# group created after destroy_process_group() may reuse a name, and must not get the old twin
+_HOST_GROUPS: dict[str, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
 
 
 def host_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
@@ -99,10 +101,10 @@ def host_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
     if dist.get_backend(group) == "gloo":
         return group
     name = group.group_name
-    if name not in _HOST_GROUPS:
+    if name not in _HOST_GROUPS or _HOST_GROUPS[name][0] is not group:
         ranks = dist.get_process_group_ranks(group)
-        _HOST_GROUPS[name] = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
-    return _HOST_GROUPS[name]
+        _HOST_GROUPS[name] = (group, dist.new_group(ranks, backend="gloo", use_local_synchronization=True))
+    return _HOST_GROUPS[name][1]
 
 
 def join_bytes(*bufs: Tensor) -> Tensor:
@@ -141,7 +143,7 @@ def gather_ids(ids: Tensor, group: Groups, id_range: tuple[int, int] | None) -> 
     """Every rank's document ids, [P, B, S_local], from this rank's ids [B, S_local]: one all-gather,
     in the narrowest integer type that holds the global (min, max) ``id_range`` (None: unknown, int64).
     Only equality of ids matters downstream, so they stay shifted by the global minimum.
-    See Note [Masks in the ring] in ring.py."""
+    See Note [Masks in the ring] in blocks.py."""
     world = group_size(group)
     small = ids.to(torch.int64)
     if id_range is not None:

@@ -6,15 +6,24 @@ Note [SDPA dispatch]
 (``_scaled_dot_product_flash_attention_for_cpu`` on CPU; flash, efficient or cudnn on CUDA), whose
 autograd node later calls the matching ``*_backward`` op. DTensor's op dispatcher lets a library
 replace its handling of an op (``DTensor._op_dispatcher._custom_op_handlers``, as torch's experimental
-context parallel does); ``install_sdpa_handlers`` registers one handler for all eight ops at import.
+context parallel does); ``install_sdpa_dispatch`` registers one handler for all eight ops.
 
 The handler reads the layout from q's placements (see Note [Layout placements] in placement.py). When
 the sequence dim (2 of [B, H, S, D]) is sharded on one mesh dim, it runs ``ring_forward`` /
 ``ring_backward`` on the local shards over that mesh dim's process group and wraps the results with
 q's placements; the log-sum-exp it returns is ours too (fp32 [B, Hq, S]), so only our backward ever
-reads it. Any other call -- sequence not sharded, e.g. heads-only tensor parallel -- goes where it
-went before: to the handler that was registered for the op before ours, if any, else DTensor's
-ordinary path.
+reads it. Any other call -- sequence not sharded, e.g. heads-only tensor parallel -- is re-issued with
+our handler out of the table, so it takes exactly the path it takes without cp_dtensor (the handler
+that was there before ours, if any, else DTensor's own dispatch, redistributions and decompositions
+included): same placements, same values.
+
+Nothing is installed at import. ``install_sdpa_dispatch()`` (idempotent; ``uninstall_sdpa_dispatch()``
+undoes it) installs the handlers, the math op's kernel below, and the compile cache-key work-around
+(Note [Rank-specialised compiled graphs] in _compat.py: a torch bug that only the rank-specialised
+graphs of this dispatch expose). The entry points that make sequence-sharded DTensors call it:
+``shard_sequence``, ``relayout``, ``to_mesh`` and the checkpoint loads (relayout.py, checkpoint.py).
+DTensors built by hand with ``Striped`` / ``HeadTail`` / ``Shard(2)`` placements need the explicit call.
+``HeadTail``'s propagation fix is installed by the first ``HeadTail`` (Note [HeadTail placement]).
 
 Compiled, the ring appears only when AOTAutograd traces through this handler, and it is different on
 every rank, while Dynamo's graph (SDPA on DTensors) is the same on all: installing the handlers also
@@ -36,7 +45,7 @@ before they decompose, wherever they show up:
 
 * outside inference mode (``no_grad`` included), the math op's AutogradCPU and AutogradCUDA kernels
   are ``_math_autograd``: a ``torch.library`` registration on the runtime keys, which outrank the
-  composite kernel, removed by ``uninstall_sdpa_handlers``. Plain tensors and DTensors that are not
+  composite kernel, removed by ``uninstall_sdpa_dispatch``. Plain tensors and DTensors that are not
   sequence-sharded get the composite decomposition exactly as before;
 * under ``torch.inference_mode`` composite ops reach DTensor's dispatcher itself, so
   ``scaled_dot_product_attention`` and the math op get DTensor handlers too.
@@ -66,17 +75,17 @@ from ._compat import (
     TensorMeta,
     _StridedShard,
     custom_op_handlers,
-    dtensor_default_dispatch,
     include_mesh_coordinate_in_cache_key,
     make_contiguous_strides_for,
     redistribute_local_tensor,
+    restore_cache_key,
 )
-from .checks import _local_error
+from .checks import local_error
 from .layout import check_seq_len
 from .placement import as_layout_placements, install_headtail_propagation, placement_layout
 from .ring import ring_backward, ring_forward
 
-__all__ = ["install_sdpa_handlers", "uninstall_sdpa_handlers"]
+__all__ = ["install_sdpa_dispatch", "uninstall_sdpa_dispatch"]
 
 aten = torch.ops.aten
 _SEQ_DIM = 2  # q, k, v: [B, H, S, D]
@@ -204,7 +213,7 @@ def _sdpa_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> objec
     q, k, v = a["query"], a["key"], a["value"]
     opts = dict(group=ring.group, layout=ring.layout, is_causal=bool(a["is_causal"]), scale=_scale(a, q))
     ql, kl, vl = ring.local(q), ring.local(k), ring.local(v)  # same placements: no communication
-    err = _local_error(ql, kl, vl, ring.layout, opts["is_causal"], opts["scale"])  # shards are alike on every rank
+    err = local_error(ql, kl, vl, ring.layout, opts["is_causal"], opts["scale"])  # shards are alike on every rank
     if err is not None:
         raise ValueError(err)
     if op in _FORWARD_OPS:
@@ -219,10 +228,16 @@ def _sdpa_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> objec
 
 
 def _ordinary(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> object:
-    """What ``op`` did before ``install_sdpa_handlers``: the earlier handler, else DTensor's own path."""
+    """``op`` as without ``install_sdpa_dispatch``: re-issued with the handler that was there before ours
+    (or none) in the table, so DTensor dispatches it as it would without cp_dtensor. See Note [SDPA dispatch]."""
+    handlers = custom_op_handlers()
+    ours = handlers.pop(op)
     if op in _previous:
-        return _previous[op](op, args, kwargs)
-    return dtensor_default_dispatch(op, args, kwargs)
+        handlers[op] = _previous[op]
+    try:
+        return op(*args, **kwargs)
+    finally:
+        handlers[op] = ours
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -258,8 +273,8 @@ def _as_fused(a: dict[str, Any], ring: _Ring) -> DTensor:
 def _composite_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> object:
     # DTensor's handler of the composite ops (they reach it under inference mode): see Note [SDPA math path]
     a, ring = _ring_plan(op, args, kwargs)
-    if ring is None:  # what DTensor does with a composite op it has no strategy for
-        return _previous[op](op, args, kwargs) if op in _previous else op.decompose(*args, **kwargs)
+    if ring is None:  # what DTensor does without us
+        return _ordinary(op, args, kwargs)
     out = _as_fused(a, ring)
     return (out, *_empty(op, ring, out._local_tensor, 1)) if op is _MATH else out
 
@@ -274,11 +289,12 @@ def _math_autograd(*args, **kwargs):
     return _MATH.decompose(*args, **kwargs)
 
 
-def install_sdpa_handlers() -> None:
-    """Route SDPA on sequence-sharded DTensors to the ring and keep ``HeadTail`` through sharding
-    propagation (idempotent; done at ``import cp_dtensor``)."""
+def install_sdpa_dispatch() -> None:
+    """Route ``F.scaled_dot_product_attention`` on sequence-sharded DTensors to the ring (idempotent). Not
+    done at import; the entry points that make sequence-sharded DTensors call it. See Note [SDPA dispatch]."""
     install_headtail_propagation()
-    include_mesh_coordinate_in_cache_key()  # See Note [Rank-specialised compiled graphs] in _compat.py
+    # a torch bug work-around this dispatch needs: Note [Rank-specialised compiled graphs] in _compat.py
+    include_mesh_coordinate_in_cache_key()
     handlers = custom_op_handlers()
     for op, handler in [(op, _sdpa_handler) for op in _FORWARD_OPS + _BACKWARD_OPS] + [
         (op, _composite_handler) for op in _COMPOSITE_OPS
@@ -294,8 +310,8 @@ def install_sdpa_handlers() -> None:
             _math_lib.impl("_scaled_dot_product_attention_math", _math_autograd, key)
 
 
-def uninstall_sdpa_handlers() -> None:
-    """Undo :func:`install_sdpa_handlers` (only our own handlers are removed)."""
+def uninstall_sdpa_dispatch() -> None:
+    """Undo :func:`install_sdpa_dispatch`: our handlers (only ours), the math op's kernel, the cache key."""
     handlers = custom_op_handlers()
     for op in _FORWARD_OPS + _BACKWARD_OPS + _COMPOSITE_OPS:
         if handlers.get(op) in (_sdpa_handler, _composite_handler):
@@ -307,7 +323,4 @@ def uninstall_sdpa_handlers() -> None:
     if _math_lib is not None:
         _math_lib._destroy()
         _math_lib = None
-
-
-
-install_sdpa_handlers()  # at import: see Note [SDPA dispatch]
+    restore_cache_key()

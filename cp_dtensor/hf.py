@@ -52,9 +52,9 @@ require("hf", "cp_dtensor.hf (transformers models under context parallelism)")
 from transformers import AttentionInterface  # noqa: E402
 from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
 
-from .checks import check_ring_args  # noqa: E402
-from .layout import check_layout, global_order, shard_tensor  # noqa: E402
-from .ring import _ring_attention  # noqa: E402
+from .attention import _ring_attention  # noqa: E402
+from .checks import check_cp_mesh, check_ring_args  # noqa: E402
+from .layout import check_layout, in_global_order, shard_tensor  # noqa: E402
 
 __all__ = ["apply_context_parallel_hf", "register", "shift_labels", "NAME"]
 
@@ -82,6 +82,7 @@ class _Context:
         self.mesh, self.layout, self.documents = cp_mesh, layout, documents
         self.pending: str | None = None  # from the top-level call, raised by the next attention call
         self.last: tuple | None = None  # ((positions, version, mask, use_cache, B), (ids, error))
+        self.id_range: tuple[int, int] | None = None  # the global (min, max) of the last documents derived
 
 
 def _unknown_rules(fn, seen=None) -> list[str]:
@@ -190,10 +191,7 @@ def _global(x: Tensor, ctx: _Context) -> Tensor:
     """[..., S_local] on every rank -> [..., N] in global order (every rank gets the same)."""
     cp = ctx.mesh.size()
     every = funcol.wait_tensor(funcol.all_gather_single(x.contiguous(), 0, ctx.mesh.get_group()))  # [P*lead, S_local]
-    every = every.view(cp, -1, x.shape[-1]).permute(1, 0, 2).reshape(-1, cp * x.shape[-1])
-    full = torch.empty_like(every)
-    full[:, global_order(ctx.layout, cp, every.shape[1]).to(x.device)] = every
-    return full
+    return in_global_order(every.view(cp, -1, x.shape[-1]), ctx.layout)
 
 
 def _documents(ctx: _Context, positions: Tensor, mask: Tensor | None, use_cache: bool, b: int):
@@ -226,6 +224,7 @@ def _documents(ctx: _Context, positions: Tensor, mask: Tensor | None, use_cache:
         if not bool(ids[:, -1].any()):
             return None, None
     rank, cp = ctx.mesh.get_local_rank(), ctx.mesh.size()
+    ctx.id_range = (int(ids.min()), int(ids.max()))  # global: every rank derived the same ids
     return shard_tensor(ids, dim=1, layout=ctx.layout, rank=rank, world=cp).contiguous(), None
 
 
@@ -240,23 +239,36 @@ def cp_dtensor_attention(module: nn.Module, query: Tensor, key: Tensor, value: T
                          "cp_dtensor.hf.apply_context_parallel_hf(model, cp_mesh, layout=...) instead of setting it.")
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     window, err = _window(module, sliding_window, causal)
-    err = err or _local_error(ctx, query, key, attention_mask, dropout, softcap, kwargs)
     sinks = s_aux if s_aux is not None else getattr(module, "sinks", None)
+    if getattr(ctx, "step", None) is not None and ctx.step.kind == "decode":  # Note [generate() under CP]
+        refused = attention_mask.why if isinstance(attention_mask, _Refused) else None
+        err = err or refused or _local_error(ctx, query, query, None, dropout, softcap, kwargs)
+        if err is not None:  # the decode step's inputs are replicated: every rank raises alike
+            raise ValueError(err)
+        return ctx.decode(module, query, key, value, scaling, window, sinks), None
+    err = err or _local_error(ctx, query, key, attention_mask, dropout, softcap, kwargs)
     group = ctx.mesh.get_group()
-    ids = kwargs.get("document_ids")
+    ids, agreed = kwargs.get("document_ids"), None
     if err is None and ids is None:
         pos, use_cache = kwargs["position_ids"], bool(kwargs.get("use_cache"))
         key_ = (pos, pos._version, attention_mask, use_cache, query.shape[0])  # what the documents depend on
         if ctx.last is not None and _same(ctx.last[0], key_):  # the next layer, or a recomputation
             ids, err = ctx.last[1]
         else:
-            # agree on shapes and options before the gather: a bad call raises on every rank here
-            check_ring_args(query, key, value, group=group, layout=ctx.layout, is_causal=causal, scale=scaling,
-                            window_size=window, sinks=sinks)
+            # agree on shapes and options before the gather: a bad call raises on every rank here; the
+            # documents then come out the same on every rank, so the ring does not agree again (once a
+            # call; compiled, the ring's op is the agreement: Note [Compiled agreement] in checks.py)
+            compiling = torch.compiler.is_compiling()
+            if not compiling:
+                check_ring_args(query, key, value, group=group, layout=ctx.layout, is_causal=causal,
+                                scale=scaling, window_size=window, sinks=sinks)
+            ctx.id_range = None
             ids, err = _documents(ctx, pos, attention_mask, use_cache, query.shape[0])
             ctx.last = (key_, (ids, err))
+            agreed = None if compiling else ctx.id_range or (0, 0)
     out = _ring_attention(query, key, value, group=group, layout=ctx.layout, is_causal=causal, scale=scaling,
-                          document_ids=ids if err is None else None, window_size=window, sinks=sinks, error=err)
+                          document_ids=ids if err is None else None, window_size=window, sinks=sinks, error=err,
+                          agreed=agreed)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -298,10 +310,12 @@ def apply_context_parallel_hf(
     ``documents=None`` follows transformers' sdpa / eager rule for packed sequences (position ids that do
     not advance by 1 start a sequence when the call has no attention_mask and use_cache is off);
     ``documents="position_ids"`` applies them with use_cache on too.
-    """
-    from .module import _check_cp_mesh
 
-    _check_cp_mesh(cp_mesh)
+    ``model.generate(...)`` then runs under CP as well, every rank passing the same full, unsharded inputs:
+    a ring prefill into a sequence-sharded KV cache, then decoding from it (Note [generate() under CP] in
+    hf_generate.py).
+    """
+    check_cp_mesh(cp_mesh)
     check_layout(layout)
     if documents not in (None, "position_ids"):
         raise ValueError(f"documents must be None or 'position_ids'; got {documents!r}.")
@@ -330,6 +344,9 @@ def apply_context_parallel_hf(
 
     model.register_forward_pre_hook(check, with_kwargs=True)
     model.register_forward_hook(lambda *_: setattr(ctx, "pending", None), always_call=True)  # this call's only
+    from .hf_generate import enable_generate  # generate(): ring prefill, then a sequence-sharded KV cache
+
+    enable_generate(model, ctx)
     return model
 
 

@@ -63,6 +63,8 @@ __all__ = [
     "global_order",
     "shard_tensor",
     "unshard_tensor",
+    "in_global_order",
+    "wrap_dim",
     "step_block",
     "pairs_upto",
     "block_pairs",
@@ -120,11 +122,28 @@ def global_order(layout: str, world: int, seq_len: int) -> torch.Tensor:
     return torch.cat([local_positions(layout, r, world, seq_len) for r in range(world)])
 
 
+def wrap_dim(dim: int, ndim: int) -> int:
+    """``dim`` as a non-negative index of an ``ndim``-D tensor; out of range raises IndexError, as torch does."""
+    if not -ndim <= dim < ndim:
+        raise IndexError(f"Dimension out of range (expected to be in range of [{-ndim}, {ndim - 1}], but got {dim})")
+    return dim % ndim
+
+
+def in_global_order(every: torch.Tensor, layout: str) -> torch.Tensor:
+    """Every rank's shard, gathered rank-major -- [P, L, S_local] -- as [L, P * S_local] in global order."""
+    import torch
+
+    world, lead, s = every.shape
+    full = torch.empty(lead, world * s, dtype=every.dtype, device=every.device)
+    full[:, global_order(layout, world, world * s).to(every.device)] = every.permute(1, 0, 2).reshape(lead, world * s)
+    return full
+
+
 def shard_tensor(x: torch.Tensor, *, dim: int, layout: str, rank: int, world: int) -> torch.Tensor:
     """Rank ``rank``'s shard of the full tensor ``x`` along ``dim`` (a copy for striped/headtail)."""
     import torch
 
-    dim = dim % x.dim()
+    dim = wrap_dim(dim, x.dim())
     seq_len = x.shape[dim]
     s_local = check_seq_len(layout, world, seq_len)
     if layout == "contiguous":
@@ -142,7 +161,7 @@ def unshard_tensor(shards: list[torch.Tensor], *, dim: int, layout: str) -> torc
     import torch
 
     check_layout(layout)
-    dim = dim % shards[0].dim()
+    dim = wrap_dim(dim, shards[0].dim())
     if layout == "contiguous":
         return torch.cat(shards, dim=dim)
     if layout == "striped":

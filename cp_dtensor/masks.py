@@ -46,10 +46,22 @@ through the ops over 4096 tokens of packed documents: documents of 512 68.9 -> 5
 97.9 -> 90.7 ms, of 2048 154.1 -> 154.2 ms (the strips' merges and dK/dV additions eat the gain), and
 a 4096-row square was slower cut (278 vs 269 ms). So the staircase applies to squares of 2 to 4
 strips, on CPU only (``kernels.causal_strip``): CUDA's kernels skip masked tiles at a finer grain.
+
+Note [One plan per call]
+~~~~~~~~~~~~~~~~~~~~~~~~
+A call's plan -- per step whether the block is kept, both shards' runs, the rectangles -- is a pure
+function of integers (layout, P, S_local, the window, U) and, with documents, of the step's segments.
+Every function here that derives a piece of it is memoised (``functools.lru_cache``), so each piece is
+derived once and every reader shares it: ``blocks.Mask`` (the steps a window needs, kept or skipped,
+the runs it passes to the op), and the ops' rectangles (``ops._batch_rects``), which the backward asks
+for again with the same arguments as the forward. The ops cut the rectangles themselves because they
+are the compile boundary: a compiled graph passes the ids as tensors and takes new document boundaries
+without recompiling. Measured (``scripts/bench_mask_plan.py``, in the README).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from .layout import check_layout, pairs_upto
@@ -67,6 +79,7 @@ class Run:
     stride: int
 
 
+@functools.lru_cache(maxsize=4096)  # See Note [One plan per call]
 def runs(layout: str, rank: int, world: int, s_local: int, ulysses: int = 1) -> tuple[Run, ...]:
     """The runs of ``rank``'s shard. See Note [Sequence layouts] in layout.py. With ``ulysses`` = U > 1,
     ``rank`` is a ring rank of ``world`` = R and holds ``s_local`` = U * S tokens: the union of the
@@ -262,15 +275,22 @@ def block_rects(
 ) -> list[Rect]:
     """Every rectangle of one ring step: query shard ``q_runs`` against key block ``k_runs``, with
     documents given as segments of equal id (None: one document). See Note [Masked ring steps]."""
+    q_segs, k_segs = (None if x is None else tuple(x) for x in (q_segs, k_segs))
+    return list(_block_rects(tuple(q_runs), tuple(k_runs), lo, hi, q_segs, k_segs, tile, strip))
+
+
+@functools.lru_cache(maxsize=1024)  # See Note [One plan per call]
+def _block_rects(q_runs, k_runs, lo, hi, q_segs, k_segs, tile: int, strip: int) -> tuple[Rect, ...]:
     rects = []
     for qr in q_runs:
         for kr in k_runs:
             a, b = _pair_band(qr, kr, lo, hi)
             for (q0, q1, _), (k0, k1, _) in _match(_clip(q_segs, qr), _clip(k_segs, kr)):
                 rects += band_rects(q0, q1, k0, k1, a, b, tile=tile, strip=strip)
-    return rects
+    return tuple(rects)
 
 
+@functools.lru_cache(maxsize=256)  # See Note [One plan per call]
 def steps_needed(layout: str, world: int, s_local: int, lo: int | None, hi: int | None, ulysses: int = 1) -> int:
     """How many ring steps (the local one included) the window needs on any rank: steps past the
     last one that any rank needs are neither computed nor sent. See Note [Masked ring steps]."""
@@ -283,6 +303,7 @@ def steps_needed(layout: str, world: int, s_local: int, lo: int | None, hi: int 
     return last + 1
 
 
+@functools.lru_cache(maxsize=16384)  # See Note [One plan per call]
 def has_pairs(
     layout: str, rank: int, src: int, world: int, s_local: int, lo: int | None, hi: int | None, ulysses: int = 1
 ) -> bool:

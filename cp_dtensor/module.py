@@ -38,17 +38,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
-from .layout import check_layout, check_seq_len, global_order, layout_unit, shard_tensor, unshard_tensor
+from .attention import _ring_attention
+from .checks import check_cp_mesh
+from .layout import check_layout, check_seq_len, global_order, layout_unit, shard_tensor, unshard_tensor, wrap_dim
 from .placement import full_tensor
-from .ring import _ring_attention
 
 __all__ = ["apply_context_parallel", "document_ids_from_positions", "shard_batch", "unshard_sequence", "reduce_gradients"]
-
-
-def _check_cp_mesh(cp_mesh: DeviceMesh) -> None:
-    if cp_mesh.ndim != 1:
-        raise ValueError(f"the CP mesh must be 1-D; got a {cp_mesh.ndim}-D mesh {cp_mesh.mesh_dim_names}. "
-                         'Pass the CP dimension of a larger mesh, e.g. world_mesh["cp"].')
 
 
 class _RingSDPA(TorchFunctionMode):
@@ -139,7 +134,7 @@ def apply_context_parallel(
         from .hf import apply_context_parallel_hf  # transformers is installed: the model is one of its
 
         return apply_context_parallel_hf(model, cp_mesh, layout=layout, documents=documents)
-    _check_cp_mesh(cp_mesh)
+    check_cp_mesh(cp_mesh)
     check_layout(layout)
     if documents not in (None, "position_ids"):
         raise ValueError(f"documents must be None or 'position_ids'; got {documents!r}.")
@@ -163,10 +158,10 @@ def document_ids_from_positions(positions: Tensor, cp_mesh: DeviceMesh, *, layou
     """Document ids [B, S_local] of this rank's tokens from their position ids [B, S_local] (or [1, S_local])
     that restart at 0 for every document: a document starts at every position 0 of the *global* sequence,
     so one all-gather of the start flags (one byte per token) gives every rank the global count."""
-    _check_cp_mesh(cp_mesh)
+    check_cp_mesh(cp_mesh)
     cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
     starts = (positions == 0).to(torch.uint8).contiguous()  # [B, S_local]
-    every = funcol.all_gather_tensor(starts, gather_dim=0, group=cp_mesh).view(cp, *starts.shape)
+    every = funcol.all_gather_single(starts, gather_dim=0, group=cp_mesh).view(cp, *starts.shape)
     b, s = starts.shape
     full = torch.empty(b, cp * s, dtype=torch.int64, device=positions.device)
     full[:, global_order(layout, cp, cp * s).to(positions.device)] = every.permute(1, 0, 2).reshape(b, cp * s).long()
@@ -180,7 +175,7 @@ def shard_batch(cp_mesh: DeviceMesh, *tensors: Tensor, layout: str = "striped", 
 
         tokens, labels, positions = shard_batch(cp_mesh, tokens, labels, torch.arange(n).expand(b, n))
     """
-    _check_cp_mesh(cp_mesh)
+    check_cp_mesh(cp_mesh)
     cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
     lengths = {t.shape[seq_dim] for t in tensors}
     if len(lengths) != 1:
@@ -194,10 +189,10 @@ def unshard_sequence(x: Tensor, cp_mesh: DeviceMesh | None = None, *, layout: st
     from a sequence-sharded DTensor (then ``cp_mesh`` and ``layout`` are read from it)."""
     if isinstance(x, DTensor):
         return full_tensor(x)
-    _check_cp_mesh(cp_mesh)
-    dim = dim % x.dim()
+    check_cp_mesh(cp_mesh)
+    dim = wrap_dim(dim, x.dim())
     cp = cp_mesh.size()
-    gathered = funcol.all_gather_tensor_autograd(x.contiguous(), gather_dim=dim, group=cp_mesh)
+    gathered = funcol.all_gather_single_autograd(x.contiguous(), gather_dim=dim, group=cp_mesh)
     return unshard_tensor(list(gathered.chunk(cp, dim=dim)), dim=dim, layout=layout)
 
 
@@ -205,7 +200,7 @@ def unshard_sequence(x: Tensor, cp_mesh: DeviceMesh | None = None, *, layout: st
 def reduce_gradients(model: nn.Module, cp_mesh: DeviceMesh) -> None:
     """Sum every parameter gradient over the CP group (each rank's covers only its own tokens).
     Not needed when FSDP / DDP already reduce over a mesh dim that includes CP."""
-    _check_cp_mesh(cp_mesh)
+    check_cp_mesh(cp_mesh)
     group = cp_mesh.get_group()
     for p in model.parameters():
         if p.grad is not None:

@@ -14,12 +14,16 @@ as one more K/V block at the peak of the backward. ``is_causal`` is only used fo
 
 from __future__ import annotations
 
+import weakref
 from itertools import accumulate
 
 import torch
 from torch import Tensor
 
-__all__ = ["block_attn", "block_attn_backward", "block_attn_backward_into_", "masked_block_attn", "masked_block_attn_backward", "masked_block_attn_merge_", "merge_"]
+__all__ = [
+    "after", "block_attn", "block_attn_backward", "block_attn_backward_into_", "masked_block_attn",
+    "masked_block_attn_backward", "masked_block_attn_merge_", "merge_", "tie", "tie_",
+]
 
 from . import kernels
 from .kernels import kernel_bwd, kernel_bwd_varlen, kernel_fwd, kernel_fwd_varlen
@@ -82,7 +86,7 @@ block_attn.register_autograd(_backward, setup_context=_setup_context)
 
 
 def head_chunks(q: Tensor, k: Tensor) -> list[tuple[slice, slice]]:
-    """(q heads, kv heads) per backward kernel call; see Note [Backward in head chunks] in ring.py."""
+    """(q heads, kv heads) per backward kernel call; see Note [Backward in head chunks] in blocks.py."""
     b, hq, hkv = q.shape[0], q.shape[1], k.shape[1]
     if kernels.backend(q) != "cpu":
         return [(slice(None), slice(None))]
@@ -102,7 +106,7 @@ def block_attn_backward_into_(
     [k0, k1) of k and v. Adds the block's dq into ``dq`` rows (sets them when ``add`` is False) and
     writes its dk, dv into ``dkv`` (flat [dk | dv] shaped like k and v); other rows are untouched.
     The kernel runs per group of KV heads (:func:`head_chunks`), so the only fresh gradients are
-    one group's -- in eager and compiled graphs alike (Note [Backward in head chunks] in ring.py)."""
+    one group's -- in eager and compiled graphs alike (Note [Backward in head chunks] in blocks.py)."""
     dk_out, dv_out = dkv[: k.numel()].view(k.shape), dkv[k.numel() :].view(v.shape)
     for hq, hkv in head_chunks(q, k):
         qi, ki = (slice(None), hq, slice(q0, q1)), (slice(None), hkv, slice(k0, k1))
@@ -123,7 +127,7 @@ def _(dq, dkv, dout, q, k, v, out, lse, q0, q1, k0, k1, is_causal, scale, add):
 
 def merge_(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
     """Fold a partial result over other keys into (out, lse), in place; see Note [Online softmax merge]
-    in ring.py. out: [B, H, S, Dv] fp32 (a view), lse: [B, H, S] fp32 (a view); lse may be -inf (no key
+    in blocks.py. out: [B, H, S, Dv] fp32 (a view), lse: [B, H, S] fp32 (a view); lse may be -inf (no key
     yet), lse_b may not."""
     # stable merge: out + sigmoid(lse_b - lse) * (out_b - out); no exp() can overflow
     w = torch.sigmoid(lse_b - lse).unsqueeze(-1)
@@ -135,12 +139,29 @@ def merge_(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
 # Masked blocks: documents and windows. See Note [Masked ring steps] in masks.py.
 
 
-def _segments(ids: Tensor) -> list[tuple[int, int, int]]:
+_SEGMENTS: dict[tuple, tuple] = {}  # (id(ids), row) -> (weakref to ids, version, segments): Note [One plan per call]
+
+
+def _row_segments(ids: Tensor, row: int) -> tuple[tuple[int, int, int], ...]:
+    """:func:`_segments` of ``ids[row]`` ([B, S] ids), once per tensor and row: the forward and the
+    backward of a call pass the same ids (blocks.Mask.args), every step the same query ids."""
+    hit = _SEGMENTS.get((id(ids), row))
+    if hit is not None and hit[0]() is ids and hit[1] == ids._version:
+        return hit[2]
+    segs = _segments(ids[row])
+    if len(_SEGMENTS) > 4096:  # dead entries of earlier calls
+        for key in [k for k, v in _SEGMENTS.items() if v[0]() is None]:
+            del _SEGMENTS[key]
+    _SEGMENTS[id(ids), row] = (weakref.ref(ids), ids._version, segs)
+    return segs
+
+
+def _segments(ids: Tensor) -> tuple[tuple[int, int, int], ...]:
     """(start, end, id) of the runs of equal ids in a 1-D tensor. Reads the ids on the host."""
     n = ids.shape[0]
-    starts = [0] + (torch.nonzero(ids[1:] != ids[:-1]).flatten() + 1).tolist()
-    values = ids[starts].tolist()
-    return [(s, e, d) for s, e, d in zip(starts, starts[1:] + [n], values)]
+    starts = torch.cat([ids.new_zeros(1, dtype=torch.int64), torch.nonzero(ids[1:] != ids[:-1]).flatten() + 1])
+    values, starts = ids[starts].tolist(), starts.tolist()
+    return tuple((s, e, d) for s, e, d in zip(starts, starts[1:] + [n], values))
 
 
 def _batch_rects(q_ids, k_ids, q_runs: list[int], k_runs: list[int], lo, hi, q: Tensor):
@@ -155,7 +176,8 @@ def _batch_rects(q_ids, k_ids, q_runs: list[int], k_runs: list[int], lo, hi, q: 
     same = q_ids.shape[0] == 1 or bool((q_ids == q_ids[:1]).all() and (k_ids == k_ids[:1]).all())
     rows = [slice(None)] if same else [slice(b, b + 1) for b in range(q_ids.shape[0])]
     return [
-        (b, block_rects(qr, kr, lo, hi, _segments(q_ids[b][0]), _segments(k_ids[b][0]), tile=tile, strip=strip))
+        (b, block_rects(qr, kr, lo, hi, _row_segments(q_ids, b.start or 0), _row_segments(k_ids, b.start or 0),
+                        tile=tile, strip=strip))
         for b in rows
     ]
 
@@ -386,7 +408,7 @@ def masked_block_attn_merge_(
 ) -> None:
     """:func:`masked_block_attn`, merged straight into the ring's accumulators ``out`` [B, Hq, Sq, Dv]
     and ``lse`` [B, Hq, Sq] (fp32): only the rows a rectangle keeps are touched, and no block-sized
-    result is allocated. See Note [Online softmax merge] in ring.py."""
+    result is allocated. See Note [Online softmax merge] in blocks.py."""
     masks = _Masks(q.dtype, q.device)
     for b, rects in _batch_rects(q_ids, k_ids, q_runs, k_runs, lo, hi, q):
         for r, out_r, lse_r in _forward_pieces(q, k, v, b, rects, scale, masks):
@@ -471,3 +493,23 @@ def after(x: Tensor, dep: Tensor) -> Tensor:
 @after.register_fake
 def _(x, dep):
     return torch.empty_like(x)
+
+
+@torch.library.custom_op("cp_dtensor::tie_", mutates_args=("buf",))
+def tie_(buf: Tensor, dep: Tensor) -> None:
+    """Nothing, done to ``buf`` once ``dep`` exists: in a compiled graph every later reader of ``buf`` (the
+    first K/V collective) then comes after ``dep`` (the agreement). See Note [Compiled agreement] in
+    checks.py. Inductor re-inplaces it: no copy, no kernel."""
+
+
+@tie_.register_fake
+def _(buf, dep):
+    return None
+
+
+def tie(buf: Tensor, ready: Tensor | None) -> Tensor:
+    """``buf``, tied after ``ready`` when given (compiled calls; eager passes None)."""
+    if ready is not None:
+        with torch.no_grad():  # the tie has no gradient: keep it out of autograd (2-D: q, k, v's heads)
+            tie_(buf, ready)
+    return buf

@@ -1,4 +1,4 @@
-"""DTensor placements for the sequence layouts: the types, sharding a full tensor, reading one back.
+"""DTensor placements for the sequence layouts: the types, and reading a sharded tensor back.
 
 Note [Layout placements]
 ~~~~~~~~~~~~~~~~~~~~~~~~
@@ -41,6 +41,8 @@ right methods. Rules that would do arithmetic on the split factor (views that sp
 sequence dim with another) reject -1 and raise; so do rules that rebuild the placement and use its
 methods inside propagation, before we see the result (``expand`` of a head-tail tensor). ``distribute_tensor`` bypasses propagation and
 rebuilds a plain placement: it raises for ``HeadTail``; ``shard_sequence`` creates head-tail tensors.
+The wrap is installed when the first ``HeadTail`` is made (not at import: Note [SDPA dispatch] in
+dispatch.py says what the package patches, and when).
 So head-tail is never silently wrong; where torch cannot carry it, it raises.
 """
 
@@ -50,8 +52,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed._functional_collectives as funcol
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from ._compat import DTensorSpec, _StridedShard, _StridedShardOffsetMode, wrap_sharding_propagation
@@ -63,7 +64,6 @@ __all__ = [
     "sequence_placement",
     "placement_layout",
     "as_layout_placements",
-    "shard_sequence",
     "full_tensor",
     "install_headtail_propagation",
 ]
@@ -80,6 +80,7 @@ class HeadTail(_StridedShard):
             raise ValueError(f"HeadTail needs a non-negative tensor dim (torch renormalises negative ones "
                              f"into a plain _StridedShard); got {dim}. Pass dim % x.ndim.")
         super().__init__(dim, split_factor=_HEADTAIL_SF)
+        install_headtail_propagation()  # where head-tail tensors exist, propagation keeps them (idempotent)
 
     def __repr__(self) -> str:
         return f"HeadTail(dim={self.dim})"
@@ -156,39 +157,6 @@ def as_layout_placements(placements: Sequence[Placement]) -> tuple[Placement, ..
     See Note [HeadTail placement]."""
     return tuple(HeadTail(p.dim) if isinstance(p, _StridedShard) and p.split_factor == _HEADTAIL_SF
                  else p for p in placements)
-
-
-def _cp_mesh_dim(mesh: DeviceMesh, mesh_dim: int | str | None) -> int:
-    if mesh_dim is None:
-        if mesh.ndim != 1:
-            raise ValueError(f"a {mesh.ndim}-D mesh needs mesh_dim= (the CP dimension's name or index); "
-                             f"mesh dims: {mesh.mesh_dim_names}.")
-        return 0
-    if isinstance(mesh_dim, str):
-        names = mesh.mesh_dim_names or ()
-        if mesh_dim not in names:
-            raise ValueError(f"mesh has no dimension {mesh_dim!r}; its dims are {names}.")
-        return names.index(mesh_dim)
-    return mesh_dim % mesh.ndim
-
-
-def shard_sequence(
-    x: torch.Tensor, mesh: DeviceMesh, *, dim: int, layout: str = "striped", mesh_dim: int | str | None = None
-) -> DTensor:
-    """Shard the full tensor ``x`` (the same on every rank) along ``dim`` in ``layout`` over the CP
-    dimension ``mesh_dim`` of ``mesh`` (other mesh dims replicate). Local slicing, no communication.
-    ``full_tensor()`` gives ``x`` back in its original order."""
-    dim, md = dim % x.dim(), _cp_mesh_dim(mesh, mesh_dim)
-    cp = mesh.size(md)
-    placement = sequence_placement(layout, dim, seq_len=x.shape[dim], cp=cp)
-    placements = [Replicate()] * mesh.ndim
-    placements[md] = placement
-    coord = mesh.get_coordinate()
-    if coord is None:  # this rank is outside the mesh: an empty local shard, as DTensor does
-        local = x.new_empty(0)
-    else:
-        local = shard_tensor(x, dim=dim, layout=layout, rank=coord[md], world=cp).contiguous()
-    return DTensor.from_local(local, mesh, placements, run_check=False, shape=x.shape, stride=x.stride())
 
 
 def full_tensor(x: DTensor) -> torch.Tensor:

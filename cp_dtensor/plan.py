@@ -35,7 +35,7 @@ What ring attention itself holds on a rank, in the compute dtype unless stated:
   backward: 2 K/V step buffers, 2 dK/dV accumulators in flight (leaving + arriving), this step's
             dK/dV share, the owner's fp32 dK/dV, fp32 dQ, dO, and the kernel's fresh dQ, dK, dV of
             one block. On CPU the ring calls the backward kernel per group of KV heads (Note
-            [Backward in head chunks] in ring.py), so there the last term is smaller than modelled.
+            [Backward in head chunks] in blocks.py), so there the last term is smaller than modelled.
 
 Weights, optimizer state, MLP/norm activations, kernel workspace and allocator slack are not
 modelled: pass them as ``reserved_gib``.
@@ -75,6 +75,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from . import masks
 from .layout import check_layout, check_seq_len, layout_unit, payload_bytes, step_pairs
+from .wire import ulysses_a2a_bytes
 
 __all__ = [
     "DTYPE_BYTES",
@@ -512,7 +513,7 @@ def compare_exchanges(
         e = DTYPE_BYTES[inp.dtype]
         s = inp.s_local
         d = inp.head_dim
-        a2a = (u - 1) * inp.batch * s * (inp.q_heads // u * d + hkv_rep // u * 2 * d + inp.q_heads // u * d) * e
+        a2a = ulysses_a2a_bytes(u=u, b=inp.batch, s_local=s, hq=inp.q_heads, hkv=inp.kv_heads, dqk=d, dv=d, itemsize=e)
         a2a_link = _link(u, island, intra_gbps, inter_gbps)
         ring_link = link if r > 1 else a2a_link
         # the received q, k, v are the inner ring's own (counted by memory_bytes(inner)); on top, one

@@ -1,4 +1,5 @@
-"""Moving sequence-sharded DTensors between layouts, meshes and CP sizes.
+"""Sequence-sharded DTensors: made from a full tensor (``shard_sequence``), moved between layouts, meshes and
+CP sizes. Each entry point installs the SDPA-on-DTensor rule (``dispatch.install_sdpa_dispatch``).
 
 ``relayout``: between layouts on one mesh (striped <-> head-tail <-> contiguous) with one all-to-all per
 changed mesh dim and O(shard) buffers -- never the full tensor. Checkpoints use it to store every
@@ -15,14 +16,49 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from ._compat import _StridedShard
-from .layout import check_seq_len, local_positions
-from .placement import as_layout_placements, full_tensor, placement_layout
+from .dispatch import install_sdpa_dispatch
+from .layout import check_seq_len, local_positions, shard_tensor, wrap_dim
+from .placement import as_layout_placements, full_tensor, placement_layout, sequence_placement
 
-__all__ = ["relayout", "to_mesh"]
+__all__ = ["box_placements", "layout_moves", "relayout", "shard_sequence", "to_mesh"]
+
+
+def _cp_mesh_dim(mesh: DeviceMesh, mesh_dim: int | str | None) -> int:
+    if mesh_dim is None:
+        if mesh.ndim != 1:
+            raise ValueError(f"a {mesh.ndim}-D mesh needs mesh_dim= (the CP dimension's name or index); "
+                             f"mesh dims: {mesh.mesh_dim_names}.")
+        return 0
+    if isinstance(mesh_dim, str):
+        names = mesh.mesh_dim_names or ()
+        if mesh_dim not in names:
+            raise ValueError(f"mesh has no dimension {mesh_dim!r}; its dims are {names}.")
+        return names.index(mesh_dim)
+    return mesh_dim % mesh.ndim
+
+
+def shard_sequence(
+    x: torch.Tensor, mesh: DeviceMesh, *, dim: int, layout: str = "striped", mesh_dim: int | str | None = None
+) -> DTensor:
+    """Shard the full tensor ``x`` (the same on every rank) along ``dim`` in ``layout`` over the CP
+    dimension ``mesh_dim`` of ``mesh`` (other mesh dims replicate). Local slicing, no communication.
+    ``full_tensor()`` gives ``x`` back in its original order."""
+    install_sdpa_dispatch()  # SDPA on what this returns runs the ring (idempotent); Note [SDPA dispatch]
+    dim, md = wrap_dim(dim, x.dim()), _cp_mesh_dim(mesh, mesh_dim)
+    cp = mesh.size(md)
+    placement = sequence_placement(layout, dim, seq_len=x.shape[dim], cp=cp)
+    placements = [Replicate()] * mesh.ndim
+    placements[md] = placement
+    coord = mesh.get_coordinate()
+    if coord is None:  # this rank is outside the mesh: an empty local shard, as DTensor does
+        local = x.new_empty(0)
+    else:
+        local = shard_tensor(x, dim=dim, layout=layout, rank=coord[md], world=cp).contiguous()
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=x.shape, stride=x.stride())
 
 
 # ---- the O(shard) all-to-all between layouts; see Note [Checkpointing layout shards] in checkpoint.py ----
@@ -66,7 +102,7 @@ def _exchange(local: Tensor, *, dim: int, seq_len: int, src: str, dst: str, grou
 _SEQ_SHARDS = (Shard, _StridedShard)  # _StridedShard is no Shard subclass in torch 2.13
 
 
-def _layout_moves(x: DTensor, placements: Sequence[Placement]) -> list[tuple[int, int, str, str]]:
+def layout_moves(x: DTensor, placements: Sequence[Placement]) -> list[tuple[int, int, str, str]]:
     """(mesh dim, tensor dim, src layout, dst layout) for every mesh dim whose placement changes.
     Raises unless each change is between sequence layouts of one tensor dim no other mesh dim shards."""
     mesh, src_pl = x.device_mesh, as_layout_placements(x.placements)
@@ -97,7 +133,8 @@ def _layout_moves(x: DTensor, placements: Sequence[Placement]) -> list[tuple[int
 def relayout(x: DTensor, placements: Sequence[Placement]) -> DTensor:
     """``x`` in other sequence layouts on the same mesh (e.g. ``[Striped(...)]`` -> ``[Shard(1)]``), by
     one all-to-all per changed mesh dim with O(shard) buffers -- never the full tensor."""
-    moves = _layout_moves(x, placements)  # validated on every rank before any collective
+    install_sdpa_dispatch()  # See Note [SDPA dispatch]
+    moves = layout_moves(x, placements)  # validated on every rank before any collective
     local = x.to_local()
     for md, d, src, dst in moves:
         local = _exchange(local, dim=d, seq_len=x.shape[d], src=src, dst=dst, group=(x.device_mesh, md))
@@ -105,7 +142,7 @@ def relayout(x: DTensor, placements: Sequence[Placement]) -> DTensor:
                               shape=x.shape, stride=x.stride())
 
 
-def _box_placements(placements: Sequence[Placement]) -> list[Placement]:
+def box_placements(placements: Sequence[Placement]) -> list[Placement]:
     """Every striped / head-tail placement as the contiguous ``Shard`` of its dim: a DCP box."""
     return [Shard(p.dim) if isinstance(p, _StridedShard) else p for p in placements]
 
@@ -114,6 +151,7 @@ def to_mesh(x: DTensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> DT
     """``x`` on another mesh (e.g. another CP size) in ``placements`` of that mesh (build them with
     ``sequence_placement`` for the new CP size). Every rank of the default group must call it: the
     full tensor is gathered on ``x``'s mesh and broadcast from that mesh's first rank."""
+    install_sdpa_dispatch()  # See Note [SDPA dispatch]
     src_ranks = x.device_mesh.mesh.flatten().tolist()
     if dist.get_rank() in src_ranks:
         full = full_tensor(x).contiguous()

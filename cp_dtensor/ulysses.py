@@ -1,4 +1,4 @@
-"""Two-dimensional CP on a (U, R) mesh: heads all-to-all (Ulysses) over the first dim, the ring over the second.
+"""Two-dimensional CP on a (U, R) mesh: the heads all-to-all (Ulysses) helpers; attention.py runs the call.
 
 Note [Ulysses x ring]
 ~~~~~~~~~~~~~~~~~~~~~
@@ -10,7 +10,7 @@ differentiable, the backward being the same steps reversed:
    q, k, v to (u', r) and receives head slice u of every (u', r)'s tokens. It then holds Hq / U query
    heads (and their K/V heads, Note [GQA under Ulysses]) for the union of the group's U shards:
    [B, H / U, U * S, D], ordered as in Note [Ulysses unions].
-2. The 1-D loop of ring.py (ring or all-gather, every mask) over the ring group {(u, r') : r' < R},
+2. The 1-D exchange of ring.py / allgather.py (ring or all-gather, every mask) over the ring group {(u, r') : r' < R},
    on those heads and unions: only K/V heads travel in it, U * S tokens a block.
 3. The output's all-to-all back: [B, Hq, S, Dv] of this rank's own tokens.
 
@@ -67,10 +67,10 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
-from .checks import check_documents, check_ring_args
-from .comm import all_to_all, gather_ids, host_group
+from .comm import all_to_all
+from .ops import tie
 
-__all__ = ["kv_replicas", "mesh_group", "ulysses_attention", "union_order"]
+__all__ = ["gather_heads", "kv_replicas", "mesh_group", "scatter_heads", "union_order"]
 
 
 def mesh_group(mesh: DeviceMesh) -> dist.ProcessGroup | DeviceMesh:
@@ -119,68 +119,21 @@ class _AllToAll(torch.autograd.Function):
         return all_to_all(grad.contiguous(), ctx.group), None
 
 
-def _scatter_heads(x: Tensor, group: dist.ProcessGroup, order: Tensor) -> Tensor:
-    """[B, H, S, D] (this rank's tokens, every head) -> [B, H / U, U * S, D] (the group's union, head slice u)."""
+def scatter_heads(x: Tensor, group: dist.ProcessGroup, order: Tensor, ready: Tensor | None = None) -> Tensor:
+    """[B, H, S, D] (this rank's tokens, every head) -> [B, H / U, U * S, D] (the group's union, head slice u).
+    ``ready``: compiled, the agreement the all-to-all must come after (Note [Compiled agreement] in checks.py)."""
     u_ = dist.get_world_size(group)
     b, h, s, d = x.shape
     parts = x.reshape(b, u_, h // u_, s, d).transpose(0, 1).contiguous()  # [U (to), B, H / U, S, D]
-    got = _AllToAll.apply(parts.reshape(-1), group).view(u_, b, h // u_, s, d)  # [U (from), B, H / U, S, D]
+    got = _AllToAll.apply(tie(parts.reshape(-1), ready), group).view(u_, b, h // u_, s, d)  # [U (from), B, H / U, S, D]
     return got.permute(1, 2, 0, 3, 4).reshape(b, h // u_, u_ * s, d).index_select(2, order)
 
 
-def _gather_heads(y: Tensor, group: dist.ProcessGroup, inverse: Tensor) -> Tensor:
-    """Inverse of :func:`_scatter_heads`: [B, H / U, U * S, D] -> [B, H, S, D]."""
+def gather_heads(y: Tensor, group: dist.ProcessGroup, inverse: Tensor) -> Tensor:
+    """Inverse of :func:`scatter_heads`: [B, H / U, U * S, D] -> [B, H, S, D]."""
     u_ = dist.get_world_size(group)
     b, hu, n, d = y.shape
     s = n // u_
     parts = y.index_select(2, inverse).view(b, hu, u_, s, d).permute(2, 0, 1, 3, 4).contiguous()  # [U (to), ...]
     got = _AllToAll.apply(parts.reshape(-1), group).view(u_, b, hu, s, d)  # [U (from: head slice), B, H/U, S, D]
     return got.transpose(0, 1).reshape(b, u_ * hu, s, d)
-
-
-def ulysses_attention(
-    q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, layout: str, is_causal: bool, scale: float | None,
-    comm_dtype: torch.dtype | None = None, document_ids: Tensor | None = None,
-    window_size: tuple[int, int] | None = None, sinks: Tensor | None = None, kv_exchange: str = "ring",
-    error: str | None = None,
-) -> Tensor:
-    """``ring_attention`` on a 2-D (U, R) mesh; see Note [Ulysses x ring]. q: [B, Hq, S, Dqk], k: [B, Hkv,
-    S, Dqk], v: [B, Hkv, S, Dv], this rank's 1-D layout shard over P = U * R; returns [B, Hq, S, Dv]."""
-    from .ring import _RingAttention  # ring.py dispatches here: import at call time
-
-    u_, r_ = mesh.shape
-    ulysses_group, ring_group = mesh.get_group(0), mesh.get_group(1)
-    if isinstance(document_ids, Tensor) and document_ids.device.type != "cpu":
-        document_ids = document_ids.cpu()  # see _ring_attention: the one host copy of a call with documents
-    scale, id_range = check_ring_args(
-        q, k, v, group=(ring_group, ulysses_group), layout=layout, is_causal=is_causal, scale=scale,
-        comm_dtype=comm_dtype, document_ids=document_ids, window_size=window_size, sinks=sinks,
-        kv_exchange=kv_exchange, ulysses=u_, error=error,
-    )
-    b, hq, s = q.shape[:3]
-    order = torch.tensor(union_order(layout, u_, s), device=q.device)
-    ids = None
-    if document_ids is not None:  # every 1-D rank's ids, [P, B, S] (p = u * R + r), before K/V moves
-        every = gather_ids(document_ids, (host_group(ring_group), host_group(ulysses_group)), id_range)
-        check_documents(every, layout, None)
-        union = every.view(u_, r_, b, s).permute(1, 2, 0, 3).reshape(r_, b, u_ * s)
-        ids = union.index_select(2, order.to(union.device))  # [R, B, U * S]: each ring rank's union
-    window = None if window_size is None else tuple(int(w) for w in window_size)
-    reps = kv_replicas(k.shape[1], u_)
-    if reps > 1:  # See Note [GQA under Ulysses]
-        k, v = k.repeat_interleave(reps, 1), v.repeat_interleave(reps, 1)
-    u = mesh.get_local_rank(0)
-    if sinks is not None:
-        sinks = sinks[u * (hq // u_) : (u + 1) * (hq // u_)]
-    if u_ > 1:
-        q, k, v = (_scatter_heads(x.contiguous(), ulysses_group, order) for x in (q, k, v))
-    else:
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    # striped unions are striped shards over R (Note [Ulysses unions]): the plain 1-D ring
-    ring_ulysses = 1 if layout == "striped" else u_
-    out = _RingAttention.apply(
-        q, k, v, sinks, ring_group, layout, is_causal, scale, comm_dtype, window, ids, ring_ulysses, kv_exchange
-    )
-    if u_ == 1:
-        return out
-    return _gather_heads(out, ulysses_group, torch.argsort(order))

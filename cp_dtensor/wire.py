@@ -14,7 +14,7 @@ import math
 
 from .layout import payload_bytes
 
-__all__ = ["allgather_bytes", "check_bytes", "kv_message_bytes", "ring_bytes", "ulysses_bytes"]
+__all__ = ["FINGERPRINT_INTS", "KV_EXCHANGES", "allgather_bytes", "check_bytes", "kv_message_bytes", "ring_bytes", "ulysses_a2a_bytes", "ulysses_bytes"]
 
 
 def kv_message_bytes(
@@ -61,6 +61,13 @@ def allgather_bytes(
     return _totals((p - 1) * kv, (p - 1) * (kv + dkv))
 
 
+def ulysses_a2a_bytes(*, u: int, b: int, s_local: int, hq: int, hkv: int, dqk: int, dv: int, itemsize: int) -> int:
+    """The heads all-to-alls of one forward on a (u, r) mesh (q, k, v in, out back): each sends (u - 1) of
+    its u equal parts; K/V heads as lcm(hkv, u) (Note [GQA under Ulysses] in ulysses.py)."""
+    hkv_rep = math.lcm(hkv, u)
+    return (u - 1) * b * (s_local * (hq // u * dqk + hkv_rep // u * (dqk + dv) + hq // u * dv)) * itemsize
+
+
 def ulysses_bytes(
     *, u: int, r: int, b: int, s_local: int, hq: int, hkv: int, dqk: int, dv: int, itemsize: int,
     kv_exchange: str = "ring", comm_itemsize: int | None = None, fp8: bool = False, steps: int | None = None,
@@ -70,7 +77,7 @@ def ulysses_bytes(
     equal parts, plus the ring or all-gather over ``r`` ranks on unions of u * s_local tokens and
     lcm(hkv, u) / u K/V heads (Note [GQA under Ulysses]). ``steps``: of the ring over r."""
     hkv_rep = math.lcm(hkv, u)
-    a2a = (u - 1) * b * (s_local * (hq // u * dqk + hkv_rep // u * (dqk + dv) + hq // u * dv)) * itemsize
+    a2a = ulysses_a2a_bytes(u=u, b=b, s_local=s_local, hq=hq, hkv=hkv, dqk=dqk, dv=dv, itemsize=itemsize)
     inner = (allgather_bytes if kv_exchange == "allgather" else ring_bytes)(
         p=r, b=b, s_local=u * s_local, hkv=hkv_rep // u, dqk=dqk, dv=dv, itemsize=itemsize,
         comm_itemsize=comm_itemsize, fp8=fp8, steps=steps,
@@ -78,7 +85,11 @@ def ulysses_bytes(
     return _totals(a2a + inner["fwd"], a2a + inner["bwd"])  # the backward's all-to-alls mirror the forward's
 
 
-def check_bytes(p: int, u: int = 1, fields: int = 20) -> int:
+KV_EXCHANGES = ("ring", "allgather")  # ring_attention(kv_exchange=...) and [cp_dtensor] kv_exchange
+FINGERPRINT_INTS = 20  # int64 fields per rank in the agreement check (checks.Fingerprint)
+
+
+def check_bytes(p: int, u: int = 1, fields: int = FINGERPRINT_INTS) -> int:
     """The agreement check's all-gather(s) of ``fields`` int64 per rank (Note [Agreeing before the ring]
     in checks.py): over the ring group, then (on a 2-D mesh) the Ulysses group."""
     r = p // u

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from cp_dtensor import ring_attention  # noqa: E402
 from cp_dtensor.layout import local_positions, shard_tensor  # noqa: E402
-from cp_dtensor.ring import ring_attention  # noqa: E402
 from _dist import run_ranks  # noqa: E402
 
 PAYLOADS = {"none": None, "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}

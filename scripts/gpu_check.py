@@ -202,7 +202,7 @@ def _sdpa_cases(cfg, rank, world, device):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from cp_dtensor.placement import shard_sequence
+    from cp_dtensor.relayout import shard_sequence
 
     mesh = DeviceMesh(device.type, list(range(world)))
     n, d, rows = cfg["ring_seq_len"], cfg["head_dim"], []
@@ -263,7 +263,7 @@ def _sync_check(cfg, rank, world, device):
     """(b): ring calls under the sync debug mode; the first round warms up (lazy inits), the second counts."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    from cp_dtensor.placement import shard_sequence
+    from cp_dtensor.relayout import shard_sequence
 
     n, d = cfg["ring_seq_len"], cfg["head_dim"]
     mesh = DeviceMesh(device.type, list(range(world)))

@@ -12,7 +12,7 @@ fi
 stamp=$venv/.cp_dtensor-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ requirements/newest.txt -nt "$stamp" ]; then
   PIP_CONFIG_FILE=/dev/null "$venv/bin/python" -m pip install -q --disable-pip-version-check \
-    -c requirements/newest.txt -e '.[titan,float8,hf,test]'
+    -c requirements/newest.txt -e '.[titan,float8,hf,test,bench]'
   touch "$stamp"
 fi
 "$venv/bin/python" -c 'import torch; print(f"newest leg: torch {torch.__version__}")'

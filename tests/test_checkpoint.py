@@ -38,7 +38,8 @@ from cp_dtensor.checkpoint import (
     save_checkpoint,
     save_sequence_sharded,
 )
-from cp_dtensor.placement import HeadTail, sequence_placement, shard_sequence
+from cp_dtensor.placement import HeadTail, sequence_placement
+from cp_dtensor.relayout import shard_sequence
 from _dist import RankFailure, run_ranks
 from _titan_run import titan_version
 

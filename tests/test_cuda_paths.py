@@ -387,7 +387,8 @@ def _math_cases(rank, world):
     from torch.distributed.tensor.debug import CommDebugMode
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from cp_dtensor.placement import full_tensor, shard_sequence
+    from cp_dtensor.placement import full_tensor
+    from cp_dtensor.relayout import shard_sequence
     from _ref import make_qkv, reference, rel_err
 
     mesh = init_device_mesh("cpu", (world,))
@@ -470,7 +471,7 @@ def test_math_kernel_on_plain_tensors_is_unchanged():
     q, k, v, do = make_qkv(3, 2, 4, 2, 12, 8)
     want = reference(q, k, v, do, is_causal=True)
     for installed in (True, False):
-        (dispatch.install_sdpa_handlers if installed else dispatch.uninstall_sdpa_handlers)()
+        (dispatch.install_sdpa_dispatch if installed else dispatch.uninstall_sdpa_dispatch)()
         assert ("dispatch.py" in torch._C._dispatch_dump("aten::_scaled_dot_product_attention_math")) == installed
         xs = [x.clone().requires_grad_() for x in (q, k, v)]
         with sdpa_kernel(SDPBackend.MATH):
@@ -478,7 +479,7 @@ def test_math_kernel_on_plain_tensors_is_unchanged():
         out.backward(do)
         for a, b in zip((out, *(x.grad for x in xs)), want):
             assert rel_err(a, b) <= 1e-12
-    dispatch.install_sdpa_handlers()
+    dispatch.install_sdpa_dispatch()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -587,7 +588,7 @@ def test_gqa_kv_bytes_per_kernel_call():
 
 def test_float64_on_cuda_is_refused_at_validation():
     """No fused CUDA kernel takes float64: validation says so (and what to do) before any kernel runs."""
-    from cp_dtensor.checks import _local_error
+    from cp_dtensor.checks import local_error
 
     class OnCuda(torch.Tensor):  # a CPU tensor that reports a CUDA device, as validation sees it
         @property
@@ -596,9 +597,9 @@ def test_float64_on_cuda_is_refused_at_validation():
 
     q = torch.Tensor._make_subclass(OnCuda, torch.zeros(1, 4, 8, 16, dtype=torch.float64))
     k = torch.Tensor._make_subclass(OnCuda, torch.zeros(1, 2, 8, 16, dtype=torch.float64))
-    err = _local_error(q, k, k, "striped", True, None)
+    err = local_error(q, k, k, "striped", True, None)
     assert err is not None and "float64" in err and "cast q, k, v to float32" in err
-    assert _local_error(q.float(), k.float(), k.float(), "striped", True, None) is None
+    assert local_error(q.float(), k.float(), k.float(), "striped", True, None) is None
 
 
 def test_standins_take_the_real_schemas():

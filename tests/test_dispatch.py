@@ -10,7 +10,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.debug import CommDebugMode
 
 import cp_dtensor.dispatch as dispatch
-from cp_dtensor.placement import full_tensor, sequence_placement, shard_sequence
+from cp_dtensor.placement import full_tensor, sequence_placement
+from cp_dtensor.relayout import shard_sequence
 from _dist import run_ranks
 from _ref import make_qkv, reference, rel_err
 
@@ -23,7 +24,7 @@ def _comm(cm: CommDebugMode) -> dict[str, int]:
 
 
 def _check_sdpa(rank: int, world: int) -> None:
-    dispatch.install_sdpa_handlers()
+    dispatch.install_sdpa_dispatch()
     mesh = init_device_mesh("cpu", (world,))
     case = 0
     for layout in LAYOUTS:
@@ -56,7 +57,7 @@ def test_sdpa_matches_reference(world):
 
 
 def _check_2d(rank: int, world: int) -> None:
-    dispatch.install_sdpa_handlers()
+    dispatch.install_sdpa_dispatch()
     cp_tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
     dp_cp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
     n = 16
@@ -98,9 +99,9 @@ def _check_errors(rank: int, world: int) -> None:
     # SDPA calls that are not sequence-sharded behave exactly as without cp_dtensor
     plain = [distribute_tensor(x.float(), mesh, [Replicate()]) for x in (q, k, v)]
     heads = [distribute_tensor(x.float(), mesh, [Shard(1)]) for x in (q, k, v)]
-    dispatch.uninstall_sdpa_handlers()
+    dispatch.uninstall_sdpa_dispatch()
     before = [_outcome(lambda xs=xs: F.scaled_dot_product_attention(*xs, is_causal=True)) for xs in (plain, heads)]
-    dispatch.install_sdpa_handlers()
+    dispatch.install_sdpa_dispatch()
     after = [_outcome(lambda xs=xs: F.scaled_dot_product_attention(*xs, is_causal=True)) for xs in (plain, heads)]
     assert [b[0] for b in before] == [a[0] for a in after] and all(
         b[0] != "ok" and b[1] == a[1] for b, a in zip(before, after)), (before, after)

@@ -107,7 +107,7 @@ def _check(name, world, mesh, layouts, batch, weights, keep=None, *, how="hf", c
     keep = torch.ones(weights.shape[:2]) if keep is None else keep
     ref_model = copy.deepcopy(base)
     if checkpointing:
-        ref_model.gradient_checkpointing_enable()
+        ref_model.activation_checkpointing_enable()
         ref_model.train()
     ref = _run(ref_model, ref_batch or batch, weights, keep, **{**options, **(ref_options or {})})
     for layout in layouts:
@@ -117,7 +117,7 @@ def _check(name, world, mesh, layouts, batch, weights, keep=None, *, how="hf", c
         else:  # the README's module path hands transformers models to the same integration
             apply_context_parallel(model, mesh, layout=layout, documents="position_ids" if how == "module-docs" else None)
         if checkpointing:
-            model.gradient_checkpointing_enable()
+            model.activation_checkpointing_enable()
             model.train()
         where = f"{name} P={world} {layout} {how} {options} ckpt={checkpointing}"
         _compare(where, _run(model, batch, weights, keep, mesh=mesh, layout=layout, **options), ref, keep)
@@ -306,3 +306,38 @@ def test_padding_matches_cp1(world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_errors_raise_on_every_rank(world):
     run_ranks(world, _check_errors, SLOW)
+
+
+class _Fingerprints(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the agreement check's all-gathers: int64 [1, 20] fingerprints (checks.Fingerprint)."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        x = args[0] if args else None
+        if "all_gather" in str(func) and isinstance(x, torch.Tensor) and x.dtype == torch.int64 and x.numel() == 20:
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _agreements(rank: int, world: int) -> list[int]:
+    mesh = init_device_mesh("cpu", (world,))
+    tokens, _ = _batch(2)
+    counts = []
+    for packed in (False, True):  # plain positions; packed sequences (documents derived from the positions)
+        positions = torch.arange(N).expand(2, N) % (N // 2 if packed else N)
+        model = hf.apply_context_parallel_hf(_model("llama", world), mesh, layout="striped")
+        tok, pos = shard_batch(mesh, tokens, positions, layout="striped")
+        with _Fingerprints() as fp, torch.no_grad():
+            model(input_ids=tok, position_ids=pos, use_cache=False)
+        counts.append(fp.n)
+    return counts
+
+
+def test_agreement_runs_once_per_layer_call():
+    """The transformers path: one fingerprint all-gather per attention layer call (the first layer's
+    check before the documents' gather counts as that layer's), with and without packed documents."""
+    layers = TINY["num_hidden_layers"]
+    assert run_ranks(2, _agreements) == [[layers, layers]] * 2

@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.debug import CommDebugMode
 
-from cp_dtensor.dispatch import install_sdpa_handlers
+from cp_dtensor.dispatch import install_sdpa_dispatch
 from cp_dtensor.module import apply_context_parallel, reduce_gradients, shard_batch, unshard_sequence
 from _dist import run_ranks
 from _ref import rel_err
@@ -70,7 +70,7 @@ def _loss(logits, labels, n_tokens):
 
 
 def _check_training(rank: int, world: int) -> None:
-    install_sdpa_handlers()
+    install_sdpa_dispatch()
     torch.manual_seed(0)
     base = TinyLM()
     b, n, steps = 2, 16, 3

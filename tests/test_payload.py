@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -73,6 +75,7 @@ def _payload(rank, world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="the float8 payload needs torchao ([float8])")
 def test_float8_payload_bytes_and_error_bound(world):
     worst_out: dict[tuple, float] = {}
     for rows in run_ranks(world, _payload):

@@ -14,9 +14,8 @@ from cp_dtensor.placement import (
     full_tensor,
     install_headtail_propagation,
     sequence_placement,
-    shard_sequence,
 )
-from cp_dtensor.relayout import to_mesh
+from cp_dtensor.relayout import shard_sequence, to_mesh
 from _dist import run_ranks
 
 LAYOUTS = ("striped", "headtail", "contiguous")

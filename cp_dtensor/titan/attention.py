@@ -42,8 +42,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from .._compat import mesh_concatenate, mesh_unflatten
+from ..attention import ring_attention
 from ..layout import check_seq_len, local_positions, shard_tensor
-from ..ring import ring_attention
 from .flex import RingMask, shard_masks
 
 __all__ = ["RingAttention", "shard_cp_batch", "ulysses_mesh", "ulysses_shard_index"]

@@ -11,10 +11,10 @@ from typing import Any
 import torch
 
 from ..layout import LAYOUTS, layout_unit
+from ..wire import KV_EXCHANGES  # [cp_dtensor] kv_exchange values, as ring_attention(kv_exchange=...) takes them
 
 __all__ = ["COMM_DTYPES", "FAMILIES", "CPDTensor", "JobConfig", "check_job_config", "cp_section"]
 
-KV_EXCHANGES = ("ring", "allgather")  # [cp_dtensor] kv_exchange values, as ring_attention(kv_exchange=...) takes them
 FAMILIES = ("llama3", "qwen3", "deepseek_v3", "llama4", "gpt_oss")  # torchtitan 0.2.2 model names the plugin serves
 
 COMM_DTYPES = {  # [cp_dtensor] comm_dtype -> the K/V ring payload dtype (see Note [float8 ring payload])

@@ -50,10 +50,11 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+from .._manifest import STEP_DIR
+
 __all__ = ["saved_batch_degree", "checkpoint_to_resume", "check_resume"]
 
 _DATALOADER_KEY = re.compile(r"dataloader\.dp_rank_(\d+)")
-_STEP_DIR = re.compile(r"step-(\d+)")
 
 
 def saved_batch_degree(step_dir: str | os.PathLike) -> int | None:
@@ -91,7 +92,7 @@ def checkpoint_to_resume(folder: str | os.PathLike, *, load_step: int = -1) -> s
     if not os.path.isdir(folder):
         return None
     steps = [int(m.group(1)) for name in os.listdir(folder)
-             if (m := _STEP_DIR.fullmatch(name)) and os.path.isfile(os.path.join(folder, name, ".metadata"))]
+             if (m := STEP_DIR.fullmatch(name)) and os.path.isfile(os.path.join(folder, name, ".metadata"))]
     return os.path.join(folder, f"step-{max(steps)}") if steps else None
 
 

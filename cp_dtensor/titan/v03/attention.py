@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ... import ring_attention
+from ...attention import ring_attention
 from ...layout import check_seq_len, shard_tensor
 
 __all__ = ["RingDocs", "RingInnerAttention", "ring_masks", "shard_batch"]
