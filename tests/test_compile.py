@@ -306,7 +306,13 @@ def _op_cases():
 
 def test_block_ops_pass_opcheck():
     """cp_dtensor::block_attn and ::block_attn_backward: schema, fake impls, autograd registration and
-    AOT dispatch (static and dynamic) agree with the real kernels."""
+    AOT dispatch (static and dynamic) agree with the real kernels. Run in a forked rank: opcheck's
+    backward passes in the pytest process itself would start autograd's device threads on CUDA builds of
+    torch (2.15 on CPU included), after which no later test could fork its ranks."""
+    run_ranks(1, _opcheck)
+
+
+def _opcheck(rank: int, world: int) -> None:
     for q, k, v, causal in _op_cases():
         scale = q.shape[-1] ** -0.5
         q, k, v = (x.requires_grad_() for x in (q.detach(), k.detach(), v.detach()))
