@@ -16,7 +16,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("pure math; the network", {"masks", "wire", "comm", "debug", "_agree"}),
     ("kernels as ops, payloads, validation, placements, the cost model", {"ops", "payload", "checks", "placement", "plan"}),
     ("one step against one K/V block; the heads all-to-all", {"blocks", "ulysses"}),
-    ("the exchanges", {"ring", "allgather"}),
+    ("the exchanges; linear attention's state passing", {"ring", "allgather", "linear_attention"}),
     ("the front door; the SDPA-on-DTensor rule; decoding against a sharded cache", {"attention", "dispatch", "decode"}),
     ("DTensor entry points", {"relayout"}),
     ("integrations", {"hf", "hf_generate", "checkpoint"} | {f"titan.{m}" for m in (
