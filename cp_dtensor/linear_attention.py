@@ -185,12 +185,27 @@ def _agree(what: str, fields: tuple[str, ...], fp: list[int], err: str | None, g
         differ = (every[:, 1:] != every[0, 1:]).any(0).tolist()
         if any(differ):
             names = [f for f, d in zip(fields, differ) if d]
-            table = "; ".join(f"rank {r}: " + ", ".join(f"{f}={every[r, 1 + fields.index(f)].item()}" for f in names)
-                              for r in range(world))
+            table = "; ".join(f"rank {r}: " + ", ".join(f"{f}={_describe(f, every[r, 1 + fields.index(f)].item())}"
+                                                        for f in names) for r in range(world))
             raise ValueError(f"{what} needs the same {', '.join(names)} on every rank of the CP group; got {table}. "
                              "Every rank must hold an equal-length shard of one sequence and pass the same options.")
     if err is not None:
         raise ValueError(err)
+
+
+def _describe(field: str, value: int):
+    """A fingerprint entry as the caller wrote it."""
+    if value < 0:
+        return "invalid"
+    if field == "layout":
+        return repr(LAYOUTS[value])
+    if field in ("dtype", "weight_dtype"):
+        return _FLOATS[value]
+    if field == "activation":
+        return repr(_ACTIVATIONS[value])
+    if field in ("kernel", "kernel_kwargs"):
+        return f"#{value & 0xFFFF:04x}"
+    return value
 
 
 def _layout_error(what: str, layout, s_local: int) -> str | None:
