@@ -66,6 +66,10 @@ document ids of the wrong shape) raises the same ``ValueError`` on every rank be
 one all-gather of a small int64 fingerprint over the CP group's host twin, then every rank decides alike
 (the scheme of Note [Agreeing before the ring] in checks.py).
 
+*torch.compile* (not fullgraph): the checks and the agreement run eagerly (``torch.compiler.disable``:
+one graph break per call); the kernels, the differentiable all-gather and the fold are traced
+(tests/test_linear_attention.py, slow tier). Documents read host values: more breaks, still exact.
+
 *fla's kernels* (``fla.ops.gated_delta_rule.chunk_gated_delta_rule``, ``fla.ops.kda.chunk_kda``) take
 [B, T, H, D], ``initial_state`` [B, H, dk, dv] and return the final state in fp32: the identity initial
 state is built fp32 and contiguous, every input is made contiguous, and no ``chunk_size`` is added (pass
@@ -173,6 +177,7 @@ def _crc(text: str) -> int:
     return zlib.crc32(text.encode())
 
 
+@torch.compiler.disable  # host values and a host collective: run eagerly between the compiled parts
 def _agree(what: str, fields: tuple[str, ...], fp: list[int], err: str | None, group, world: int) -> None:
     """One all-gather of every rank's fingerprint; the same ValueError on every rank when any rank's local
     checks failed or the ranks differ. See Note [Agreeing before the ring] in checks.py."""
@@ -263,6 +268,19 @@ def _delta_error(kernel, q, k, v, g, beta, layout, ids, kernel_kwargs) -> str | 
         return (f"{what} sets {', '.join(owned)} itself (the entry state comes from the other ranks; documents go "
                 "through document_ids); remove it from the kernel arguments.")
     return _layout_error(what, layout, s) or _ids_error(what, ids, b, s)
+
+
+@torch.compiler.disable
+def _check_delta(kernel, q, k, v, g, beta, layout, ids, l2norm, kernel_kwargs, group, world: int) -> None:
+    """Local checks, then the agreement: the same ValueError on every rank, or none."""
+    err = _delta_error(kernel, q, k, v, g, beta, layout, ids, kernel_kwargs)
+    fp = [-1] * len(_DELTA_FIELDS)
+    if err is None:
+        fp = [*q.shape, *v.shape[2:], g.dim(), _FLOATS.index(q.dtype), LAYOUTS.index(layout), int(ids is not None),
+              int(bool(l2norm)),
+              _crc(f"{getattr(kernel, '__module__', '')}.{getattr(kernel, '__qualname__', type(kernel).__name__)}"),
+              _crc(repr(sorted(kernel_kwargs.items())))]
+    _agree("sharded_delta_rule", _DELTA_FIELDS, fp, err, group, world)
 
 
 def _gather_last_ids(ids: Tensor, starts, run_len: int, group, world: int) -> Tensor:
@@ -367,18 +385,9 @@ def sharded_delta_rule(
     has transformers' signature (``torch_chunk_gated_delta_rule``, ``chunk_kimi_delta_attention``, fla's).
     Returns o [B, S_local, Hv, dv] in q's dtype."""
     group, rank, world = _group(group)
-    err = _delta_error(kernel, q, k, v, g, beta, layout, document_ids, kernel_kwargs)
-    ok = err is None
-    shape = lambda x, n: list(x.shape) if isinstance(x, Tensor) and x.dim() == n else [-1] * n
-    b, s, hk, dk = shape(q, 4)
-    hv, dv = shape(v, 4)[2:]
-    fp = [b, s, hk, dk, hv, dv, g.dim() if isinstance(g, Tensor) else -1,
-          _FLOATS.index(q.dtype) if isinstance(q, Tensor) and q.dtype in _FLOATS else -1,
-          LAYOUTS.index(layout) if layout in LAYOUTS else -1, int(document_ids is not None),
-          int(bool(use_qk_l2norm_in_kernel)),
-          _crc(f"{getattr(kernel, '__module__', '')}.{getattr(kernel, '__qualname__', type(kernel).__name__)}"),
-          _crc(repr(sorted(kernel_kwargs.items())))]
-    _agree("sharded_delta_rule", _DELTA_FIELDS, fp if ok else [-1] * len(fp), err, group, world)
+    _check_delta(kernel, q, k, v, g, beta, layout, document_ids, use_qk_l2norm_in_kernel, kernel_kwargs, group, world)
+    b, s, hk, dk = q.shape
+    hv, dv = v.shape[2:]
 
     starts = _run_starts(layout, rank, world, s)
     run_len = s // len(starts)
@@ -438,6 +447,16 @@ def _conv_error(x, weight, bias, activation, layout, ids) -> str | None:
     return _layout_error(what, layout, s) or _ids_error(what, ids, b, s)
 
 
+@torch.compiler.disable
+def _check_conv(x, weight, bias, activation, layout, ids, group, world: int) -> None:
+    err = _conv_error(x, weight, bias, activation, layout, ids)
+    fp = [-1] * len(_CONV_FIELDS)
+    if err is None:
+        fp = [*x.shape, weight.shape[1], _FLOATS.index(x.dtype), _FLOATS.index(weight.dtype), int(bias is not None),
+              _ACTIVATIONS.index(activation), LAYOUTS.index(layout), int(ids is not None)]
+    _agree("sharded_causal_conv1d", _CONV_FIELDS, fp, err, group, world)
+
+
 def sharded_causal_conv1d(
     x: Tensor, weight: Tensor, bias: Tensor | None = None, activation: str | None = None, *, group, layout: str,
     document_ids: Tensor | None = None,
@@ -448,11 +467,7 @@ def sharded_causal_conv1d(
     boundary. Computes in weight's dtype, returns x's (as transformers' causal_conv1d_fn). See Note
     [Linear attention under CP]."""
     group, rank, world = _group(group)
-    err = _conv_error(x, weight, bias, activation, layout, document_ids)
-    ok = err is None
-    fp = [*x.shape, weight.shape[1], _FLOATS.index(x.dtype), _FLOATS.index(weight.dtype), int(bias is not None),
-          _ACTIVATIONS.index(activation), LAYOUTS.index(layout), int(document_ids is not None)] if ok else []
-    _agree("sharded_causal_conv1d", _CONV_FIELDS, fp or [-1] * len(_CONV_FIELDS), err, group, world)
+    _check_conv(x, weight, bias, activation, layout, document_ids, group, world)
 
     b, c, s = x.shape
     kk = weight.shape[1]

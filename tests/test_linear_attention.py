@@ -6,6 +6,7 @@ refusals raising on every rank, and a stand-in with fla's input contract."""
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -276,3 +277,30 @@ def test_single_rank_is_the_kernel():
     o = sharded_delta_rule(torch_chunk_gated_delta_rule, *xs, group=None, layout="contiguous", chunk_size=8)
     want, _ = torch_chunk_gated_delta_rule(*xs, chunk_size=8)
     assert torch.equal(o, want)
+
+
+def _compiled(rank, world):
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    layout, s_local = "headtail", 20
+    *xs, do, _ = make_case(3, b=2, n=world * s_local, hk=2, hv=4, d=8, per_channel=False, docs=None, run_len=10)
+    want = reference(*xs, do, None)
+    shard = lambda x: shard_tensor(x, dim=1, layout=layout, rank=rank, world=world)
+    fn = torch.compile(lambda *a: sharded_delta_rule(torch_chunk_gated_delta_rule, *a, group=None, layout=layout,
+                                                     use_qk_l2norm_in_kernel=True, chunk_size=8))
+    for _ in range(2):
+        local = [shard(x).float().requires_grad_() for x in xs]
+        o = fn(*local)
+        o.backward(shard(do).float())
+        for a, w in zip([o] + [x.grad for x in local], want):
+            assert abs_rel_err(a, shard(w)) < 1e-5
+    breaks = dict(counters["graph_break"])
+    assert len(breaks) == 1 and "_check_delta" in next(iter(breaks)), breaks  # the agreement runs eagerly
+    return True
+
+
+@pytest.mark.skipif(os.environ.get("CP_DTENSOR_SLOW") != "1", reason="~40 s of compiling on 2 CPU cores; set CP_DTENSOR_SLOW=1")
+def test_compiled_delta_rule():
+    """torch.compile (not fullgraph): exact, forward and backward, twice; one graph break, at the agreement."""
+    assert run_ranks(2, _compiled, timeout=600) == [True, True]
