@@ -48,8 +48,14 @@ host (a device sync on CUDA), and only each run's last id travels (the entry tes
 *Bytes.* The summaries travel in fp32: each rank sends (P - 1) * runs * B * Hv * dk * (dk + dv) * 4
 bytes per layer forward (``linear_state_bytes``; runs = 1 contiguous, 2 headtail) and the same again
 backward (the reduce-scatter of their gradients) -- independent of the sequence length. A head-parallel
-scheme moves q, k, v, g, beta and o: O(S_local) per rank. Plus the agreement (``check_bytes``) and,
-with documents, one int64 per run and batch row.
+scheme moves q, k, v, g, beta and o: O(S_local) per rank. At Qwen3-Next's shape (Hv 32, dk = dv = 128,
+B 1) a run's summary is 4 MiB: headtail sends 8 MiB per layer at P = 2 against the all-to-alls' 48 MiB
+in bf16 at N = 8k (193 MiB at 32k); only at P = 8 and N = 8k does it send more (56 against 21 MiB;
+scripts/bench_linear_attention.py prints the table). Plus the agreement (``check_bytes``) and, with
+documents, one int64 per run and batch row.
+
+*Precision.* The kernel returns u in its output dtype (q's): for bf16 inputs u is rounded to bf16
+before the fp32 product with the entry state, an error of the order of the output's own rounding.
 
 *Cost.* The widened value adds dk columns to the kernel's value side, and u [B, S, Hv, dk] is kept for
 the backward; the fold is P small [dk, dk] @ [dk, dv] products per run. An all-gather rather than a
@@ -68,7 +74,7 @@ one all-gather of a small int64 fingerprint over the CP group's host twin, then 
 
 *torch.compile* (not fullgraph): the checks and the agreement run eagerly (``torch.compiler.disable``:
 one graph break per call); the kernels, the differentiable all-gather and the fold are traced
-(tests/test_linear_attention.py, slow tier). Documents read host values: more breaks, still exact.
+(tests/test_linear_attention.py, slow tier). Documents read host values: more breaks (not tested compiled).
 
 *fla's kernels* (``fla.ops.gated_delta_rule.chunk_gated_delta_rule``, ``fla.ops.kda.chunk_kda``) take
 [B, T, H, D], ``initial_state`` [B, H, dk, dv] and return the final state in fp32: the identity initial
