@@ -77,7 +77,7 @@ def _rank(rank: int, world: int, args, layout: str):
     return min(times), sent
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--batch", type=int, default=1)
@@ -86,7 +86,7 @@ def main() -> None:
     p.add_argument("--d", type=int, default=64, help="dk = dv")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", default="bench_out/linear_attention.json")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     torch.set_num_threads(1)
 
     report: dict = {"shape": vars(args), "time_s": {}, "bytes_measured": {}}
@@ -122,6 +122,7 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     print(f"\nwrote {args.out}")
+    return report
 
 
 if __name__ == "__main__":

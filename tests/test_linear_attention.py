@@ -304,3 +304,17 @@ def _compiled(rank, world):
 def test_compiled_delta_rule():
     """torch.compile (not fullgraph): exact, forward and backward, twice; one graph break, at the agreement."""
     assert run_ranks(2, _compiled, timeout=600) == [True, True]
+
+
+def test_bench_smoke(tmp_path):
+    """scripts/bench_linear_attention.py at a tiny length: runs, and its measured bytes equal the formula."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+    import bench_linear_attention as bench
+
+    report = bench.main(["--seq-len", "128", "--repeats", "1", "--d", "16", "--out", str(tmp_path / "la.json")])
+    for layout, got in report["bytes_measured"].items():
+        assert got["fwd"] == got["bwd"] == got["formula"] == linear_state_bytes(
+            batch=1, heads=4, dk=16, dv=16, world=2, layout=layout)
+    assert bench.a2a_bytes(world=2, batch=1, s_local=10, hk=1, hv=2, dk=4, dv=4, itemsize=2) == 10 * (8 + 8 + 2 + 2 + 8)
