@@ -17,9 +17,10 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("kernels as ops, payloads, validation, placements, the cost model", {"ops", "payload", "checks", "placement", "plan"}),
     ("one step against one K/V block; the heads all-to-all", {"blocks", "ulysses"}),
     ("the exchanges", {"ring", "allgather"}),
-    ("the front door; the SDPA-on-DTensor rule; decoding against a sharded cache", {"attention", "dispatch", "decode"}),
+    ("the front door; the SDPA-on-DTensor rule; decoding against a sharded cache; linear attention",
+     {"attention", "dispatch", "decode", "linear_attention"}),
     ("DTensor entry points", {"relayout"}),
-    ("integrations", {"hf", "hf_generate", "checkpoint"} | {f"titan.{m}" for m in (
+    ("integrations", {"hf", "hf_generate", "hf_linear", "checkpoint"} | {f"titan.{m}" for m in (
         "_cpu", "config", "data", "flex", "float8", "resume", "validate", "attention", "families", "spec", "train",
         "config_registry", "v03", "v03._cpu", "v03.attention", "v03.main", "v03.trainer")}
      | {"titan"}),
