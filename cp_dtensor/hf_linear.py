@@ -109,13 +109,6 @@ def linear_layers(model: nn.Module, layout: str) -> list[tuple[nn.Module, Family
     serve them. The same on every rank (no communication)."""
     check_layout(layout)
     name = type(model).__name__
-    if layout == "striped":
-        raise ValueError(
-            f"{name} has linear-attention layers, which need each rank's tokens in contiguous runs: their recurrent "
-            "state passes between ranks as one affine summary per run ([dk, dk + dv] per head), and the striped "
-            "layout makes every token a run of its own. Use layout=\"headtail\" for hybrid models (it keeps the "
-            "causal attention layers' load balance: two runs a rank), or \"contiguous\".")
-    check_linear_layout(layout)
     classes = _family_classes()
     found = [(m, fam) for m in model.modules() for fam, cls in classes if isinstance(m, cls)]
     expected = _layer_count(model.config)
@@ -124,6 +117,13 @@ def linear_layers(model: nn.Module, layout: str) -> list[tuple[nn.Module, Family
         raise ValueError(
             f"{name} has {expected} linear_attention layers (config.layer_types) but {len(found)} of the kinds context "
             f"parallelism serves ({served}); run it without CP.")
+    if layout == "striped":
+        raise ValueError(
+            f"{name} has linear-attention layers, which need each rank's tokens in contiguous runs: their recurrent "
+            "state passes between ranks as one affine summary per run ([dk, dk + dv] per head), and the striped "
+            "layout makes every token a run of its own. Use layout=\"headtail\" for hybrid models (it keeps the "
+            "causal attention layers' load balance: two runs a rank), or \"contiguous\".")
+    check_linear_layout(layout)
     return found
 
 
@@ -212,16 +212,16 @@ def _start(hybrid: _Hybrid, hidden, kwargs) -> None:
     ctx = hybrid.ctx
     err = _call_error(hybrid, hidden, kwargs)
     call = hybrid.call or {}
+    # (a mask on some ranks only is found by the documents' gather, which every rank joins)
     fingerprint = None if err is not None else (
-        ctx.layout, tuple(hidden.shape), str(hidden.dtype), call["attention_mask"] is not None,
-        call["document_ids"] is not None)
+        ctx.layout, tuple(hidden.shape), str(hidden.dtype), call["document_ids"] is not None)
     if ctx.mesh.size() > 1:
         every = all_gather_objects((err, fingerprint), host_group(ctx.mesh.get_group()))
         bad = [(r, e) for r, (e, _) in enumerate(every) if e is not None]
         if bad:
             raise ValueError(f"context parallelism refused the call on rank(s) {[r for r, _ in bad]}: {bad[0][1]}")
         if any(f != every[0][1] for _, f in every):
-            table = "; ".join(f"rank {r}: layout, hidden shape, dtype, mask, document_ids = {f}"
+            table = "; ".join(f"rank {r}: layout, hidden shape, dtype, document_ids = {f}"
                               for r, (_, f) in enumerate(every))
             raise ValueError(f"a hybrid model under CP needs the same call on every rank of the CP group; got {table}. "
                              "Every rank must hold an equal-length shard of one batch and pass the same options.")
