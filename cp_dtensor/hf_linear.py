@@ -52,9 +52,13 @@ from typing import NamedTuple
 
 from torch import Tensor, nn
 
-from .comm import all_gather_objects, host_group
-from .layout import check_layout
-from .linear_attention import check_linear_layout, sharded_causal_conv1d, sharded_delta_rule
+from ._extras import require
+
+require("hf", "cp_dtensor.hf_linear (hybrid linear-attention transformers models under context parallelism)")
+
+from .comm import all_gather_objects, host_group  # noqa: E402
+from .layout import check_layout  # noqa: E402
+from .linear_attention import check_linear_layout, sharded_causal_conv1d, sharded_delta_rule  # noqa: E402
 
 __all__ = ["FAMILIES", "enable_linear", "linear_layers"]
 

@@ -206,6 +206,8 @@ def _check_errors(rank: int, world: int) -> None:
     """Every refusal raises on every rank, also when only one rank's input is bad; the ranks stay in step."""
     mesh = init_device_mesh("cpu", (world,))
     base = _model("qwen3_next")
+    outside = dict(input_ids=_batch(4)[0], position_ids=torch.arange(N)[None].expand(2, N), use_cache=False)
+    before = base(**outside).logits.detach()
     for apply in (hf.apply_context_parallel_hf, apply_context_parallel):  # striped, refused at apply time
         fresh = copy.deepcopy(base)
         _expect_error(lambda: apply(fresh, mesh, layout="striped"), 'layout="headtail" for hybrid models')
@@ -229,6 +231,16 @@ def _check_errors(rank: int, world: int) -> None:
     _expect_error(lambda: call(attention_mask=torch.ones(2, s, dtype=torch.long) if rank == 0 else None),
                   "some CP ranks only")
     _expect_error(lambda: call(cu_seq_lens_q=torch.tensor([0, s])), "cu_seq_lens")
+    def boom(*args, **kwargs):  # a failure inside a running layer, on every rank
+        raise ValueError("boom")
+
+    real, hf_linear.sharded_delta_rule = hf_linear.sharded_delta_rule, boom
+    try:
+        _expect_error(call, "boom")
+    finally:
+        hf_linear.sharded_delta_rule = real
+    # no layer is left marked running: the same family without CP passes through
+    assert torch.equal(copy.deepcopy(base)(**outside).logits.detach(), before)
     # still in step: a good call equals CP=1
     keep = torch.ones(2, N)
     ref = _run(copy.deepcopy(base), dict(input_ids=tokens, position_ids=positions), weights, keep, use_cache=False)
