@@ -314,6 +314,11 @@ def apply_context_parallel_hf(
     ``model.generate(...)`` then runs under CP as well, every rank passing the same full, unsharded inputs:
     a ring prefill into a sequence-sharded KV cache, then decoding from it (Note [generate() under CP] in
     hf_generate.py).
+
+    Hybrid linear-attention models (Qwen3-Next, Qwen3.5, Kimi Linear: ``"linear_attention"`` in
+    ``config.layer_types``) take ``layout="headtail"`` or ``"contiguous"`` (striped raises), run without a
+    cache (``use_cache`` defaults to False; a cache or ``generate()`` raises), and keep packed documents apart
+    in their linear layers too: Note [Linear attention in transformers under CP] in hf_linear.py.
     """
     check_cp_mesh(cp_mesh)
     check_layout(layout)
@@ -324,11 +329,19 @@ def apply_context_parallel_hf(
     if not hasattr(model, "set_attn_implementation"):
         raise ValueError(f"apply_context_parallel_hf takes a transformers PreTrainedModel; got {type(model).__name__}. "
                          "Use cp_dtensor.apply_context_parallel for other modules.")
+    types = set()
     for config in _configs(model.config):  # layers that mix tokens outside attention would see their shard only
-        other = sorted(set(getattr(config, "layer_types", None) or ()) - {"full_attention", "sliding_attention"})
-        if other:
-            raise ValueError(f"{type(model).__name__} has {', '.join(other)} layers (config.layer_types); context "
-                             "parallelism runs full and sliding-window attention layers only. Run it without CP.")
+        types |= set(getattr(config, "layer_types", None) or ())
+    other = sorted(types - {"full_attention", "sliding_attention", "linear_attention"})
+    if other:
+        raise ValueError(f"{type(model).__name__} has {', '.join(other)} layers (config.layer_types); context "
+                         "parallelism runs full and sliding-window attention and the linear_attention layers of "
+                         "Qwen3-Next, Qwen3.5 and Kimi Linear only. Run it without CP.")
+    linear = None
+    if "linear_attention" in types:  # Note [Linear attention in transformers under CP] in hf_linear.py
+        from .hf_linear import linear_layers  # checks only: a refused model stays unchanged
+
+        linear = linear_layers(model, layout)
     register()
     model.set_attn_implementation(NAME)
     if model.config._attn_implementation != NAME:
@@ -344,6 +357,11 @@ def apply_context_parallel_hf(
 
     model.register_forward_pre_hook(check, with_kwargs=True)
     model.register_forward_hook(lambda *_: setattr(ctx, "pending", None), always_call=True)  # this call's only
+    if linear is not None:  # the linear layers' convolution and delta rule; no cache, no generate()
+        from .hf_linear import enable_linear
+
+        enable_linear(model, ctx, linear, lambda pos, mask, use_cache, b: _documents(ctx, pos, mask, use_cache, b))
+        return model
     from .hf_generate import enable_generate  # generate(): ring prefill, then a sequence-sharded KV cache
 
     enable_generate(model, ctx)
