@@ -17,7 +17,7 @@ import os
 import subprocess
 import sys
 
-import pytest
+from _tiers import exhaustive
 
 TOL = 2e-5  # fp32 against float64, relative to the largest magnitude
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -75,6 +75,6 @@ def test_warm_cache_second_run_p2(tmp_path):
     _check_warm_cache(2, [*_CASES, "module/striped"], tmp_path, timeout=400)
 
 
-@pytest.mark.skipif(os.environ.get("CP_DTENSOR_SLOW") != "1", reason="4 ranks on 2 CPU cores: ~2 min; set CP_DTENSOR_SLOW=1")
+@exhaustive("4 ranks on 2 CPU cores: ~2 min; P = 2 runs by default")
 def test_warm_cache_second_run_p4(tmp_path):
     _check_warm_cache(4, [*_CASES, "module/striped", "module/headtail"], tmp_path, timeout=900)

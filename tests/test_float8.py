@@ -24,12 +24,12 @@ effect on the loss (5e-4). Measured (rowwise): 2.3e-5 at step 1, <= 9.1e-5 after
 
 from __future__ import annotations
 
-import os
 import types
 
 import pytest
 import torch
 import torch.distributed as dist
+from _tiers import exhaustive, slow
 
 from _dist import run_ranks
 from test_titan import CONFIG, _from_seed, _losses, _parse, _torchrun, seed_ckpt  # noqa: F401  (fixture)
@@ -80,9 +80,8 @@ def test_toml_comm_dtype_reaches_the_ring(seed_ckpt, cp2_float8, tmp_path):
     assert max(rel) < FP8_LOSS_EFFECT, f"the float8 payload moved the loss more than float8 linears do: {rel}"
 
 
-_SLOW = pytest.mark.skipif(
-    os.environ.get("CP_DTENSOR_SLOW") != "1", reason="60-150 s on 2 CPU cores; set CP_DTENSOR_SLOW=1"
-)
+_SLOW = slow("60-150 s on 2 CPU cores")
+_ALL = exhaustive("60-150 s on 2 CPU cores; not in CI")
 
 
 @_SLOW
@@ -91,7 +90,7 @@ def test_cp2_float8_compiled_matches_cp1(seed_ckpt, cp1_float8, tmp_path):
     _assert_parity(_losses(_torchrun(2, tmp_path, *F8, "--compile.enable", *_from_seed(seed_ckpt))), cp1_float8)
 
 
-@_SLOW
+@_ALL
 def test_cp2_float8_payload_compiled(seed_ckpt, cp1_float8, tmp_path):
     # the payload's float8 encode / decode inside the compiled blocks, next to Float8Linear's casts
     rel = [_rel(a, b) for a, b in zip(
@@ -100,13 +99,13 @@ def test_cp2_float8_payload_compiled(seed_ckpt, cp1_float8, tmp_path):
     assert rel[0] > 3 * PRINT_RES and max(rel) < FP8_LOSS_EFFECT, rel
 
 
-@_SLOW
+@_ALL
 def test_cp4_float8_matches_cp1(seed_ckpt, cp1_float8, tmp_path):
     out = _torchrun(4, tmp_path, "--parallelism.context_parallel_degree", "4", *F8, *_from_seed(seed_ckpt))
     _assert_parity(_losses(out), cp1_float8)
 
 
-@_SLOW
+@_ALL
 def test_cp2_float8_tensorwise_within_float8_noise(seed_ckpt, tmp_path):
     # tensorwise scales come from each rank's local amax: CP re-rounds, see the module docstring
     tw = ["--model.converters", "quantize.linear.float8"]

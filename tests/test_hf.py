@@ -5,10 +5,10 @@ on every rank."""
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
+from _tiers import ALL
 from torch.distributed.device_mesh import init_device_mesh
 
 from _dist import run_ranks
@@ -33,7 +33,7 @@ from cp_dtensor.module import apply_context_parallel, reduce_gradients, shard_ba
 
 TOL = 1e-5  # fp32, relative to the largest magnitude
 LAYOUTS = ("striped", "headtail", "contiguous")
-SLOW = os.environ.get("CP_DTENSOR_SLOW") == "1"
+SLOW = ALL  # every model and layout: the exhaustive tier
 N, V = 32, 64  # global sequence length, vocabulary
 MODELS = ["llama", "qwen3", "qwen3-hybrid", "mistral-below", "mistral-between", "mistral-above", "gpt-oss"]
 TINY = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -283,7 +283,7 @@ def _check_errors(rank: int, world: int, slow: bool) -> None:
     _compare("after the errors", got, ref, keep)
 
 
-# P = 2 and 4 by default (~30 s on 2 cores); CP_DTENSOR_SLOW=1 adds every model and layout to the
+# P = 2 and 4 by default (~30 s on 2 cores); CP_DTENSOR_SLOW=all adds every model and layout to the
 # use_cache / checkpointing / module-path / packed / padding variants (~2 min)
 @pytest.mark.parametrize("world", [2, 4])
 def test_models_windows_layouts_match_cp1(world):

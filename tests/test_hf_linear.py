@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import copy
 import inspect
-import os
 
 import pytest
 import torch
+from _tiers import ALL
 from torch.distributed.device_mesh import init_device_mesh
 
 from _dist import run_ranks
@@ -27,7 +27,7 @@ from cp_dtensor import hf, hf_linear  # noqa: E402
 from cp_dtensor.module import apply_context_parallel, reduce_gradients, shard_batch, unshard_sequence  # noqa: E402
 
 TOL = 1e-4  # fp32, relative to the largest magnitude of each tensor
-SLOW = os.environ.get("CP_DTENSOR_SLOW") == "1"
+SLOW = ALL  # every model in every variant (~4 min): the exhaustive tier
 N, V = 48, 128  # global sequence length (a multiple of 2P for P = 2, 3), vocabulary
 LAYOUTS = ("headtail", "contiguous")
 TYPES = ["linear_attention", "linear_attention", "full_attention", "linear_attention"]  # linear before and after
@@ -249,7 +249,7 @@ def _check_errors(rank: int, world: int) -> None:
     _compare("after the errors", got, ref, keep)
 
 
-# P = 2 and 3 (~? s on 2 cores); CP_DTENSOR_SLOW=1 adds every model and layout to the checkpointing /
+# P = 2 and 3 (~40 s each on 2 cores); CP_DTENSOR_SLOW=all adds every model and layout to the checkpointing /
 # front-door / padding / packed variants
 @pytest.mark.parametrize("world", [2, 3])
 def test_hybrid_models_match_cp1(world):

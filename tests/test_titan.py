@@ -11,11 +11,11 @@ rank prints (5 decimals: ~1e-6 relative resolution); all ranks must agree.
 from __future__ import annotations
 
 import importlib.util
-import os
 import textwrap
 from pathlib import Path
 
 import pytest
+from _tiers import exhaustive, slow
 
 if importlib.util.find_spec("torchtitan") is None:
     pytest.skip("torchtitan is not installed", allow_module_level=True)
@@ -100,9 +100,7 @@ def test_cp2_full_activation_checkpointing(seed_ckpt, cp1_losses, tmp_path):
     _assert_close(_losses(out), cp1_losses)
 
 
-_FOUR_RANKS = pytest.mark.skipif(
-    os.environ.get("CP_DTENSOR_SLOW") != "1", reason="4 ranks on 2 CPU cores: ~40-55 s each; set CP_DTENSOR_SLOW=1"
-)
+_FOUR_RANKS = slow("4 ranks on 2 CPU cores: ~40-55 s each")
 
 
 @pytest.mark.parametrize(
@@ -110,7 +108,7 @@ _FOUR_RANKS = pytest.mark.skipif(
     [
         ["--parallelism.context_parallel_degree", "4"],
         ["--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"],
-        pytest.param(["--parallelism.context_parallel_degree", "4", "--compile.enable"], marks=_FOUR_RANKS),
+        pytest.param(["--parallelism.context_parallel_degree", "4", "--compile.enable"], marks=exhaustive("4 ranks compiling on 2 CPU cores; CP = 2 compiled runs by default")),
     ],
     ids=["cp4", "cp2xtp2", "cp4_compiled"],
 )

@@ -15,11 +15,11 @@ Skipped unless torchtitan 0.3 is installed (CI's newest leg); the 0.2.2 TOML plu
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
 import pytest
+from _tiers import slow
 
 from _titan_run import run_torchrun_03, skip_unless_titan, step_losses, torchrun_03
 
@@ -31,8 +31,7 @@ SMALL = ["--training.steps", str(STEPS), "--training.seq_len", "128", "--trainin
          "--training.mixed_precision_param", "float32"]
 STOCK = ("-m", "torchtitan.train")  # torchtitan's own main, with the plugin named as the --module
 
-_SLOW = pytest.mark.skipif(os.environ.get("CP_DTENSOR_SLOW") != "1",
-                           reason="more torchrun jobs on 2 CPU cores (~40 s each); set CP_DTENSOR_SLOW=1")
+_SLOW = slow("more torchrun jobs on 2 CPU cores (~40 s each)")
 
 
 def _run(nproc: int, dump: Path, family: str, *flags: str, entry=None) -> str:

@@ -9,16 +9,17 @@ attention under torchtitan's own mask_mods in test_titan_flex.py.
 
 Runs take the form the README gives for each family: its own TOML, or ``titan_configs/llama3_debug.toml``
 with ``--model.name <family> --model.flavor <flavor>``. Default suite: qwen3 (tied-embedding FSDP) and
-llama4 iRoPE (MoE, chunks and documents), ~50 s each on a quiet machine; the rest, and CP = 4, with
-CP_DTENSOR_SLOW=1. Also slow: compositions at CP = 2 (TP, compile, activation checkpointing, float8,
-resume at CP = 1), each on one or two of the new families, sharing the families' seeds and CP = 1 runs.
+llama4 iRoPE (MoE, chunks and documents), ~50 s each on a quiet machine. CI's slow tier
+(CP_DTENSOR_SLOW=1) adds gpt_oss (windows + sinks, its TOML) at CP = 2, llama4 iRoPE at CP = 4 and qwen3
+CP = 2 x TP = 2; CP_DTENSOR_SLOW=all every other family at CP = 2 and 4 and the other compositions at
+CP = 2 (TP, compile, activation checkpointing, float8, resume at CP = 1), sharing the families' seeds
+and CP = 1 runs.
 Default: the GPU TOMLs of the long flavors parse and pass the start-up checks.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 from pathlib import Path
 
@@ -30,6 +31,8 @@ from _titan_run import skip_unless_titan  # noqa: E402
 
 skip_unless_titan((0, 2))  # torchtitan 0.3: tests/test_titan03*.py
 
+from _tiers import exhaustive, slow  # noqa: E402
+
 from _titan_run import step_losses  # noqa: E402
 from test_titan import _losses as _titan_losses  # noqa: E402  one launcher for every end-to-end test
 from test_titan import _torchrun
@@ -37,8 +40,6 @@ from test_titan import _torchrun
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "titan_configs"
 STEPS, RTOL = 3, 2e-5
-SLOW = os.environ.get("CP_DTENSOR_SLOW") == "1"
-_slow = pytest.mark.skipif(not SLOW, reason="slow tier: set CP_DTENSOR_SLOW=1")
 
 RUNS = {  # id -> (TOML, overrides), as the README names them
     "qwen3": ("llama3_debug.toml", ["--model.name", "qwen3", "--model.flavor", "debugmodel"]),
@@ -51,6 +52,8 @@ RUNS = {  # id -> (TOML, overrides), as the README names them
     "llama4": ("llama3_debug.toml", ["--model.name", "llama4", "--model.flavor", "debugmodel"]),
 }
 DEFAULT = ("qwen3", "llama4_irope")  # deepseek_v3 MLA + MoE at CP = 2 is in test_titan_flex.py by default
+# what CI's slow tier adds (tests/_tiers.py); every other family x degree x composition is exhaustive
+SLOW_CP2, SLOW_CP4, SLOW_COMPOSITIONS = ("gpt_oss",), ("llama4_irope",), ("qwen3_cp2xtp2",)
 
 
 def _losses(out: str) -> list[float]:
@@ -96,11 +99,11 @@ def families(tmp_path_factory):
     return get
 
 
-def _tier(ids):
-    return [i if i in DEFAULT else pytest.param(i, marks=_slow) for i in ids]
+def _tier(ids, default=(), ci=()):
+    return [i if i in default else pytest.param(i, marks=slow() if i in ci else exhaustive()) for i in ids]
 
 
-@pytest.mark.parametrize("run_id", _tier(RUNS))
+@pytest.mark.parametrize("run_id", _tier(RUNS, DEFAULT, SLOW_CP2))
 def test_cp2_striped_matches_cp1(run_id, families, tmp_path):
     fam = families(run_id)
     out = fam.run(2, tmp_path, "--parallelism.context_parallel_degree", "2", "--cp_dtensor.layout", "striped",
@@ -110,8 +113,7 @@ def test_cp2_striped_matches_cp1(run_id, families, tmp_path):
     assert losses == pytest.approx(fam.cp1(), rel=RTOL), f"{run_id}: CP=2 {losses} vs CP=1 {fam.cp1()}"
 
 
-@_slow
-@pytest.mark.parametrize("run_id", list(RUNS))
+@pytest.mark.parametrize("run_id", _tier(RUNS, ci=SLOW_CP4))
 def test_cp4_matches_cp1(run_id, families, tmp_path):
     fam = families(run_id)
     losses = _losses(fam.run(4, tmp_path, "--parallelism.context_parallel_degree", "4", *fam.from_seed()))
@@ -133,8 +135,7 @@ COMPOSITIONS = {  # id -> (family run, ranks, overrides on top of CP = 2)
 }
 
 
-@_slow
-@pytest.mark.parametrize("comp", list(COMPOSITIONS))
+@pytest.mark.parametrize("comp", _tier(COMPOSITIONS, ci=SLOW_COMPOSITIONS))
 def test_composition_matches_cp1(comp, families, tmp_path):
     run_id, nproc, extra = COMPOSITIONS[comp]
     fam = families(run_id)
@@ -142,7 +143,7 @@ def test_composition_matches_cp1(comp, families, tmp_path):
     assert losses == pytest.approx(fam.cp1(), rel=RTOL), f"{comp}: {losses} vs CP=1 {fam.cp1()}"
 
 
-@_slow
+@exhaustive()
 def test_deepseek_v3_flex_cp2xtp2_matches_tp2(families, tmp_path):
     # TP itself moves deepseek_v3's MoE losses (measured, CP = 1: TP = 2 vs 1 differ by 1.5e-4 at step 3),
     # so CP x TP is held to the same job at CP = 1 (measured: 6e-6)
@@ -153,7 +154,7 @@ def test_deepseek_v3_flex_cp2xtp2_matches_tp2(families, tmp_path):
     assert got == pytest.approx(ref, rel=RTOL), f"CP2xTP2 {got} vs TP2 {ref}"
 
 
-@_slow
+@exhaustive()
 def test_llama4_irope_float8_linears_cp2_match_cp1(families, tmp_path):
     # torchao rowwise float8 (one scale per token): the tolerances and their reasoning are test_float8.py's --
     # step 1 to rel 1e-5, later steps to a quarter of float8's own effect on the loss (1.25e-4)
@@ -167,7 +168,7 @@ def test_llama4_irope_float8_linears_cp2_match_cp1(families, tmp_path):
     assert cp2[0] == pytest.approx(cp1[0], rel=1e-5) and cp2[1:] == pytest.approx(cp1[1:], rel=1.25e-4), (cp2, cp1)
 
 
-@_slow
+@exhaustive()
 def test_llama4_irope_saved_at_cp2_resumes_at_cp1(families, tmp_path):
     # MoE + chunks + documents: a full checkpoint after step 2 at CP = 2, resumed on one rank (the same
     # batch degree, 1), must log step 3 of the uninterrupted CP = 1 run (Note [Resume across CP degrees])

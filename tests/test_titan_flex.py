@@ -18,11 +18,11 @@ import copy
 import functools
 import importlib
 import importlib.util
-import os
 import types
 
 import pytest
 import torch
+from _tiers import exhaustive, slow
 
 if importlib.util.find_spec("torchtitan") is None:
     pytest.skip("torchtitan is not installed", allow_module_level=True)
@@ -146,17 +146,15 @@ def _cp2_matches_reference(rank, world, case, layout):
     return sorted(set(ref_grads) - {n for n, p in model.named_parameters() if p.grad is not None})
 
 
-_SLOW = pytest.mark.skipif(os.environ.get("CP_DTENSOR_SLOW") != "1", reason="slow tier: set CP_DTENSOR_SLOW=1")
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=_SLOW) if c in SLOW_CASES else c for c in sorted(CASES)])
+@pytest.mark.parametrize("case", [pytest.param(c, marks=exhaustive()) if c in SLOW_CASES else c for c in sorted(CASES)])
 def test_cp2_matches_dense_reference(case):
     missing = run_ranks(2, _cp2_matches_reference, case, "striped")
     assert missing == [[], []], f"parameters without a gradient under CP: {missing}"
 
 
-@_SLOW
-@pytest.mark.parametrize("layout", ["headtail", "contiguous"])
+@pytest.mark.parametrize("layout", [pytest.param("headtail", marks=slow()), pytest.param("contiguous", marks=exhaustive())])
 def test_other_layouts_match_dense_reference(layout):
     run_ranks(2, _cp2_matches_reference, "gpt_oss_block_causal", layout)
     run_ranks(2, _cp2_matches_reference, "llama4_irope", layout)

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
-import os
 
 import pytest
+from _tiers import exhaustive, slow
 
 if importlib.util.find_spec("torchtitan") is None:
     pytest.skip("torchtitan is not installed", allow_module_level=True)
@@ -29,7 +29,6 @@ from cp_dtensor.titan._cpu import WRAPPER_NAMES, init_as_unsharded, unsharded_te
 from _dist import run_ranks  # noqa: E402
 from test_titan import _assert_close, _losses, _torchrun  # noqa: E402  one launcher for every end-to-end test
 
-_slow = pytest.mark.skipif(os.environ.get("CP_DTENSOR_SLOW") != "1", reason="slow tier: set CP_DTENSOR_SLOW=1")
 _FRESH = ["--training.steps", "4"]  # no seed checkpoint: every run initialises its own weights
 
 
@@ -46,13 +45,14 @@ def test_cp2_fresh_init_matches_one_rank(one_rank_losses, tmp_path):
     _assert_close(_losses(out), one_rank_losses)
 
 
-@_slow
 @pytest.mark.parametrize(
     "nproc,overrides",
     [
-        (4, ["--parallelism.context_parallel_degree", "4"]),
-        (4, ["--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"]),
-        (2, ["--parallelism.context_parallel_degree", "2", "--compile.enable", "--activation_checkpoint.mode", "full"]),
+        pytest.param(4, ["--parallelism.context_parallel_degree", "4"], marks=slow()),
+        pytest.param(4, ["--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"],
+                     marks=exhaustive()),
+        pytest.param(2, ["--parallelism.context_parallel_degree", "2", "--compile.enable", "--activation_checkpoint.mode",
+                         "full"], marks=exhaustive()),
     ],
     ids=["cp4", "cp2xtp2", "cp2_compile_ac"],
 )

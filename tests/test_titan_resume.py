@@ -6,7 +6,6 @@ check of cp_dtensor.titan.resume against hand-written checkpoints."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import pickle
 import shutil
 import types
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _tiers import slow
 
 if importlib.util.find_spec("torchtitan") is None:
     pytest.skip("torchtitan is not installed", allow_module_level=True)
@@ -165,7 +165,7 @@ def test_trainer_checks_resume_before_loading(tmp_path, monkeypatch):
     assert loaded == [trainer]
 
 
-@pytest.mark.skipif(os.environ.get("CP_DTENSOR_SLOW") != "1", reason="~40 s on 2 CPU cores; set CP_DTENSOR_SLOW=1")
+@slow("~40 s on 2 CPU cores")
 def test_trainer_hook_rejects_a_changed_batch_degree(cp2_run, tmp_path):
     # The trainer's own hook (CPTrainer.train calling check_resume before torchtitan's load), end to end.
     # Saved at CP=2 on 2 ranks (batch degree 1); CP=1 on 2 ranks makes it 2.

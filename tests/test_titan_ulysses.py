@@ -16,9 +16,9 @@ the batch by CP rank instead of the mesh's row-major index moves step 1 by 5.6e-
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
+from _tiers import exhaustive, slow
 
 if importlib.util.find_spec("torchtitan") is None:
     pytest.skip("torchtitan is not installed", allow_module_level=True)
@@ -31,7 +31,6 @@ from _dist import run_ranks  # noqa: E402
 from _titan_run import CONFIG, step_losses, torchrun  # noqa: E402  the one launcher
 
 STEPS, RTOL = 3, 2e-5
-_slow = pytest.mark.skipif(os.environ.get("CP_DTENSOR_SLOW") != "1", reason="slow tier: set CP_DTENSOR_SLOW=1")
 
 
 def _parse(*overrides: str):
@@ -136,12 +135,12 @@ def refs(tmp_path_factory):
     return get
 
 
-@_slow
 @pytest.mark.parametrize(("family", "extra", "banner"), [
-    ("llama3", _cp(4, 2, "--cp_dtensor.layout", "headtail", "--cp_dtensor.kv_exchange", "allgather"),
-     "layout=headtail, ulysses=2 x ring=2, kv_exchange=allgather)"),
-    ("qwen3", _cp(4, 2), "layout=striped, ulysses=2 x ring=2)"),
-    ("qwen3", _cp(2, 2, "--parallelism.tensor_parallel_degree", "2"), "layout=striped, ulysses=2 x ring=1)"),
+    pytest.param("llama3", _cp(4, 2, "--cp_dtensor.layout", "headtail", "--cp_dtensor.kv_exchange", "allgather"),
+                 "layout=headtail, ulysses=2 x ring=2, kv_exchange=allgather)", marks=exhaustive()),
+    pytest.param("qwen3", _cp(4, 2), "layout=striped, ulysses=2 x ring=2)", marks=slow()),
+    pytest.param("qwen3", _cp(2, 2, "--parallelism.tensor_parallel_degree", "2"), "layout=striped, ulysses=2 x ring=1)",
+                 marks=exhaustive()),
 ], ids=["llama3-u2r2-allgather-headtail", "qwen3-u2r2", "qwen3-u2r1-tp2"])
 def test_ulysses_matches_cp1(family, extra, banner, refs, tmp_path):
     over, cp1 = refs(family)

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import os
 import re
 from types import SimpleNamespace
 
 import pytest
+from _tiers import exhaustive, slow
 
 if importlib.util.find_spec("torchtitan") is None:
     pytest.skip("torchtitan is not installed", allow_module_level=True)
@@ -36,7 +36,6 @@ from _dist import run_ranks  # noqa: E402
 from _titan_run import REPO, torchrun  # noqa: E402  the one launcher
 
 CONFIGS = REPO / "titan_configs"
-_slow = pytest.mark.skipif(os.environ.get("CP_DTENSOR_SLOW") != "1", reason="slow tier: set CP_DTENSOR_SLOW=1")
 V, D, B, N, IGNORE = 32, 8, 2, 16, -100
 
 
@@ -136,8 +135,8 @@ def _validation_losses(out: str) -> list[float]:
     return [by_step[1].pop(), by_step[2].pop()]
 
 
-@_slow
-@pytest.mark.parametrize("toml", ["qwen3_debug.toml", "deepseek_v3_debug.toml"])
+@pytest.mark.parametrize("toml", [pytest.param("qwen3_debug.toml", marks=slow()),
+                                  pytest.param("deepseek_v3_debug.toml", marks=exhaustive())])
 def test_validation_cp2_matches_cp1(toml, tmp_path):
     # no seed checkpoint: on CPU every CP degree initialises the same weights (Note [torchtitan on CPU] 6)
     config = CONFIGS / toml

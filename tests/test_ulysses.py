@@ -3,12 +3,12 @@ full sequence; bytes on the wire against cp_dtensor.wire's formulas; bad input r
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
 import torch.distributed as dist
+from _tiers import slow
 from test_masks import masked_case
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -202,7 +202,7 @@ def _compiled(rank, world):
     return worst
 
 
-@pytest.mark.skipif(os.environ.get("CP_DTENSOR_SLOW") != "1", reason="4 ranks compiling on 2 CPU cores: ~2 min; set CP_DTENSOR_SLOW=1")
+@slow("4 ranks compiling on 2 CPU cores: ~2 min")
 def test_2d_compiles_fullgraph():
     """The 2-D path (heads all-to-all, ring or all-gather, all-to-all back) under torch.compile(fullgraph=True):
     forward and gradients vs float64."""
