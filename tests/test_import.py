@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from _tiers import slow
+from _tiers import exhaustive
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -160,9 +160,9 @@ _PLACEMENTS = {"Replicate": Replicate(), "Shard(0)": Shard(0), "Shard(1)": Shard
 
 # torch's own sharding propagation of the CPU flash op on sharded DTensors goes through the op's
 # decomposition (torch 2.13): up to minutes of CPU per placement and mode on 2 cores, with or without the
-# dispatch installed. The default tier keeps Replicate; the slow tier (CI) the sharded placements.
+# dispatch installed. The default tier keeps Replicate; the sharded placements are exhaustive-tier.
 @pytest.mark.parametrize("placements", [pytest.param(("Replicate",), id="replicate"),
-                                        pytest.param(("Shard(0)", "Shard(1)", "Shard(3)"), id="sharded", marks=slow(
+                                        pytest.param(("Shard(0)", "Shard(1)", "Shard(3)"), id="sharded", marks=exhaustive(
                                             "torch's own propagation: minutes on 2 CPU cores"))])
 def test_non_sequence_dtensors_get_torch_own_sdpa(placements, world=2):
     """Replicate, Shard(0), Shard(1), Shard(3) DTensors; normal, no_grad, inference_mode; default and

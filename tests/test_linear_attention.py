@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _tiers import slow
+from _tiers import exhaustive
 
 from cp_dtensor.debug import CommBytes
 from cp_dtensor.layout import shard_tensor
@@ -301,7 +301,7 @@ def _compiled(rank, world):
     return True
 
 
-@slow("80 s (torch 2.13) to 200 s (2.15) of compiling on 2 CPU cores")
+@exhaustive("80 s (torch 2.13) to 200 s (2.15) of compiling on 2 CPU cores")
 def test_compiled_delta_rule():
     """torch.compile (not fullgraph): exact, forward and backward, twice; one graph break, at the agreement."""
     assert run_ranks(2, _compiled, timeout=600) == [True, True]
