@@ -124,7 +124,7 @@ def test_validation_under_cp2_matches_cp1(tmp_path):
 def test_gpt_oss_cp2_matches_cp1(tmp_path, tmp_path_factory):
     # the MoE experts compute in fp32 on CPU (Note [torchtitan 0.3 on CPU] 5; without it torchtitan's bf16
     # experts made step 2 differ by 3e-4 and step 3 by 2e-2). Measured: 8.2113, 6.96797, 10.07135 at CP = 1
-    # and CP = 2 (lr 8e-4: the loss jumps at step 3 at both). Two jobs, ~120 s on the loaded 2-core machine.
+    # and CP = 2 (lr 8e-4: the loss jumps at step 3 at both). Two jobs: 159 s measured on the loaded 2-core machine (slow tier).
     out = _run(2, tmp_path, "gpt_oss")
     assert "Applied cp_dtensor ring attention (layout=striped, cp=2)" in out
     assert "4 MoE expert modules compute in their parameters' dtype" in out

@@ -13,7 +13,8 @@ there is no accelerator, so a CUDA run is untouched:
 3. Gradient reduction, MoE ``histc`` / for-loop experts, parameter dtype and weight initialisation are
    0.2.2's steps 3-6, applied by the same functions (``use_sum_reduction_on_gloo``, ``allow_integer_histc``,
    ``use_for_loop_experts``, ``unsharded_template`` / ``init_as_unsharded``): a run starts from the
-   weights of a one-rank run at every CP / FSDP degree.
+   weights of a one-rank run at every CP / FSDP degree. (0.3's experts have no ``use_grouped_mm``, so
+   ``use_for_loop_experts`` finds none there; step 5 is 0.3's.)
 4. Parameter dtype. torchtitan 0.3's default ``mixed_precision_param`` is bf16 (FSDP casts parameters for
    the forward); on CPU that buys nothing and makes CP = 1 and CP = 2 differ by bf16 rounding of different
    reduction orders (llama3 debug: up to 7e-5 at step 3). The plugin's configs use fp32 there
@@ -23,12 +24,14 @@ there is no accelerator, so a CUDA run is untouched:
    whatever the parameter dtype (``_compat.TITAN03_BF16_EXPERTS``). The weight gradient of a bf16 matmul is
    its sum over tokens rounded to bf16, and each CP rank sums only its own tokens: CP = 2 rounds two half
    sums (then adds them in fp32 in FSDP's reduce-scatter) where CP = 1 rounds one, so the expert gradients
-   differ by bf16 rounding (relative ~4e-3 of an element, measured in tests/test_titan03.py) and Adam turns
-   that into a loss difference (gpt_oss debug, lr 8e-4: 5e-4 at step 2, 1e-3 at step 3). On CPU, where
-   ``_grouped_mm`` runs in fp32 as well, ``experts_in_param_dtype`` runs each expert module's forward under
-   a torch-function mode that makes ``Tensor.bfloat16()`` return its input: with fp32 parameters the experts
-   compute, and their gradients are summed, in fp32 (CP = 2 then equals CP = 1 to every printed digit);
-   with bf16 parameters the casts were no-ops anyway. Not on an accelerator (torchtitan's kernels there).
+   differ by bf16 rounding (~4e-3 of the largest element at the debug models' dims; tests/test_titan03.py)
+   and Adam turns that into a loss difference (gpt_oss debug, lr 8e-4: 3e-4 at step 2, 2e-2 at step 3;
+   torchtitan sums the load-balancing token counts over data parallel x CP, so the bias is not it). On
+   CPU, where ``_grouped_mm`` runs in fp32 as well, ``experts_in_param_dtype`` runs each expert module's
+   forward under a torch-function mode that makes ``Tensor.bfloat16()`` return its input: with fp32
+   parameters the experts compute, and their gradients are summed, in fp32 (CP = 2 then equals CP = 1 to
+   every printed digit); with bf16 parameters the casts were no-ops anyway. Not on an accelerator
+   (torchtitan's kernels there).
 """
 
 from __future__ import annotations
