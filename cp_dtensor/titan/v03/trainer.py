@@ -47,6 +47,7 @@ from ...layout import layout_unit
 from .._cpu import init_as_unsharded, unsharded_template, use_for_loop_experts, use_sum_reduction_on_gloo
 from ..attention import ulysses_mesh, ulysses_shard_index
 from ..config import CPDTensor
+from ._cpu import experts_in_param_dtype
 from .attention import RingInnerAttention, ring_masks, shard_batch
 
 __all__ = ["FAMILIES", "CPTrainer", "as_cp_config", "check_config"]
@@ -193,7 +194,8 @@ def apply_ring_attention(model: nn.Module, cp_mesh: DeviceMesh | None, section: 
 
 
 def _experts_return_input_dtype(model: nn.Module) -> int:
-    """gpt_oss's grouped experts compute in bf16 and, unlike the common experts (``.type_as(x)``), return bf16:
+    """gpt_oss's grouped experts compute in bf16 (on an accelerator; Note [torchtitan 0.3 on CPU] 5) and, unlike
+    the common experts (``.type_as(x)``), return bf16:
     with fp32 parameters (``--training.mixed_precision_param float32``) the MoE combine's scatter_add then
     fails ("Expected self.dtype to be equal to src.dtype"). Cast their output back to the input's dtype, as
     the common experts do; a no-op under bf16. Returns how many expert modules were fixed."""
@@ -210,6 +212,9 @@ def parallelize_with_ring(model: nn.Module, *, titan_fn, section: CPDTensor, par
     template = unsharded_template(model)  # CPU: Note [torchtitan 0.3 on CPU] 3
     if n := use_for_loop_experts(model):
         logger.info(f"cp_dtensor: {n} MoE expert modules use torchtitan's for-loop experts (CPU)")
+    if n := experts_in_param_dtype(model):
+        logger.info(f"cp_dtensor: {n} MoE expert modules compute in their parameters' dtype (CPU; Note [torchtitan "
+                    "0.3 on CPU] 5)")
     if n := _experts_return_input_dtype(model):
         logger.info(f"cp_dtensor: {n} gpt_oss expert modules return their input's dtype (fp32 training)")
     cp_mesh = parallel_dims.get_mesh("cp") if parallel_dims.cp_enabled else None
