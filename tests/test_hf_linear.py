@@ -25,6 +25,8 @@ from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig  #
 from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig  # noqa: E402
 
 from cp_dtensor import hf, hf_linear  # noqa: E402
+from cp_dtensor.debug import CommBytes  # noqa: E402
+from cp_dtensor.linear_attention import check_bytes, conv_halo_bytes, linear_state_bytes  # noqa: E402
 from cp_dtensor.module import apply_context_parallel, reduce_gradients, shard_batch, unshard_sequence  # noqa: E402
 
 TOL = 1e-4  # fp32, relative to the largest magnitude of each tensor
@@ -175,6 +177,56 @@ def _check_default_init(world, mesh) -> None:
     assert decay_err > TOL, decay_err  # the regime the test is for: CP=1 itself is off by more than TOL
 
 
+def _check_all_linear_bytes(world, mesh) -> None:
+    """An all-Gated-DeltaNet Qwen3-Next (every layer linear) under CP headtail: the bytes one forward and one
+    backward send (CommBytes: every tensor collective), at two sequence lengths, equal layers x (the state
+    summaries + the conv halos, + both ops' agreement forward): independent of N. Also with an all-ones
+    padding mask (Note [Linear attention in transformers under CP]: no O(N) position gather), and equal to
+    CP=1. Not counted: the call's one pickled agreement (all_gather_object, O(P * runs * B))."""
+    cfg_cls, cls, extra = KINDS["qwen3_next"]
+    torch.manual_seed(0)
+    cfg = cfg_cls(**{**COMMON, **extra, "layer_types": ["linear_attention"] * 4})
+    base = _model_like(cls(cfg).float())
+    model = hf.apply_context_parallel_hf(copy.deepcopy(base), mesh, layout="headtail")
+    b, layers, hv, d = 2, 4, GDN["linear_num_value_heads"], GDN["linear_key_head_dim"]
+    channels = 2 * GDN["linear_num_key_heads"] * d + hv * d  # q, k, v through the conv
+    per_layer = (linear_state_bytes(batch=b, heads=hv, dk=d, dv=d, world=world, layout="headtail")
+                 + conv_halo_bytes(batch=b, channels=channels, kernel_size=GDN["linear_conv_kernel_dim"],
+                                   world=world, layout="headtail", itemsize=4))
+    agree = check_bytes(world=world) + check_bytes(world=world, conv=True)
+    seen = set()
+    for n in (24, 72):  # headtail runs of >= K - 1 tokens at P = 2, 3
+        tokens = torch.randint(0, V, (b, n), generator=torch.Generator().manual_seed(n))
+        batch = dict(input_ids=tokens, position_ids=torch.arange(n).expand(b, n))
+        for mask in (None, torch.ones(b, n, dtype=torch.long)):
+            full = dict(batch) if mask is None else dict(batch, attention_mask=mask)
+            names = sorted(full)
+            local = dict(zip(names, shard_batch(mesh, *(full[k] for k in names), layout="headtail")))
+            with CommBytes() as fwd:
+                logits = model(**local).logits
+            with CommBytes() as bwd:
+                logits.sum().backward()
+            assert fwd.sent == layers * (per_layer + agree), (world, n, mask is None, fwd.by_op)
+            assert bwd.sent == layers * per_layer, (world, n, mask is None, bwd.by_op)
+            seen.add((fwd.sent, bwd.sent))
+    assert len(seen) == 1
+    # and the all-linear model is exact (the last length, no mask)
+    weights = torch.randn(b, 72, V, generator=torch.Generator().manual_seed(3))
+    keep = torch.ones(b, 72)
+    ref = _run(copy.deepcopy(base), batch, weights, keep, use_cache=False)
+    model.zero_grad()
+    _compare(f"all-linear P={world}", _run(model, batch, weights, keep, mesh=mesh, layout="headtail"), ref, keep)
+
+
+def _model_like(model):
+    """``model`` with the test models' decay rates (see :func:`_model`)."""
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for layer, _ in hf_linear.linear_layers(model, "headtail"):
+            layer.A_log.copy_(torch.empty(layer.A_log.shape).uniform_(0.05, 1.0, generator=g).log())
+    return model
+
+
 def _originals() -> list:
     import importlib
 
@@ -194,6 +246,7 @@ def _check_models(rank: int, world: int, slow: bool) -> None:
     assert all(hasattr(f, "_cp_dtensor_original") for f in _originals())
     assert torch.equal(outside(**batch, use_cache=False).logits.detach(), before)  # the dispatchers pass through
     _check_default_init(world, mesh)
+    _check_all_linear_bytes(world, mesh)
 
     # gradient checkpointing (the layers recompute with the call's documents), the front door
     for name in (MODELS if slow else ["qwen3_5"]):
