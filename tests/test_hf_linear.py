@@ -378,3 +378,19 @@ def test_transformers_symbols_exist():
         rule = inspect.signature(getattr(module, fam.rule)).parameters
         assert list(rule)[:5] == ["query", "key", "value", "g", "beta"], (fam.rule, list(rule))
         assert {"initial_state", "output_final_state", "use_qk_l2norm_in_kernel"} <= set(rule), (fam.rule, list(rule))
+
+
+def test_bench_hybrid_smoke(tmp_path):
+    """scripts/bench_hybrid.py at a tiny length: runs CP=1 and CP=2, writes its report; CP=2 saves fewer
+    activation bytes per rank than CP=1 (runs of one 64-token kernel chunk each)."""
+    import json
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+    import bench_hybrid
+
+    out = tmp_path / "hybrid.json"
+    report = bench_hybrid.main(["--seq-len", "256", "--repeats", "1", "--out", str(out)])
+    (row,) = report["rows"]
+    assert row["seq_len"] == 256 and json.loads(out.read_text())["rows"][0]["seq_len"] == 256
+    assert row["time_ratio"] > 0 and row["peak_ratio"] > 0 and 0 < row["saved_ratio"] < 1, row
