@@ -155,14 +155,18 @@ def main(argv: list[str] | None = None) -> dict:
               f"{one['peak'] / mib:6.0f} MiB "
               f"{cp['peak'] / mib:6.0f} MiB {row['peak_ratio']:6.2f} {one['saved'] / mib:7.0f} MiB "
               f"{cp['saved'] / mib:7.0f} MiB {row['saved_ratio']:6.2f}", flush=True)
+        _write(report, args.out)  # after every row: a run stopped at a longer N keeps the shorter ones
     print(f"  time: CP={p_} / CP=1 of the step's wall time (slower rank); cpu: the same for the process CPU time "
           "(less sensitive to other load on the machine); peak: resident high-water mark of a step above its start, "
           "per rank (CP: the larger rank); saved: bytes autograd keeps for the backward, per rank")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
     print(f"wrote {args.out}")
     return report
+
+
+def _write(report: dict, out: str) -> None:
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(report, f, indent=1)
 
 
 if __name__ == "__main__":
