@@ -25,10 +25,15 @@ pre-hook on the base model keeps the call's position_ids, attention_mask and doc
 first linear layer of each call derives the documents from the *global* view by hf.py's rule (Note
 [transformers under CP]: padding from the mask, else packed sequences from the position ids, or
 ``document_ids=``), after agreeing on the call across ranks; the later layers and activation
-checkpointing's recomputation reuse them until the next call. The recurrent state restarts at each
-document and the convolution does not reach across one, as fla's kernels run packed sequences
-(``cu_seqlens``). transformers' torch fallback runs packed sequences as one sequence (it cannot keep
-them apart); under CP they are kept apart. Padding: transformers zeroes the pad tokens' hidden states
+checkpointing's recomputation reuse them until the next call. That derivation gathers the global
+positions and mask (O(N) int64s); the agreement's gather also carries, per run of this rank, whether its
+positions are consecutive and their first and last values per row, and whether the mask is all ones, and
+when those prove a single document per row (no mask and positions consecutive across the runs in global
+order, or every mask all ones -- the common case) the O(N) gather is skipped: then an all-linear model
+sends per call bytes independent of the sequence length (tests/test_hf_linear.py counts them). The
+recurrent state restarts at each document and the convolution does not reach across one, as fla's
+kernels run packed sequences (``cu_seqlens``). transformers' torch fallback runs packed sequences as one
+sequence (it cannot keep them apart); under CP they are kept apart. Padding: transformers zeroes the pad tokens' hidden states
 (``apply_mask_to_padding_states``) with this rank's shard of the mask, and each pad token is a document
 of its own, so the real tokens see exactly what they see at CP=1.
 
@@ -58,7 +63,7 @@ require("hf", "cp_dtensor.hf_linear (hybrid linear-attention transformers models
 
 from .comm import all_gather_objects, host_group  # noqa: E402
 from .layout import check_layout  # noqa: E402
-from .linear_attention import check_linear_layout, sharded_causal_conv1d, sharded_delta_rule  # noqa: E402
+from .linear_attention import _owner, _run_starts, check_linear_layout, sharded_causal_conv1d, sharded_delta_rule  # noqa: E402, I001
 
 __all__ = ["FAMILIES", "enable_linear", "linear_layers"]
 
@@ -210,32 +215,79 @@ def _call_error(hybrid: _Hybrid, hidden, kwargs) -> str | None:
     return None
 
 
+def _positions(call: dict, b: int) -> Tensor:
+    pos = call["position_ids"]
+    return (pos[0] if pos.dim() == 3 else pos).expand(b, -1)
+
+
+def _runs_summary(call: dict, b: int, layout: str, rank: int, world: int):
+    """This rank's share of the one-document test (Note [Linear attention in transformers under CP]):
+    (mask: "none" / "ones" / "other", per run: (consecutive positions in every row, first and last position
+    per row)); None when the call passes document_ids (nothing to derive)."""
+    if call["document_ids"] is not None:
+        return None
+    mask = call["attention_mask"]
+    state = "none" if mask is None else "ones" if bool((mask == 1).all()) else "other"
+    pos = _positions(call, b).long()
+    s = pos.shape[1]
+    runs = []
+    for s0, _ in _run_starts(layout, rank, world, s):
+        run = pos[:, s0:s0 + s // (2 if layout == "headtail" else 1)]
+        runs.append((bool((run.diff(dim=1) == 1).all()), run[:, 0].tolist(), run[:, -1].tolist()))
+    return state, runs
+
+
+def _one_document(summaries: list, layout: str, world: int) -> bool:
+    """Whether the summaries of every rank prove the call has no documents: every rank's mask all ones
+    (transformers then looks at nothing else), or no mask anywhere and positions consecutive across the
+    global sequence (no packed sequences)."""
+    if any(x is None for x in summaries):
+        return False
+    states = {state for state, _ in summaries}
+    if states == {"ones"}:
+        return True
+    if states != {"none"}:
+        return False
+    last = None
+    for j in range(world * len(summaries[0][1])):  # the runs in global order
+        r, i = _owner(layout, world, j)
+        consecutive, first, end = summaries[r][1][i]
+        if not consecutive or (last is not None and any(f != e + 1 for f, e in zip(first, last))):
+            return False
+        last = end
+    return True
+
+
 def _start(hybrid: _Hybrid, hidden, kwargs) -> None:
     """The first linear layer of a call: agree across ranks (Note [Agreeing before the ring] in checks.py,
-    as generate() does: one gather of (error, fingerprint)), then derive the documents."""
+    as generate() does: one gather of (error, fingerprint, runs summary)), then derive the documents."""
     ctx = hybrid.ctx
     err = _call_error(hybrid, hidden, kwargs)
     call = hybrid.call or {}
+    world = ctx.mesh.size()
     # (a mask on some ranks only is found by the documents' gather, which every rank joins)
-    fingerprint = None if err is not None else (
-        ctx.layout, tuple(hidden.shape), str(hidden.dtype), call["document_ids"] is not None)
-    if ctx.mesh.size() > 1:
-        every = all_gather_objects((err, fingerprint), host_group(ctx.mesh.get_group()))
-        bad = [(r, e) for r, (e, _) in enumerate(every) if e is not None]
+    fingerprint = summary = None
+    if err is None:
+        fingerprint = (ctx.layout, tuple(hidden.shape), str(hidden.dtype), call["document_ids"] is not None)
+        summary = _runs_summary(call, hidden.shape[0], ctx.layout, ctx.mesh.get_local_rank(), world)
+    one_document = False
+    if world > 1:
+        every = all_gather_objects((err, fingerprint, summary), host_group(ctx.mesh.get_group()))
+        bad = [(r, e) for r, (e, _, _) in enumerate(every) if e is not None]
         if bad:
             raise ValueError(f"context parallelism refused the call on rank(s) {[r for r, _ in bad]}: {bad[0][1]}")
-        if any(f != every[0][1] for _, f in every):
+        if any(f != every[0][1] for _, f, _ in every):
             table = "; ".join(f"rank {r}: layout, hidden shape, dtype, document_ids = {f}"
-                              for r, (_, f) in enumerate(every))
+                              for r, (_, f, _) in enumerate(every))
             raise ValueError(f"a hybrid model under CP needs the same call on every rank of the CP group; got {table}. "
                              "Every rank must hold an equal-length shard of one batch and pass the same options.")
+        one_document = _one_document([x for _, _, x in every], ctx.layout, world)
     elif err is not None:
         raise ValueError(err)
     ids = call["document_ids"]
-    if ids is None:
+    if ids is None and not one_document:  # the global view: O(N) ids gathered (hf.py's rule)
         pos = call["position_ids"]
-        pos = pos[0] if pos.dim() == 3 else pos
-        ids, err = hybrid.derive(pos, call["attention_mask"], False, hidden.shape[0])
+        ids, err = hybrid.derive(pos[0] if pos.dim() == 3 else pos, call["attention_mask"], False, hidden.shape[0])
         if err is not None:  # derived from the global view: the same on every rank
             raise ValueError(err)
     hybrid.docs = (ids,)

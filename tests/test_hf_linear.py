@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import os
 
 import pytest
 import torch
@@ -19,11 +20,14 @@ from _ref import rel_err
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
+from test_linear_attention import f64_kernel  # noqa: E402
 from transformers import KimiLinearConfig, KimiLinearForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM  # noqa: E402
 from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig  # noqa: E402
 from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig  # noqa: E402
 
 from cp_dtensor import hf, hf_linear  # noqa: E402
+from cp_dtensor.debug import CommBytes  # noqa: E402
+from cp_dtensor.linear_attention import check_bytes, conv_halo_bytes, linear_state_bytes  # noqa: E402
 from cp_dtensor.module import apply_context_parallel, reduce_gradients, shard_batch, unshard_sequence  # noqa: E402
 
 TOL = 1e-4  # fp32, relative to the largest magnitude of each tensor
@@ -50,9 +54,9 @@ MODELS = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "kimi_linear"]
 
 def _model(name: str):
     """A tiny random-init fp32 model, the same on every rank. The decay rates are drawn from [0.05, 1] instead
-    of the checkpoints' init ([0.01, 16] / [1, 16]): with the faster ones exp(cumulative decay) underflows in
-    the fp32 torch kernels and their dg keeps ~4 digits, at CP=1 too -- any reordering of the backward's sums
-    (CP's is one) then moves A_log's gradient by ~2e-4 (measured)."""
+    of the checkpoints' init ([0.01, 16] / [1, 16]), so that CP=1 is a reference to TOL: with the faster ones
+    the fp32 kernels' gradients of A_log and dt_bias keep ~3 digits at CP=1 itself, and CP rounds them
+    differently (Note [fp32 precision with the checkpoints' decays]; _check_default_init covers that init)."""
     cfg_cls, cls, extra = KINDS[name]
     torch.manual_seed(0)
     model = cls(cfg_cls(**{**COMMON, **extra})).float()
@@ -130,6 +134,100 @@ def _check(name, world, mesh, layouts, batch, weights, keep=None, *, how="hf", c
         _compare(where, _run(model, batch, weights, keep, mesh=mesh, layout=layout, **options), ref, keep)
 
 
+# Note [fp32 precision with the checkpoints' decays]: with transformers' default init (A = exp(A_log) up to
+# 16, decays up to ~20 per token) the fp32 torch kernel's gradients of A_log and dt_bias keep only ~3-4 digits
+# at CP=1 itself: they are differences of large terms (exp(cum_i - cum_j) from cumulative sums ~1e3 in a
+# 64-token chunk). Measured against the float64 model (scripts/hybrid_precision.py; two float64 kernels agree to
+# 1e-10): CP=1 rel 5e-3 (dt_bias) / 2e-3 (A_log) at N = 48, CP=2 headtail 1.5e-3 / 6e-4 -- its runs are
+# shorter chunks, less cancellation; at N = 256 (the same 64-token chunks) both 5e-3, CP - CP=1 3e-4. So CP
+# is rounded differently, not less accurately: the test bounds CP's error by CP=1's own. C: CP's sums are a
+# reordering of CP=1's, of the same size (measured ratio <= 1.42 at P = 2, 1.61 at P = 3, over every tensor);
+# 4 catches an error an order of magnitude worse. FLOOR: fp32 rounding of the tensors without the
+# cancellation (measured <= 4e-6).
+PRECISION_C, PRECISION_FLOOR = 4.0, 1e-5
+
+
+def _check_default_init(world, mesh) -> None:
+    """Qwen3-Next with transformers' default decay init: |CP - float64| <= C * max(|CP=1 - float64|, FLOOR) for
+    the logits and every gradient (relative to the reference's largest magnitude). See Note [fp32 precision
+    with the checkpoints' decays]."""
+    import transformers.models.qwen3_next.modeling_qwen3_next as mod
+
+    cfg_cls, cls, extra = KINDS["qwen3_next"]
+    torch.manual_seed(0)
+    base = cls(cfg_cls(**{**COMMON, **extra})).float()  # default init: A_log = log U[0.01, 16]
+    tokens, weights = _batch(1)
+    batch = dict(input_ids=tokens, position_ids=torch.arange(N).expand(2, N))
+    keep = torch.ones(2, N)
+    saved, mod.torch_chunk_gated_delta_rule = mod.torch_chunk_gated_delta_rule, f64_kernel
+    try:  # the float64 model with a float64 delta rule (the token-by-token recurrence)
+        ref = _run(copy.deepcopy(base).double(), batch, weights.double(), keep.double(), use_cache=False)
+    finally:
+        mod.torch_chunk_gated_delta_rule = saved
+    cp1 = _run(copy.deepcopy(base), batch, weights, keep, use_cache=False)
+    model = hf.apply_context_parallel_hf(copy.deepcopy(base), mesh, layout="headtail")
+    cp = _run(model, batch, weights, keep, mesh=mesh, layout="headtail")
+    names = ["logits"] + [n for n, _ in base.named_parameters()]
+    flat = lambda r: [r[0], *r[1]]  # noqa: E731
+    decay_err = 0.0
+    for name, a, one, want in zip(names, flat(cp), flat(cp1), flat(ref)):
+        err, err1 = rel_err(a, want), rel_err(one, want)
+        assert err <= PRECISION_C * max(err1, PRECISION_FLOOR), f"P={world} {name}: CP {err:.2e}, CP=1 {err1:.2e}"
+        if name.endswith(("A_log", "dt_bias")):
+            decay_err = max(decay_err, err1)
+    assert decay_err > TOL, decay_err  # the regime the test is for: CP=1 itself is off by more than TOL
+
+
+def _check_all_linear_bytes(world, mesh) -> None:
+    """An all-Gated-DeltaNet Qwen3-Next (every layer linear) under CP headtail: the bytes one forward and one
+    backward send (CommBytes: every tensor collective), at two sequence lengths, equal layers x (the state
+    summaries + the conv halos, + both ops' agreement forward): independent of N. Also with an all-ones
+    padding mask (Note [Linear attention in transformers under CP]: no O(N) position gather), and equal to
+    CP=1. Not counted: the call's one pickled agreement (all_gather_object, O(P * runs * B))."""
+    cfg_cls, cls, extra = KINDS["qwen3_next"]
+    torch.manual_seed(0)
+    cfg = cfg_cls(**{**COMMON, **extra, "layer_types": ["linear_attention"] * 4})
+    base = _model_like(cls(cfg).float())
+    model = hf.apply_context_parallel_hf(copy.deepcopy(base), mesh, layout="headtail")
+    b, layers, hv, d = 2, 4, GDN["linear_num_value_heads"], GDN["linear_key_head_dim"]
+    channels = 2 * GDN["linear_num_key_heads"] * d + hv * d  # q, k, v through the conv
+    per_layer = (linear_state_bytes(batch=b, heads=hv, dk=d, dv=d, world=world, layout="headtail")
+                 + conv_halo_bytes(batch=b, channels=channels, kernel_size=GDN["linear_conv_kernel_dim"],
+                                   world=world, layout="headtail", itemsize=4))
+    agree = check_bytes(world=world) + check_bytes(world=world, conv=True)
+    seen = set()
+    for n in (24, 72):  # headtail runs of >= K - 1 tokens at P = 2, 3
+        tokens = torch.randint(0, V, (b, n), generator=torch.Generator().manual_seed(n))
+        batch = dict(input_ids=tokens, position_ids=torch.arange(n).expand(b, n))
+        for mask in (None, torch.ones(b, n, dtype=torch.long)):
+            full = dict(batch) if mask is None else dict(batch, attention_mask=mask)
+            names = sorted(full)
+            local = dict(zip(names, shard_batch(mesh, *(full[k] for k in names), layout="headtail")))
+            with CommBytes() as fwd:
+                logits = model(**local).logits
+            with CommBytes() as bwd:
+                logits.sum().backward()
+            assert fwd.sent == layers * (per_layer + agree), (world, n, mask is None, fwd.by_op)
+            assert bwd.sent == layers * per_layer, (world, n, mask is None, bwd.by_op)
+            seen.add((fwd.sent, bwd.sent))
+    assert len(seen) == 1
+    # and the all-linear model is exact (the last length, no mask)
+    weights = torch.randn(b, 72, V, generator=torch.Generator().manual_seed(3))
+    keep = torch.ones(b, 72)
+    ref = _run(copy.deepcopy(base), batch, weights, keep, use_cache=False)
+    model.zero_grad()
+    _compare(f"all-linear P={world}", _run(model, batch, weights, keep, mesh=mesh, layout="headtail"), ref, keep)
+
+
+def _model_like(model):
+    """``model`` with the test models' decay rates (see :func:`_model`)."""
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for layer, _ in hf_linear.linear_layers(model, "headtail"):
+            layer.A_log.copy_(torch.empty(layer.A_log.shape).uniform_(0.05, 1.0, generator=g).log())
+    return model
+
+
 def _originals() -> list:
     import importlib
 
@@ -148,6 +246,8 @@ def _check_models(rank: int, world: int, slow: bool) -> None:
         _check(name, world, mesh, LAYOUTS if slow or name != "qwen3_5_moe" else ["headtail"], batch, weights)
     assert all(hasattr(f, "_cp_dtensor_original") for f in _originals())
     assert torch.equal(outside(**batch, use_cache=False).logits.detach(), before)  # the dispatchers pass through
+    _check_default_init(world, mesh)
+    _check_all_linear_bytes(world, mesh)
 
     # gradient checkpointing (the layers recompute with the call's documents), the front door
     for name in (MODELS if slow else ["qwen3_5"]):
@@ -279,3 +379,19 @@ def test_transformers_symbols_exist():
         rule = inspect.signature(getattr(module, fam.rule)).parameters
         assert list(rule)[:5] == ["query", "key", "value", "g", "beta"], (fam.rule, list(rule))
         assert {"initial_state", "output_final_state", "use_qk_l2norm_in_kernel"} <= set(rule), (fam.rule, list(rule))
+
+
+def test_bench_hybrid_smoke(tmp_path):
+    """scripts/bench_hybrid.py at a tiny length: runs CP=1 and CP=2, writes its report; CP=2 saves fewer
+    activation bytes per rank than CP=1 (runs of one 64-token kernel chunk each)."""
+    import json
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+    import bench_hybrid
+
+    out = tmp_path / "hybrid.json"
+    report = bench_hybrid.main(["--seq-len", "256", "--repeats", "1", "--out", str(out)])
+    (row,) = report["rows"]
+    assert row["seq_len"] == 256 and json.loads(out.read_text())["rows"][0]["seq_len"] == 256
+    assert row["time_ratio"] > 0 and row["peak_ratio"] > 0 and 0 < row["saved_ratio"] < 1, row
