@@ -17,7 +17,7 @@ import os
 import subprocess
 import sys
 
-from _tiers import exhaustive
+from _tiers import exhaustive, slow
 
 TOL = 2e-5  # fp32 against float64, relative to the largest magnitude
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -69,6 +69,7 @@ def _check_warm_cache(world: int, cases: list[str], tmp_path, timeout: float) ->
                 assert b["fxgraph_cache_hit"] == 2 and b["fxgraph_cache_miss"] == 0, f"{where}: warm run {b}"
 
 
+@slow("two cold-then-warm compiled runs: ~1 min on 2 CPU cores")
 def test_warm_cache_second_run_p2(tmp_path):
     """P=2: the second run hits the compile caches on every rank and matches float64 (before the fix,
     both DTensor ranks loaded one rank's graph and died in gloo with a size mismatch)."""

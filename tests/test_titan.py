@@ -45,6 +45,10 @@ def _assert_close(losses: list[float], ref: list[float]) -> None:
     assert losses == pytest.approx(ref, rel=RTOL), f"CP losses {losses} vs reference losses {ref}"
 
 
+_E2E = slow("an end-to-end torchtitan run (20-60 s on 2 CPU cores): the default suite stays under 15 minutes")
+_FOUR_RANKS = slow("4 ranks on 2 CPU cores: ~40-55 s each")
+
+
 @pytest.fixture(scope="module")
 def seed_ckpt(tmp_path_factory) -> Path:
     """fp32 model weights at step 0, made once on one rank and loaded by every run."""
@@ -70,7 +74,7 @@ def cp1_losses(seed_ckpt, tmp_path_factory) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("layout", ["striped", "headtail"])
+@pytest.mark.parametrize("layout", ["striped", pytest.param("headtail", marks=_E2E)])
 def test_cp2_matches_cp1(layout, seed_ckpt, cp1_losses, tmp_path):
     out = _torchrun(2, tmp_path, "--parallelism.context_parallel_degree", "2", "--cp_dtensor.layout", layout,
                     *_from_seed(seed_ckpt))
@@ -94,20 +98,21 @@ def test_stock_torchtitan_main_with_custom_import(seed_ckpt, cp1_losses, tmp_pat
     _assert_close(_losses(out), cp1_losses)
 
 
+@_E2E
 def test_cp2_full_activation_checkpointing(seed_ckpt, cp1_losses, tmp_path):
     # the backward recomputes each block's forward, ring collectives included, on both ranks
     out = _torchrun(2, tmp_path, "--activation_checkpoint.mode", "full", *_from_seed(seed_ckpt))
     _assert_close(_losses(out), cp1_losses)
 
 
-_FOUR_RANKS = slow("4 ranks on 2 CPU cores: ~40-55 s each")
 
 
 @pytest.mark.parametrize(
     "overrides",
     [
-        ["--parallelism.context_parallel_degree", "4"],
-        ["--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"],
+        pytest.param(["--parallelism.context_parallel_degree", "4"], marks=_FOUR_RANKS),
+        pytest.param(["--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"],
+                     marks=_FOUR_RANKS),
         pytest.param(["--parallelism.context_parallel_degree", "4", "--compile.enable"], marks=exhaustive("4 ranks compiling on 2 CPU cores; CP = 2 compiled runs by default")),
     ],
     ids=["cp4", "cp2xtp2", "cp4_compiled"],
@@ -124,6 +129,7 @@ def test_fsdp2_x_cp2_matches_fsdp2(seed_ckpt, tmp_path):
     _assert_close(_losses(_torchrun(4, tmp_path / "fsdp2_cp2", "--parallelism.context_parallel_degree", "2", *dp2)), ref)
 
 
+@_E2E
 def test_cp2_compiled_blocks_match_cp1(seed_ckpt, cp1_losses, tmp_path):
     # torchtitan compiles each block with fullgraph=True: the ring must trace without a graph break
     _assert_close(_losses(_torchrun(2, tmp_path, "--compile.enable", *_from_seed(seed_ckpt))), cp1_losses)

@@ -39,6 +39,7 @@ def one_rank_losses(tmp_path_factory) -> list[float]:
     return _losses(out)
 
 
+@slow("an end-to-end torchtitan run (20-60 s on 2 CPU cores): the default suite stays under 15 minutes")
 def test_cp2_fresh_init_matches_one_rank(one_rank_losses, tmp_path):
     out = _torchrun(2, tmp_path, "--parallelism.context_parallel_degree", "2", *_FRESH)
     assert "weights initialised on an unsharded CPU replica" in out

@@ -62,6 +62,7 @@ def test_cp2_checkpoint_resumes_at_cp1(cp2_run, tmp_path):
     _resume(1, cp2_run, tmp_path)
 
 
+@slow("4 ranks on 2 CPU cores: ~40 s")
 def test_cp2_checkpoint_resumes_at_cp4(cp2_run, tmp_path):
     _resume(4, cp2_run, tmp_path, "--cp_dtensor.layout", "headtail")  # saved striped: the layout may change too
 
