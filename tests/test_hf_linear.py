@@ -20,6 +20,7 @@ from _ref import rel_err
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
+from test_hf import _run  # noqa: E402  one runner for the transformers tests
 from test_linear_attention import f64_kernel  # noqa: E402
 from transformers import KimiLinearConfig, KimiLinearForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM  # noqa: E402
 from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig  # noqa: E402
@@ -28,7 +29,7 @@ from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTex
 from cp_dtensor import hf, hf_linear  # noqa: E402
 from cp_dtensor.debug import CommBytes  # noqa: E402
 from cp_dtensor.linear_attention import check_bytes, conv_halo_bytes, linear_state_bytes  # noqa: E402
-from cp_dtensor.module import apply_context_parallel, reduce_gradients, shard_batch, unshard_sequence  # noqa: E402
+from cp_dtensor.module import apply_context_parallel, reduce_gradients, shard_batch  # noqa: E402
 
 TOL = 1e-4  # fp32, relative to the largest magnitude of each tensor
 SLOW = ALL  # every model in every variant (~4 min): the exhaustive tier
@@ -73,21 +74,6 @@ def _batch(seed: int, b: int = 2):
     tokens = torch.randint(0, V, (b, N), generator=g)
     weights = torch.randn(b, N, V, generator=g)  # the loss: sum(logits * weights), a fixed linear functional
     return tokens, weights
-
-
-def _run(model, batch: dict, weights, keep, *, mesh=None, layout=None, **options):
-    """(full logits, parameter grads) of sum(logits * weights * keep): on the full batch, or under CP on this
-    rank's shard of every [B, N] tensor (CP applied by the caller)."""
-    names = sorted(batch)
-    if mesh is not None:
-        sharded = shard_batch(mesh, *(batch[k] for k in names), weights, keep, layout=layout)
-        batch, (weights, keep) = dict(zip(names, sharded[:-2])), sharded[-2:]
-    logits = model(**batch, **options).logits
-    (logits * weights * keep[..., None]).sum().backward()
-    if mesh is not None:
-        reduce_gradients(model, mesh)
-        logits = unshard_sequence(logits.detach(), mesh, layout=layout, dim=1)
-    return logits.detach(), [p.grad for p in model.parameters()]
 
 
 def _per_document(model, batch: dict, weights, lengths):
