@@ -16,4 +16,4 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ requirements/newest
   touch "$stamp"
 fi
 "$venv/bin/python" -c 'import torch; print(f"newest leg: torch {torch.__version__}")'
-exec "$venv/bin/python" -m pytest tests -q "$@"
+exec "$venv/bin/python" -m pytest -q "$@"  # no path given: pyproject's testpaths (tests/)
