@@ -49,10 +49,11 @@ from ..attention import ulysses_mesh, ulysses_shard_index
 from ..config import CPDTensor
 from ._cpu import experts_in_param_dtype
 from .attention import RingInnerAttention, ring_masks, shard_batch
+from .linear import apply_hybrid, check_hybrid, hybrid_masks, is_hybrid, without_cp
 
 __all__ = ["FAMILIES", "CPTrainer", "as_cp_config", "check_config"]
 
-FAMILIES = ("llama3", "qwen3", "deepseek_v3", "gpt_oss")  # torchtitan 0.3 model names the plugin serves
+FAMILIES = ("llama3", "qwen3", "deepseek_v3", "gpt_oss", "qwen3_5")  # torchtitan 0.3 model names the plugin serves
 BACKEND = "partial_dtensor"  # the spmd_backend the ring runs under
 SEED = 42  # the plugin's --debug.seed where a config sets none (torchtitan's default rolls a new one per run)
 _BATCH_HOLDERS = ("torchtitan.trainer", "torchtitan.components.validate")  # call prepare_context_parallel_input
@@ -99,6 +100,8 @@ def check_config(config: Any, world_size: int) -> None:
         if kind not in ("flex", "varlen"):
             unsupported.append(f'{name} {config.model_spec.flavor} with inner attention "{kind}" (the ring '
                                'replaces "flex" and "varlen")')
+        if is_hybrid(config.model_spec.model):  # Note [qwen3_5 under the 0.3 plugin]
+            unsupported.extend(check_hybrid(config))
     if par.pipeline_parallel_degree > 1:
         unsupported.append("--parallelism.pipeline_parallel_degree > 1")
     if par.expert_parallel_degree > 1:
@@ -179,6 +182,8 @@ def apply_ring_attention(model: nn.Module, cp_mesh: DeviceMesh | None, section: 
         group = ulysses_mesh(cp_mesh, section.ulysses_degree)
     else:
         group = cp_mesh.get_group()
+    if is_hybrid(model.config):
+        return apply_hybrid(model, group, section)  # Note [qwen3_5 under the 0.3 plugin]
     ring = []
     for i, block in model.layers.items():
         attn = getattr(block, "attention", None)
@@ -224,8 +229,10 @@ def parallelize_with_ring(model: nn.Module, *, titan_fn, section: CPDTensor, par
     with contextlib.ExitStack() as stack:
         if hasattr(titan_module, TITAN03_CP_STEP):
             stack.enter_context(_swapped(titan_module, TITAN03_CP_STEP, _ring_in_place))
-        model = titan_fn(model, parallel_dims=parallel_dims, **kwargs)
-    model.get_attention_masks = functools.partial(ring_masks, model_config)  # Note [0.3 inner attention as the ring]
+        hybrid = is_hybrid(model_config)  # qwen3_5's parallelize refuses CP: Note [qwen3_5 under the 0.3 plugin]
+        model = titan_fn(model, parallel_dims=without_cp(parallel_dims) if hybrid else parallel_dims, **kwargs)
+    masks = hybrid_masks if hybrid else ring_masks
+    model.get_attention_masks = functools.partial(masks, model_config)  # Note [0.3 inner attention as the ring]
     if cp_mesh is not None:
         _bind_batch_sharding(section)
     first = ring[0]
