@@ -17,15 +17,14 @@ from collections.abc import Callable
 
 
 def __getattr__(name: str) -> Callable:
-    from .v03 import FAMILIES, as_cp_config
-    from .v03 import linear
+    from .v03 import FAMILIES, as_cp_config, linear
     from .v03.main import use_shipped_assets
 
     if name in linear.CONFIGS:  # the plugin's own (text-only qwen3_5): Note [qwen3_5 under the 0.3 plugin]
         make = linear.CONFIGS[name]
 
         def own():
-            return use_shipped_assets(make())
+            return use_shipped_assets(as_cp_config(make()))
 
         own.__name__ = own.__qualname__ = name
         return own

@@ -205,8 +205,8 @@ def check_hybrid(config) -> list[str]:
 
 def qwen35_debugmodel_text():
     """torchtitan's qwen35_debugmodel on text: its model (vocabulary cut to 2048, as llama3's debug model; the
-    vision encoder stays, unused), a text dataloader and tokenizer, the headtail layout. torchtitan's own
-    config needs torchvision for its multimodal dataloader."""
+    vision encoder stays, unused), a text dataloader and tokenizer. torchtitan's own config needs torchvision
+    for its multimodal dataloader."""
     from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
     from torchtitan.components.metrics import MetricsProcessor
@@ -217,15 +217,13 @@ def qwen35_debugmodel_text():
     from torchtitan.models.qwen3_5 import model_registry
     from torchtitan.trainer import Trainer
 
-    from .trainer import as_cp_config
-
     spec = model_registry("debugmodel")
     vocab = 2048
     m = spec.model
     model = dataclasses.replace(m, vocab_size=vocab,
                                 tok_embeddings=dataclasses.replace(m.tok_embeddings, num_embeddings=vocab),
                                 lm_head=dataclasses.replace(m.lm_head, out_features=vocab))
-    config = Trainer.Config(
+    return Trainer.Config(
         loss=ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=vocab)),
         hf_assets_path="./tests/assets/tokenizer",
         model_spec=dataclasses.replace(spec, model=model),
@@ -238,9 +236,6 @@ def qwen35_debugmodel_text():
         checkpoint=CheckpointManager.Config(interval=10, last_save_model_only=False),
         activation_checkpoint=SelectiveAC.Config(),
     )
-    config = as_cp_config(config)
-    config.cp_dtensor = CPDTensor(layout="headtail")
-    return config
 
 
 CONFIGS = {"qwen35_debugmodel_text": qwen35_debugmodel_text}  # the plugin's own configs (config_registry.py)

@@ -125,13 +125,16 @@ def check_config(config: Any, world_size: int) -> None:
 
 def as_cp_config(config: Trainer.Config) -> CPTrainer.Config:
     """A family's ``Trainer.Config`` as the plugin's (the same values, the ``cp_dtensor`` section added, and
-    ``spmd_backend`` = partial_dtensor: Note [How the 0.3 plugin hooks torchtitan])."""
+    ``spmd_backend`` = partial_dtensor: Note [How the 0.3 plugin hooks torchtitan]; qwen3_5 in the headtail
+    layout: Note [qwen3_5 under the 0.3 plugin])."""
     if isinstance(config, CPTrainer.Config):
         return config
     values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
     values["parallelism"] = dataclasses.replace(config.parallelism, spmd_backend=BACKEND)
     if config.debug.seed is None:  # same initial weights at every CP degree; --debug.seed still wins
         values["debug"] = dataclasses.replace(config.debug, seed=SEED)
+    if is_hybrid(config.model_spec.model):  # the linear layers take contiguous runs: Note [qwen3_5 under the 0.3 plugin]
+        values["cp_dtensor"] = CPDTensor(layout="headtail")
     if not torch.accelerator.is_available():  # CPU: fp32 parameters (Note [torchtitan 0.3 on CPU] 4); the flag wins
         values["training"] = dataclasses.replace(config.training, mixed_precision_param="float32")
     return CPTrainer.Config(**values)
