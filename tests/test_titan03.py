@@ -435,6 +435,8 @@ def test_qwen3_5_layers_match_unsharded_per_document():
 
 @_NEEDS_FLA
 def test_qwen3_5_config_and_start_up_checks():
+    import dataclasses
+
     from cp_dtensor.titan.v03 import check_config
     from cp_dtensor.titan.v03.main import PluginConfigManager
 
@@ -448,3 +450,10 @@ def test_qwen3_5_config_and_start_up_checks():
         check_config(config("--cp_dtensor.layout", "striped"), world_size=2)
     with pytest.raises(ValueError, match=r"qwen3_5 with --cp_dtensor.ulysses_degree > 1"):
         check_config(config("--cp_dtensor.ulysses_degree", "2"), world_size=2)
+
+    class MMDataLoader:  # torchtitan's multimodal loader (its module imports torchvision)
+        class Config:
+            pass
+
+    with pytest.raises(ValueError, match=r"qwen3_5 with multimodal batches \(MMDataLoader"):
+        check_config(dataclasses.replace(cfg, dataloader=MMDataLoader.Config()), world_size=2)

@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..._compat import TITAN03_QWEN35_CONV
 from ...linear_attention import check_linear_layout, sharded_causal_conv1d, sharded_delta_rule
 from ..config import CPDTensor
 from .attention import RingDocs, RingInnerAttention, document_ids
@@ -152,8 +153,8 @@ def apply_hybrid(model: nn.Module, group: dist.ProcessGroup | DeviceMesh, sectio
             ring.append(attn.inner_attention)
         elif isinstance(attn, GatedDeltaNet):
             attn.kernel = ShardedGatedDeltaKernel(group=group, layout=layout)
-            attn._causal_conv = types.MethodType(functools.partial(_sharded_causal_conv, group=group, layout=layout),
-                                                 attn)
+            conv = functools.partial(_sharded_causal_conv, group=group, layout=layout)
+            setattr(attn, TITAN03_QWEN35_CONV, types.MethodType(conv, attn))
         else:
             raise ValueError(f"cp_dtensor: layer {i} of qwen3_5 holds a {type(attn).__name__}, neither Qwen35Attention "
                              "nor GatedDeltaNet; the plugin serves torchtitan 0.3.0's qwen3_5.")
