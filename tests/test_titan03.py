@@ -457,3 +457,10 @@ def test_qwen3_5_config_and_start_up_checks():
 
     with pytest.raises(ValueError, match=r"qwen3_5 with multimodal batches \(MMDataLoader"):
         check_config(dataclasses.replace(cfg, dataloader=MMDataLoader.Config()), world_size=2)
+    from importlib.util import find_spec
+
+    if find_spec("torchvision") is not None:  # torchtitan's own config (its registry imports torchvision)
+        own = PluginConfigManager().parse_args(["--module", "qwen3_5", "--config", "qwen35_debugmodel",
+                                                "--parallelism.context_parallel_degree", "2"])
+        with pytest.raises(ValueError, match=r"multimodal batches \(MMDataLoader.*--module cp_dtensor.titan"):
+            check_config(own, world_size=2)

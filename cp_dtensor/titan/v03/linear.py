@@ -200,7 +200,8 @@ def check_hybrid(config) -> list[str]:
                         "CP group in the sequence layout)")
     if "MMDataLoader" in type(config.dataloader).__qualname__:
         problems.append("qwen3_5 with multimodal batches (MMDataLoader: their mrope_positions and vision scatter "
-                        "are not sharded; use a text dataloader, e.g. --config qwen35_debugmodel_text)")
+                        "are not sharded; use a text dataloader, e.g. --module cp_dtensor.titan --config "
+                        "qwen35_debugmodel_text)")
     return problems
 
 
