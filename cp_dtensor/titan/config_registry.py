@@ -7,7 +7,8 @@ torchtitan's ConfigManager imports ``cp_dtensor.titan.config_registry`` (which i
 [torchtitan 0.3 on CPU]) and calls ``CONFIG()``; ``CONFIG`` is any config function of
 ``torchtitan.models.FAMILY.config_registry`` for a served FAMILY, returned as the plugin's ``CPTrainer.Config``
 (``as_cp_config``, shipped assets where torchtitan's test assets are absent), so stock ``main`` builds
-cp_dtensor's trainer: the ring, or a refusal at start (Note [How the 0.3 plugin hooks torchtitan]).
+cp_dtensor's trainer: the ring, or a refusal at start (Note [How the 0.3 plugin hooks torchtitan]). It also
+serves the plugin's own ``qwen35_debugmodel_text`` (qwen3_5 on text: Note [qwen3_5 under the 0.3 plugin]).
 """
 
 from __future__ import annotations

@@ -216,8 +216,13 @@ def qwen35_debugmodel_text():
     from torchtitan.config import TrainingConfig
     from torchtitan.distributed.activation_checkpoint import SelectiveAC
     from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
-    from torchtitan.models.qwen3_5 import model_registry
     from torchtitan.trainer import Trainer
+
+    try:
+        from torchtitan.models.qwen3_5 import model_registry
+    except ImportError as e:
+        raise ImportError(f"torchtitan's qwen3_5 imports fla ({e}): pip install flash-linear-attention (fla's "
+                          "kernels need a GPU; on CPU the plugin runs transformers' torch kernel instead)") from e
 
     spec = model_registry("debugmodel")
     vocab = 2048

@@ -11,7 +11,8 @@ model spec's ``parallelize_fn``; the wrapper, around the family's own paralleliz
 
 * replaces every layer's ``attention.inner_attention`` (FlexAttention or VarlenAttention) with
   ``RingInnerAttention`` over the CP group (or a group of this rank alone at CP = 1), and the model's
-  ``get_attention_masks`` with ``ring_masks`` (Note [0.3 inner attention as the ring]);
+  ``get_attention_masks`` with ``ring_masks`` (Note [0.3 inner attention as the ring]); qwen3_5's Gated
+  DeltaNet layers run sharded instead (Note [qwen3_5 under the 0.3 plugin] in linear.py);
 * swaps the family's ``apply_cp_to_forward`` (0.3's own CP: an all-gather of K/V around FlexAttention)
   for a check that the ring is in place, for the duration of the call;
 * rebinds ``prepare_context_parallel_input`` in ``torchtitan.trainer`` and ``torchtitan.components.validate``
