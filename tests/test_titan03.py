@@ -339,7 +339,7 @@ def test_qwen3_5_cp2_matches_cp1(tmp_path):
 
 def _qwen35_layers(rank, world):
     # three Gated DeltaNet layers and a full-attention layer of qwen3_5's debug model at CP = 2 (headtail)
-    # against torchtitan's own layers run on each document alone, unsharded: its fixed-length causal conv,
+    # against torchtitan's own layers run on each document of each row alone, unsharded: its fixed-length causal conv,
     # transformers' torch chunk kernel for fla's, SDPA for the inner attention. Outputs and gradients.
     import copy
     import inspect
@@ -384,17 +384,17 @@ def _qwen35_layers(rank, world):
         else:
             b.attn.kernel = Kernel()
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(1, 128, cfg.dim, generator=g)
-    docs = (50, 78)  # the boundary falls inside rank 0's first headtail run of 32 tokens
-    positions = torch.cat([torch.arange(n) for n in docs]).unsqueeze(0)
+    x = torch.randn(2, 128, cfg.dim, generator=g)  # two rows: the layers fold [B, L] into one row
+    docs = [(50, 78), (100, 28)]  # row 0's boundary falls inside rank 0's first headtail run of 32 tokens
+    positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in docs])
 
     def run(bs, xs, masks, pos):
         for b in bs:
             xs = b(xs, masks, pos)
         return xs
 
-    ref = torch.cat([run(ref_blocks, xd, None, torch.arange(xd.shape[1]).unsqueeze(0))
-                     for xd in x.split(docs, dim=1)], 1)
+    ref = torch.cat([torch.cat([run(ref_blocks, xd, None, torch.arange(xd.shape[1]).unsqueeze(0))
+                                for xd in xr.split(row, dim=1)], 1) for xr, row in zip(x.split(1), docs)])
     (ref * ref).sum().backward()
 
     class _M:  # the model attributes apply_hybrid reads
