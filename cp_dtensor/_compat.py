@@ -194,6 +194,19 @@ TITAN03_PRIVATE_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     *((module, name, None) for module, names in TITAN03_DEVICE_HOLDERS.items() for name in names),
     *((module, f"{name}.forward", ("self", "x_RD", "num_tokens_per_expert_E")) for module, name in TITAN03_BF16_EXPERTS),
 )
+# titan/v03/linear.py: Note [qwen3_5 under the 0.3 plugin]. Checked where torchtitan 0.3 and fla (which
+# torchtitan's qwen3_5 model module imports) are installed; the layer test runs them (tests/test_titan03.py).
+TITAN03_QWEN35_CONV = "_causal_conv"  # GatedDeltaNet's method the plugin binds per layer
+TITAN03_QWEN35_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
+    ("torchtitan.models.qwen3_5.model", f"GatedDeltaNet.{TITAN03_QWEN35_CONV}",
+     ("self", "x_BLD", "conv", "cu_seqlens", "cu_seqlens_cpu")),
+    ("torchtitan.models.qwen3_5.model", "GatedDeltaNet.forward", ("self", "x_BLD", "attention_masks")),
+    ("torchtitan.models.qwen3_5.model", "GatedDeltaKernel.forward",
+     ("self", "xq_BLNK", "xk_BLNK", "xv_BLNV", "g_BLN", "beta_BLN", "cu_seqlens", "cu_seqlens_cpu")),
+    ("torchtitan.models.qwen3_5.model", "Qwen35Model.get_attention_masks", ("self", "positions")),
+    ("torchtitan.models.qwen3_5.model", "Qwen35TransformerBlock.forward", ("self", "x_BLD", "attention_masks", "positions")),
+    ("torchtitan.models.qwen3_5.parallelize", "parallelize_qwen3_5", ("model", "parallel_dims")),
+)
 
 c10d_functional = torch.ops._c10d_functional  # the raw functional collectives (comm.py, debug.py)
 

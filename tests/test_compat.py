@@ -81,3 +81,20 @@ def test_running_torch_is_a_claimed_one():
     lo, hi = re.search(r'"torch>=([0-9.]+),<([0-9.]+)"', pyproject).groups()
     minors = [int(v.split(".")[1]) for v in _compat.TORCH_VERSIONS]
     assert (lo, hi) == (_compat.TORCH_VERSIONS[0], f"2.{max(minors) + 1}"), (lo, hi, _compat.TORCH_VERSIONS)
+
+
+@pytest.mark.parametrize(("module", "qualname", "params"), _compat.TITAN03_QWEN35_SYMBOLS,
+                         ids=[f"{m}.{q}" for m, q, _ in _compat.TITAN03_QWEN35_SYMBOLS])
+def test_qwen3_5_symbol_still_there(module, qualname, params):
+    """torchtitan 0.3's qwen3_5, which the plugin changes per layer (Note [qwen3_5 under the 0.3 plugin])."""
+    have = titan_version()
+    if have is None or have[:2] != (0, 3):
+        pytest.skip("a torchtitan 0.3 row")
+    from importlib.util import find_spec
+
+    if find_spec("fla") is None:
+        pytest.skip("torchtitan's qwen3_5 imports fla (flash-linear-attention), not installed here")
+    import cp_dtensor.titan  # noqa: F401
+
+    obj = _resolve(module, qualname)
+    assert tuple(inspect.signature(obj).parameters)[: len(params)] == params, f"{module}.{qualname}"

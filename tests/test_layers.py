@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("DTensor entry points", {"relayout"}),
     ("integrations", {"hf", "hf_generate", "hf_linear", "checkpoint"} | {f"titan.{m}" for m in (
         "_cpu", "config", "data", "flex", "float8", "resume", "validate", "attention", "families", "spec", "train",
-        "config_registry", "v03", "v03._cpu", "v03.attention", "v03.main", "v03.trainer")}
+        "config_registry", "v03", "v03._cpu", "v03.attention", "v03.main", "v03.trainer", "v03.linear")}
      | {"titan"}),
     ("whole models (hands transformers models to hf.py)", {"module"}),
     ("the package and the CLI", {"", "cli"}),

@@ -312,3 +312,155 @@ def test_start_up_checks(flags, world, message):
 
     with pytest.raises(ValueError, match=message):
         check_config(_config("llama3", *flags), world_size=world)
+
+
+# ---- qwen3_5: Gated DeltaNet layers beside full-attention layers (Note [qwen3_5 under the 0.3 plugin]) ----
+# torchtitan's qwen3_5 model module imports fla (flash-linear-attention) at its top; its own config registry
+# imports torchvision (multimodal data). The plugin's text config needs fla only (installed or on PYTHONPATH).
+
+_NEEDS_FLA = pytest.mark.skipif(__import__("importlib").util.find_spec("fla") is None,
+                                reason="torchtitan's qwen3_5 imports fla: pip install flash-linear-attention")
+QWEN35 = ("--module", "cp_dtensor.titan", "--config", "qwen35_debugmodel_text")
+
+
+@_NEEDS_FLA
+@slow("two qwen3_5 torchrun jobs (~50 s at CP = 1, ~80 s at CP = 2 on 2 CPU cores)")
+def test_qwen3_5_cp2_matches_cp1(tmp_path):
+    # every Gated DeltaNet layer's conv and delta rule run sharded (headtail), every fourth layer's attention
+    # on the ring. Measured: 7.93076, 6.94309, 5.73314 at CP = 1 and CP = 2 (every printed digit)
+    runs = [torchrun_03(p, tmp_path / f"cp{p}", *QWEN35, "--parallelism.context_parallel_degree", str(p), *SMALL)
+            for p in (1, 2)]
+    for p, out in zip((1, 2), runs):
+        assert f"Applied cp_dtensor ring attention (layout=headtail, cp={p})" in out
+    ref = _losses(runs[0])
+    assert ref[-1] < ref[0], f"the reference run does not train: {ref}"
+    _assert_close(_losses(runs[1]), ref)
+
+
+def _qwen35_layers(rank, world):
+    # three Gated DeltaNet layers and a full-attention layer of qwen3_5's debug model at CP = 2 (headtail)
+    # against torchtitan's own layers run on each document of each row alone, unsharded: its fixed-length causal conv,
+    # transformers' torch chunk kernel for fla's, SDPA for the inner attention. Outputs and gradients.
+    import copy
+    import inspect
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+    from cp_dtensor.layout import shard_tensor
+    from cp_dtensor.titan.config import CPDTensor
+    from cp_dtensor.titan.v03.attention import shard_batch
+    from cp_dtensor.titan.v03.linear import apply_hybrid, hybrid_masks, qwen35_debugmodel_text
+
+    chunk = inspect.unwrap(torch_chunk_gated_delta_rule)
+
+    class Kernel(torch.nn.Module):  # GatedDeltaKernel with transformers' torch kernel
+        def forward(self, q, k, v, g, beta, **kw):
+            r = v.shape[2] // q.shape[2]
+            return chunk(q.repeat_interleave(r, 2), k.repeat_interleave(r, 2), v, g, beta,
+                         use_qk_l2norm_in_kernel=True)[0]
+
+    class Sdpa(torch.nn.Module):  # FlexAttention of one document: causal
+        def forward(self, q, k, v, *, attention_masks=None, scale=None, enable_gqa=False):
+            o = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in (q, k, v)), is_causal=True, scale=scale,
+                                               enable_gqa=enable_gqa)
+            return o.transpose(1, 2)
+
+    cfg = qwen35_debugmodel_text().model_spec.model
+    with torch.device("meta"):
+        model = cfg.build()
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    blocks = list(model.layers.values())[:4]
+    assert [b.full_attn for b in blocks] == [False, False, False, True]
+    ref_blocks = copy.deepcopy(blocks)
+    for b in ref_blocks:
+        if b.full_attn:
+            b.attn.inner_attention = Sdpa()
+        else:
+            b.attn.kernel = Kernel()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 128, cfg.dim, generator=g)  # two rows: the layers fold [B, L] into one row
+    docs = [(50, 78), (100, 28)]  # row 0's boundary falls inside rank 0's first headtail run of 32 tokens
+    positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in docs])
+
+    def run(bs, xs, masks, pos):
+        for b in bs:
+            xs = b(xs, masks, pos)
+        return xs
+
+    ref = torch.cat([torch.cat([run(ref_blocks, xd, None, torch.arange(xd.shape[1]).unsqueeze(0))
+                                for xd in xr.split(row, dim=1)], 1) for xr, row in zip(x.split(1), docs)])
+    (ref * ref).sum().backward()
+
+    class _M:  # the model attributes apply_hybrid reads
+        layers = dict(enumerate(blocks))
+
+        @staticmethod
+        def register_forward_pre_hook(*a, **k):
+            pass
+
+    ring = apply_hybrid(_M, dist.group.WORLD, CPDTensor(layout="headtail"))
+    assert len(ring) == 1
+    extra = {"positions": positions.clone(), "attention_masks": hybrid_masks(cfg, positions)}
+    xs, _, extra = shard_batch(x, x, extra, layout="headtail", rank=rank, world=world)
+    out = run(blocks, xs, extra["attention_masks"], extra["positions"])
+    (out * out).sum().backward()
+    torch.testing.assert_close(out, shard_tensor(ref.detach(), dim=1, layout="headtail", rank=rank, world=world),
+                               rtol=1e-4, atol=1e-5)
+    names = 0
+    for b, rb in zip(blocks, ref_blocks):
+        for (n, p), (_, rp) in zip(b.named_parameters(), rb.named_parameters()):
+            dist.all_reduce(p.grad)
+            err = ((p.grad - rp.grad).abs().max() / rp.grad.abs().max()).item()
+            assert err < 1e-4, f"{n}: gradient differs by {err:.1e} of its largest element ({rp.grad.abs().max():.1e})"
+            names += 1
+    return names
+
+
+@_NEEDS_FLA
+def test_qwen3_5_layers_match_unsharded_per_document():
+    import torchtitan.models.qwen3_5  # noqa: F401
+
+    import cp_dtensor.titan  # noqa: F401  (imports torchtitan before the ranks fork)
+    from _dist import run_ranks
+
+    counts = run_ranks(2, _qwen35_layers)
+    assert counts[0] == counts[1] > 20, counts
+
+
+@_NEEDS_FLA
+def test_qwen3_5_config_and_start_up_checks():
+    import dataclasses
+
+    from cp_dtensor.titan.v03 import check_config
+    from cp_dtensor.titan.v03.main import PluginConfigManager
+
+    def config(*flags):
+        return PluginConfigManager().parse_args([*QWEN35, "--parallelism.context_parallel_degree", "2", *flags])
+
+    cfg = config()
+    assert cfg.cp_dtensor.layout == "headtail" and cfg.model_spec.name == "qwen3_5"
+    check_config(cfg, world_size=2)  # served as configured
+    with pytest.raises(ValueError, match=r"qwen3_5 with --cp_dtensor.layout striped \(its Gated DeltaNet layers"):
+        check_config(config("--cp_dtensor.layout", "striped"), world_size=2)
+    with pytest.raises(ValueError, match=r"qwen3_5 with --cp_dtensor.ulysses_degree > 1"):
+        check_config(config("--cp_dtensor.ulysses_degree", "2"), world_size=2)
+
+    class MMDataLoader:  # torchtitan's multimodal loader (its module imports torchvision)
+        class Config:
+            pass
+
+    with pytest.raises(ValueError, match=r"qwen3_5 with multimodal batches \(MMDataLoader"):
+        check_config(dataclasses.replace(cfg, dataloader=MMDataLoader.Config()), world_size=2)
+    from importlib.util import find_spec
+
+    if find_spec("torchvision") is not None:  # torchtitan's own config (its registry imports torchvision)
+        own = PluginConfigManager().parse_args(["--module", "qwen3_5", "--config", "qwen35_debugmodel",
+                                                "--parallelism.context_parallel_degree", "2"])
+        with pytest.raises(ValueError, match=r"multimodal batches \(MMDataLoader.*--module cp_dtensor.titan"):
+            check_config(own, world_size=2)

@@ -11,7 +11,8 @@ model spec's ``parallelize_fn``; the wrapper, around the family's own paralleliz
 
 * replaces every layer's ``attention.inner_attention`` (FlexAttention or VarlenAttention) with
   ``RingInnerAttention`` over the CP group (or a group of this rank alone at CP = 1), and the model's
-  ``get_attention_masks`` with ``ring_masks`` (Note [0.3 inner attention as the ring]);
+  ``get_attention_masks`` with ``ring_masks`` (Note [0.3 inner attention as the ring]); qwen3_5's Gated
+  DeltaNet layers run sharded instead (Note [qwen3_5 under the 0.3 plugin] in linear.py);
 * swaps the family's ``apply_cp_to_forward`` (0.3's own CP: an all-gather of K/V around FlexAttention)
   for a check that the ring is in place, for the duration of the call;
 * rebinds ``prepare_context_parallel_input`` in ``torchtitan.trainer`` and ``torchtitan.components.validate``
@@ -49,10 +50,11 @@ from ..attention import ulysses_mesh, ulysses_shard_index
 from ..config import CPDTensor
 from ._cpu import experts_in_param_dtype
 from .attention import RingInnerAttention, ring_masks, shard_batch
+from .linear import apply_hybrid, check_hybrid, hybrid_masks, is_hybrid, without_cp
 
 __all__ = ["FAMILIES", "CPTrainer", "as_cp_config", "check_config"]
 
-FAMILIES = ("llama3", "qwen3", "deepseek_v3", "gpt_oss")  # torchtitan 0.3 model names the plugin serves
+FAMILIES = ("llama3", "qwen3", "deepseek_v3", "gpt_oss", "qwen3_5")  # torchtitan 0.3 model names the plugin serves
 BACKEND = "partial_dtensor"  # the spmd_backend the ring runs under
 SEED = 42  # the plugin's --debug.seed where a config sets none (torchtitan's default rolls a new one per run)
 _BATCH_HOLDERS = ("torchtitan.trainer", "torchtitan.components.validate")  # call prepare_context_parallel_input
@@ -99,6 +101,8 @@ def check_config(config: Any, world_size: int) -> None:
         if kind not in ("flex", "varlen"):
             unsupported.append(f'{name} {config.model_spec.flavor} with inner attention "{kind}" (the ring '
                                'replaces "flex" and "varlen")')
+        if is_hybrid(config.model_spec.model):  # Note [qwen3_5 under the 0.3 plugin]
+            unsupported.extend(check_hybrid(config))
     if par.pipeline_parallel_degree > 1:
         unsupported.append("--parallelism.pipeline_parallel_degree > 1")
     if par.expert_parallel_degree > 1:
@@ -122,13 +126,16 @@ def check_config(config: Any, world_size: int) -> None:
 
 def as_cp_config(config: Trainer.Config) -> CPTrainer.Config:
     """A family's ``Trainer.Config`` as the plugin's (the same values, the ``cp_dtensor`` section added, and
-    ``spmd_backend`` = partial_dtensor: Note [How the 0.3 plugin hooks torchtitan])."""
+    ``spmd_backend`` = partial_dtensor: Note [How the 0.3 plugin hooks torchtitan]; qwen3_5 in the headtail
+    layout: Note [qwen3_5 under the 0.3 plugin])."""
     if isinstance(config, CPTrainer.Config):
         return config
     values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
     values["parallelism"] = dataclasses.replace(config.parallelism, spmd_backend=BACKEND)
     if config.debug.seed is None:  # same initial weights at every CP degree; --debug.seed still wins
         values["debug"] = dataclasses.replace(config.debug, seed=SEED)
+    if is_hybrid(config.model_spec.model):  # the linear layers take contiguous runs: Note [qwen3_5 under the 0.3 plugin]
+        values["cp_dtensor"] = CPDTensor(layout="headtail")
     if not torch.accelerator.is_available():  # CPU: fp32 parameters (Note [torchtitan 0.3 on CPU] 4); the flag wins
         values["training"] = dataclasses.replace(config.training, mixed_precision_param="float32")
     return CPTrainer.Config(**values)
@@ -179,6 +186,8 @@ def apply_ring_attention(model: nn.Module, cp_mesh: DeviceMesh | None, section: 
         group = ulysses_mesh(cp_mesh, section.ulysses_degree)
     else:
         group = cp_mesh.get_group()
+    if is_hybrid(model.config):
+        return apply_hybrid(model, group, section)  # Note [qwen3_5 under the 0.3 plugin]
     ring = []
     for i, block in model.layers.items():
         attn = getattr(block, "attention", None)
@@ -224,8 +233,10 @@ def parallelize_with_ring(model: nn.Module, *, titan_fn, section: CPDTensor, par
     with contextlib.ExitStack() as stack:
         if hasattr(titan_module, TITAN03_CP_STEP):
             stack.enter_context(_swapped(titan_module, TITAN03_CP_STEP, _ring_in_place))
-        model = titan_fn(model, parallel_dims=parallel_dims, **kwargs)
-    model.get_attention_masks = functools.partial(ring_masks, model_config)  # Note [0.3 inner attention as the ring]
+        hybrid = is_hybrid(model_config)  # qwen3_5's parallelize refuses CP: Note [qwen3_5 under the 0.3 plugin]
+        model = titan_fn(model, parallel_dims=without_cp(parallel_dims) if hybrid else parallel_dims, **kwargs)
+    masks = hybrid_masks if hybrid else ring_masks
+    model.get_attention_masks = functools.partial(masks, model_config)  # Note [0.3 inner attention as the ring]
     if cp_mesh is not None:
         _bind_batch_sharding(section)
     first = ring[0]
