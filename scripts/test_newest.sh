@@ -15,5 +15,16 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ requirements/newest
     -c requirements/newest.txt -e '.[titan,float8,hf,test,bench]'
   touch "$stamp"
 fi
+if [ "${CP_DTENSOR_FLA:-0}" = 1 ]; then
+  # fla (flash-linear-attention), which torchtitan 0.3's qwen3_5 imports, beside the venv rather than in it:
+  # with fla importable, transformers 5.24 sends its own CPU Gated DeltaNet/KDA to fla's Triton kernels, which
+  # cannot run on CPU. So only the torchtitan 0.3 tests see it (.ci/run), through PYTHONPATH.
+  fla=$venv/fla-side
+  if [ ! -d "$fla/fla" ]; then
+    PIP_CONFIG_FILE=/dev/null "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps \
+      --target "$fla" flash-linear-attention==0.6.0 fla-core==0.6.0
+  fi
+  export PYTHONPATH="$PWD/$fla${PYTHONPATH:+:$PYTHONPATH}"
+fi
 "$venv/bin/python" -c 'import torch; print(f"newest leg: torch {torch.__version__}")'
 exec "$venv/bin/python" -m pytest -q "$@"  # no path given: pyproject's testpaths (tests/)
