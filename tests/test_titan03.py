@@ -355,10 +355,10 @@ _F8_CP1: list[float] = []  # the float8 CP = 1 losses, one run per session
 
 @_SLOW
 @pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="float8 linears need torchao ([float8])")
-@pytest.mark.parametrize("flags", [[], pytest.param(["--compile.enable"], marks=exhaustive(
-    "200 s wall for the compiled CP = 2 job on the loaded 2-core machine"))], ids=["eager", "compiled"])
+@pytest.mark.parametrize("flags", [[], ["--compile.enable"]], ids=["eager", "compiled"])
 def test_float8_linears_cp2_match_cp1(flags, tmp_path, tmp_path_factory):
-    # compiled: Float8Linear's casts and the ring in each block's Inductor graph; measured equal to eager CP = 2
+    # compiled (as 0.2.2's slow tier has it): Float8Linear's casts and the ring in each block's Inductor graph;
+    # measured equal to eager CP = 2 to every printed digit (200 s wall cold at load ~7, 2.4 CPU-min)
     if not _F8_CP1:
         _F8_CP1.extend(_float8_run(1, tmp_path_factory.mktemp("float8_cp1")))
     ref, losses = _F8_CP1, _float8_run(2, tmp_path, *flags)
