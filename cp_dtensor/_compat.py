@@ -169,6 +169,7 @@ TITAN03_DEVICE_HOLDERS = {  # module -> the device names it copied at import: No
     "torchtitan.tools.profiler": ("device_module",),
 }
 TITAN03_CP_STEP = "apply_cp_to_forward"  # swapped in each family's parallelize module: Note [How the 0.3 plugin hooks torchtitan]
+TITAN03_FLOAT8 = "torchtitan.components.quantization.float8"  # has_cuda_capability: Note [float8 training on CPU]
 TITAN03_BF16_EXPERTS = (  # (module, class) whose forward casts to bf16 for _grouped_mm: Note [torchtitan 0.3 on CPU] 5
     ("torchtitan.models.common.moe", "GroupedExperts"),
     ("torchtitan.models.gpt_oss.moe", "GptOssGroupedExperts"),
@@ -193,6 +194,8 @@ TITAN03_PRIVATE_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     # titan/v03/_cpu.py: Note [torchtitan 0.3 on CPU]
     *((module, name, None) for module, names in TITAN03_DEVICE_HOLDERS.items() for name in names),
     *((module, f"{name}.forward", ("self", "x_RD", "num_tokens_per_expert_E")) for module, name in TITAN03_BF16_EXPERTS),
+    # titan/float8.py: Note [float8 training on CPU]
+    (TITAN03_FLOAT8, "has_cuda_capability", ("major", "minor")),
 )
 # titan/v03/linear.py: Note [qwen3_5 under the 0.3 plugin]. Checked where torchtitan 0.3 and fla (which
 # torchtitan's qwen3_5 model module imports) are installed; the layer test runs them (tests/test_titan03.py).

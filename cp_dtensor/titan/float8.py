@@ -12,6 +12,12 @@ logs that it did: the converter then builds the same ``Float8Linear`` layers it 
 with the same scaling recipe, casts and ``torch._scaled_mm`` calls, compiled or not. That is what lets
 the CP x float8 tests run in CI; it is not a speed-up (CPU float8 matmuls are reference kernels).
 On a GPU machine nothing is rebound and torchtitan's own check decides.
+
+torchtitan 0.3 keeps the converter, the check and the module (``_compat.TITAN03_FLOAT8``); float8 is a
+config there (``--config llama3_debugmodel_float8``: the converter is built, and checks, when the
+config registry's function runs, so the rebinding happens when the plugin is imported, before that), and
+its recipes are "rowwise" (the default) and "rowwise_with_gw_hp": 0.2.2's "tensorwise" is gone. The
+rebound name keeps torchtitan's function as ``__wrapped__`` (tests/test_compat.py checks its signature).
 """
 
 from __future__ import annotations
@@ -25,8 +31,6 @@ from .._compat import TITAN_FLOAT8
 
 __all__ = ["allow_float8_on_cpu"]
 
-_FLOAT8 = TITAN_FLOAT8
-
 
 def _float8_runs_on_cpu(major: int, minor: int) -> bool:
     logger.info(
@@ -36,10 +40,21 @@ def _float8_runs_on_cpu(major: int, minor: int) -> bool:
     return True
 
 
-def allow_float8_on_cpu() -> bool:
-    """Apply Note [float8 training on CPU]; returns whether the check was rebound."""
+def allow_float8_on_cpu(module_name: str = TITAN_FLOAT8) -> bool:
+    """Apply Note [float8 training on CPU] to torchtitan's float8 module ``module_name``; returns whether
+    the check was rebound."""
     if torch.accelerator.is_available():
         return False
-    module = importlib.import_module(_FLOAT8)
-    module.has_cuda_capability = _float8_runs_on_cpu
+    module = importlib.import_module(module_name)
+    titan_check = getattr(module, "has_cuda_capability", None)
+    if titan_check is None:  # torchtitan moved it: tests/test_compat.py says so; float8 then needs a GPU
+        logger.warning(f"cp_dtensor: {module_name} has no has_cuda_capability; float8 linears will not build on CPU")
+        return False
+    titan_check = getattr(titan_check, "__wrapped__", titan_check)  # imported twice
+
+    def has_cuda_capability(major: int, minor: int) -> bool:
+        return _float8_runs_on_cpu(major, minor)
+
+    has_cuda_capability.__wrapped__ = titan_check
+    module.has_cuda_capability = has_cuda_capability
     return True
