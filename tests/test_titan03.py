@@ -133,6 +133,19 @@ def test_gpt_oss_cp2_matches_cp1(tmp_path, tmp_path_factory):
     _assert_close(_losses(out), _cp1("gpt_oss", tmp_path_factory, check_trains=False))
 
 
+def _cpu_model(cfg):
+    """A torchtitan 0.3 model config built on the meta device, then on CPU with torchtitan's init (seed 0)."""
+    import torch
+
+    with torch.device("meta"):
+        model = cfg.build()
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    return model
+
+
 def _routed_grads(experts, x, ids, grad, num_experts):
     # the MoE's local dispatch: each token once per chosen expert, sorted by expert; returns the parameter grads
     k = ids.shape[1]
@@ -203,12 +216,8 @@ def _gpt_oss_attention(rank, world):
     from cp_dtensor.titan.v03.trainer import apply_ring_attention
 
     cfg = model_registry("debugmodel").model
-    with torch.device("meta"):
-        model = cfg.build()
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
+    model = _cpu_model(cfg)
     with torch.no_grad():
-        model.init_weights(buffer_device=None)
         for block in model.layers.values():
             block.attention.sinks.normal_()  # non-trivial sinks
     g = torch.Generator().manual_seed(1)
@@ -371,12 +380,7 @@ def _qwen35_layers(rank, world):
             return o.transpose(1, 2)
 
     cfg = qwen35_debugmodel_text().model_spec.model
-    with torch.device("meta"):
-        model = cfg.build()
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    with torch.no_grad():
-        model.init_weights(buffer_device=None)
+    model = _cpu_model(cfg)
     blocks = list(model.layers.values())[:4]
     assert [b.full_attn for b in blocks] == [False, False, False, True]
     ref_blocks = copy.deepcopy(blocks)
