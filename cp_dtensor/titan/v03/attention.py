@@ -31,9 +31,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from ...attention import ring_attention
 from ...layout import check_seq_len, shard_tensor
+from ..attention import _tp_head_sharding
 
 __all__ = ["RingDocs", "RingInnerAttention", "ring_masks", "shard_batch"]
 
@@ -114,19 +116,29 @@ class RingInnerAttention(nn.Module):
                                 "cp_dtensor's trainer (python -m cp_dtensor.titan.train).")
             ids, window = attention_masks.ids, attention_masks.window_size
         sinks = None if self._sinks_of is None else self._sinks_of.sinks
+        if out_transform is not None and sinks is None:
+            raise NotImplementedError("cp_dtensor ring attention hands out_transform an lse only for gpt_oss-style "
+                                      "sinks (Note [0.3 inner attention as the ring]); this model has none.")
+        tp_heads = _tp_head_sharding(q, k, v, heads_dim=2)  # See Note [0.3 TP heads into the ring]
+        if tp_heads is not None:
+            q, k, v = q.to_local(), k.to_local(), v.to_local()  # [B, S_local, H / TP, D]: this TP rank's heads
+            if isinstance(sinks, DTensor):  # gpt_oss: sinks [Hq] placed Shard(0) on the same TP mesh
+                if sinks.placements != (Shard(0),):
+                    raise NotImplementedError("cp_dtensor ring attention takes TP sinks sharded over heads (Shard(0)); "
+                                              f"got {sinks.placements}. Use torchtitan's gpt_oss TP plan unchanged.")
+                sinks = sinks.to_local()  # [Hq / TP]
         out = ring_attention(
             q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(),
             group=self.group, layout=self.layout,
             is_causal=True, scale=scale, comm_dtype=self.comm_dtype, document_ids=ids, window_size=window,
             sinks=sinks, kv_exchange=self.kv_exchange,
-        ).transpose(1, 2)  # [B, S_local, Hq, Dv]
-        if out_transform is None:
-            return out
-        if sinks is None:
-            raise NotImplementedError("cp_dtensor ring attention hands out_transform an lse only for gpt_oss-style "
-                                      "sinks (Note [0.3 inner attention as the ring]); this model has none.")
-        # the sinks are already in `out`: an lse of +inf makes gpt_oss's sigmoid(lse - sinks) exactly 1
-        return out_transform(out, out.new_full(out.shape[:-1], float("inf"), dtype=torch.float32))
+        ).transpose(1, 2)  # [B, S_local, Hq (/ TP), Dv]
+        if out_transform is not None:  # on local heads, as torchtitan's local_map calls it
+            # the sinks are already in `out`: an lse of +inf makes gpt_oss's sigmoid(lse - sinks) exactly 1
+            out = out_transform(out, out.new_full(out.shape[:-1], float("inf"), dtype=torch.float32))
+        if tp_heads is not None:
+            out = DTensor.from_local(out, *tp_heads, run_check=False)
+        return out
 
     def extra_repr(self) -> str:
         cp = self.group.size() if isinstance(self.group, DeviceMesh) else dist.get_world_size(self.group)

@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -81,11 +82,17 @@ def check_config(config: Any, world_size: int) -> None:
     if section.ulysses_degree > 1 and cp % section.ulysses_degree != 0:
         raise ValueError(f"--cp_dtensor.ulysses_degree ({section.ulysses_degree}) must divide "
                          f"--parallelism.context_parallel_degree ({cp}): CP runs as ulysses x ring ranks.")
-    heads = getattr(getattr(config.model_spec.model, "first_attention", None), "n_heads", None)
-    if section.ulysses_degree > 1 and heads is not None and heads % section.ulysses_degree != 0:
-        raise ValueError(f"--cp_dtensor.ulysses_degree ({section.ulysses_degree}) must divide the query heads "
-                         f"({heads}): each Ulysses rank takes n_heads / U of them (Note [Ulysses in torchtitan]). "
-                         f"Use a ulysses_degree that divides {heads}.")
+    first = getattr(config.model_spec.model, "first_attention", None)
+    heads = getattr(first, "n_heads", None)
+    kv_heads = getattr(first, "n_kv_heads", None) or heads
+    if tp > 1 and heads is not None and (heads % tp != 0 or kv_heads % tp != 0):
+        raise ValueError(f"--parallelism.tensor_parallel_degree ({tp}) must divide the query heads ({heads}) and the "
+                         f"K/V heads ({kv_heads}): each TP rank runs the ring on its own heads (Note [0.3 TP heads "
+                         "into the ring]). Use a tensor_parallel_degree that divides both.")
+    if section.ulysses_degree > 1 and heads is not None and (heads // tp) % section.ulysses_degree != 0:
+        raise ValueError(f"--cp_dtensor.ulysses_degree ({section.ulysses_degree}) must divide the query heads each TP "
+                         f"rank holds ({heads} / TP {tp} = {heads // tp}): each Ulysses rank takes 1 / U of them "
+                         f"(Note [Ulysses in torchtitan]). Use a ulysses_degree that divides {heads // tp}.")
     unsupported = []
     if par.spmd_backend != BACKEND:
         unsupported.append(f'--parallelism.spmd_backend {par.spmd_backend} (cp_dtensor runs under "{BACKEND}", '
@@ -103,21 +110,22 @@ def check_config(config: Any, world_size: int) -> None:
         unsupported.append("--parallelism.pipeline_parallel_degree > 1")
     if par.expert_parallel_degree > 1:
         unsupported.append("--parallelism.expert_parallel_degree > 1")
-    if tp > 1:
-        unsupported.append("--parallelism.tensor_parallel_degree > 1 (not yet on torchtitan 0.3)")
     if unsupported:
         raise ValueError("cp_dtensor context parallelism (torchtitan 0.3) does not support: " + "; ".join(unsupported)
                          + ". Change these or run torchtitan without the plugin.")
-    if cp == 1:
+    sp = tp if par.enable_sequence_parallel else 1  # sequence parallelism splits each CP rank's tokens over TP
+    if cp == 1 and sp == 1:
         return
-    unit = layout_unit(section.layout, cp)
+    unit = 1 if cp == 1 else layout_unit(section.layout, cp)
+    titan = sp * (1 if cp == 1 else 2 * cp)  # torchtitan's own rule (its Trainer checks it after the process group)
+    factors = " * ".join(([] if cp == 1 else ["2 * CP"]) + ([] if sp == 1 else ["TP (sequence parallelism)"]))
+    rules = ([] if cp == 1 else [f"the {section.layout} layout on {cp} CP ranks needs a multiple of {unit}"]) + [
+        f"torchtitan a multiple of {factors} = {titan}"]
     for what, seq_len in (("--training.seq_len", config.training.seq_len),
                           ("the validator's seq_len", getattr(config.validator, "seq_len", config.training.seq_len))):
-        if seq_len % unit != 0 or seq_len % (2 * cp) != 0:
-            need = max(unit, 2 * cp)
-            raise ValueError(f"{what} ({seq_len}) does not fit: the {section.layout} layout on {cp} CP ranks needs a "
-                             f"multiple of {unit} (and torchtitan a multiple of 2 * CP = {2 * cp}). Use a multiple "
-                             f"of {need}.")
+        if seq_len % unit != 0 or seq_len % titan != 0:
+            raise ValueError(f"{what} ({seq_len}) does not fit: {' and '.join(rules)}. Use a multiple of "
+                             f"{math.lcm(unit, titan)}.")
 
 
 def as_cp_config(config: Trainer.Config) -> CPTrainer.Config:
