@@ -90,9 +90,10 @@ def check_config(config: Any, world_size: int) -> None:
                          f"K/V heads ({kv_heads}): each TP rank runs the ring on its own heads (Note [0.3 TP heads "
                          "into the ring]). Use a tensor_parallel_degree that divides both.")
     if section.ulysses_degree > 1 and heads is not None and (heads // tp) % section.ulysses_degree != 0:
-        raise ValueError(f"--cp_dtensor.ulysses_degree ({section.ulysses_degree}) must divide the query heads each TP "
-                         f"rank holds ({heads} / TP {tp} = {heads // tp}): each Ulysses rank takes 1 / U of them "
-                         f"(Note [Ulysses in torchtitan]). Use a ulysses_degree that divides {heads // tp}.")
+        held = f"({heads})" if tp == 1 else f"each TP rank holds ({heads} / TP {tp} = {heads // tp})"
+        raise ValueError(f"--cp_dtensor.ulysses_degree ({section.ulysses_degree}) must divide the query heads {held}: "
+                         "each Ulysses rank takes 1 / U of them (Note [Ulysses in torchtitan]). Use a ulysses_degree "
+                         f"that divides {heads // tp}.")
     unsupported = []
     if par.spmd_backend != BACKEND:
         unsupported.append(f'--parallelism.spmd_backend {par.spmd_backend} (cp_dtensor runs under "{BACKEND}", '
