@@ -20,6 +20,20 @@ masks, and FlexAttention has no CPU backward in torch 2.13-2.15.
 gpt_oss's sinks: as in 0.2.2 (Note [gpt_oss sinks] in ../families.py) the ring puts the sinks in the
 merged softmax and hands ``out_transform`` an lse of +inf, so the model's ``sigmoid(lse - sinks)``
 rescale is exactly 1 with zero gradient.
+
+Note [0.3 TP heads into the ring]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Under ``partial_dtensor`` with TP, torchtitan 0.3's plans (``set_gqa_inner_attention_local_map`` and the
+families' own) hand the inner attention q, k, v as DTensors [B, L, N, H] placed Shard(2) -- heads -- on the
+1-D TP mesh, L this CP rank's tokens; its FlexAttention / VarlenAttention would take them through a
+``local_map``, which the ring, not a torchtitan ``Module``, does not get. Heads are independent in
+attention, so ``RingInnerAttention`` does what that ``local_map`` does: it takes each TP rank's own heads
+(``to_local``: Hq / TP query and Hkv / TP K/V heads; the CP group is another mesh dimension), runs the
+ring over the CP group on them -- so each ring step moves only this rank's Hkv / TP K/V heads -- calls
+gpt_oss's ``out_transform`` on them (its sinks, Shard(0) on the same mesh, taken locally too), and hands
+the output back as the same DTensor placement; ``wo``'s row-wise plan then reduces over heads as after
+torchtitan's kernels. The 0.2.2 glue does the same on [B, H, S, D] (Note [TP heads into the ring] in
+../attention.py); TP must divide both head counts, and Ulysses the heads a TP rank holds (checked at start).
 """
 
 from __future__ import annotations

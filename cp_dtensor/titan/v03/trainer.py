@@ -15,7 +15,9 @@ model spec's ``parallelize_fn``; the wrapper, around the family's own paralleliz
 * swaps the family's ``apply_cp_to_forward`` (0.3's own CP: an all-gather of K/V around FlexAttention)
   for a check that the ring is in place, for the duration of the call;
 * rebinds ``prepare_context_parallel_input`` in ``torchtitan.trainer`` and ``torchtitan.components.validate``
-  -- which call it from ``post_dataloading_process`` and the validator -- to ``shard_batch`` in the layout.
+  -- which call it from ``post_dataloading_process`` and the validator -- to ``shard_batch`` in the layout;
+* under TP, re-ties tied embeddings right after the model's ``parallelize`` (``_retie_after_parallelize``);
+  the ring takes each TP rank's heads (Note [0.3 TP heads into the ring] in attention.py).
 
 0.3's ``spmd_types`` and ``full_dtensor`` backends put CP into the model's own sharding (a ``local_map``
 boundary that all-gathers K/V); the ring runs under ``partial_dtensor``, which the plugin's configs select
