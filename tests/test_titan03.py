@@ -404,3 +404,14 @@ def test_start_up_checks(flags, world, message):
 
     with pytest.raises(ValueError, match=message):
         check_config(_config("llama3", *flags), world_size=world)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss"])
+def test_tp_refused_for_moe_families(family):
+    # measured on CPU (README): their TP = 2 gradients differ from TP = 1 at CP = 1 as well (CP x TP = TP exactly)
+    from cp_dtensor.titan.v03 import check_config
+
+    flags = ["--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"]
+    with pytest.raises(ValueError, match=rf"tensor_parallel_degree > 1 with {family} \(its TP = 2 gradients"):
+        check_config(_config(family, *flags), world_size=4)
+    check_config(_config(family, "--parallelism.context_parallel_degree", "2"), world_size=2)  # CP alone: served

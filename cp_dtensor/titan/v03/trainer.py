@@ -56,6 +56,7 @@ from .attention import RingInnerAttention, ring_masks, shard_batch
 __all__ = ["FAMILIES", "CPTrainer", "as_cp_config", "check_config"]
 
 FAMILIES = ("llama3", "qwen3", "deepseek_v3", "gpt_oss")  # torchtitan 0.3 model names the plugin serves
+TP_FAMILIES = ("llama3", "qwen3")  # served with TP too: the MoE families' TP = 2 gradients differ from TP = 1 (README)
 BACKEND = "partial_dtensor"  # the spmd_backend the ring runs under
 SEED = 42  # the plugin's --debug.seed where a config sets none (torchtitan's default rolls a new one per run)
 _BATCH_HOLDERS = ("torchtitan.trainer", "torchtitan.components.validate")  # call prepare_context_parallel_input
@@ -109,6 +110,10 @@ def check_config(config: Any, world_size: int) -> None:
         if kind not in ("flex", "varlen"):
             unsupported.append(f'{name} {config.model_spec.flavor} with inner attention "{kind}" (the ring '
                                'replaces "flex" and "varlen")')
+    if tp > 1 and name in FAMILIES and name not in TP_FAMILIES:
+        unsupported.append(f"--parallelism.tensor_parallel_degree > 1 with {name} (its TP = 2 gradients differ from "
+                           "TP = 1 without CP too, e.g. the MoE layers' ffn_norm; CP x TP is served for "
+                           f"{', '.join(TP_FAMILIES)})")
     if par.pipeline_parallel_degree > 1:
         unsupported.append("--parallelism.pipeline_parallel_degree > 1")
     if par.expert_parallel_degree > 1:
