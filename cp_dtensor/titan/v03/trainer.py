@@ -227,8 +227,8 @@ def _retie_after_parallelize(model: nn.Module) -> bool:
     """Tied embeddings (qwen3) under TP: torchtitan 0.3's ``Module.parallelize`` gives ``tok_embeddings`` and
     ``lm_head`` each a new DTensor parameter, and only its own weight init re-ties them -- which the plugin's
     CPU init (``init_as_unsharded``) replaces; untied, a TP = 2 run trains two matrices (measured: qwen3 debug
-    CP = 2 x TP = 2, loss 7.2383 vs CP = 1 7.2120 at step 3). Re-tie right after ``parallelize``, before FSDP groups them. Returns
-    whether installed."""
+    CP = 2 x TP = 2, loss 7.2383 vs CP = 1 7.2120 at step 3). Re-tie right after ``parallelize``, before
+    FSDP groups them. Returns whether installed."""
     if not getattr(model, "enable_weight_tying", False) or not hasattr(model, "parallelize"):
         return False
     parallelize = model.parallelize
