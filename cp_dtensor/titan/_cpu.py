@@ -261,7 +261,10 @@ def _copy_shards(full: nn.Module, model: nn.Module) -> None:
         for bname, b in module._buffers.items():
             if b is not None:
                 assert source is not None and bname in source._buffers, f"no unsharded twin of buffer {name}.{bname}"
-                module._buffers[bname] = source._buffers[bname]
+                value = source._buffers[bname]
+                if isinstance(b, DTensor):  # torchtitan 0.3 under TP: e.g. the RoPE cache, Replicate on the TP mesh
+                    value = distribute_tensor(value, b.device_mesh, b.placements, src_data_rank=None)
+                module._buffers[bname] = value
 
 
 def init_as_unsharded(model: nn.Module, template: nn.Module | None, *, prepare=None) -> bool:

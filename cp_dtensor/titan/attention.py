@@ -117,9 +117,10 @@ class RingAttention(nn.Module):
         return f"layout={self.layout!r}, {cp}, comm_dtype={self.comm_dtype}{extra}"
 
 
-def _tp_head_sharding(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+def _tp_head_sharding(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, heads_dim: int = 1):
     """Note [TP heads into the ring]: (mesh, placements) of q, k, v when they are DTensors sharded over
-    heads on a TP mesh (qwen3's TP plan keeps them so, for its head-wise q/k norms), else None.
+    heads (dim ``heads_dim``: 1 in 0.2.2's [B, H, S, D], 2 in 0.3's [B, L, N, H]) on a TP mesh (qwen3's TP
+    plan keeps them so, for its head-wise q/k norms; torchtitan 0.3's plans for every family), else None.
 
     torchtitan 0.2.2's qwen3 TP plan runs ``wq``/``wk``/``wv`` with ``use_local_output=False`` and q/k norm
     as ``SequenceParallel(sequence_dim=2)``, so attention receives DTensors [B, H, S_local, D] placed
@@ -131,11 +132,11 @@ def _tp_head_sharding(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     dts = [isinstance(t, DTensor) for t in (q, k, v)]
     if not any(dts):
         return None
-    heads = (Shard(1),)
+    heads = (Shard(heads_dim),)
     if not all(dts) or any(t.placements != heads or t.device_mesh != q.device_mesh for t in (q, k, v)):
         raise NotImplementedError(
             "cp_dtensor ring attention takes q, k, v as local tensors or as DTensors sharded over heads "
-            f"(Shard(1)) on one mesh; got {[getattr(t, 'placements', 'local') for t in (q, k, v)]}. "
+            f"(Shard({heads_dim})) on one mesh; got {[getattr(t, 'placements', 'local') for t in (q, k, v)]}. "
             "Use torchtitan's TP plan for this family unchanged, or set tensor_parallel_degree = 1.")
     return q.device_mesh, q.placements
 

@@ -20,6 +20,20 @@ masks, and FlexAttention has no CPU backward in torch 2.13-2.15.
 gpt_oss's sinks: as in 0.2.2 (Note [gpt_oss sinks] in ../families.py) the ring puts the sinks in the
 merged softmax and hands ``out_transform`` an lse of +inf, so the model's ``sigmoid(lse - sinks)``
 rescale is exactly 1 with zero gradient.
+
+Note [0.3 TP heads into the ring]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Under ``partial_dtensor`` with TP, torchtitan 0.3's plans (``set_gqa_inner_attention_local_map`` and the
+families' own) hand the inner attention q, k, v as DTensors [B, L, N, H] placed Shard(2) -- heads -- on the
+1-D TP mesh, L this CP rank's tokens; its FlexAttention / VarlenAttention would take them through a
+``local_map``, which the ring, not a torchtitan ``Module``, does not get. Heads are independent in
+attention, so ``RingInnerAttention`` does what that ``local_map`` does: it takes each TP rank's own heads
+(``to_local``: Hq / TP query and Hkv / TP K/V heads; the CP group is another mesh dimension), runs the
+ring over the CP group on them -- so each ring step moves only this rank's Hkv / TP K/V heads -- calls
+gpt_oss's ``out_transform`` on them (its sinks, Shard(0) on the same mesh, taken locally too), and hands
+the output back as the same DTensor placement; ``wo``'s row-wise plan then reduces over heads as after
+torchtitan's kernels. The 0.2.2 glue does the same on [B, H, S, D] (Note [TP heads into the ring] in
+../attention.py); TP must divide both head counts, and Ulysses the heads a TP rank holds (checked at start).
 """
 
 from __future__ import annotations
@@ -31,9 +45,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 from ...attention import ring_attention
 from ...layout import check_seq_len, shard_tensor
+from ..attention import _tp_head_sharding
 
 __all__ = ["RingDocs", "RingInnerAttention", "ring_masks", "shard_batch"]
 
@@ -114,19 +130,29 @@ class RingInnerAttention(nn.Module):
                                 "cp_dtensor's trainer (python -m cp_dtensor.titan.train).")
             ids, window = attention_masks.ids, attention_masks.window_size
         sinks = None if self._sinks_of is None else self._sinks_of.sinks
+        if out_transform is not None and sinks is None:
+            raise NotImplementedError("cp_dtensor ring attention hands out_transform an lse only for gpt_oss-style "
+                                      "sinks (Note [0.3 inner attention as the ring]); this model has none.")
+        tp_heads = _tp_head_sharding(q, k, v, heads_dim=2)  # See Note [0.3 TP heads into the ring]
+        if tp_heads is not None:
+            q, k, v = q.to_local(), k.to_local(), v.to_local()  # [B, S_local, H / TP, D]: this TP rank's heads
+            if isinstance(sinks, DTensor):  # gpt_oss: sinks [Hq] placed Shard(0) on the same TP mesh
+                if sinks.placements != (Shard(0),):
+                    raise NotImplementedError("cp_dtensor ring attention takes TP sinks sharded over heads (Shard(0)); "
+                                              f"got {sinks.placements}. Use torchtitan's gpt_oss TP plan unchanged.")
+                sinks = sinks.to_local()  # [Hq / TP]
         out = ring_attention(
             q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(),
             group=self.group, layout=self.layout,
             is_causal=True, scale=scale, comm_dtype=self.comm_dtype, document_ids=ids, window_size=window,
             sinks=sinks, kv_exchange=self.kv_exchange,
-        ).transpose(1, 2)  # [B, S_local, Hq, Dv]
-        if out_transform is None:
-            return out
-        if sinks is None:
-            raise NotImplementedError("cp_dtensor ring attention hands out_transform an lse only for gpt_oss-style "
-                                      "sinks (Note [0.3 inner attention as the ring]); this model has none.")
-        # the sinks are already in `out`: an lse of +inf makes gpt_oss's sigmoid(lse - sinks) exactly 1
-        return out_transform(out, out.new_full(out.shape[:-1], float("inf"), dtype=torch.float32))
+        ).transpose(1, 2)  # [B, S_local, Hq (/ TP), Dv]
+        if out_transform is not None:  # on local heads, as torchtitan's local_map calls it
+            # the sinks are already in `out`: an lse of +inf makes gpt_oss's sigmoid(lse - sinks) exactly 1
+            out = out_transform(out, out.new_full(out.shape[:-1], float("inf"), dtype=torch.float32))
+        if tp_heads is not None:
+            out = DTensor.from_local(out, *tp_heads, run_check=False)
+        return out
 
     def extra_repr(self) -> str:
         cp = self.group.size() if isinstance(self.group, DeviceMesh) else dist.get_world_size(self.group)

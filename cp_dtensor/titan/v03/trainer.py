@@ -16,7 +16,9 @@ model spec's ``parallelize_fn``; the wrapper, around the family's own paralleliz
 * swaps the family's ``apply_cp_to_forward`` (0.3's own CP: an all-gather of K/V around FlexAttention)
   for a check that the ring is in place, for the duration of the call;
 * rebinds ``prepare_context_parallel_input`` in ``torchtitan.trainer`` and ``torchtitan.components.validate``
-  -- which call it from ``post_dataloading_process`` and the validator -- to ``shard_batch`` in the layout.
+  -- which call it from ``post_dataloading_process`` and the validator -- to ``shard_batch`` in the layout;
+* under TP, re-ties tied embeddings right after the model's ``parallelize`` (``_retie_after_parallelize``);
+  the ring takes each TP rank's heads (Note [0.3 TP heads into the ring] in attention.py).
 
 0.3's ``spmd_types`` and ``full_dtensor`` backends put CP into the model's own sharding (a ``local_map``
 boundary that all-gathers K/V); the ring runs under ``partial_dtensor``, which the plugin's configs select
@@ -31,6 +33,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -55,6 +58,7 @@ from .linear import apply_hybrid, check_hybrid, hybrid_masks, is_hybrid, without
 __all__ = ["FAMILIES", "CPTrainer", "as_cp_config", "check_config"]
 
 FAMILIES = ("llama3", "qwen3", "deepseek_v3", "gpt_oss", "qwen3_5")  # torchtitan 0.3 model names the plugin serves
+TP_FAMILIES = ("llama3", "qwen3")  # served with TP too: the MoE families' TP = 2 gradients differ from TP = 1 (README)
 BACKEND = "partial_dtensor"  # the spmd_backend the ring runs under
 SEED = 42  # the plugin's --debug.seed where a config sets none (torchtitan's default rolls a new one per run)
 _BATCH_HOLDERS = ("torchtitan.trainer", "torchtitan.components.validate")  # call prepare_context_parallel_input
@@ -83,11 +87,18 @@ def check_config(config: Any, world_size: int) -> None:
     if section.ulysses_degree > 1 and cp % section.ulysses_degree != 0:
         raise ValueError(f"--cp_dtensor.ulysses_degree ({section.ulysses_degree}) must divide "
                          f"--parallelism.context_parallel_degree ({cp}): CP runs as ulysses x ring ranks.")
-    heads = getattr(getattr(config.model_spec.model, "first_attention", None), "n_heads", None)
-    if section.ulysses_degree > 1 and heads is not None and heads % section.ulysses_degree != 0:
-        raise ValueError(f"--cp_dtensor.ulysses_degree ({section.ulysses_degree}) must divide the query heads "
-                         f"({heads}): each Ulysses rank takes n_heads / U of them (Note [Ulysses in torchtitan]). "
-                         f"Use a ulysses_degree that divides {heads}.")
+    first = getattr(config.model_spec.model, "first_attention", None)
+    heads = getattr(first, "n_heads", None)
+    kv_heads = getattr(first, "n_kv_heads", None) or heads
+    if tp > 1 and heads is not None and (heads % tp != 0 or kv_heads % tp != 0):
+        raise ValueError(f"--parallelism.tensor_parallel_degree ({tp}) must divide the query heads ({heads}) and the "
+                         f"K/V heads ({kv_heads}): each TP rank runs the ring on its own heads (Note [0.3 TP heads "
+                         "into the ring]). Use a tensor_parallel_degree that divides both.")
+    if section.ulysses_degree > 1 and heads is not None and (heads // tp) % section.ulysses_degree != 0:
+        held = f"({heads})" if tp == 1 else f"each TP rank holds ({heads} / TP {tp} = {heads // tp})"
+        raise ValueError(f"--cp_dtensor.ulysses_degree ({section.ulysses_degree}) must divide the query heads {held}: "
+                         "each Ulysses rank takes 1 / U of them (Note [Ulysses in torchtitan]). Use a ulysses_degree "
+                         f"that divides {heads // tp}.")
     unsupported = []
     if par.spmd_backend != BACKEND:
         unsupported.append(f'--parallelism.spmd_backend {par.spmd_backend} (cp_dtensor runs under "{BACKEND}", '
@@ -103,25 +114,31 @@ def check_config(config: Any, world_size: int) -> None:
                                'replaces "flex" and "varlen")')
         if is_hybrid(config.model_spec.model):  # Note [qwen3_5 under the 0.3 plugin]
             unsupported.extend(check_hybrid(config))
+    if tp > 1 and name in FAMILIES and name not in TP_FAMILIES:
+        why = ("its TP = 2 gradients differ from TP = 1 without CP too, e.g. the MoE layers' ffn_norm" if name != HYBRID
+               else "its Gated DeltaNet layers are not served under TP")
+        unsupported.append(f"--parallelism.tensor_parallel_degree > 1 with {name} ({why}; CP x TP is served for "
+                           f"{', '.join(TP_FAMILIES)})")
     if par.pipeline_parallel_degree > 1:
         unsupported.append("--parallelism.pipeline_parallel_degree > 1")
     if par.expert_parallel_degree > 1:
         unsupported.append("--parallelism.expert_parallel_degree > 1")
-    if tp > 1:
-        unsupported.append("--parallelism.tensor_parallel_degree > 1 (not yet on torchtitan 0.3)")
     if unsupported:
         raise ValueError("cp_dtensor context parallelism (torchtitan 0.3) does not support: " + "; ".join(unsupported)
                          + ". Change these or run torchtitan without the plugin.")
-    if cp == 1:
+    sp = tp if par.enable_sequence_parallel else 1  # sequence parallelism splits each CP rank's tokens over TP
+    if cp == 1 and sp == 1:
         return
-    unit = layout_unit(section.layout, cp)
+    unit = 1 if cp == 1 else layout_unit(section.layout, cp)
+    titan = sp * (1 if cp == 1 else 2 * cp)  # torchtitan's own rule (its Trainer checks it after the process group)
+    factors = " * ".join(([] if cp == 1 else ["2 * CP"]) + ([] if sp == 1 else ["TP (sequence parallelism)"]))
+    rules = ([] if cp == 1 else [f"the {section.layout} layout on {cp} CP ranks needs a multiple of {unit}"]) + [
+        f"torchtitan a multiple of {factors} = {titan}"]
     for what, seq_len in (("--training.seq_len", config.training.seq_len),
                           ("the validator's seq_len", getattr(config.validator, "seq_len", config.training.seq_len))):
-        if seq_len % unit != 0 or seq_len % (2 * cp) != 0:
-            need = max(unit, 2 * cp)
-            raise ValueError(f"{what} ({seq_len}) does not fit: the {section.layout} layout on {cp} CP ranks needs a "
-                             f"multiple of {unit} (and torchtitan a multiple of 2 * CP = {2 * cp}). Use a multiple "
-                             f"of {need}.")
+        if seq_len % unit != 0 or seq_len % titan != 0:
+            raise ValueError(f"{what} ({seq_len}) does not fit: {' and '.join(rules)}. Use a multiple of "
+                             f"{math.lcm(unit, titan)}.")
 
 
 def as_cp_config(config: Trainer.Config) -> CPTrainer.Config:
@@ -216,6 +233,24 @@ def _experts_return_input_dtype(model: nn.Module) -> int:
     return len(fixed)
 
 
+def _retie_after_parallelize(model: nn.Module) -> bool:
+    """Tied embeddings (qwen3) under TP: torchtitan 0.3's ``Module.parallelize`` gives ``tok_embeddings`` and
+    ``lm_head`` each a new DTensor parameter, and only its own weight init re-ties them -- which the plugin's
+    CPU init (``init_as_unsharded``) replaces; untied, a TP = 2 run trains two matrices (measured: qwen3 debug
+    CP = 2 x TP = 2, loss 7.2383 vs CP = 1 7.2120 at step 3). Re-tie right after ``parallelize``, before
+    FSDP groups them. Returns whether installed."""
+    if not getattr(model, "enable_weight_tying", False) or not hasattr(model, "parallelize"):
+        return False
+    parallelize = model.parallelize
+
+    def parallelize_and_retie(parallel_dims) -> None:
+        parallelize(parallel_dims)
+        model.tok_embeddings.weight = model.lm_head.weight  # both DTensors placed Shard(0) on the TP mesh
+
+    model.parallelize = parallelize_and_retie
+    return True
+
+
 def parallelize_with_ring(model: nn.Module, *, titan_fn, section: CPDTensor, parallel_dims, **kwargs) -> nn.Module:
     """``titan_fn`` (a family's own parallelize function) with the ring in place of its attention."""
     template = unsharded_template(model)  # CPU: Note [torchtitan 0.3 on CPU] 3
@@ -227,6 +262,8 @@ def parallelize_with_ring(model: nn.Module, *, titan_fn, section: CPDTensor, par
     if n := _experts_return_input_dtype(model):
         logger.info(f"cp_dtensor: {n} gpt_oss expert modules return their input's dtype (fp32 training)")
     cp_mesh = parallel_dims.get_mesh("cp") if parallel_dims.cp_enabled else None
+    if parallel_dims.tp_enabled:
+        _retie_after_parallelize(model)
     ring = apply_ring_attention(model, cp_mesh, section)
     model_config = model.config
     titan_module = sys.modules[titan_fn.__module__]
