@@ -53,7 +53,7 @@ from ..attention import ulysses_mesh, ulysses_shard_index
 from ..config import CPDTensor
 from ._cpu import experts_in_param_dtype
 from .attention import RingInnerAttention, ring_masks, shard_batch
-from .linear import apply_hybrid, check_hybrid, hybrid_masks, is_hybrid, without_cp
+from .linear import HYBRID, apply_hybrid, check_hybrid, hybrid_masks, is_hybrid, without_cp
 
 __all__ = ["FAMILIES", "CPTrainer", "as_cp_config", "check_config"]
 
