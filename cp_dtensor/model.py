@@ -31,19 +31,21 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
-from .attention import _ring_attention
-from .checks import check_cp_mesh
-from .layout import check_layout, check_seq_len, global_order, layout_unit, shard_tensor, unshard_tensor, wrap_dim
-from .placement import full_tensor
+from .core.attention import _ring_attention
+from .core.batch import document_ids_from_positions, shard_batch, unshard_batch
+from .core.checks import check_cp_mesh
+from .core.layout import check_layout
 
-__all__ = ["apply_context_parallel", "document_ids_from_positions", "shard_batch", "unshard_sequence", "reduce_gradients"]
+__all__ = [
+    "apply_context_parallel", "reduce_gradients",
+    "document_ids_from_positions", "shard_batch", "unshard_batch",  # from core.batch, here for the old module path
+]
 
 
 class _RingSDPA(TorchFunctionMode):
@@ -123,17 +125,17 @@ def apply_context_parallel(
     An SDPA call with an explicit ``attn_mask`` or dropout raises on every rank before any K/V moves.
     See Note [Module context parallel]. Returns ``model``, changed in place (forward hooks only).
 
-    A Hugging Face transformers model goes to ``cp_dtensor.hf.apply_context_parallel_hf`` instead: its
+    A Hugging Face transformers model goes to ``cp_dtensor.hf.apply_context_parallel`` instead: its
     masks come from what the model declares (windows per layer, sinks, padding, packed position ids),
     not from SDPA calls whose masks transformers built from local shapes.
     """
-    if _is_transformers_model(model):  # See Note [transformers under CP] in hf.py
+    if _is_transformers_model(model):  # See Note [transformers under CP] in hf/attention.py
         if window_size is not None:
             raise ValueError(f"a transformers model declares its own windows (config.sliding_window / layer_types); "
                              f"got window_size={window_size!r}. Drop window_size.")
-        from .hf import apply_context_parallel_hf  # transformers is installed: the model is one of its
+        from .hf import apply_context_parallel as apply_hf  # transformers is installed: the model is one of its
 
-        return apply_context_parallel_hf(model, cp_mesh, layout=layout, documents=documents)
+        return apply_hf(model, cp_mesh, layout=layout, documents=documents)
     check_cp_mesh(cp_mesh)
     check_layout(layout)
     if documents not in (None, "position_ids"):
@@ -152,48 +154,6 @@ def apply_context_parallel(
         m.register_forward_pre_hook(lambda *a, mode=mode: _enter(mode))
         m.register_forward_hook(lambda *a, mode=mode: _exit(mode), always_call=True)
     return model
-
-
-def document_ids_from_positions(positions: Tensor, cp_mesh: DeviceMesh, *, layout: str = "striped") -> Tensor:
-    """Document ids [B, S_local] of this rank's tokens from their position ids [B, S_local] (or [1, S_local])
-    that restart at 0 for every document: a document starts at every position 0 of the *global* sequence,
-    so one all-gather of the start flags (one byte per token) gives every rank the global count."""
-    check_cp_mesh(cp_mesh)
-    cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
-    starts = (positions == 0).to(torch.uint8).contiguous()  # [B, S_local]
-    every = funcol.all_gather_single(starts, gather_dim=0, group=cp_mesh).view(cp, *starts.shape)
-    b, s = starts.shape
-    full = torch.empty(b, cp * s, dtype=torch.int64, device=positions.device)
-    full[:, global_order(layout, cp, cp * s).to(positions.device)] = every.permute(1, 0, 2).reshape(b, cp * s).long()
-    ids = full.cumsum(1)
-    return shard_tensor(ids, dim=1, layout=layout, rank=rank, world=cp).contiguous()
-
-
-def shard_batch(cp_mesh: DeviceMesh, *tensors: Tensor, layout: str = "striped", seq_dim: int = 1) -> tuple[Tensor, ...]:
-    """This rank's share of each full tensor (inputs, labels, positions...), all sharded alike along
-    ``seq_dim`` in ``layout``. Every rank passes the same full tensors; no communication.
-
-        tokens, labels, positions = shard_batch(cp_mesh, tokens, labels, torch.arange(n).expand(b, n))
-    """
-    check_cp_mesh(cp_mesh)
-    cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
-    lengths = {t.shape[seq_dim] for t in tensors}
-    if len(lengths) != 1:
-        raise ValueError(f"shard_batch needs one sequence length along dim {seq_dim}; got {sorted(lengths)}.")
-    check_seq_len(layout, cp, lengths.pop(), fix=f"Pad the batch to a multiple of {layout_unit(layout, cp)}.")
-    return tuple(shard_tensor(t, dim=seq_dim, layout=layout, rank=rank, world=cp).contiguous() for t in tensors)
-
-
-def unshard_sequence(x: Tensor, cp_mesh: DeviceMesh | None = None, *, layout: str = "striped", dim: int = 1) -> Tensor:
-    """The full tensor, in original order, from every rank's local shard ``x`` (differentiable), or
-    from a sequence-sharded DTensor (then ``cp_mesh`` and ``layout`` are read from it)."""
-    if isinstance(x, DTensor):
-        return full_tensor(x)
-    check_cp_mesh(cp_mesh)
-    dim = wrap_dim(dim, x.dim())
-    cp = cp_mesh.size()
-    gathered = funcol.all_gather_single_autograd(x.contiguous(), gather_dim=dim, group=cp_mesh)
-    return unshard_tensor(list(gathered.chunk(cp, dim=dim)), dim=dim, layout=layout)
 
 
 @torch.no_grad()

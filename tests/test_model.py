@@ -12,8 +12,9 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.debug import CommDebugMode
 
-from cp_dtensor.dispatch import install_sdpa_dispatch
-from cp_dtensor.module import apply_context_parallel, reduce_gradients, shard_batch, unshard_sequence
+from cp_dtensor.core.batch import shard_batch, unshard_batch
+from cp_dtensor.dtensor.sdpa import install_sdpa_dispatch
+from cp_dtensor.model import apply_context_parallel, reduce_gradients
 from _dist import run_ranks
 from _ref import rel_err
 
@@ -98,7 +99,7 @@ def _check_training(rank: int, world: int) -> None:
         model = apply_context_parallel(copy.deepcopy(base), cp_mesh, layout=layout)
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         for step, (tokens, labels) in enumerate(batches):
-            tok, lab, pos = shard_batch(cp_mesh, tokens, labels, positions, layout=layout)
+            tok, lab, pos = shard_batch((tokens, labels, positions), cp_mesh, layout=layout)
             logits = model(tok, pos)
             loss = _loss(logits, lab, b * n)
             opt.zero_grad()
@@ -110,7 +111,7 @@ def _check_training(rank: int, world: int) -> None:
             assert abs(total.item() - ref_losses[step]) <= TOL * abs(ref_losses[step]), where
             for (name, p), want in zip(model.named_parameters(), ref_grads[step]):
                 assert rel_err(p.grad, want) <= TOL, f"{where} grad {name}: {rel_err(p.grad, want):.2e}"
-            full = unshard_sequence(logits.detach(), cp_mesh, layout=layout, dim=1)
+            full = unshard_batch(logits.detach(), cp_mesh, layout=layout)
             assert rel_err(full, ref_logits[step]) <= TOL, where
             opt.step()
 
@@ -164,13 +165,13 @@ def _check_packed(rank: int, world: int) -> None:
             for how in ("document_ids", "position_ids"):
                 model = apply_context_parallel(copy.deepcopy(base), mesh, layout=layout, window_size=window,
                                                documents="position_ids" if how == "position_ids" else None)
-                tok, lab, pos, lid = shard_batch(mesh, tokens, labels, positions, ids, layout=layout)
+                tok, lab, pos, lid = shard_batch((tokens, labels, positions, ids), mesh, layout=layout)
                 # the hook reads keyword arguments: positions by keyword for the position_ids path
                 logits = model(tok, pos, document_ids=lid) if how == "document_ids" else model(tok, positions=pos)
                 _loss(logits, lab, b * n).backward()
                 reduce_gradients(model, mesh)
                 where = f"P={world} {layout} {how} window={window}"
-                full = unshard_sequence(logits.detach(), mesh, layout=layout, dim=1)
+                full = unshard_batch(logits.detach(), mesh, layout=layout)
                 assert rel_err(full, ref_logits.detach()) <= TOL, where
                 for (name, p), want in zip(model.named_parameters(), ref.parameters()):
                     assert rel_err(p.grad, want.grad) <= TOL, f"{where} grad {name}"

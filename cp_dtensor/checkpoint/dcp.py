@@ -46,7 +46,7 @@ A save never writes into its target. ``save_sequence_sharded(state, path)`` (and
 whose target is ``root/step-N``) writes into ``path.tmp-<token>``, a fresh directory per save (rank 0
 draws the token and every rank learns it in the first agreement round). When every rank has written
 (DCP's save ends with a collective over all ranks' write results) and rank 0 has written the manifest
-(Note [Checkpoint manifest] in _manifest.py), rank 0 renames the directory to ``path`` and fsyncs the
+(Note [Checkpoint manifest] in checkpoint/manifest.py), rank 0 renames the directory to ``path`` and fsyncs the
 parent. A rename within one file system is atomic and fails when the target holds files, so:
 
 * a directory with a manifest is one complete save; a save killed at any point leaves at worst a
@@ -60,7 +60,7 @@ parent. A rename within one file system is atomic and fails when the target hold
   other's rename fails (or its temporary directory is removed under it by the winner's clean-up) and it
   raises ``CheckpointError`` saying so. Nothing is ever mixed.
 Assumes every rank sees the same file system (as DCP itself does). Errors: Note [Agreeing on checkpoint
-errors] in _agree.py.
+errors] in core/agreement.py.
 """
 
 from __future__ import annotations
@@ -79,14 +79,16 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor, Replicate
 
-from . import _manifest
-from ._agree import agreed, dcp_call, rank_world
-from ._compat import compute_local_shape_and_global_offset
-from ._manifest import STEP_DIR, CheckpointError, CheckpointExistsError
-from .placement import as_layout_placements, placement_layout
-from .relayout import box_placements, layout_moves, relayout
+from .._compat import compute_local_shape_and_global_offset
+from ..core.agreement import agreed as _agreed_on_every_rank
+from ..core.agreement import rank_world
+from ..dtensor.placements import as_layout_placements, placement_layout
+from ..dtensor.sharding import box_placements, layout_moves, relayout
+from . import manifest as _manifest
+from .manifest import STEP_DIR, CheckpointError, CheckpointExistsError
 
 __all__ = [
     "CheckpointError",
@@ -102,6 +104,29 @@ __all__ = [
 
 
 # ---- save / load of sequence-sharded state ----
+
+
+def _api_error(e: Exception, doing: str) -> Exception:
+    if isinstance(e, (ValueError, CheckpointError)):
+        return e
+    return CheckpointError(f"{type(e).__name__}: {e} (while {doing}).")
+
+
+def agreed(fn, doing: str, payload=lambda _: "") -> list[str]:
+    """``core.agreement.agreed`` with the checkpoints' errors: see Note [Agreeing on checkpoint errors]."""
+    return _agreed_on_every_rank(fn, doing, payload, wrap=_api_error,
+                                 kinds={"CheckpointExistsError": CheckpointExistsError, "": CheckpointError})
+
+
+def dcp_call(op: str, fn: Callable[[], Any], path: str) -> Any:
+    """``fn`` (a dcp.save / dcp.load), with DCP's CheckpointException re-raised as CheckpointError."""
+    try:
+        return fn()
+    except CheckpointException as e:
+        first, (exc, _) = min(e.failures.items(), key=lambda kv: kv[0])
+        raise CheckpointError(f"{type(exc).__name__}: {exc} (in dcp.{op} of {path}, rank(s) "
+                              f"{sorted(e.failures)}; rank {first}'s traceback is above).") from e
+
 
 def _sorted_items(state: Mapping[str, Any]) -> list[tuple[str, Any]]:
     return sorted(state.items())  # one collective order on every rank, whatever the dict order

@@ -1,5 +1,5 @@
 """The manifest of a sequence-sharded checkpoint: what a save wrote, and the local checks a load runs
-against it before DCP reads a byte. Pure file work, no collectives (checkpoint.py agrees on the
+against it before DCP reads a byte. Pure file work, no collectives (checkpoint/dcp.py agrees on the
 outcome across ranks).
 
 Note [Checkpoint manifest]

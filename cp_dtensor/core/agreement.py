@@ -1,5 +1,5 @@
-"""Checkpoint errors that every rank raises alike: one all-gather of a short string per phase, and
-DCP's failures re-raised as ``CheckpointError``. Used by checkpoint.py.
+"""Errors that every rank raises alike: one all-gather of a short string per phase. Used by the
+checkpoints (checkpoint/dcp.py, which re-raises DCP's failures as ``CheckpointError``).
 
 Note [Agreeing on checkpoint errors]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -20,9 +20,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
-
-from ._manifest import CheckpointError, CheckpointExistsError
 
 
 def rank_world() -> tuple[int, int]:
@@ -47,19 +44,18 @@ def _all_gather_strings(text: str) -> list[str]:
     return [b[: int(s)].cpu().numpy().tobytes().decode() for b, s in zip(bufs, sizes)]
 
 
-def _api_error(e: Exception, doing: str) -> Exception:
-    if isinstance(e, (ValueError, CheckpointError)):
-        return e
-    return CheckpointError(f"{type(e).__name__}: {e} (while {doing}).")
-
-
-def agreed(fn: Callable[[], Any], doing: str, payload: Callable[[Any], str] = lambda _: "") -> list[str]:
-    """Run ``fn`` here; raise on every rank if it raised on any; else every rank's ``payload(fn())``."""
+def agreed(fn: Callable[[], Any], doing: str, payload: Callable[[Any], str] = lambda _: "", *,
+           wrap: Callable[[Exception, str], Exception] = lambda e, doing: e,
+           kinds: dict[str, type[Exception]] | None = None) -> list[str]:
+    """Run ``fn`` here; raise on every rank if it raised on any; else every rank's ``payload(fn())``.
+    ``wrap(e, doing)``: the exception this rank raises for ``e``; ``kinds``: exception class names the
+    other ranks re-create (by the failing rank's class name; default ``RuntimeError``)."""
     err, text = None, ""
+    kinds = {"ValueError": ValueError, **(kinds or {})}
     try:
         text = "P" + payload(fn())
     except Exception as e:  # noqa: BLE001 -- handed to every rank below
-        err = _api_error(e, doing)
+        err = wrap(e, doing)
         text = f"E{type(err).__name__}\0{err}"
     texts = _all_gather_strings(text)
     rank, world = rank_world()
@@ -68,16 +64,6 @@ def agreed(fn: Callable[[], Any], doing: str, payload: Callable[[Any], str] = la
             if r == rank:
                 raise err
             kind, msg = t[1:].split("\0", 1)
-            cls = {"ValueError": ValueError, "CheckpointExistsError": CheckpointExistsError}.get(kind, CheckpointError)
+            cls = kinds.get(kind, kinds.get("", RuntimeError))
             raise cls(f"{msg} [rank {r} of {world}]")
     return [t[1:] for t in texts]
-
-
-def dcp_call(op: str, fn: Callable[[], Any], path: str) -> Any:
-    """``fn`` (a dcp.save / dcp.load), with DCP's CheckpointException re-raised as CheckpointError."""
-    try:
-        return fn()
-    except CheckpointException as e:
-        first, (exc, _) = min(e.failures.items(), key=lambda kv: kv[0])
-        raise CheckpointError(f"{type(exc).__name__}: {exc} (in dcp.{op} of {path}, rank(s) "
-                              f"{sorted(e.failures)}; rank {first}'s traceback is above).") from e

@@ -54,9 +54,10 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
 
-from ._compat import resolve_process_group
-from ._extras import installed, require
+from .._compat import resolve_process_group
+from .._extras import installed, require
 from .comm import all_gather_host, all_gather_objects, gather_ids, group_size, host_group
 from .layout import LAYOUTS, in_global_order, layout_unit
 from .wire import FINGERPRINT_INTS, KV_EXCHANGES
@@ -77,6 +78,9 @@ _COMM_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16, torch.float8
 
 def check_cp_mesh(cp_mesh) -> None:
     """The CP mesh of the module and transformers paths is 1-D (the same on every rank: raises alike)."""
+    if not isinstance(cp_mesh, DeviceMesh):
+        raise TypeError(f"the CP mesh must be a torch DeviceMesh; got {type(cp_mesh).__name__}. Make one with "
+                        'init_device_mesh(device_type, (cp,), mesh_dim_names=("cp",)), or pass world_mesh["cp"].')
     if cp_mesh.ndim != 1:
         raise ValueError(f"the CP mesh must be 1-D; got a {cp_mesh.ndim}-D mesh {cp_mesh.mesh_dim_names}. "
                          'Pass the CP dimension of a larger mesh, e.g. world_mesh["cp"].')
@@ -369,7 +373,7 @@ def agree(
 
     ``agreed``: the caller has just run :func:`check_ring_args` on these arguments (without the ids),
     and derived ``document_ids`` and ``error`` identically on every rank, the ids' global (min, max)
-    given here (hf.py): eager, the fingerprints are not gathered again."""
+    given here (hf/attention.py): eager, the fingerprints are not gathered again."""
     _check_member(groups, comm_dtype)
     err = error or local_error(
         q, k, v, layout, is_causal, scale, comm_dtype, document_ids, window_size, sinks, kv_exchange, ulysses

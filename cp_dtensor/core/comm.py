@@ -13,7 +13,7 @@ the collective, because a traced graph has no ``AsyncCollectiveTensor`` to wait 
 would serialise every ring step in the compiled graph. So under compile ``rotate`` issues the raw
 ``_c10d_functional.all_to_all_single`` (the op ``permute_tensor`` lowers to, same split sizes) and
 ``wait`` adds the only ``wait_tensor``: the graph then reads ``all_to_all_single(k/v of step t+1)
--> block_attn(step t) -> wait_tensor``. tests/test_compile.py checks that order in the FX graph and in
+-> block_attn(step t) -> wait_tensor``. tests/core/test_compile.py checks that order in the FX graph and in
 Inductor's code (with ``torch._inductor.config.reorder_for_peak_memory = False``; by default that pass
 may move a wait up). The backward re-sends K/V as eager does, one message a step (Note [Compiled
 backward re-sends K/V] and Note [One message per backward step] in ring.py). Eager mode is unchanged.
@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
-from ._compat import c10d_functional
+from .._compat import c10d_functional
 
 __all__ = [
     "RingComm", "all_gather", "all_gather_host", "all_gather_objects", "all_to_all", "gather_ids", "group_size",

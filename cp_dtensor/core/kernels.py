@@ -3,7 +3,7 @@
 Note [Kernel contracts]
 ~~~~~~~~~~~~~~~~~~~~~~~
 What each kernel accepts, read from its schema and PyTorch's kernel sources, and what the calls below
-guarantee (tests/test_cuda_paths.py runs the CUDA branches on CPU through strict stand-ins that
+guarantee (tests/core/test_cuda_paths.py runs the CUDA branches on CPU through strict stand-ins that
 assert exactly these contracts and compute by the textbook formula):
 
 * CPU ``_scaled_dot_product_flash_attention_for_cpu``: any strides; native GQA (Hq % Hkv == 0); an

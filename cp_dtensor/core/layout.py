@@ -41,7 +41,7 @@ This module is the one place that states the layout arithmetic every other modul
 divisibility rule (``layout_unit`` / ``check_seq_len``), the blocks each step keeps (``step_block``),
 their (query, key) pair counts (``step_pairs``) and the bytes of one K/V message (``payload_bytes``,
 the wire format of payload.py). Importing it does not import torch: the cost model behind
-``cp-dtensor plan`` (plan.py) uses it and starts without torch; the functions that build or cut
+``cp-dtensor plan`` (tools/plan.py) uses it and starts without torch; the functions that build or cut
 tensors import torch when called.
 """
 
@@ -49,6 +49,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from .._deprecated import seq_dim_argument
 
 if TYPE_CHECKING:
     import torch
@@ -139,11 +141,12 @@ def in_global_order(every: torch.Tensor, layout: str) -> torch.Tensor:
     return full
 
 
-def shard_tensor(x: torch.Tensor, *, dim: int, layout: str, rank: int, world: int) -> torch.Tensor:
-    """Rank ``rank``'s shard of the full tensor ``x`` along ``dim`` (a copy for striped/headtail)."""
+def shard_tensor(x: torch.Tensor, *, seq_dim: int | None = None, layout: str, rank: int, world: int,
+                 **deprecated) -> torch.Tensor:
+    """Rank ``rank``'s shard of the full tensor ``x`` along ``seq_dim`` (a copy for striped/headtail)."""
     import torch
 
-    dim = wrap_dim(dim, x.dim())
+    dim = wrap_dim(seq_dim_argument(seq_dim, deprecated, "cp_dtensor.shard_tensor"), x.dim())
     seq_len = x.shape[dim]
     s_local = check_seq_len(layout, world, seq_len)
     if layout == "contiguous":
@@ -156,12 +159,13 @@ def shard_tensor(x: torch.Tensor, *, dim: int, layout: str, rank: int, world: in
     return torch.cat([x.narrow(dim, rank * c, c), x.narrow(dim, tail * c, c)], dim=dim)
 
 
-def unshard_tensor(shards: list[torch.Tensor], *, dim: int, layout: str) -> torch.Tensor:
+def unshard_tensor(shards: list[torch.Tensor], *, seq_dim: int | None = None, layout: str,
+                   **deprecated) -> torch.Tensor:
     """Inverse of :func:`shard_tensor`: the full tensor from every rank's shard, in rank order."""
     import torch
 
     check_layout(layout)
-    dim = wrap_dim(dim, shards[0].dim())
+    dim = wrap_dim(seq_dim_argument(seq_dim, deprecated, "cp_dtensor.unshard_tensor"), shards[0].dim())
     if layout == "contiguous":
         return torch.cat(shards, dim=dim)
     if layout == "striped":
@@ -199,7 +203,7 @@ def step_block(layout: str, *, rank: int, src: int, world: int, s_local: int, is
             return _DIAG
         # See Note [Causal ring steps]: the striped shift.
         # k[:-1], not k[:s_local - 1]: a slice bound made from S_local would make torch.compile
-        # specialise on the sequence length (see tests/test_compile.py).
+        # specialise on the sequence length (see tests/core/test_compile.py).
         return Block(slice(1, None), slice(None, -1), True) if s_local > 1 else None
     c = s_local // 2
     if src < rank:

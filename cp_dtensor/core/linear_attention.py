@@ -74,7 +74,7 @@ one all-gather of a small int64 fingerprint over the CP group's host twin, then 
 
 *torch.compile* (not fullgraph): the checks and the agreement run eagerly (``torch.compiler.disable``:
 one graph break per call); the kernels, the differentiable all-gather and the fold are traced
-(tests/test_linear_attention.py, exhaustive tier: CP_DTENSOR_SLOW=all). Documents read host values: more breaks (not tested compiled).
+(tests/core/test_linear_attention.py, exhaustive tier: CP_DTENSOR_SLOW=all). Documents read host values: more breaks (not tested compiled).
 
 *fla's kernels* (``fla.ops.gated_delta_rule.chunk_gated_delta_rule``, ``fla.ops.kda.chunk_kda``) take
 [B, T, H, D], ``initial_state`` [B, H, dk, dv] and return the final state in fp32: the identity initial

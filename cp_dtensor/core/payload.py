@@ -8,7 +8,7 @@ is scaled by a power of two chosen with torchao's float8 scaling utilities (axis
 rounded down to a power of two) and saturated to float8. Only the scale's exponent travels, as one
 int8 per row (``layout.FP8_SCALE_BYTES``), so a row costs D + 1 bytes instead of D * itemsize
 (``layout.payload_bytes``, the one statement of the message size; the planner charges it, and
-tests/test_plan.py checks it against ``encode_kv``'s buffer): (D + 1) / (2 D) of the bf16 bytes
+tests/tools/test_plan.py checks it against ``encode_kv``'s buffer): (D + 1) / (2 D) of the bf16 bytes
 (0.508 at D = 64, 0.504 at D = 128). A power-of-two
 scale loses no precision (it only moves the exponent), so a row's relative error is float8's own:
 2^-4 for e4m3. The receiving rank dequantizes into the input dtype before the block's kernel.
@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from .comm import pack, unpack
-from .layout import FP8_SCALE_BYTES, payload_bytes  # the message size, stated once (torch-free, for plan.py)
+from .layout import FP8_SCALE_BYTES, payload_bytes  # the message size, stated once (torch-free, for tools/plan.py)
 
 __all__ = ["FP8_DTYPES", "FP8_SCALE_BYTES", "encode_kv", "decode_kv", "payload_bytes"]
 

@@ -42,7 +42,7 @@ sequence dim with another) reject -1 and raise; so do rules that rebuild the pla
 methods inside propagation, before we see the result (``expand`` of a head-tail tensor). ``distribute_tensor`` bypasses propagation and
 rebuilds a plain placement: it raises for ``HeadTail``; ``shard_sequence`` creates head-tail tensors.
 The wrap is installed when the first ``HeadTail`` is made (not at import: Note [SDPA dispatch] in
-dispatch.py says what the package patches, and when).
+dtensor/sdpa.py says what the package patches, and when).
 So head-tail is never silently wrong; where torch cannot carry it, it raises.
 """
 
@@ -55,8 +55,8 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from ._compat import DTensorSpec, _StridedShard, _StridedShardOffsetMode, wrap_sharding_propagation
-from .layout import check_seq_len, global_order, local_positions, shard_tensor
+from .._compat import DTensorSpec, _StridedShard, _StridedShardOffsetMode, wrap_sharding_propagation
+from ..core.layout import check_seq_len, global_order, local_positions, shard_tensor
 
 __all__ = [
     "HeadTail",
@@ -89,14 +89,14 @@ class HeadTail(_StridedShard):
         return f"HT({self.dim})"
 
     def _split_tensor(self, tensor, num_chunks, *, with_padding=True, contiguous=True):
-        shards = [shard_tensor(tensor, dim=self.dim, layout="headtail", rank=r, world=num_chunks)
+        shards = [shard_tensor(tensor, seq_dim=self.dim, layout="headtail", rank=r, world=num_chunks)
                   for r in range(num_chunks)]
         if contiguous:
             shards = [s.contiguous() for s in shards]
         return shards, ([0] * num_chunks if with_padding else [])
 
     def _select_split_tensor(self, tensor, num_chunks, index, *, with_padding=True, contiguous=True, clone=True):
-        return shard_tensor(tensor, dim=self.dim, layout="headtail", rank=int(index), world=num_chunks).contiguous()
+        return shard_tensor(tensor, seq_dim=self.dim, layout="headtail", rank=int(index), world=num_chunks).contiguous()
 
     def _replicate_to_strided_shard(self, local_tensor, mesh, mesh_dim, shard_index):
         return self._select_split_tensor(local_tensor, mesh.size(mesh_dim), shard_index)

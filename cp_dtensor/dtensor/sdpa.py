@@ -8,7 +8,7 @@ autograd node later calls the matching ``*_backward`` op. DTensor's op dispatche
 replace its handling of an op (``DTensor._op_dispatcher._custom_op_handlers``, as torch's experimental
 context parallel does); ``install_sdpa_dispatch`` registers one handler for all eight ops.
 
-The handler reads the layout from q's placements (see Note [Layout placements] in placement.py). When
+The handler reads the layout from q's placements (see Note [Layout placements] in dtensor/placements.py). When
 the sequence dim (2 of [B, H, S, D]) is sharded on one mesh dim, it runs ``ring_forward`` /
 ``ring_backward`` on the local shards over that mesh dim's process group and wraps the results with
 q's placements; the log-sum-exp it returns is ours too (fp32 [B, Hq, S]), so only our backward ever
@@ -21,7 +21,7 @@ Nothing is installed at import. ``install_sdpa_dispatch()`` (idempotent; ``unins
 undoes it) installs the handlers, the math op's kernel below, and the compile cache-key work-around
 (Note [Rank-specialised compiled graphs] in _compat.py: a torch bug that only the rank-specialised
 graphs of this dispatch expose). The entry points that make sequence-sharded DTensors call it:
-``shard_sequence``, ``relayout``, ``to_mesh`` and the checkpoint loads (relayout.py, checkpoint.py).
+``shard_sequence``, ``relayout``, ``to_mesh`` and the checkpoint loads (dtensor/sharding.py, checkpoint/dcp.py).
 DTensors built by hand with ``Striped`` / ``HeadTail`` / ``Shard(2)`` placements need the explicit call.
 ``HeadTail``'s propagation fix is installed by the first ``HeadTail`` (Note [HeadTail placement]).
 
@@ -56,7 +56,7 @@ DTensor handler replaces it), and its autograd formula calls the ``_backward`` o
 serves. So every backend choice runs the ring or raises the handler's ValueError (a mask, dropout or a
 ``dropout_mask``, Hq != Hkv without ``enable_gqa``) on every rank before any collective. The
 math op's second result (the attention weights, which a sequence-sharded call cannot have) is an
-empty placeholder; ``F.scaled_dot_product_attention`` never returns it. Tests: tests/test_cuda_paths.py
+empty placeholder; ``F.scaled_dot_product_attention`` never returns it. Tests: tests/core/test_cuda_paths.py
 (CPU: ``sdpa_kernel(MATH)``, ``no_grad``, inference mode, dropout, masks); scripts/gpu_check.py (every
 CUDA backend choice).
 """
@@ -70,7 +70,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from ._compat import (
+from .._compat import (
     DTensorSpec,
     TensorMeta,
     _StridedShard,
@@ -80,10 +80,10 @@ from ._compat import (
     redistribute_local_tensor,
     restore_cache_key,
 )
-from .checks import local_error
-from .layout import check_seq_len
-from .placement import as_layout_placements, install_headtail_propagation, placement_layout
-from .ring import ring_backward, ring_forward
+from ..core.checks import local_error
+from ..core.layout import check_seq_len
+from ..core.ring import ring_backward, ring_forward
+from .placements import as_layout_placements, install_headtail_propagation, placement_layout
 
 __all__ = ["install_sdpa_dispatch", "uninstall_sdpa_dispatch"]
 

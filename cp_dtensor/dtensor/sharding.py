@@ -3,7 +3,7 @@ CP sizes. Each entry point installs the SDPA-on-DTensor rule (``dispatch.install
 
 ``relayout``: between layouts on one mesh (striped <-> head-tail <-> contiguous) with one all-to-all per
 changed mesh dim and O(shard) buffers -- never the full tensor. Checkpoints use it to store every
-layout as contiguous boxes; see Note [Checkpointing layout shards] in checkpoint.py. ``to_mesh``: onto
+layout as contiguous boxes; see Note [Checkpointing layout shards] in checkpoint/dcp.py. ``to_mesh``: onto
 another mesh (another CP size) through the full tensor.
 """
 
@@ -19,12 +19,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from ._compat import _StridedShard
-from .dispatch import install_sdpa_dispatch
-from .layout import check_seq_len, local_positions, shard_tensor, wrap_dim
-from .placement import as_layout_placements, full_tensor, placement_layout, sequence_placement
+from .._compat import _StridedShard
+from .._deprecated import seq_dim_argument, warn_once
+from ..core.batch import unshard_batch
+from ..core.layout import check_seq_len, local_positions, shard_tensor, wrap_dim
+from .placements import as_layout_placements, full_tensor, placement_layout, sequence_placement
+from .sdpa import install_sdpa_dispatch
 
-__all__ = ["box_placements", "layout_moves", "relayout", "shard_sequence", "to_mesh"]
+__all__ = ["box_placements", "layout_moves", "relayout", "shard_sequence", "to_mesh", "unshard_sequence"]
 
 
 def _cp_mesh_dim(mesh: DeviceMesh, mesh_dim: int | str | None) -> int:
@@ -42,13 +44,15 @@ def _cp_mesh_dim(mesh: DeviceMesh, mesh_dim: int | str | None) -> int:
 
 
 def shard_sequence(
-    x: torch.Tensor, mesh: DeviceMesh, *, dim: int, layout: str = "striped", mesh_dim: int | str | None = None
+    x: torch.Tensor, mesh: DeviceMesh, *, seq_dim: int | None = None, layout: str = "striped",
+    mesh_dim: int | str | None = None, **deprecated,
 ) -> DTensor:
-    """Shard the full tensor ``x`` (the same on every rank) along ``dim`` in ``layout`` over the CP
+    """Shard the full tensor ``x`` (the same on every rank) along ``seq_dim`` in ``layout`` over the CP
     dimension ``mesh_dim`` of ``mesh`` (other mesh dims replicate). Local slicing, no communication.
-    ``full_tensor()`` gives ``x`` back in its original order."""
+    ``unshard_sequence`` (or ``full_tensor()``) gives ``x`` back in its original order."""
+    seq_dim = seq_dim_argument(seq_dim, deprecated, "cp_dtensor.shard_sequence")
     install_sdpa_dispatch()  # SDPA on what this returns runs the ring (idempotent); Note [SDPA dispatch]
-    dim, md = wrap_dim(dim, x.dim()), _cp_mesh_dim(mesh, mesh_dim)
+    dim, md = wrap_dim(seq_dim, x.dim()), _cp_mesh_dim(mesh, mesh_dim)
     cp = mesh.size(md)
     placement = sequence_placement(layout, dim, seq_len=x.shape[dim], cp=cp)
     placements = [Replicate()] * mesh.ndim
@@ -57,11 +61,29 @@ def shard_sequence(
     if coord is None:  # this rank is outside the mesh: an empty local shard, as DTensor does
         local = x.new_empty(0)
     else:
-        local = shard_tensor(x, dim=dim, layout=layout, rank=coord[md], world=cp).contiguous()
+        local = shard_tensor(x, seq_dim=dim, layout=layout, rank=coord[md], world=cp).contiguous()
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=x.shape, stride=x.stride())
 
 
-# ---- the O(shard) all-to-all between layouts; see Note [Checkpointing layout shards] in checkpoint.py ----
+
+def unshard_sequence(x: DTensor, *args, **kwargs) -> torch.Tensor:
+    """The full tensor, in original order, from a sequence-sharded DTensor (the inverse of
+    ``shard_sequence``; differentiable). (The old form ``unshard_sequence(local, cp_mesh, layout=, dim=)``
+    on a plain local shard still works, warning once: it is ``unshard_batch(local, cp_mesh, seq_dim=,
+    layout=)``.)"""
+    if isinstance(x, DTensor):
+        if args or kwargs:
+            raise TypeError("unshard_sequence(x) takes the DTensor alone: its mesh and layout are in its placements.")
+        return full_tensor(x)
+    warn_once("cp_dtensor.unshard_sequence(local_shard, cp_mesh, ...)",
+              "cp_dtensor.unshard_batch(local_shard, cp_mesh, seq_dim=..., layout=...)")
+    mesh = args[0] if args else kwargs.pop("cp_mesh", None)
+    if mesh is None:
+        raise TypeError("unshard_sequence of a plain local shard needs the CP mesh; use "
+                        "cp_dtensor.unshard_batch(local_shard, cp_mesh, seq_dim=..., layout=...).")
+    return unshard_batch(x, mesh, seq_dim=kwargs.get("dim", 1), layout=kwargs.get("layout", "striped"))
+
+# ---- the O(shard) all-to-all between layouts; see Note [Checkpointing layout shards] in checkpoint/dcp.py ----
 
 def _owners(layout: str, world: int, seq_len: int, positions: Tensor) -> Tensor:
     """The rank that holds each global position in ``layout`` (inverse of ``local_positions``)."""

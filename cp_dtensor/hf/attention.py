@@ -8,7 +8,7 @@ A transformers model builds its attention mask in the model's forward, from the 
 CP rank the *local* shard: a Mistral layer whose window is longer than S_local gets no mask and
 ``is_causal=True`` (plain causal where the window should cut), position ids that a layout interleaves
 look like packed sequences on some ranks only, left padding is visible only on the rank holding it.
-So the mask transformers builds is never used. ``apply_context_parallel_hf`` switches the model to the
+So the mask transformers builds is never used. ``cp_dtensor.hf.apply_context_parallel`` switches the model to the
 attention function ``"cp_dtensor"`` (registered with ``AttentionInterface``) and the mask function of
 the same name (``AttentionMaskInterface``), and each attention call rebuilds the mask from what holds
 for the *global* sequence:
@@ -45,18 +45,18 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ._extras import require
+from .._extras import require
 
 require("hf", "cp_dtensor.hf (transformers models under context parallelism)")
 
 from transformers import AttentionInterface  # noqa: E402
 from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
 
-from .attention import _ring_attention  # noqa: E402
-from .checks import check_cp_mesh, check_ring_args  # noqa: E402
-from .layout import check_layout, in_global_order, shard_tensor  # noqa: E402
+from ..core.attention import _ring_attention  # noqa: E402
+from ..core.checks import check_cp_mesh, check_ring_args  # noqa: E402
+from ..core.layout import check_layout, in_global_order, shard_tensor  # noqa: E402
 
-__all__ = ["apply_context_parallel_hf", "register", "shift_labels", "NAME"]
+__all__ = ["apply_context_parallel", "register", "shift_labels", "NAME"]
 
 NAME = "cp_dtensor"
 _UNSET = object()
@@ -225,7 +225,7 @@ def _documents(ctx: _Context, positions: Tensor, mask: Tensor | None, use_cache:
             return None, None
     rank, cp = ctx.mesh.get_local_rank(), ctx.mesh.size()
     ctx.id_range = (int(ids.min()), int(ids.max()))  # global: every rank derived the same ids
-    return shard_tensor(ids, dim=1, layout=ctx.layout, rank=rank, world=cp).contiguous(), None
+    return shard_tensor(ids, seq_dim=1, layout=ctx.layout, rank=rank, world=cp).contiguous(), None
 
 
 def cp_dtensor_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask,
@@ -236,7 +236,7 @@ def cp_dtensor_attention(module: nn.Module, query: Tensor, key: Tensor, value: T
     ctx: _Context | None = getattr(module, "_cp_dtensor_hf", None)
     if ctx is None:  # the same on every rank: no collective is pending
         raise ValueError("attn_implementation='cp_dtensor' needs the CP mesh: call "
-                         "cp_dtensor.hf.apply_context_parallel_hf(model, cp_mesh, layout=...) instead of setting it.")
+                         "cp_dtensor.hf.apply_context_parallel(model, cp_mesh, layout=...) instead of setting it.")
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     window, err = _window(module, sliding_window, causal)
     sinks = s_aux if s_aux is not None else getattr(module, "sinks", None)
@@ -294,7 +294,7 @@ def _top_level_error(model: nn.Module, args, kwargs) -> str | None:
     return None
 
 
-def apply_context_parallel_hf(
+def apply_context_parallel(
     model: nn.Module, cp_mesh: DeviceMesh, *, layout: str = "striped", documents: str | None = None,
 ) -> nn.Module:
     """Run a transformers model's attention as ring attention over ``cp_mesh`` (changes ``model`` in place).
@@ -313,12 +313,12 @@ def apply_context_parallel_hf(
 
     ``model.generate(...)`` then runs under CP as well, every rank passing the same full, unsharded inputs:
     a ring prefill into a sequence-sharded KV cache, then decoding from it (Note [generate() under CP] in
-    hf_generate.py).
+    hf/generate.py).
 
     Hybrid linear-attention models (Qwen3-Next, Qwen3.5, Kimi Linear: ``"linear_attention"`` in
     ``config.layer_types``) take ``layout="headtail"`` or ``"contiguous"`` (striped raises), run without a
     cache (``use_cache`` defaults to False; a cache or ``generate()`` raises), and keep packed documents apart
-    in their linear layers too: Note [Linear attention in transformers under CP] in hf_linear.py.
+    in their linear layers too: Note [Linear attention in transformers under CP] in hf/linear.py.
     """
     check_cp_mesh(cp_mesh)
     check_layout(layout)
@@ -327,7 +327,7 @@ def apply_context_parallel_hf(
     if getattr(model, "_cp_dtensor_hf", None) is not None or getattr(model, "_cp_dtensor_mode", None) is not None:
         raise ValueError("context parallelism was already applied to this model.")
     if not hasattr(model, "set_attn_implementation"):
-        raise ValueError(f"apply_context_parallel_hf takes a transformers PreTrainedModel; got {type(model).__name__}. "
+        raise ValueError(f"cp_dtensor.hf.apply_context_parallel takes a transformers PreTrainedModel; got {type(model).__name__}. "
                          "Use cp_dtensor.apply_context_parallel for other modules.")
     types = set()
     for config in _configs(model.config):  # layers that mix tokens outside attention would see their shard only
@@ -338,8 +338,8 @@ def apply_context_parallel_hf(
                          "parallelism runs full and sliding-window attention and the linear_attention layers of "
                          "Qwen3-Next, Qwen3.5 and Kimi Linear only. Run it without CP.")
     linear = None
-    if "linear_attention" in types:  # Note [Linear attention in transformers under CP] in hf_linear.py
-        from .hf_linear import linear_layers  # checks only: a refused model stays unchanged
+    if "linear_attention" in types:  # Note [Linear attention in transformers under CP] in hf/linear.py
+        from .linear import linear_layers  # checks only: a refused model stays unchanged
 
         linear = linear_layers(model, layout)
     register()
@@ -358,11 +358,11 @@ def apply_context_parallel_hf(
     model.register_forward_pre_hook(check, with_kwargs=True)
     model.register_forward_hook(lambda *_: setattr(ctx, "pending", None), always_call=True)  # this call's only
     if linear is not None:  # the linear layers' convolution and delta rule; no cache, no generate()
-        from .hf_linear import enable_linear
+        from .linear import enable_linear
 
         enable_linear(model, ctx, linear, lambda pos, mask, use_cache, b: _documents(ctx, pos, mask, use_cache, b))
         return model
-    from .hf_generate import enable_generate  # generate(): ring prefill, then a sequence-sharded KV cache
+    from .generate import enable_generate  # generate(): ring prefill, then a sequence-sharded KV cache
 
     enable_generate(model, ctx)
     return model

@@ -2,7 +2,7 @@
 
 Note [generate() under CP]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~
-After ``apply_context_parallel_hf(model, cp_mesh, layout=...)`` every rank calls ``model.generate(...)``
+After ``cp_dtensor.hf.apply_context_parallel(model, cp_mesh, layout=...)`` every rank calls ``model.generate(...)``
 with the same full inputs. The wrapper installed here checks the call on every rank (what it cannot
 serve raises on every rank before the first token, as do inputs that differ between ranks) and hands
 generate a :class:`ShardedCache` -- a transformers ``Cache`` whose layers hold only this rank's tokens:
@@ -11,7 +11,7 @@ generate a :class:`ShardedCache` -- a transformers ``Cache`` whose layers hold o
   layout unit (pad tokens masked: each its own document) and passes each rank its layout shard of
   input_ids, position_ids and the padding mask. The layers run on the shard; ``cache.update`` stores
   the shard's K/V (minus the internal pad columns) with their global positions (-1 for left padding)
-  and returns them for the ring (hf.py's attention function, no K/V all-gather). A hook after the base
+  and returns them for the ring (hf/attention.py's attention function, no K/V all-gather). A hook after the base
   model rebuilds only the hidden rows the LM head reads (``logits_to_keep``, 1 in generate) by one
   all-gather of [P, B, k, H], so every rank computes the same logits.
 * decode (T new tokens, the same on every rank): the layers run replicated; ``cache.update`` keeps each
@@ -21,7 +21,7 @@ generate a :class:`ShardedCache` -- a transformers ``Cache`` whose layers hold o
   one all-gather of B * Hq * T * (Dv + 1) fp32 values per layer, bit-identical outputs on every rank,
   hence identical logits, sampling (same seed) and EOS decisions: every rank stops at the same step.
 
-Windows and sinks come from the layer as in Note [transformers under CP] (hf.py); masks are by the
+Windows and sinks come from the layer as in Note [transformers under CP] (hf/attention.py); masks are by the
 positions generate computes (``cumsum(attention_mask) - 1``), which equal transformers' column rule for
 left padding. Keys outside a sliding window stay in the cache (masked, not dropped).
 """
@@ -31,15 +31,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ._extras import require
+from .._extras import require
 
-require("hf", "cp_dtensor.hf_generate (transformers generate() under context parallelism)")
+require("hf", "cp_dtensor.hf (transformers generate() under context parallelism)")
 
 from transformers.cache_utils import Cache, CacheLayerMixin  # noqa: E402
 
-from .comm import all_gather, all_gather_objects, host_group, wait  # noqa: E402
-from .decode import attend, digest, local_error  # noqa: E402
-from .layout import global_order, layout_unit, shard_tensor  # noqa: E402
+from ..core.comm import all_gather, all_gather_objects, host_group, wait  # noqa: E402
+from ..core.decode import attend, digest, local_error  # noqa: E402
+from ..core.layout import global_order, layout_unit, shard_tensor  # noqa: E402
 
 __all__ = ["ShardedCache", "ShardedCacheLayer", "cache_bytes", "enable_generate"]
 
@@ -186,7 +186,7 @@ def _base_pre_hook(ctx, module, args, kwargs):
         unit = layout_unit(ctx.layout, cp)
         pad = -n % unit
         padded = lambda x, v: torch.nn.functional.pad(x, (0, pad), value=v)  # noqa: E731
-        shard = lambda x: shard_tensor(x, dim=1, layout=ctx.layout, rank=rank, world=cp).contiguous()  # noqa: E731
+        shard = lambda x: shard_tensor(x, seq_dim=1, layout=ctx.layout, rank=rank, world=cp).contiguous()  # noqa: E731
         cols = shard(torch.arange(n + pad, device=ids.device)[None])[0]  # global columns held here
         keep = torch.nonzero(cols < n).flatten()
         kpos = shard(padded(pos.masked_fill(~real, -1), -1)).index_select(1, keep)
@@ -320,7 +320,7 @@ def _generate_error(model, args, kwargs) -> tuple[str | None, tuple]:
 
 
 def enable_generate(model: nn.Module, ctx) -> None:
-    """Install the generate() support on a model that ``apply_context_parallel_hf`` has prepared."""
+    """Install the generate() support on a model that ``cp_dtensor.hf.apply_context_parallel`` has prepared."""
     ctx.step, ctx.cache, ctx.prompt, ctx.held, ctx.keep_logits = None, None, None, None, 0
     base = model.base_model
     base.register_forward_pre_hook(lambda m, a, k: _base_pre_hook(ctx, m, a, k), with_kwargs=True)

@@ -1,7 +1,7 @@
 """transformers' hybrid linear-attention models under CP: Qwen3-Next, Qwen3.5 (dense, MoE), Kimi Linear.
 
-Every touch of transformers' linear-attention internals is here, in ``FAMILIES`` (tests/test_hf_linear.py
-checks that each symbol still exists). hf.py calls :func:`linear_layers` (checks only) before it changes
+Every touch of transformers' linear-attention internals is here, in ``FAMILIES`` (tests/hf/test_hf_linear.py
+checks that each symbol still exists). hf/attention.py calls :func:`linear_layers` (checks only) before it changes
 the model, then :func:`enable_linear`.
 
 Note [Linear attention in transformers under CP]
@@ -22,7 +22,7 @@ otherwise run on its shard alone).
 Documents. The linear layers see neither position_ids nor the 2-D padding mask (transformers passes them
 ``create_recurrent_attention_mask``'s local view, None on a rank whose shard has no padding), so a
 pre-hook on the base model keeps the call's position_ids, attention_mask and document_ids, and the
-first linear layer of each call derives the documents from the *global* view by hf.py's rule (Note
+first linear layer of each call derives the documents from the *global* view by hf/attention.py's rule (Note
 [transformers under CP]: padding from the mask, else packed sequences from the position ids, or
 ``document_ids=``), after agreeing on the call across ranks; the later layers and activation
 checkpointing's recomputation reuse them until the next call. That derivation gathers the global
@@ -30,7 +30,7 @@ positions and mask (O(N) int64s); the agreement's gather also carries, per run o
 positions are consecutive and their first and last values per row, and whether the mask is all ones, and
 when those prove a single document per row (no mask and positions consecutive across the runs in global
 order, or every mask all ones -- the common case) the O(N) gather is skipped: then an all-linear model
-sends per call bytes independent of the sequence length (tests/test_hf_linear.py counts them). The
+sends per call bytes independent of the sequence length (tests/hf/test_hf_linear.py counts them). The
 recurrent state restarts at each document and the convolution does not reach across one, as fla's
 kernels run packed sequences (``cu_seqlens``). transformers' torch fallback runs packed sequences as one
 sequence (it cannot keep them apart); under CP they are kept apart. Padding: transformers zeroes the pad tokens' hidden states
@@ -57,13 +57,13 @@ from typing import NamedTuple
 
 from torch import Tensor, nn
 
-from ._extras import require
+from .._extras import require
 
-require("hf", "cp_dtensor.hf_linear (hybrid linear-attention transformers models under context parallelism)")
+require("hf", "cp_dtensor.hf (hybrid linear-attention transformers models under context parallelism)")
 
-from .comm import all_gather_objects, host_group  # noqa: E402
-from .layout import check_layout  # noqa: E402
-from .linear_attention import _owner, _run_starts, check_linear_layout, sharded_causal_conv1d, sharded_delta_rule  # noqa: E402, I001
+from ..core.comm import all_gather_objects, host_group  # noqa: E402
+from ..core.layout import check_layout  # noqa: E402
+from ..core.linear_attention import _owner, _run_starts, check_linear_layout, sharded_causal_conv1d, sharded_delta_rule  # noqa: E402, I001
 
 __all__ = ["FAMILIES", "enable_linear", "linear_layers"]
 
@@ -137,10 +137,10 @@ def linear_layers(model: nn.Module, layout: str) -> list[tuple[nn.Module, Family
 
 
 class _Hybrid:
-    """Per model: the hf.py context, this call's inputs, the error found at its start, its documents."""
+    """Per model: the hf/attention.py context, this call's inputs, the error found at its start, its documents."""
 
     def __init__(self, ctx, derive):
-        self.ctx, self.derive = ctx, derive  # derive(positions, mask, use_cache, b) -> (ids, error): hf.py's rule
+        self.ctx, self.derive = ctx, derive  # derive(positions, mask, use_cache, b) -> (ids, error): hf/attention.py's rule
         self.call: dict | None = None  # position_ids, attention_mask, document_ids of the base model's call
         self.pending: str | None = None
         self.docs: tuple[Tensor | None] | None = None  # this call's documents, once derived
@@ -285,7 +285,7 @@ def _start(hybrid: _Hybrid, hidden, kwargs) -> None:
     elif err is not None:
         raise ValueError(err)
     ids = call["document_ids"]
-    if ids is None and not one_document:  # the global view: O(N) ids gathered (hf.py's rule)
+    if ids is None and not one_document:  # the global view: O(N) ids gathered (hf/attention.py's rule)
         pos = call["position_ids"]
         ids, err = hybrid.derive(pos[0] if pos.dim() == 3 else pos, call["attention_mask"], False, hidden.shape[0])
         if err is not None:  # derived from the global view: the same on every rank
@@ -370,7 +370,7 @@ def _install(fam: Family) -> None:
 
 def enable_linear(model: nn.Module, ctx, layers: list[tuple[nn.Module, Family]], derive) -> None:
     """Serve the linear layers found by :func:`linear_layers` under CP (model changed in place);
-    ``derive(positions, mask, use_cache, b)`` is hf.py's document rule. See Note [Linear attention in
+    ``derive(positions, mask, use_cache, b)`` is hf/attention.py's document rule. See Note [Linear attention in
     transformers under CP]."""
     hybrid = _Hybrid(ctx, derive)
     for fam in {fam for _, fam in layers}:

@@ -11,7 +11,7 @@ from collections import Counter
 
 import torch.distributed as dist
 
-from ._compat import TorchDispatchMode, c10d_functional, resolve_process_group
+from .._compat import TorchDispatchMode, c10d_functional, resolve_process_group
 
 __all__ = ["CommBytes"]
 

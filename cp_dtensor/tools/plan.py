@@ -73,9 +73,9 @@ import math
 import re
 from dataclasses import asdict, dataclass, field, replace
 
-from . import masks
-from .layout import check_layout, check_seq_len, layout_unit, payload_bytes, step_pairs
-from .wire import ulysses_a2a_bytes
+from ..core import masks
+from ..core.layout import check_layout, check_seq_len, layout_unit, payload_bytes, step_pairs
+from ..core.wire import ulysses_a2a_bytes
 
 __all__ = [
     "DTYPE_BYTES",

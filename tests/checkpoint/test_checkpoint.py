@@ -1,6 +1,6 @@
 """Checkpoints across CP sizes and layouts, crash safety, integrity (missing, extra, stale, truncated and
 corrupted files; concurrent saves), and HF safetensors export -- checked against index formulas written
-out here, the original tensors, hashlib, and a CP=1 model, never against checkpoint.py."""
+out here, the original tensors, hashlib, and a CP=1 model, never against checkpoint/dcp.py."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from cp_dtensor.checkpoint import (
+from cp_dtensor.checkpoint.dcp import (
     CheckpointError,
     CheckpointExistsError,
     export_hf_safetensors,
@@ -38,8 +38,8 @@ from cp_dtensor.checkpoint import (
     save_checkpoint,
     save_sequence_sharded,
 )
-from cp_dtensor.placement import HeadTail, sequence_placement
-from cp_dtensor.relayout import shard_sequence
+from cp_dtensor.dtensor.placements import HeadTail, sequence_placement
+from cp_dtensor.dtensor.sharding import shard_sequence
 from _dist import RankFailure, run_ranks
 from _titan_run import titan_version
 
@@ -91,7 +91,7 @@ class PeakLocalNumel(TorchDispatchMode):
 
 def _save_at_4(rank: int, world: int, path: str) -> None:
     mesh = init_device_mesh("cpu", (world,))
-    state = {f"kv.{layout}": shard_sequence(data(i), mesh, dim=SEQ_DIM, layout=layout)
+    state = {f"kv.{layout}": shard_sequence(data(i), mesh, seq_dim=SEQ_DIM, layout=layout)
              for i, layout in enumerate(LAYOUTS)}
     state["bias"] = torch.arange(8.0)  # a plain tensor, replicated
     mesh2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
@@ -178,7 +178,7 @@ def _save_step(rank: int, world: int, root: str, step: int, seed: int, victim: i
                 f.write(str(os.getpid()))
             time.sleep(60)
         os.fsync = stall  # forked rank: patches this process only
-    save_checkpoint({"kv": shard_sequence(data(seed), mesh, dim=SEQ_DIM, layout="striped")}, root, step=step)
+    save_checkpoint({"kv": shard_sequence(data(seed), mesh, seq_dim=SEQ_DIM, layout="striped")}, root, step=step)
 
 
 def _resume(rank: int, world: int, root: str) -> None:
@@ -187,7 +187,7 @@ def _resume(rank: int, world: int, root: str) -> None:
     got = load_sequence_sharded(latest_checkpoint(root), {"kv": like(mesh, "headtail")})["kv"]
     assert torch.equal(got.to_local(), expected_local(data(1), "headtail", rank, world))
     # the next save of step 2 replaces the partial one and commits
-    save_checkpoint({"kv": shard_sequence(data(2), mesh, dim=SEQ_DIM, layout="headtail")}, root, step=2)
+    save_checkpoint({"kv": shard_sequence(data(2), mesh, seq_dim=SEQ_DIM, layout="headtail")}, root, step=2)
     assert latest_checkpoint(root) == os.path.join(root, "step-2")
     got = load_sequence_sharded(latest_checkpoint(root), {"kv": like(mesh, "striped")})["kv"]
     assert torch.equal(got.to_local(), expected_local(data(2), "striped", rank, world))
@@ -260,7 +260,7 @@ def _damage_cases(rank: int, world: int, root: str) -> None:
     mesh = init_device_mesh("cpu", (world,))
     for beside in (False, True):  # the issue's striped tensor alone, and with a replicated one beside it
         base = os.path.join(root, f"base{int(beside)}")
-        state = {"x": shard_sequence(data(0), mesh, dim=SEQ_DIM, layout="striped")}
+        state = {"x": shard_sequence(data(0), mesh, seq_dim=SEQ_DIM, layout="striped")}
         target = {"x": like(mesh, "headtail")}
         if beside:
             state["w"], target["w"] = torch.arange(8.0), torch.empty(8)
@@ -309,7 +309,7 @@ def _damage_cases(rank: int, world: int, root: str) -> None:
                        checksums=False)
     # the same checks with the faster crc32
     base = os.path.join(root, "crc32")
-    save_sequence_sharded({"x": shard_sequence(data(0), mesh, dim=SEQ_DIM, layout="striped")}, base, checksum="crc32")
+    save_sequence_sharded({"x": shard_sequence(data(0), mesh, seq_dim=SEQ_DIM, layout="striped")}, base, checksum="crc32")
     case = _replica(base, os.path.join(root, "crc32-flipped"), rank, _flip(SHARDS[0]))
     _raises_everywhere("fails its crc32 check", case, {"x": like(mesh, "striped")})
     # a shape that does not match the save, and a key it does not hold: ValueError, also on every rank
@@ -325,7 +325,7 @@ def test_damaged_checkpoints_raise_on_every_rank(tmp_path):
 
 def _save_seed(rank: int, world: int, path: str, seed: int) -> None:
     mesh = init_device_mesh("cpu", (world,))
-    x = shard_sequence(data(seed), mesh, dim=SEQ_DIM, layout="striped")
+    x = shard_sequence(data(seed), mesh, seq_dim=SEQ_DIM, layout="striped")
     if world == 1:  # the issue's stale-directory case: a P=1 save onto a P=2 one
         with pytest.raises(CheckpointExistsError, match="already holds files; pass overwrite=True") as e:
             save_sequence_sharded({"x": x}, path)
@@ -353,7 +353,7 @@ def test_save_into_a_used_directory_refuses_or_replaces(tmp_path):
 
 def _failing_rank(rank: int, world: int, root: str) -> None:
     mesh = init_device_mesh("cpu", (world,))
-    x = shard_sequence(data(0), mesh, dim=SEQ_DIM, layout="striped")
+    x = shard_sequence(data(0), mesh, seq_dim=SEQ_DIM, layout="striped")
     # a bad argument on one rank only: both raise ValueError, neither waits in a collective
     with pytest.raises(ValueError, match="saves tensors only"):
         save_sequence_sharded({"x": x, "step": 3 if rank == 1 else torch.ones(1)}, os.path.join(root, "a"))
@@ -378,7 +378,7 @@ def test_failures_raise_on_every_rank_cause_first(tmp_path):
 
 def _racing_save(rank: int, world: int, root: str, seed: int, go: str) -> str:
     mesh = init_device_mesh("cpu", (world,))
-    x = shard_sequence(data(seed), mesh, dim=SEQ_DIM, layout="striped")
+    x = shard_sequence(data(seed), mesh, seq_dim=SEQ_DIM, layout="striped")
     open(f"{go}.{seed}.{rank}", "w").close()  # start together with the other job's ranks
     while len([n for n in os.listdir(os.path.dirname(go)) if n.startswith(os.path.basename(go) + ".")]) < 4:
         time.sleep(0.005)
@@ -482,12 +482,12 @@ def _export_and_ring(rank: int, world: int, path: str) -> None:
         assert torch.equal(target.state_dict()[k], v), k
 
     positions = torch.arange(TOKENS.shape[1]).expand_as(TOKENS)
-    tokens, pos = cp_dtensor.shard_batch(mesh, TOKENS, positions, layout="headtail")
+    tokens, pos = cp_dtensor.shard_batch((TOKENS, positions), mesh, layout="headtail")
     logits = []
     for model in (source, target):
         cp_dtensor.apply_context_parallel(model, mesh, layout="headtail")
         with torch.no_grad():
-            logits.append(cp_dtensor.unshard_sequence(model(tokens, positions=pos), mesh, layout="headtail"))
+            logits.append(cp_dtensor.unshard_batch(model(tokens, positions=pos), mesh, layout="headtail"))
     assert torch.equal(logits[0], logits[1])  # identical weights, identical ring
     torch.testing.assert_close(logits[1], want, rtol=1e-5, atol=1e-5)  # and the ring is the model
 

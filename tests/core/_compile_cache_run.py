@@ -1,4 +1,4 @@
-"""One run of the warm-cache check (tests/test_compile_cache.py runs this script twice, as fresh processes
+"""One run of the warm-cache check (tests/core/test_compile_cache.py runs this script twice, as fresh processes
 sharing one TORCHINDUCTOR_CACHE_DIR).
 
     python tests/_compile_cache_run.py OUT_DIR WORLD CASE[,CASE...]     # CASE: path/layout, e.g. local/striped
@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: _dist
 
 _COUNTERS = ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass",
              "autograd_cache_hit", "autograd_cache_miss", "autograd_cache_bypass")
@@ -38,8 +38,8 @@ class _SDPA(torch.nn.Module):
 
 def _case(path: str, layout: str, rank: int, world: int, mesh) -> float:
     import cp_dtensor
-    from cp_dtensor.layout import shard_tensor
-    from cp_dtensor.placement import full_tensor
+    from cp_dtensor.core.layout import shard_tensor
+    from cp_dtensor.dtensor.placements import full_tensor
     from _ref import make_qkv, reference, rel_err
 
     q, k, v, do = make_qkv(7, 2, 4, 2, 8 * world, 16)  # [B, H, N, D], N = 8 per rank (headtail: 2 chunks of 4)
@@ -48,7 +48,7 @@ def _case(path: str, layout: str, rank: int, world: int, mesh) -> float:
         attn = _SDPA()
 
         def shard(x):
-            return cp_dtensor.shard_sequence(x.float(), mesh, dim=2, layout=layout)
+            return cp_dtensor.shard_sequence(x.float(), mesh, seq_dim=2, layout=layout)
 
         unshard = full_tensor
     else:
@@ -60,7 +60,7 @@ def _case(path: str, layout: str, rank: int, world: int, mesh) -> float:
             attn = cp_dtensor.apply_context_parallel(_SDPA(), mesh, layout=layout)
 
         def shard(x):
-            return shard_tensor(x.float(), dim=2, layout=layout, rank=rank, world=world)
+            return shard_tensor(x.float(), seq_dim=2, layout=layout, rank=rank, world=world)
 
         want = [shard(w).double() for w in want]
         unshard = torch.Tensor.detach
@@ -81,7 +81,7 @@ def _rank(rank: int, world: int, init: str, out_dir: str, cases: list[str]) -> N
     import cp_dtensor
 
     mesh = init_device_mesh("cpu", (world,))
-    report = {"dtensor_cache_hash": cp_dtensor.shard_sequence(torch.zeros(1, 1, 2 * world, 1), mesh, dim=2)
+    report = {"dtensor_cache_hash": cp_dtensor.shard_sequence(torch.zeros(1, 1, 2 * world, 1), mesh, seq_dim=2)
               ._stable_hash_for_caching()}
     for case in cases:
         torch._dynamo.reset()  # cases share code objects (_SDPA.forward): no guard or dynamic-shape state carries over

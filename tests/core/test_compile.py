@@ -27,8 +27,8 @@ from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.graph import GraphLowering
 
 import cp_dtensor
-from cp_dtensor.layout import shard_tensor
-from cp_dtensor.ops import block_attn, block_attn_backward, block_attn_backward_into_
+from cp_dtensor.core.layout import shard_tensor
+from cp_dtensor.core.ops import block_attn, block_attn_backward, block_attn_backward_into_
 from _dist import run_ranks
 from _ref import make_qkv, reference, rel_err
 
@@ -162,7 +162,7 @@ def _shards(rank, world, layout, seed, hq, hkv, s_local, d=16):
     q, k, v, do = make_qkv(seed, 2, hq, hkv, s_local * world, d)
 
     def shard(x):
-        return shard_tensor(x, dim=2, layout=layout, rank=rank, world=world).float()
+        return shard_tensor(x, seq_dim=2, layout=layout, rank=rank, world=world).float()
 
     return (q, k, v, do), [shard(x).requires_grad_() for x in (q, k, v)], shard
 
@@ -228,7 +228,7 @@ def _compile_p2(rank, world):
     # 4. F.scaled_dot_product_attention on sequence-sharded DTensors (the SDPA dispatch rule).
     from torch.distributed.device_mesh import init_device_mesh
 
-    from cp_dtensor.placement import full_tensor
+    from cp_dtensor.dtensor.placements import full_tensor
 
     mesh = init_device_mesh("cpu", (world,))
     be4 = _Inductor()
@@ -237,10 +237,10 @@ def _compile_p2(rank, world):
     for seed in (20, 21):  # new values, same shapes: no recompile
         q, k, v, do = make_qkv(seed, 2, 4, 2, 8 * world, 16)
         want = reference(q, k, v, do, is_causal=True)
-        dq, dk, dv = (cp_dtensor.shard_sequence(x.float(), mesh, dim=2).requires_grad_() for x in (q, k, v))
+        dq, dk, dv = (cp_dtensor.shard_sequence(x.float(), mesh, seq_dim=2).requires_grad_() for x in (q, k, v))
         with torch._functorch.config.patch(enable_autograd_cache=False):
             out = sdpa(dq, dk, dv)
-            out.backward(cp_dtensor.shard_sequence(do.float(), mesh, dim=2))
+            out.backward(cp_dtensor.shard_sequence(do.float(), mesh, seq_dim=2))
         assert out.placements == dq.placements and dq.grad.placements == dq.placements
         for name, a, b in zip(("out", "dq", "dk", "dv"), (out, dq.grad, dk.grad, dv.grad), want):
             assert rel_err(full_tensor(a), b) <= TOL, f"DTensor SDPA {name}: {rel_err(full_tensor(a), b):.2e}"

@@ -21,8 +21,8 @@ from torch._inductor.graph import GraphLowering
 from torch.distributed.device_mesh import init_device_mesh
 
 import cp_dtensor
-from cp_dtensor.debug import CommBytes
-from cp_dtensor.layout import shard_tensor
+from cp_dtensor.core.layout import shard_tensor
+from cp_dtensor.tools.debug import CommBytes
 from _dist import run_ranks
 from _ref import make_qkv, reference, rel_err
 
@@ -38,7 +38,7 @@ def _ids(rank: int, world: int, s_local: int, *, bad: bool) -> torch.Tensor:
     ids = torch.arange(n).div(3, rounding_mode="floor").view(1, n)
     if bad:
         ids = ids.flip(1)
-    return shard_tensor(ids, dim=1, layout="striped", rank=rank, world=world).contiguous()
+    return shard_tensor(ids, seq_dim=1, layout="striped", rank=rank, world=world).contiguous()
 
 
 # (name, fault: rank -> (S_local, ring_attention keywords, document_ids bad?), words of the message)
@@ -143,7 +143,7 @@ def _faults(rank, world, backends, faults, mesh_shape):
     torch._dynamo.reset()
     q, k, v, _ = make_qkv(7, 1, 2, 2, 8 * world, 8)
     want = reference(q, k, v, torch.zeros_like(q), is_causal=True)[0]
-    shard = lambda x: shard_tensor(x, dim=2, layout="striped", rank=rank, world=world).float().contiguous()  # noqa: E731
+    shard = lambda x: shard_tensor(x, seq_dim=2, layout="striped", rank=rank, world=world).float().contiguous()  # noqa: E731
     f = torch.compile(lambda q, k, v: cp_dtensor.ring_attention(q, k, v, is_causal=True, group=group),
                       backend=backends[0], fullgraph=True)
     err = rel_err(f(shard(q), shard(k), shard(v)), shard(want))

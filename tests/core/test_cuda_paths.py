@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 import cp_dtensor
-import cp_dtensor.kernels as kernels
-from cp_dtensor.layout import shard_tensor
+import cp_dtensor.core.kernels as kernels
+from cp_dtensor.core.layout import shard_tensor
 from _dist import run_ranks
 from _ref import abs_rel_err, masked_reference
 
@@ -247,7 +247,7 @@ def _ring_cases(rank, world):
             want = masked_reference(q, k, v, do, is_causal=causal, **opts)
 
             def shard(x, dim=2):
-                return shard_tensor(x, dim=dim, layout=layout, rank=rank, world=world)
+                return shard_tensor(x, seq_dim=dim, layout=layout, rank=rank, world=world)
 
             ql, kl, vl = (shard(x).to(dtype).requires_grad_() for x in (q, k, v))
             kw = {}
@@ -311,7 +311,7 @@ def _varlen_cases(rank, world):
         want = masked_reference(q, k, v, do, is_causal=True, document_ids=ids, window_size=window)
 
         def shard(x, dim=2):
-            return shard_tensor(x, dim=dim, layout=layout, rank=rank, world=world)
+            return shard_tensor(x, seq_dim=dim, layout=layout, rank=rank, world=world)
 
         ql, kl, vl = (shard(x).to(torch.bfloat16).requires_grad_() for x in (q, k, v))
         with _as_cuda(standin):
@@ -370,7 +370,7 @@ def test_standin_rejects_a_strided_lse():
 
 # ---------------------------------------------------------------------------------------------------
 # The SDPA math path on sequence-sharded DTensors: the ring or a ValueError, never a silent all-gather.
-# See Note [SDPA math path] in dispatch.py. On CPU the math kernel is chosen by sdpa_kernel(MATH) and by
+# See Note [SDPA math path] in dtensor/sdpa.py. On CPU the math kernel is chosen by sdpa_kernel(MATH) and by
 # dropout; on CUDA also by fp32 with GQA, fp64 and head sizes no fused kernel takes.
 
 
@@ -387,8 +387,8 @@ def _math_cases(rank, world):
     from torch.distributed.tensor.debug import CommDebugMode
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from cp_dtensor.placement import full_tensor
-    from cp_dtensor.relayout import shard_sequence
+    from cp_dtensor.dtensor.placements import full_tensor
+    from cp_dtensor.dtensor.sharding import shard_sequence
     from _ref import make_qkv, reference, rel_err
 
     mesh = init_device_mesh("cpu", (world,))
@@ -407,7 +407,7 @@ def _math_cases(rank, world):
                 q, k, v, do = make_qkv(case, 2, hq, hkv, 4 * world, 8)
                 want = reference(q, k, v, do, is_causal=is_causal, scale=scale)
                 grad = mode == "math"
-                xs = [shard_sequence(x, mesh, dim=2, layout=layout).requires_grad_(grad) for x in (q, k, v)]
+                xs = [shard_sequence(x, mesh, seq_dim=2, layout=layout).requires_grad_(grad) for x in (q, k, v)]
                 with CommDebugMode() as cm, ctx():
                     out = F.scaled_dot_product_attention(*xs, is_causal=is_causal, scale=scale, enable_gqa=hq != hkv)
                 assert _comm_counts(cm) == ring, (layout, mode, _comm_counts(cm))
@@ -415,7 +415,7 @@ def _math_cases(rank, world):
                 got = [out]
                 if grad:
                     with CommDebugMode() as cm:
-                        out.backward(shard_sequence(do, mesh, dim=2, layout=layout))
+                        out.backward(shard_sequence(do, mesh, seq_dim=2, layout=layout))
                     assert set(_comm_counts(cm)) == {"all_to_all_single"}, _comm_counts(cm)  # K/V + dK/dV hops
                     got += [x.grad for x in xs]
                 for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
@@ -423,7 +423,7 @@ def _math_cases(rank, world):
                     assert err <= 1e-12, (layout, mode, is_causal, name, err)  # float64 ring vs float64
     # calls the ring cannot run: a ValueError on every rank, before any collective
     q, k, v, _ = make_qkv(0, 1, 4, 2, 4 * world, 8)
-    xs = [shard_sequence(x, mesh, dim=2, layout="striped").requires_grad_() for x in (q, k, v)]
+    xs = [shard_sequence(x, mesh, seq_dim=2, layout="striped").requires_grad_() for x in (q, k, v)]
     bad = [
         ("dropout_p must be 0", contextlib.nullcontext, dict(dropout_p=0.1, enable_gqa=True)),  # math on CPU
         ("enable_gqa is False", lambda: sdpa_kernel(SDPBackend.MATH), dict(is_causal=True)),
@@ -465,14 +465,14 @@ def test_math_kernel_on_plain_tensors_is_unchanged():
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    import cp_dtensor.dispatch as dispatch
+    import cp_dtensor.dtensor.sdpa as dispatch
     from _ref import make_qkv, reference, rel_err
 
     q, k, v, do = make_qkv(3, 2, 4, 2, 12, 8)
     want = reference(q, k, v, do, is_causal=True)
     for installed in (True, False):
         (dispatch.install_sdpa_dispatch if installed else dispatch.uninstall_sdpa_dispatch)()
-        assert ("dispatch.py" in torch._C._dispatch_dump("aten::_scaled_dot_product_attention_math")) == installed
+        assert ("dtensor/sdpa.py" in torch._C._dispatch_dump("aten::_scaled_dot_product_attention_math")) == installed
         xs = [x.clone().requires_grad_() for x in (q, k, v)]
         with sdpa_kernel(SDPBackend.MATH):
             out = F.scaled_dot_product_attention(*xs, is_causal=True, enable_gqa=True)
@@ -528,7 +528,7 @@ def _host_reads(rank, world):
                 n, hq = 8 * world, 4
                 g = torch.Generator().manual_seed(1)
                 q, k, v, do = (torch.randn(1, h, n, 16, generator=g) for h in (hq, 2, 2, hq))
-                shard = lambda x, dim=2: shard_tensor(x, dim=dim, layout=layout, rank=rank, world=world)  # noqa: E731
+                shard = lambda x, dim=2: shard_tensor(x, seq_dim=dim, layout=layout, rank=rank, world=world)  # noqa: E731
                 ql, kl, vl = (shard(x).to(torch.bfloat16).requires_grad_() for x in (q, k, v))
                 kw = {}
                 if masked:
@@ -588,7 +588,7 @@ def test_gqa_kv_bytes_per_kernel_call():
 
 def test_float64_on_cuda_is_refused_at_validation():
     """No fused CUDA kernel takes float64: validation says so (and what to do) before any kernel runs."""
-    from cp_dtensor.checks import local_error
+    from cp_dtensor.core.checks import local_error
 
     class OnCuda(torch.Tensor):  # a CPU tensor that reports a CUDA device, as validation sees it
         @property

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from cp_dtensor import sharded_cache_attention
-from cp_dtensor.debug import CommBytes
+from cp_dtensor.tools.debug import CommBytes
 from _dist import run_ranks
 from _ref import rel_err
 
@@ -107,7 +107,7 @@ def _check_values(rank: int, world: int) -> int:
             assert all(torch.equal(e, out) for e in every), opts
         checked += 1
     # the cache in chunks of keys (merged like ranks): a chunk of 5 * 8 score elements here
-    import cp_dtensor.decode as decode
+    import cp_dtensor.core.decode as decode
 
     saved, decode._CHUNK = decode._CHUNK, 40
     try:

@@ -15,9 +15,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from _tiers import exhaustive
 
-from cp_dtensor.debug import CommBytes
-from cp_dtensor.layout import shard_tensor
-from cp_dtensor.linear_attention import (
+from cp_dtensor.core.layout import shard_tensor
+from cp_dtensor.core.linear_attention import (
     check_bytes,
     check_linear_layout,
     conv_halo_bytes,
@@ -25,41 +24,13 @@ from cp_dtensor.linear_attention import (
     sharded_causal_conv1d,
     sharded_delta_rule,
 )
+from cp_dtensor.tools.debug import CommBytes
 from _dist import run_ranks
-from _ref import abs_rel_err
+from _ref import abs_rel_err, f64_kernel, recurrence  # noqa: F401  (f64_kernel: shared with tests/hf)
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delta_attention  # noqa: E402
 from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule  # noqa: E402
-
-
-def recurrence(q, k, v, g, beta, *, state=None, reset=None, l2norm=True):
-    """The gated delta rule token by token: S = (I - beta k k^T) diag(exp g) S + beta k v^T, o = S^T q.
-    q, k [B, N, Hk, dk]; v [B, N, Hv, dv]; g [B, N, Hv] or [B, N, Hv, dk]; beta [B, N, Hv]; ``reset`` [B, N]
-    bool: the state restarts at that token (a document start). Returns o [B, N, Hv, dv], S [B, Hv, dk, dv]."""
-    b, n, hk, dk = q.shape
-    hv, dv = v.shape[2:]
-    q, k = (x.repeat_interleave(hv // hk, 2) for x in (q, k))
-    if l2norm:
-        q, k = (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
-    q = q * dk ** -0.5
-    s = v.new_zeros(b, hv, dk, dv) if state is None else state.to(v.dtype)
-    outs = []
-    for t in range(n):
-        if reset is not None:
-            s = s * (~reset[:, t]).to(s.dtype)[:, None, None, None]
-        gate = g[:, t].exp()
-        s = s * (gate[..., None, None] if g.dim() == 3 else gate[..., None])
-        kt, vt, bt = k[:, t], v[:, t], beta[:, t]
-        s = s + bt[..., None, None] * kt[..., :, None] * (vt - (s * kt[..., None]).sum(-2))[..., None, :]
-        outs.append((s * q[:, t][..., None]).sum(-2))
-    return torch.stack(outs, 1), s
-
-
-def f64_kernel(q, k, v, g, beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False, **_):
-    """A float64 kernel with transformers' signature (the recurrence): the CP machinery alone, to 1e-9."""
-    o, s = recurrence(q, k, v, g, beta, state=initial_state, l2norm=use_qk_l2norm_in_kernel)
-    return o.to(q.dtype), s if output_final_state else None
 
 
 def fla_standin(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -134,7 +105,7 @@ def _delta_cases(rank, world):
                          run_len=run_len)
         *xs, do, ids = case
         want = reference(*xs, do, ids)
-        shard = lambda x: shard_tensor(x, dim=1, layout=layout, rank=rank, world=world)
+        shard = lambda x: shard_tensor(x, seq_dim=1, layout=layout, rank=rank, world=world)
         local = [shard(x).to(dtype).requires_grad_() for x in xs]
         o = sharded_delta_rule(kernel, *local, group=None, layout=layout,
                                document_ids=None if ids is None else shard(ids), use_qk_l2norm_in_kernel=True, **kw)
@@ -174,7 +145,7 @@ def _conv_cases(rank, world):
         ref = torch.cat(rows)
         ref = F.silu(ref) if act else ref
         ref.backward(do)
-        shard = lambda t: shard_tensor(t, dim=-1, layout=layout, rank=rank, world=world)
+        shard = lambda t: shard_tensor(t, seq_dim=-1, layout=layout, rank=rank, world=world)
         xl, wl, bl = shard(x).clone().requires_grad_(), w.clone().requires_grad_(), bias.clone().requires_grad_()
         out = sharded_causal_conv1d(xl, wl, bl, act, group=None, layout=layout,
                                     document_ids=None if ids is None else shard(ids))
@@ -196,7 +167,7 @@ def _bytes_cases(rank, world):
             b, hk, hv, d = 2, 2, 4, 8
             *xs, do, _ = make_case(s_local, b=b, n=world * s_local, hk=hk, hv=hv, d=d, per_channel=False, docs=None,
                                    run_len=s_local)
-            shard = lambda x: shard_tensor(x, dim=1, layout=layout, rank=rank, world=world)
+            shard = lambda x: shard_tensor(x, seq_dim=1, layout=layout, rank=rank, world=world)
             local = [shard(x).float().requires_grad_() for x in xs]
             with CommBytes() as fwd:
                 o = sharded_delta_rule(torch_chunk_gated_delta_rule, *local, group=None, layout=layout,
@@ -287,7 +258,7 @@ def _compiled(rank, world):
     layout, s_local = "headtail", 20
     *xs, do, _ = make_case(3, b=2, n=world * s_local, hk=2, hv=4, d=8, per_channel=False, docs=None, run_len=10)
     want = reference(*xs, do, None)
-    shard = lambda x: shard_tensor(x, dim=1, layout=layout, rank=rank, world=world)
+    shard = lambda x: shard_tensor(x, seq_dim=1, layout=layout, rank=rank, world=world)
     fn = torch.compile(lambda *a: sharded_delta_rule(torch_chunk_gated_delta_rule, *a, group=None, layout=layout,
                                                      use_qk_l2norm_in_kernel=True, chunk_size=8))
     for _ in range(2):
@@ -311,7 +282,7 @@ def test_bench_smoke(tmp_path):
     """scripts/bench_linear_attention.py at a tiny length: runs, and its measured bytes equal the formula."""
     import sys
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
     import bench_linear_attention as bench
 
     report = bench.main(["--seq-len", "128", "--repeats", "1", "--d", "16", "--out", str(tmp_path / "la.json")])

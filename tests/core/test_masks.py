@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 
 import cp_dtensor
-from cp_dtensor.debug import CommBytes
-from cp_dtensor.layout import local_positions, shard_tensor
-from cp_dtensor.masks import block_rects, mask_bounds, runs, segments, steps_needed
+from cp_dtensor.core.layout import local_positions, shard_tensor
+from cp_dtensor.core.masks import block_rects, mask_bounds, runs, segments, steps_needed
+from cp_dtensor.tools.debug import CommBytes
 from _dist import run_ranks
 from _ref import abs_rel_err, masked_reference
 
@@ -90,7 +90,7 @@ def test_causal_staircase_on_cpu_only():
     """Note [Causal staircase]: on CPU a causal square of 2-4 strips (of 256 rows) becomes a strip
     staircase -- one full rectangle and one 256-row causal square per strip -- and others stay whole;
     CUDA never cuts."""
-    from cp_dtensor.kernels import causal_strip
+    from cp_dtensor.core.kernels import causal_strip
 
     strip = causal_strip(torch.device("cpu"))
     assert strip == 256 and causal_strip(torch.device("cuda")) == 0
@@ -139,7 +139,7 @@ def _run(rank, world, c, dtype, comm_dtype=None):
     q, k, v, do, ids, sinks, want = masked_case(c, world)
 
     def shard(x, dim=2):
-        return shard_tensor(x, dim=dim, layout=c["layout"], rank=rank, world=world)
+        return shard_tensor(x, seq_dim=dim, layout=c["layout"], rank=rank, world=world)
 
     ql, kl, vl = (shard(x).to(dtype).requires_grad_() for x in (q, k, v))
     sl = None if sinks is None else sinks.to(dtype if dtype == torch.float64 else torch.float32).requires_grad_()
@@ -197,7 +197,7 @@ def _bytes(rank, world):
     seen = {}
     # documents, striped: K/V at the formula; the ids add one all-gather of one byte per token
     glob = torch.arange(s * world).div(5, rounding_mode="floor").unsqueeze(0)  # documents of 5 tokens
-    ids = shard_tensor(glob, dim=1, layout="striped", rank=rank, world=world)
+    ids = shard_tensor(glob, seq_dim=1, layout="striped", rank=rank, world=world)
     with CommBytes() as fwd:
         out = cp_dtensor.ring_attention(q, k, v, layout="striped", is_causal=True, document_ids=ids)
     with CommBytes() as bwd:
@@ -226,7 +226,7 @@ def test_masked_bytes_on_the_wire(world):
 def _bad_inputs(rank, world):
     s = 4
     q, k, v = (torch.randn(1, 2, s, 8) for _ in range(3))
-    good_ids = shard_tensor(torch.arange(s * world).unsqueeze(0) // 3, dim=1, layout="striped", rank=rank, world=world)
+    good_ids = shard_tensor(torch.arange(s * world).unsqueeze(0) // 3, seq_dim=1, layout="striped", rank=rank, world=world)
     cases = {
         "ids dtype": dict(document_ids=good_ids.float()),
         "ids shape on one rank": dict(document_ids=good_ids if rank else good_ids[:, :-1]),
@@ -284,7 +284,7 @@ def _compiled(rank, world):
         want = masked_reference(q, k, v, do, is_causal=True, document_ids=ids, window_size=(5, 0), sinks=sinks)
 
         def shard(x, dim=2):
-            return shard_tensor(x, dim=dim, layout="striped", rank=rank, world=world)
+            return shard_tensor(x, seq_dim=dim, layout="striped", rank=rank, world=world)
 
         ql, kl, vl = (shard(x).float().requires_grad_() for x in (q, k, v))
         sl = sinks.float().requires_grad_()

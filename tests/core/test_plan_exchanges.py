@@ -1,4 +1,4 @@
-"""The planner's K/V exchange comparison (Note [Plan exchanges] in plan.py): bytes are the wire
+"""The planner's K/V exchange comparison (Note [Plan exchanges] in tools/plan.py): bytes are the wire
 formulas the multi-rank tests count on the wire, times follow the overlap model by hand, and the
 recommendation follows the times and the memory budget."""
 
@@ -9,9 +9,9 @@ import math
 
 import pytest
 
-from cp_dtensor import plan as P
-from cp_dtensor import wire
-from cp_dtensor.cli import main
+from cp_dtensor.core import wire
+from cp_dtensor.tools import plan as P
+from cp_dtensor.tools.cli import main
 
 # exercise 1's model (hidden 8192, 64 heads, 8 KV heads, bf16) on 4 nodes x 8 GPUs
 BIG = dict(seq_len=128 * 1024, cp=32, head_dim=128, q_heads=64, kv_heads=8, dtype="bf16", tflops=400.0)

@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cp_dtensor
-from cp_dtensor.debug import CommBytes
-from cp_dtensor.layout import shard_tensor
+from cp_dtensor.core.layout import shard_tensor
+from cp_dtensor.tools.debug import CommBytes
 from _dist import run_ranks
 from _ref import make_qkv, reference, rel_err
 
@@ -123,7 +123,7 @@ def _numerics(rank, world):
     for layout in cp_dtensor.LAYOUTS:
         q, k, v, do = make_qkv(7, 1, 4, 2, 8 * world, 16, scale=50.0)
         ref = reference(q, k, v, do, is_causal=True)
-        sh = lambda x: shard_tensor(x, dim=2, layout=layout, rank=rank, world=world)  # noqa: E731
+        sh = lambda x: shard_tensor(x, seq_dim=2, layout=layout, rank=rank, world=world)  # noqa: E731
         ql, kl, vl = (sh(x).float().requires_grad_() for x in (q, k, v))
         out = cp_dtensor.ring_attention(ql, kl, vl, layout=layout, is_causal=True)
         out.backward(sh(do).float())
@@ -158,7 +158,7 @@ def _edge_cases(rank, world):
         s_local = 2 if layout == "headtail" else 1
         q, k, v, do = make_qkv(1, 1, 2, 1, s_local * world, 8)
         ref = reference(q, k, v, do, is_causal=True)
-        sh = lambda x: shard_tensor(x, dim=2, layout=layout, rank=rank, world=world)  # noqa: E731
+        sh = lambda x: shard_tensor(x, seq_dim=2, layout=layout, rank=rank, world=world)  # noqa: E731
         ql, kl, vl = (sh(x).float().requires_grad_() for x in (q, k, v))
         out = cp_dtensor.ring_attention(ql, kl, vl, layout=layout, is_causal=True)
         out.backward(sh(do).float())
@@ -169,7 +169,7 @@ def _edge_cases(rank, world):
     # Non-contiguous inputs ([B, S, H, D] storage seen as [B, H, S, D]) and grads on q only.
     q, k, v, do = make_qkv(2, 2, 4, 2, 8 * world, 16)
     ref = reference(q, k, v, do, is_causal=True)
-    sh = lambda x: shard_tensor(x, dim=2, layout="striped", rank=rank, world=world)  # noqa: E731
+    sh = lambda x: shard_tensor(x, seq_dim=2, layout="striped", rank=rank, world=world)  # noqa: E731
     ql = sh(q).float().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
     kl, vl = (sh(x).float().transpose(1, 2).contiguous().transpose(1, 2) for x in (k, v))
     assert not ql.is_contiguous() and not kl.is_contiguous()
@@ -213,7 +213,7 @@ def _property(rank, world):
         s_local = 2 * chunks if layout == "headtail" else chunks
         q, k, v, do = make_qkv(seed, batch, kv_heads * group, kv_heads, s_local * world, head_dim)
         ref = reference(q, k, v, do, is_causal=causal, scale=scale)
-        sh = lambda x: shard_tensor(x, dim=2, layout=layout, rank=rank, world=world)  # noqa: E731
+        sh = lambda x: shard_tensor(x, seq_dim=2, layout=layout, rank=rank, world=world)  # noqa: E731
         ql, kl, vl = (sh(x).float().requires_grad_() for x in (q, k, v))
         out = cp_dtensor.ring_attention(ql, kl, vl, layout=layout, is_causal=causal, scale=scale)
         out.backward(sh(do).float())
@@ -248,8 +248,8 @@ def test_rank_outside_the_group_gets_a_clear_error():
 def _host_only_agreement(rank, world):
     from unittest import mock
 
-    from cp_dtensor import comm
-    from cp_dtensor.checks import check_ring_args
+    from cp_dtensor.core import comm
+    from cp_dtensor.core.checks import check_ring_args
 
     group = dist.group.WORLD
     # meta tensors hold no data: the check can only pass if it reads none (no device sync on CUDA)

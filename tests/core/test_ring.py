@@ -10,8 +10,8 @@ import torch.distributed as dist
 from torch.distributed.tensor.debug import CommDebugMode
 
 import cp_dtensor
-from cp_dtensor.debug import CommBytes
-from cp_dtensor.layout import shard_tensor
+from cp_dtensor.core.layout import shard_tensor
+from cp_dtensor.tools.debug import CommBytes
 from _dist import run_ranks
 from _ref import make_qkv, reference, rel_err
 
@@ -33,7 +33,7 @@ def _run_case(rank, world, case, dtype, seed):
     ref = reference(q, k, v, do, is_causal=causal, scale=case["scale"])
 
     def shard(x):
-        return shard_tensor(x, dim=2, layout=layout, rank=rank, world=world).to(dtype)
+        return shard_tensor(x, seq_dim=2, layout=layout, rank=rank, world=world).to(dtype)
 
     ql, kl, vl = (shard(x).requires_grad_() for x in (q, k, v))
     out = cp_dtensor.ring_attention(ql, kl, vl, layout=layout, is_causal=causal, scale=case["scale"])
@@ -67,7 +67,7 @@ def _bytes(rank, world):
     for layout, (hq, hkv), dtype in itertools.product(cp_dtensor.LAYOUTS, [(4, 2), (2, 2)], [torch.float32, torch.bfloat16]):
         b, s_local, d = 2, 8, 16
         q, k, v, do = make_qkv(0, b, hq, hkv, s_local * world, d)
-        ql, kl, vl = (shard_tensor(x, dim=2, layout=layout, rank=rank, world=world).to(dtype).requires_grad_() for x in (q, k, v))
+        ql, kl, vl = (shard_tensor(x, seq_dim=2, layout=layout, rank=rank, world=world).to(dtype).requires_grad_() for x in (q, k, v))
         with CommBytes() as fwd, CommDebugMode() as fwd_counts:
             out = cp_dtensor.ring_attention(ql, kl, vl, layout=layout, is_causal=True)
         with CommBytes() as bwd:
@@ -107,7 +107,7 @@ def test_single_rank_is_plain_sdpa():
 @pytest.mark.parametrize("b,hq,hkv,threads", [(1, 4, 2, 1), (1, 4, 4, 2), (2, 8, 4, 4), (1, 32, 8, 16), (1, 6, 3, 2)])
 def test_backward_head_chunks_cover_every_head_once(b, hq, hkv, threads):
     # Note [Backward in head chunks]: each call keeps >= one (batch, head) pair per thread, whole KV groups
-    from cp_dtensor.ops import head_chunks as _head_chunks
+    from cp_dtensor.core.ops import head_chunks as _head_chunks
 
     q, k = torch.empty(b, hq, 2, 8), torch.empty(b, hkv, 2, 8)
     old = torch.get_num_threads()

@@ -13,11 +13,11 @@ from test_masks import masked_case
 from torch.distributed.device_mesh import init_device_mesh
 
 import cp_dtensor
-from cp_dtensor.debug import CommBytes
-from cp_dtensor.layout import local_positions, shard_tensor
-from cp_dtensor.masks import Run, runs
-from cp_dtensor.ulysses import kv_replicas, union_order
-from cp_dtensor.wire import allgather_bytes, check_bytes, ring_bytes, ulysses_bytes
+from cp_dtensor.core.layout import local_positions, shard_tensor
+from cp_dtensor.core.masks import Run, runs
+from cp_dtensor.core.ulysses import kv_replicas, union_order
+from cp_dtensor.core.wire import allgather_bytes, check_bytes, ring_bytes, ulysses_bytes
+from cp_dtensor.tools.debug import CommBytes
 from _dist import run_ranks
 from _ref import abs_rel_err
 
@@ -65,7 +65,7 @@ def _run(rank, world, c, group, dtype=torch.float32):
     q, k, v, do, ids, sinks, want = masked_case(c, world)
 
     def shard(x, dim=2):
-        return shard_tensor(x, dim=dim, layout=c["layout"], rank=rank, world=world)
+        return shard_tensor(x, seq_dim=dim, layout=c["layout"], rank=rank, world=world)
 
     ql, kl, vl = (shard(x).to(dtype).requires_grad_() for x in (q, k, v))
     sl = None if sinks is None else sinks.to(dtype).requires_grad_()

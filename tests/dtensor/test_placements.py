@@ -1,4 +1,4 @@
-"""Layout placements against index formulas written out here, never against placement.py itself."""
+"""Layout placements against index formulas written out here, never against dtensor/placements.py itself."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from cp_dtensor.placement import (
+from cp_dtensor.dtensor.placements import (
     HeadTail,
     Striped,
     full_tensor,
     install_headtail_propagation,
     sequence_placement,
 )
-from cp_dtensor.relayout import shard_sequence, to_mesh
+from cp_dtensor.dtensor.sharding import shard_sequence, to_mesh
 from _dist import run_ranks
 
 LAYOUTS = ("striped", "headtail", "contiguous")
@@ -52,7 +52,7 @@ def _check_layouts(rank: int, world: int) -> None:
     n = 4 * world
     x = torch.arange(2 * n * 3, dtype=torch.float32).view(2, n, 3)
     for layout in LAYOUTS:
-        d = shard_sequence(x, mesh, dim=1, layout=layout)
+        d = shard_sequence(x, mesh, seq_dim=1, layout=layout)
         assert torch.equal(d.to_local(), expected_local(x, layout, rank, world, 1)), layout
         assert d.shape == x.shape
         assert torch.equal(d.full_tensor(), x), layout
@@ -89,7 +89,7 @@ def _check_layouts(rank: int, world: int) -> None:
     assert type(st.placements[0]) is _StridedShard
     assert torch.equal(st.to_local(), expected_local(x, "striped", rank, world, 1))
     # head-tail: never silently wrong -- torch paths that cannot honour it fail loudly
-    ht = shard_sequence(x, mesh, dim=1, layout="headtail")
+    ht = shard_sequence(x, mesh, seq_dim=1, layout="headtail")
     with pytest.raises(AssertionError, match="num_chunks > 0"):  # torch's own check on the split factor -1
         distribute_tensor(x, mesh, [HeadTail(1)])
     with pytest.raises(RuntimeError, match="Cannot unflatten tensor with _StridedShard placement"):
@@ -97,7 +97,7 @@ def _check_layouts(rank: int, world: int) -> None:
     with pytest.raises(RuntimeError, match="Sharding propagation failed"):
         ht.reshape(2 * n, 3)  # a view merging the head-tail dim with another
     with pytest.raises(ValueError, match="divisible by"):
-        shard_sequence(x[:, :-1], mesh, dim=1, layout="striped")
+        shard_sequence(x[:, :-1], mesh, seq_dim=1, layout="striped")
     with pytest.raises(ValueError, match="non-negative"):
         HeadTail(-1)
 
@@ -115,7 +115,7 @@ def _check_meshes(rank: int, world: int) -> None:
     big = init_device_mesh("cpu", (4,))
     for src in LAYOUTS:
         for dst in LAYOUTS:
-            d = shard_sequence(x, small, dim=2, layout=src)
+            d = shard_sequence(x, small, seq_dim=2, layout=src)
             grown = to_mesh(d, big, [sequence_placement(dst, 2, seq_len=n, cp=4)])
             assert torch.equal(grown.to_local(), expected_local(x, dst, rank, 4, 2)), (src, dst)
             shrunk = to_mesh(grown, small, [sequence_placement(src, 2, seq_len=n, cp=2)])
@@ -126,7 +126,7 @@ def _check_meshes(rank: int, world: int) -> None:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
     cp_rank, tp_rank = mesh.get_coordinate()
     for layout in LAYOUTS:
-        d = shard_sequence(x, mesh, dim=2, layout=layout, mesh_dim="cp").redistribute(
+        d = shard_sequence(x, mesh, seq_dim=2, layout=layout, mesh_dim="cp").redistribute(
             mesh, [sequence_placement(layout, 2, seq_len=n, cp=2), Shard(1)])
         want = expected_local(x, layout, cp_rank, 2, 2).chunk(2, 1)[tp_rank]
         assert torch.equal(d.to_local(), want), layout

@@ -9,9 +9,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 
-import cp_dtensor.dispatch as dispatch
-from cp_dtensor.placement import full_tensor, sequence_placement
-from cp_dtensor.relayout import shard_sequence
+import cp_dtensor.dtensor.sdpa as dispatch
+from cp_dtensor.dtensor.placements import full_tensor, sequence_placement
+from cp_dtensor.dtensor.sharding import shard_sequence
 from _dist import run_ranks
 from _ref import make_qkv, reference, rel_err
 
@@ -32,7 +32,7 @@ def _check_sdpa(rank: int, world: int) -> None:
             case += 1
             q, k, v, do = make_qkv(case, 2, hq, hkv, 4 * world, 8)
             want = reference(q, k, v, do, is_causal=is_causal, scale=scale)
-            dq, dk, dv = (shard_sequence(x.float(), mesh, dim=2, layout=layout).requires_grad_() for x in (q, k, v))
+            dq, dk, dv = (shard_sequence(x.float(), mesh, seq_dim=2, layout=layout).requires_grad_() for x in (q, k, v))
             with CommDebugMode() as cm:
                 out = F.scaled_dot_product_attention(dq, dk, dv, is_causal=is_causal, scale=scale,
                                                      enable_gqa=hq != hkv)
@@ -40,7 +40,7 @@ def _check_sdpa(rank: int, world: int) -> None:
             assert _comm(cm) == ({"all_to_all_single": world - 1} if world > 1 else {}), _comm(cm)
             assert isinstance(out, DTensor) and out.placements == dq.placements
             if case % 2:  # grad_out in the layout
-                out.backward(shard_sequence(do.float(), mesh, dim=2, layout=layout))
+                out.backward(shard_sequence(do.float(), mesh, seq_dim=2, layout=layout))
             else:  # grad_out arrives replicated and must be resharded
                 (out * distribute_tensor(do.float(), mesh, [Replicate()])).sum().backward()
             for x in (dq, dk, dv):
@@ -91,7 +91,7 @@ def _outcome(fn):
 def _check_errors(rank: int, world: int) -> None:
     mesh = init_device_mesh("cpu", (world,))
     q, k, v, _ = make_qkv(0, 1, 2, 2, 8, 4)
-    dq, dk, dv = (shard_sequence(x.float(), mesh, dim=2, layout="striped") for x in (q, k, v))
+    dq, dk, dv = (shard_sequence(x.float(), mesh, seq_dim=2, layout="striped") for x in (q, k, v))
     mask = torch.ones(8, 8, dtype=torch.bool).tril()
     dmask = distribute_tensor(mask, mesh, [Replicate()])
     dk_contiguous = dk.redistribute(mesh, [Shard(2)])
@@ -139,9 +139,9 @@ def _check_cuda_ops(rank: int, world: int) -> None:
     }
     for name, call in calls.items():
         for layout in LAYOUTS:
-            dq, dk, dv = (shard_sequence(x.float(), mesh, dim=2, layout=layout).requires_grad_() for x in (q, k, v))
+            dq, dk, dv = (shard_sequence(x.float(), mesh, seq_dim=2, layout=layout).requires_grad_() for x in (q, k, v))
             out = call(dq, dk, dv)[0]
-            out.backward(shard_sequence(do.float(), mesh, dim=2, layout=layout))
+            out.backward(shard_sequence(do.float(), mesh, seq_dim=2, layout=layout))
             for what, a, b in zip(("out", "dq", "dk", "dv"), (out, dq.grad, dk.grad, dv.grad), want):
                 assert a.placements == dq.placements
                 assert rel_err(full_tensor(a), b) <= TOL, f"{name} {layout} {what}"

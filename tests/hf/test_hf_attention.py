@@ -28,8 +28,9 @@ from transformers import (  # noqa: E402
     Qwen3ForCausalLM,
 )
 
-from cp_dtensor import hf  # noqa: E402
-from cp_dtensor.module import apply_context_parallel, reduce_gradients, shard_batch, unshard_sequence  # noqa: E402
+from cp_dtensor.core.batch import shard_batch, unshard_batch  # noqa: E402
+from cp_dtensor.hf import attention as hf  # noqa: E402
+from cp_dtensor.model import apply_context_parallel, reduce_gradients  # noqa: E402
 
 TOL = 1e-5  # fp32, relative to the largest magnitude
 LAYOUTS = ("striped", "headtail", "contiguous")
@@ -82,13 +83,13 @@ def _run(model, batch: dict, weights, keep, *, mesh=None, layout=None, **options
     rank's shard of every [B, N] tensor (CP applied by the caller)."""
     names = sorted(batch)
     if mesh is not None:
-        sharded = shard_batch(mesh, *(batch[k] for k in names), weights, keep, layout=layout)
+        sharded = shard_batch((*(batch[k] for k in names), weights, keep), mesh, layout=layout)
         batch, (weights, keep) = dict(zip(names, sharded[:-2])), sharded[-2:]
     logits = model(**batch, **options).logits
     (logits * weights * keep[..., None]).sum().backward()
     if mesh is not None:
         reduce_gradients(model, mesh)
-        logits = unshard_sequence(logits.detach(), mesh, layout=layout, dim=1)
+        logits = unshard_batch(logits.detach(), mesh, layout=layout)
     grads = [p.grad for p in model.parameters()]
     return logits.detach(), grads
 
@@ -113,7 +114,7 @@ def _check(name, world, mesh, layouts, batch, weights, keep=None, *, how="hf", c
     for layout in layouts:
         model = copy.deepcopy(base)
         if how == "hf":
-            hf.apply_context_parallel_hf(model, mesh, layout=layout)
+            hf.apply_context_parallel(model, mesh, layout=layout)
         else:  # the README's module path hands transformers models to the same integration
             apply_context_parallel(model, mesh, layout=layout, documents="position_ids" if how == "module-docs" else None)
         if checkpointing:
@@ -188,8 +189,8 @@ def _check_packed(rank: int, world: int, slow: bool) -> None:
     shifted = hf.shift_labels(labels)
     count = (shifted != -100).sum()
     for layout in LAYOUTS:
-        model = hf.apply_context_parallel_hf(copy.deepcopy(base), mesh, layout=layout)
-        tok, pos, lab = shard_batch(mesh, tokens, positions, shifted, layout=layout)
+        model = hf.apply_context_parallel(copy.deepcopy(base), mesh, layout=layout)
+        tok, pos, lab = shard_batch((tokens, positions, shifted), mesh, layout=layout)
         loss = model(input_ids=tok, position_ids=pos, labels=lab, shift_labels=lab, num_items_in_batch=count,
                      use_cache=False).loss
         loss.backward()
@@ -228,8 +229,8 @@ def _check_errors(rank: int, world: int, slow: bool) -> None:
     tokens, weights = _batch(4)
     positions = torch.arange(N).expand(2, N)
     base = _model("mistral-below", world)
-    model = hf.apply_context_parallel_hf(copy.deepcopy(base), mesh, layout="striped")
-    tok, pos = shard_batch(mesh, tokens, positions, layout="striped")
+    model = hf.apply_context_parallel(copy.deepcopy(base), mesh, layout="striped")
+    tok, pos = shard_batch((tokens, positions), mesh, layout="striped")
     s = tok.shape[1]
     four_d = torch.ones(2, 1, s, s, dtype=torch.bool).tril()
     call = lambda **kw: model(**{"input_ids": tok, "position_ids": pos, "use_cache": False, **kw})  # noqa: E731
@@ -241,7 +242,7 @@ def _check_errors(rank: int, world: int, slow: bool) -> None:
     _expect_error(lambda: call(labels=tok, shift_labels=tok), "num_items_in_batch")
     middle = torch.ones(2, N, dtype=torch.long)
     middle[1, 9:13] = 0  # padding inside a sequence: no document split expresses it
-    _expect_error(lambda: call(attention_mask=shard_batch(mesh, middle, layout="striped")[0]), "padding inside")
+    _expect_error(lambda: call(attention_mask=shard_batch(middle, mesh, layout="striped")), "padding inside")
     one_rank = torch.ones(2, s, dtype=torch.long)
     _expect_error(lambda: call(attention_mask=one_rank if rank == 0 else None), "some CP ranks only")
     # a mask rule the ring cannot run (an or_mask_function, as image-token models add), by transformers' builder
@@ -260,7 +261,7 @@ def _check_errors(rank: int, world: int, slow: bool) -> None:
     # layers that mix tokens outside attention (linear attention, state-space) are refused when CP is applied
     other = _model("llama", world)
     other.config.layer_types = ["full_attention", "linear_attention"]
-    _expect_error(lambda: hf.apply_context_parallel_hf(other, mesh), "linear_attention")
+    _expect_error(lambda: hf.apply_context_parallel(other, mesh), "linear_attention")
     # attention dropout in training
     model.config.attention_dropout = 0.1
     for layer in model.model.layers:
@@ -328,8 +329,8 @@ def _agreements(rank: int, world: int) -> list[int]:
     counts = []
     for packed in (False, True):  # plain positions; packed sequences (documents derived from the positions)
         positions = torch.arange(N).expand(2, N) % (N // 2 if packed else N)
-        model = hf.apply_context_parallel_hf(_model("llama", world), mesh, layout="striped")
-        tok, pos = shard_batch(mesh, tokens, positions, layout="striped")
+        model = hf.apply_context_parallel(_model("llama", world), mesh, layout="striped")
+        tok, pos = shard_batch((tokens, positions), mesh, layout="striped")
         with _Fingerprints() as fp, torch.no_grad():
             model(input_ids=tok, position_ids=pos, use_cache=False)
         counts.append(fp.n)

@@ -27,8 +27,8 @@ from transformers import (  # noqa: E402
     Qwen3ForCausalLM,
 )
 
-from cp_dtensor import hf  # noqa: E402
-from cp_dtensor.hf_generate import ShardedCache  # noqa: E402
+from cp_dtensor.hf import attention as hf  # noqa: E402
+from cp_dtensor.hf.generate import ShardedCache  # noqa: E402
 
 TOL = 1e-4  # fp32 logits, relative to the largest magnitude (the bound)
 V = 96
@@ -130,7 +130,7 @@ def _check_generate(rank: int, world: int) -> None:
         base = models.setdefault(name, _model(name))
         ids, mask = _prompt(i, b, n, pad)
         ref = _generate(copy.deepcopy(base), ids, mask)
-        model = hf.apply_context_parallel_hf(copy.deepcopy(base), mesh, layout=layout)
+        model = hf.apply_context_parallel(copy.deepcopy(base), mesh, layout=layout)
         out = _generate(model, ids, mask)
         where = f"{name} {layout} P={world} B={b} N={n} pad={pad}"
         _compare(out, ref, where)
@@ -162,7 +162,7 @@ def _expect(match: str, fn) -> None:
 def _check_refusals(rank: int, world: int) -> None:
     mesh = init_device_mesh("cpu", (world,))
     base = _model("llama")
-    model = hf.apply_context_parallel_hf(copy.deepcopy(base), mesh)
+    model = hf.apply_context_parallel(copy.deepcopy(base), mesh)
     ids, mask = _prompt(0, 2, 9)
     gen = lambda **kw: _generate(model, ids, mask, **kw)  # noqa: E731
     _expect("num_beams", lambda: gen(num_beams=2))
@@ -181,7 +181,7 @@ def _check_refusals(rank: int, world: int) -> None:
     # a sharded prompt (each rank its own tokens): refused, not decoded from each rank's last token
     from cp_dtensor import shard_batch
 
-    shard = shard_batch(mesh, ids[:, :8])[0]
+    shard = shard_batch(ids[:, :8], mesh)
     _expect("same call on every rank", lambda: _generate(model, shard, None))
     # still in step: a good call equals CP=1
     _compare(gen(), _generate(copy.deepcopy(base), ids, mask), "after the refusals")

@@ -20,16 +20,17 @@ from _ref import rel_err
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
-from test_hf import _run  # noqa: E402  one runner for the transformers tests
-from test_linear_attention import f64_kernel  # noqa: E402
+from test_hf_attention import _run  # noqa: E402  one runner for the transformers tests
 from transformers import KimiLinearConfig, KimiLinearForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM  # noqa: E402
 from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig  # noqa: E402
 from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig  # noqa: E402
 
-from cp_dtensor import hf, hf_linear  # noqa: E402
-from cp_dtensor.debug import CommBytes  # noqa: E402
-from cp_dtensor.linear_attention import check_bytes, conv_halo_bytes, linear_state_bytes  # noqa: E402
-from cp_dtensor.module import apply_context_parallel, reduce_gradients, shard_batch  # noqa: E402
+from cp_dtensor.core.linear_attention import check_bytes, conv_halo_bytes, linear_state_bytes  # noqa: E402
+from cp_dtensor.hf import attention as hf  # noqa: E402
+from cp_dtensor.hf import linear as hf_linear  # noqa: E402
+from cp_dtensor.model import apply_context_parallel, reduce_gradients, shard_batch  # noqa: E402
+from cp_dtensor.tools.debug import CommBytes  # noqa: E402
+from _ref import f64_kernel  # noqa: E402
 
 TOL = 1e-4  # fp32, relative to the largest magnitude of each tensor
 SLOW = ALL  # every model in every variant (~4 min): the exhaustive tier
@@ -110,7 +111,7 @@ def _check(name, world, mesh, layouts, batch, weights, keep=None, *, how="hf", c
     for layout in layouts:
         model = copy.deepcopy(base)
         if how == "hf":
-            hf.apply_context_parallel_hf(model, mesh, layout=layout)
+            hf.apply_context_parallel(model, mesh, layout=layout)
         else:  # the package's front door hands transformers models to the same integration
             apply_context_parallel(model, mesh, layout=layout)
         if checkpointing:
@@ -151,7 +152,7 @@ def _check_default_init(world, mesh) -> None:
     finally:
         mod.torch_chunk_gated_delta_rule = saved
     cp1 = _run(copy.deepcopy(base), batch, weights, keep, use_cache=False)
-    model = hf.apply_context_parallel_hf(copy.deepcopy(base), mesh, layout="headtail")
+    model = hf.apply_context_parallel(copy.deepcopy(base), mesh, layout="headtail")
     cp = _run(model, batch, weights, keep, mesh=mesh, layout="headtail")
     names = ["logits"] + [n for n, _ in base.named_parameters()]
     flat = lambda r: [r[0], *r[1]]  # noqa: E731
@@ -174,7 +175,7 @@ def _check_all_linear_bytes(world, mesh) -> None:
     torch.manual_seed(0)
     cfg = cfg_cls(**{**COMMON, **extra, "layer_types": ["linear_attention"] * 4})
     base = _model_like(cls(cfg).float())
-    model = hf.apply_context_parallel_hf(copy.deepcopy(base), mesh, layout="headtail")
+    model = hf.apply_context_parallel(copy.deepcopy(base), mesh, layout="headtail")
     b, layers, hv, d = 2, 4, GDN["linear_num_value_heads"], GDN["linear_key_head_dim"]
     channels = 2 * GDN["linear_num_key_heads"] * d + hv * d  # q, k, v through the conv
     per_layer = (linear_state_bytes(batch=b, heads=hv, dk=d, dv=d, world=world, layout="headtail")
@@ -188,7 +189,7 @@ def _check_all_linear_bytes(world, mesh) -> None:
         for mask in (None, torch.ones(b, n, dtype=torch.long)):
             full = dict(batch) if mask is None else dict(batch, attention_mask=mask)
             names = sorted(full)
-            local = dict(zip(names, shard_batch(mesh, *(full[k] for k in names), layout="headtail")))
+            local = dict(zip(names, shard_batch(tuple(full[k] for k in names), mesh, layout="headtail")))
             with CommBytes() as fwd:
                 logits = model(**local).logits
             with CommBytes() as bwd:
@@ -271,8 +272,8 @@ def _check_models(rank: int, world: int, slow: bool) -> None:
     shifted = hf.shift_labels(labels)
     count = (shifted != -100).sum()
     for layout in LAYOUTS:
-        model = hf.apply_context_parallel_hf(copy.deepcopy(base), mesh, layout=layout)
-        tok, pos, lab = shard_batch(mesh, tokens, positions, shifted, layout=layout)
+        model = hf.apply_context_parallel(copy.deepcopy(base), mesh, layout=layout)
+        tok, pos, lab = shard_batch((tokens, positions, shifted), mesh, layout=layout)
         loss = model(input_ids=tok, position_ids=pos, labels=lab, shift_labels=lab, num_items_in_batch=count).loss
         loss.backward()
         reduce_gradients(model, mesh)
@@ -294,14 +295,14 @@ def _check_errors(rank: int, world: int) -> None:
     base = _model("qwen3_next")
     outside = dict(input_ids=_batch(4)[0], position_ids=torch.arange(N)[None].expand(2, N), use_cache=False)
     before = base(**outside).logits.detach()
-    for apply in (hf.apply_context_parallel_hf, apply_context_parallel):  # striped, refused at apply time
+    for apply in (hf.apply_context_parallel, apply_context_parallel):  # striped, refused at apply time
         fresh = copy.deepcopy(base)
         _expect_error(lambda: apply(fresh, mesh, layout="striped"), 'layout="headtail" for hybrid models')
         assert fresh.config._attn_implementation == "sdpa"  # a refused model is left unchanged
     tokens, weights = _batch(4)
     positions = torch.arange(N).expand(2, N)
-    model = hf.apply_context_parallel_hf(copy.deepcopy(base), mesh, layout="headtail")
-    tok, pos = shard_batch(mesh, tokens, positions, layout="headtail")
+    model = hf.apply_context_parallel(copy.deepcopy(base), mesh, layout="headtail")
+    tok, pos = shard_batch((tokens, positions), mesh, layout="headtail")
     s = tok.shape[1]
     call = lambda **kw: model(**{"input_ids": tok, "position_ids": pos, **kw})  # noqa: E731
 
@@ -348,7 +349,7 @@ def test_errors_raise_on_every_rank(world):
 
 
 def test_transformers_symbols_exist():
-    """Every transformers internal hf_linear.py touches (FAMILIES) is still there, as it expects it."""
+    """Every transformers internal hf/linear.py touches (FAMILIES) is still there, as it expects it."""
     import importlib
 
     for fam in hf_linear.FAMILIES:
@@ -373,7 +374,7 @@ def test_bench_hybrid_smoke(tmp_path):
     import json
     import sys
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
     import bench_hybrid
 
     out = tmp_path / "hybrid.json"

@@ -13,10 +13,10 @@ import warnings
 
 import pytest
 
-from cp_dtensor.layout import LAYOUTS
-from cp_dtensor.plan import PlanInput, memory_bytes
+from cp_dtensor.core.layout import LAYOUTS
+from cp_dtensor.tools.plan import PlanInput, memory_bytes
 
-ROOT = os.path.join(os.path.dirname(__file__), "..")
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 SCRIPT = os.path.join(ROOT, "scripts", "gpu_check.py")
 
 

@@ -11,8 +11,8 @@ from fractions import Fraction
 
 import pytest
 
-from cp_dtensor import plan as P
-from cp_dtensor.cli import main
+from cp_dtensor.tools import plan as P
+from cp_dtensor.tools.cli import main
 
 MiB, GiB = 1 << 20, 1 << 30
 
@@ -72,7 +72,7 @@ def test_plan_bytes_are_what_the_ring_sends():
     # the planner's K/V step against the very buffer payload.encode_kv puts on the wire
     import torch
 
-    from cp_dtensor.payload import encode_kv
+    from cp_dtensor.core.payload import encode_kv
 
     b, hkv, s, d = 2, 3, 8, 16
     k, v = torch.randn(b, hkv, s, d, dtype=torch.bfloat16), torch.randn(b, hkv, s, d, dtype=torch.bfloat16)
@@ -96,7 +96,7 @@ def test_backward_bytes_twice_forward_in_fp32():
 
 
 def _brute_pairs(layout: str, rank: int, src: int, world: int, seq_len: int, causal: bool) -> int:
-    from cp_dtensor.layout import local_positions
+    from cp_dtensor.core.layout import local_positions
 
     q = local_positions(layout, rank, world, seq_len)
     k = local_positions(layout, src, world, seq_len)
@@ -235,15 +235,15 @@ def test_cli_picks_cp_from_budget(capsys):
 
 
 def test_plan_does_not_import_torch():
-    # cp_dtensor/__init__.py is bypassed (a bare package stub) so this checks cli.py and plan.py only
+    # cp_dtensor/__init__.py is bypassed (a bare package stub) so this checks tools/cli.py and tools/plan.py only
     code = (
         "import sys, types, importlib.util;"
         "spec = importlib.util.find_spec('cp_dtensor');"
         "pkg = types.ModuleType('cp_dtensor'); pkg.__path__ = list(spec.submodule_search_locations);"
         "sys.modules['cp_dtensor'] = pkg;"
-        "import cp_dtensor.cli; print('torch' in sys.modules)"
+        "import cp_dtensor.tools.cli; print('torch' in sys.modules)"
     )
-    root = pathlib.Path(__file__).resolve().parents[1]
+    root = pathlib.Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root).stdout
     assert out.strip() == "False"
 
@@ -251,7 +251,7 @@ def test_plan_does_not_import_torch():
 def test_window_and_documents_in_the_plan():
     """A window shortens the ring (contiguous: one neighbour block); documents cut pairs, not bytes.
     References: the ring's own byte formula per send and brute-force pair counts."""
-    from cp_dtensor.plan import PlanInput, make_plan
+    from cp_dtensor.tools.plan import PlanInput, make_plan
 
     base = dict(seq_len=1024, cp=4, head_dim=16, q_heads=4, kv_heads=2, dtype="fp32")
     block = 2 * 256 * 16 * 2 * 4

@@ -62,7 +62,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .._compat import TITAN_DEVICE_HOLDERS, TITAN_MOE_KERNELS
+from ..._compat import TITAN_DEVICE_HOLDERS, TITAN_MOE_KERNELS
 
 __all__ = [
     "install_triton_stand_in", "use_cpu_device", "use_sum_reduction_on_gloo", "CpuDeviceModule",

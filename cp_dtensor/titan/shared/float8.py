@@ -27,7 +27,7 @@ import importlib
 import torch
 from torchtitan.tools.logging import logger
 
-from .._compat import TITAN_FLOAT8
+from ..._compat import TITAN_FLOAT8
 
 __all__ = ["allow_float8_on_cpu"]
 

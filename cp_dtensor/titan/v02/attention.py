@@ -15,20 +15,6 @@ divided by the number of valid tokens of the whole global batch (counted by the 
 sharding, over the data-parallel ranks only). torchtitan sums that over the dp x cp "loss" mesh for
 the log, and FSDP (which with CP spans dp_shard x cp) sums gradients with divide factor 1, so both
 the logged loss and the gradients are the full-sequence mean, as at CP = 1.
-
-Note [Ulysses in torchtitan]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-``[cp_dtensor] ulysses_degree = U`` splits the P = context_parallel_degree CP ranks into a (U, R = P / U)
-mesh for ``ring_attention`` (Note [Ulysses x ring] in ulysses.py): heads all-to-all over U, ring over R.
-``ulysses_mesh`` makes U the fast-varying dim of the CP group, mesh[u, r] = CP rank r * U + u, so a
-Ulysses group is U consecutive CP ranks -- on a cluster, whose CP ranks fill a node before the next,
-the all-to-all stays inside a node and only the ring crosses nodes. ring_attention's contract is that
-mesh rank (u, r) holds the 1-D layout shard of its row-major index p = u * R + r, which is *not* its CP
-rank r * U + u; so ``shard_cp_batch`` shards inputs, labels, positions and mask ids by
-``ulysses_shard_index`` = p (the same permutation of shards for every layout; the loss, a sum over all
-tokens, does not care which rank holds which shard). Heads: TP splits Hq first, each Ulysses rank
-then takes (Hq / TP) / U of a TP rank's heads, so U must divide Hq / TP (checked at start,
-config.check_job_config); K/V heads follow Note [GQA under Ulysses].
 """
 
 from __future__ import annotations
@@ -41,12 +27,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from .._compat import mesh_concatenate, mesh_unflatten
-from ..attention import ring_attention
-from ..layout import check_seq_len, local_positions, shard_tensor
+from ...core.attention import ring_attention
+from ...core.layout import check_seq_len, local_positions, shard_tensor
+from ..shared.heads import tp_head_sharding, ulysses_shard_index
 from .flex import RingMask, shard_masks
 
-__all__ = ["RingAttention", "shard_cp_batch", "ulysses_mesh", "ulysses_shard_index"]
+__all__ = ["RingAttention", "shard_cp_batch"]
 
 
 class RingAttention(nn.Module):
@@ -87,7 +73,7 @@ class RingAttention(nn.Module):
                 raise NotImplementedError(f"cp_dtensor ring attention takes TP sinks sharded over heads (Shard(0)); "
                                           f"got {sinks.placements}. Use torchtitan's gpt_oss TP plan unchanged.")
             sinks = sinks.to_local()  # [Hq / TP]
-        tp_heads = _tp_head_sharding(q, k, v)  # See Note [TP heads into the ring]
+        tp_heads = tp_head_sharding(q, k, v)  # See Note [TP heads into the ring]
         if tp_heads is not None:
             q, k, v = q.to_local(), k.to_local(), v.to_local()  # [B, H / TP, S_local, D]: this TP rank's heads
         out = ring_attention(
@@ -117,45 +103,6 @@ class RingAttention(nn.Module):
         return f"layout={self.layout!r}, {cp}, comm_dtype={self.comm_dtype}{extra}"
 
 
-def _tp_head_sharding(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, heads_dim: int = 1):
-    """Note [TP heads into the ring]: (mesh, placements) of q, k, v when they are DTensors sharded over
-    heads (dim ``heads_dim``: 1 in 0.2.2's [B, H, S, D], 2 in 0.3's [B, L, N, H]) on a TP mesh (qwen3's TP
-    plan keeps them so, for its head-wise q/k norms; torchtitan 0.3's plans for every family), else None.
-
-    torchtitan 0.2.2's qwen3 TP plan runs ``wq``/``wk``/``wv`` with ``use_local_output=False`` and q/k norm
-    as ``SequenceParallel(sequence_dim=2)``, so attention receives DTensors [B, H, S_local, D] placed
-    Shard(1) (heads) on the TP mesh -- which is why torch's own CP x TP breaks for qwen3 upstream. Heads
-    are independent in attention, so each TP rank runs the ring on its local heads (the CP group is
-    another mesh dimension) and hands the output back as the same DTensor placement; ``wo``'s row-wise
-    plan then reduces over heads as it would after SDPA.
-    """
-    dts = [isinstance(t, DTensor) for t in (q, k, v)]
-    if not any(dts):
-        return None
-    heads = (Shard(heads_dim),)
-    if not all(dts) or any(t.placements != heads or t.device_mesh != q.device_mesh for t in (q, k, v)):
-        raise NotImplementedError(
-            "cp_dtensor ring attention takes q, k, v as local tensors or as DTensors sharded over heads "
-            f"(Shard({heads_dim})) on one mesh; got {[getattr(t, 'placements', 'local') for t in (q, k, v)]}. "
-            "Use torchtitan's TP plan for this family unchanged, or set tensor_parallel_degree = 1.")
-    return q.device_mesh, q.placements
-
-
-def ulysses_mesh(cp_mesh: DeviceMesh, ulysses: int) -> DeviceMesh:
-    """The (ulysses, ring) mesh of the CP group ``cp_mesh`` (1-D, P ranks): mesh[u, r] = CP rank r * U + u
-    (Note [Ulysses in torchtitan]). Every rank must call it (it makes process groups)."""
-    world = cp_mesh.size()
-    ring_major = mesh_unflatten(cp_mesh, (world // ulysses, ulysses), ("cp_ring", "cp_ulysses"))  # [r, u] = r * U + u
-    out = mesh_concatenate([ring_major["cp_ulysses"], ring_major["cp_ring"]])  # [u, r] = r * U + u
-    assert out.mesh.tolist() == cp_mesh.mesh.reshape(-1, ulysses).T.tolist(), "ulysses mesh order"
-    return out
-
-
-def ulysses_shard_index(cp_rank: int, world: int, ulysses: int) -> int:
-    """The 1-D shard index p = u * R + r that CP rank r * U + u holds (Note [Ulysses in torchtitan])."""
-    return (cp_rank % ulysses) * (world // ulysses) + cp_rank // ulysses
-
-
 def shard_cp_batch(
     inputs: torch.Tensor,
     labels: torch.Tensor,
@@ -182,7 +129,7 @@ def shard_cp_batch(
     check_seq_len(layout, world, seq_len, fix="Change [training]/[validation] seq_len.")
     if extra_kwargs.get("attention_masks") is not None:
         extra_kwargs["attention_masks"] = shard_masks(extra_kwargs["attention_masks"], layout=layout, rank=rank, world=world)
-    inputs = shard_tensor(inputs, dim=1, layout=layout, rank=rank, world=world)
-    labels = shard_tensor(labels, dim=1, layout=layout, rank=rank, world=world)
+    inputs = shard_tensor(inputs, seq_dim=1, layout=layout, rank=rank, world=world)
+    labels = shard_tensor(labels, seq_dim=1, layout=layout, rank=rank, world=world)
     extra_kwargs["positions"] = local_positions(layout, rank, world, seq_len).to(device).unsqueeze(0)
     return inputs, labels, extra_kwargs

@@ -51,7 +51,8 @@ import torch.distributed as dist
 from torch import nn
 from torchtitan.tools.logging import logger
 
-from .attention import RingAttention, ulysses_mesh
+from ..shared.heads import ulysses_mesh
+from .attention import RingAttention
 from .config import CPDTensor
 from .flex import ring_masks
 

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from ..layout import shard_tensor
+from ...core.layout import shard_tensor
 
 __all__ = ["RingMask", "document_ids", "chunk_ids", "ring_masks", "shard_masks"]
 
@@ -109,7 +109,7 @@ def shard_masks(masks, *, layout: str, rank: int, world: int):
     def one(m: RingMask) -> RingMask:
         if m.ids is None:
             return m
-        return m.with_ids(shard_tensor(m.ids, dim=1, layout=layout, rank=rank, world=world).contiguous())
+        return m.with_ids(shard_tensor(m.ids, seq_dim=1, layout=layout, rank=rank, world=world).contiguous())
 
     if isinstance(masks, RingMask):
         return one(masks)

@@ -17,7 +17,7 @@ torchtitan's checkpointer saves one DCP checkpoint (``step-N/.metadata`` plus pe
 * Nothing sequence-sharded is saved (batches are sharded afresh each step), so the layout
   (``[cp_dtensor] layout``) may change on resume as well.
 
-Measured (llama3 debugmodel, tests/test_titan_resume.py): saved at CP=2 after step 2, resumed at CP=1
+Measured (llama3 debugmodel, tests/titan/v02/test_titan_resume.py): saved at CP=2 after step 2, resumed at CP=1
 and at CP=4, steps 3 and 4 log the losses of the uninterrupted CP=2 run.
 
 What breaks is a change of the batch degree, easy to cause by accident: with
@@ -50,7 +50,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from .._manifest import STEP_DIR
+from ...checkpoint.manifest import STEP_DIR
 
 __all__ = ["saved_batch_degree", "checkpoint_to_resume", "check_resume"]
 

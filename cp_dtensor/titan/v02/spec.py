@@ -34,7 +34,7 @@ the ring or refuses at start; it never falls back to torch's own CP:
 * For a served family the Trainer gets the plugin's spec: the ring, the batch sharding and the validator.
 * For any other model name (``llama3_ft``, ``flux``, an experiment, a user's spec), the plugin wraps
   ``torchtitan.protocols.train_spec.get_train_spec``: the spec it returns is torchtitan's, with a
-  ``parallelize_fn`` that first runs ``check_job_config`` when the job has a ``[cp_dtensor]`` section
+  ``parallelize_fn`` that first runs ``check_config`` when the job has a ``[cp_dtensor]`` section
   and ``context_parallel_degree > 1``, which raises on every rank, before any parallelism is applied,
   naming the families the plugin serves. Jobs without the section are untouched.
 """
@@ -57,8 +57,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.tools.logging import logger
 
-from .._compat import TITAN_CP_INPUT, TITAN_CP_STEP
-from ._cpu import (
+from ..._compat import TITAN_CP_INPUT, TITAN_CP_STEP
+from ..shared.cpu import (
     init_as_unsharded,
     unsharded_template,
     use_for_loop_experts,
@@ -66,7 +66,7 @@ from ._cpu import (
     use_sum_reduction_on_gloo,
 )
 from .attention import RingAttention, shard_cp_batch
-from .config import FAMILIES, CPDTensor, check_job_config, cp_section
+from .config import FAMILIES, CPDTensor, check_config, cp_section
 from .families import (
     apply_family_fixes,
     apply_ring_attention,
@@ -130,7 +130,7 @@ def _bind_batch_sharding(layout: str, ulysses: int = 1) -> None:
 
 def parallelize_with_ring(model: nn.Module, parallel_dims, job_config, *, titan_fn) -> nn.Module:
     """``titan_fn`` (a family's own parallelize function) with CP through cp_dtensor's ring attention."""
-    check_job_config(job_config, parallel_dims.world_size)
+    check_config(job_config, parallel_dims.world_size)
     titan_module = sys.modules[titan_fn.__module__]
     param_dtype = TORCH_DTYPE_MAP[job_config.training.mixed_precision_param]
     if n := use_param_dtype(model, param_dtype):
@@ -196,7 +196,7 @@ def _refusing_cp(parallelize_fn):
     @functools.wraps(parallelize_fn)
     def wrapped(model, parallel_dims, job_config, *args, **kwargs):
         if getattr(job_config, "cp_dtensor", None) is not None and job_config.parallelism.context_parallel_degree > 1:
-            check_job_config(job_config, parallel_dims.world_size)  # raises for a model the plugin does not serve
+            check_config(job_config, parallel_dims.world_size)  # raises for a model the plugin does not serve
         return parallelize_fn(model, parallel_dims, job_config, *args, **kwargs)
 
     return wrapped

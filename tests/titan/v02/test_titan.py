@@ -160,11 +160,11 @@ def _parse(config: Path, *overrides: str):
 def test_gpu_example_configs_parse(name):
     from torchtitan.distributed import ParallelDims
 
-    from cp_dtensor.titan import check_job_config
+    from cp_dtensor.titan import check_config
 
     cfg = _parse(REPO / "titan_configs" / name)
     world = GPU_CONFIGS[name]
-    check_job_config(cfg, world_size=world)
+    check_config(cfg, world_size=world)
     p = cfg.parallelism
     ParallelDims(dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
                  cp=p.context_parallel_degree, tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree,
@@ -205,25 +205,25 @@ def test_unknown_layout_is_rejected():
     ],
 )
 def test_bad_cp_config_is_rejected(overrides, world, message):
-    from cp_dtensor.titan import check_job_config
+    from cp_dtensor.titan import check_config
 
     cfg = _parse(CONFIG, *overrides)
     with pytest.raises(ValueError, match=message):
-        check_job_config(cfg, world_size=world)
+        check_config(cfg, world_size=world)
 
 
 def test_cp1_needs_no_cp_section():
     from types import SimpleNamespace
 
-    from cp_dtensor.titan import check_job_config
+    from cp_dtensor.titan import check_config
 
     cfg = _parse(CONFIG, "--parallelism.context_parallel_degree", "1")
-    check_job_config(cfg, world_size=2)
+    check_config(cfg, world_size=2)
     bare = SimpleNamespace(parallelism=cfg.parallelism, training=cfg.training, model=cfg.model)
-    check_job_config(bare, world_size=1)  # no [cp_dtensor] section is fine without CP
+    check_config(bare, world_size=1)  # no [cp_dtensor] section is fine without CP
     bare.parallelism.context_parallel_degree = 2
     with pytest.raises(ValueError, match="custom_config_module"):
-        check_job_config(bare, world_size=2)
+        check_config(bare, world_size=2)
 
 
 class _FakeCPMesh:
@@ -243,7 +243,7 @@ def test_shard_cp_batch_keeps_tokens_with_positions(layout, world):
     # reference: a token at global position p is inputs[:, p] and its label is labels[:, p]
     import torch
 
-    from cp_dtensor.titan.attention import shard_cp_batch
+    from cp_dtensor.titan.v02.attention import shard_cp_batch
 
     g = torch.Generator().manual_seed(0)
     inputs = torch.randint(0, 1000, (3, 32), generator=g)

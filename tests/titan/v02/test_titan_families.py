@@ -37,7 +37,7 @@ from _titan_run import step_losses  # noqa: E402
 from test_titan import _losses as _titan_losses  # noqa: E402  one launcher for every end-to-end test
 from test_titan import _torchrun
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 CONFIGS = REPO / "titan_configs"
 STEPS, RTOL = 3, 2e-5
 
@@ -191,12 +191,12 @@ def test_llama4_irope_saved_at_cp2_resumes_at_cp1(families, tmp_path):
 def test_family_tomls_parse(toml):
     from torchtitan.config import ConfigManager
 
-    from cp_dtensor.titan import FAMILIES, check_job_config
+    from cp_dtensor.titan import FAMILIES, check_config
 
     cfg = ConfigManager().parse_args(["--job.config_file", str(CONFIGS / toml)])
     for cp, world in [(1, 1), (2, 2), (4, 4)]:
         cfg.parallelism.context_parallel_degree = cp
-        check_job_config(cfg, world_size=world)
+        check_config(cfg, world_size=world)
     assert cfg.model.name in FAMILIES and cfg.experimental.custom_import == "cp_dtensor.titan"
 
 
@@ -218,12 +218,12 @@ def test_gpu_family_tomls_pass_the_start_up_checks(toml):
     from torchtitan.config import ConfigManager
     from torchtitan.distributed import ParallelDims
 
-    from cp_dtensor.titan import check_job_config
+    from cp_dtensor.titan import check_config
 
     path, world = CONFIGS / toml, GPU_FAMILY_CONFIGS[toml]
     assert path.read_text().startswith("# GPU EXAMPLE -- NOT RUN HERE")
     cfg = ConfigManager().parse_args(["--job.config_file", str(path)])
-    check_job_config(cfg, world_size=world)
+    check_config(cfg, world_size=world)
     p = cfg.parallelism
     ParallelDims(dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
                  cp=p.context_parallel_degree, tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree,

@@ -73,8 +73,8 @@ class _DenseFlex(torch.nn.Module):
 
 
 def _model(family: str, flavor: str, overrides: dict):
-    from cp_dtensor.titan._cpu import use_for_loop_experts
-    from cp_dtensor.titan.families import apply_family_fixes
+    from cp_dtensor.titan.shared.cpu import use_for_loop_experts
+    from cp_dtensor.titan.v02.families import apply_family_fixes
 
     spec = importlib.import_module(f"torchtitan.models.{family}").get_train_spec()
     args = copy.deepcopy(spec.model_args[flavor])
@@ -101,7 +101,7 @@ def _batch():
 def _reference(model, family: str, tokens, labels):
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from cp_dtensor.titan.families import attention_modules
+    from cp_dtensor.titan.v02.families import attention_modules
 
     ref = copy.deepcopy(model)
     module = importlib.import_module(type(ref).__module__)
@@ -123,7 +123,7 @@ def _cp2_matches_reference(rank, world, case, layout):
     from torch.distributed.device_mesh import init_device_mesh
 
     from cp_dtensor.titan import CPDTensor, apply_ring_attention
-    from cp_dtensor.titan.attention import shard_cp_batch
+    from cp_dtensor.titan.v02.attention import shard_cp_batch
 
     family, flavor, overrides = CASES[case]
     model = _model(family, flavor, overrides)
@@ -164,7 +164,7 @@ def test_documents_are_torchtitans():
     # the ids the ring gets are exactly the documents of torchtitan's own mask_mod: same doc <=> mask keeps the pair
     from torchtitan.models.attention import get_document_mask_mod
 
-    from cp_dtensor.titan.flex import chunk_ids, document_ids
+    from cp_dtensor.titan.v02.flex import chunk_ids, document_ids
 
     tokens, _ = _batch()
     ids = document_ids(tokens, EOS)

@@ -133,18 +133,18 @@ def test_bad_comm_dtype_is_rejected_at_parse(tmp_path):
 
 
 def test_old_float8_converter_name_is_explained():
-    from cp_dtensor.titan import check_job_config
+    from cp_dtensor.titan import check_config
 
     cfg = _parse(CONFIG, "--model.converters", "float8")  # torchtitan itself would fail with KeyError: 'float8'
     with pytest.raises(ValueError, match=r'no converter "float8"; .* converters = \["quantize.linear.float8"\]'):
-        check_job_config(cfg, world_size=2)
+        check_config(cfg, world_size=2)
 
 
 def _wire_bytes(rank, world, comm_dtype):
     from torchtitan.models.llama3 import Transformer, llama3_args
 
-    from cp_dtensor.debug import CommBytes
     from cp_dtensor.titan import apply_ring_attention
+    from cp_dtensor.tools.debug import CommBytes
 
     with torch.device("meta"):
         model = Transformer(llama3_args["debugmodel"])

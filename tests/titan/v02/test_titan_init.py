@@ -1,4 +1,4 @@
-"""CPU weight initialisation independent of the shard degree (Note [torchtitan on CPU] 6, titan/_cpu.py).
+"""CPU weight initialisation independent of the shard degree (Note [torchtitan on CPU] 6, titan/shared/cpu.py).
 
 End to end: torchtitan's Trainer with no seed checkpoint at CP = 2 (default suite) and CP = 4, CP x TP,
 compiled blocks with activation checkpointing (slow tier) must log the losses of the same job on one rank,
@@ -25,7 +25,7 @@ skip_unless_titan((0, 2))  # torchtitan 0.3: tests/test_titan03*.py
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from cp_dtensor.titan._cpu import WRAPPER_NAMES, init_as_unsharded, unsharded_template, unwrapped_name  # noqa: E402
+from cp_dtensor.titan.shared.cpu import WRAPPER_NAMES, init_as_unsharded, unsharded_template, unwrapped_name  # noqa: E402
 from _dist import run_ranks  # noqa: E402
 from test_titan import _assert_close, _losses, _torchrun  # noqa: E402  one launcher for every end-to-end test
 

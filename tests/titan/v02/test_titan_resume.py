@@ -25,7 +25,7 @@ skip_unless_titan((0, 2))  # torchtitan 0.3: tests/test_titan03*.py
 from torch.distributed.checkpoint import FileSystemReader  # noqa: E402
 
 import cp_dtensor.titan  # noqa: E402, F401  before any torchtitan import: see Note [torchtitan on CPU]
-from cp_dtensor.titan.resume import check_resume, checkpoint_to_resume, saved_batch_degree  # noqa: E402
+from cp_dtensor.titan.v02.resume import check_resume, checkpoint_to_resume, saved_batch_degree  # noqa: E402
 from _titan_run import run_torchrun, step_losses  # noqa: E402  the one launcher for every end-to-end test
 from test_titan import _torchrun  # noqa: E402
 

@@ -1,5 +1,5 @@
 """Stock ``python -m torchtitan.train`` with a ``[cp_dtensor]`` TOML: the ring, or a refusal at start --
-never torch's own CP (Note [Stock torchtitan.train with a [cp_dtensor] section] in titan/spec.py).
+never torch's own CP (Note [Stock torchtitan.train with a [cp_dtensor] section] in titan/v02/spec.py).
 
 Measured before the refusal existed: ``--model.name llama3_ft`` (torchtitan's fault-tolerant llama3,
 which the plugin does not serve) with llama3_debug.toml at CP = 2 logged "Applied Context Parallel to
@@ -46,7 +46,7 @@ def test_served_families_get_the_ring_and_other_models_refuse_cp():
     import torchtitan.protocols.train_spec as titan_specs
 
     from cp_dtensor.titan import FAMILIES
-    from cp_dtensor.titan.spec import _refusing_cp
+    from cp_dtensor.titan.v02.spec import _refusing_cp
 
     for family in FAMILIES:
         assert getattr(titan_specs.get_train_spec(family).parallelize_fn, "_cp_dtensor", False), family

@@ -1,4 +1,4 @@
-"""The plugin's attention under tensor parallelism, in process (Note [TP heads into the ring], titan/attention.py).
+"""The plugin's attention under tensor parallelism, in process (Note [TP heads into the ring], titan/v02/attention.py).
 
 qwen3's TP plan hands attention q, k, v as DTensors sharded over heads on the TP mesh. On 2 gloo ranks
 (TP = 2, CP = 1 per rank), ``RingAttention`` on those DTensors must return a DTensor with the same
@@ -39,7 +39,7 @@ def _tp_heads(rank: int, world: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from cp_dtensor.titan.attention import RingAttention
+    from cp_dtensor.titan.v02.attention import RingAttention
 
     tp = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     cp_group, _ = dist.new_subgroups(group_size=1)  # CP = 1: the ring on this rank alone

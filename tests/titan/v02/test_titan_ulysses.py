@@ -55,18 +55,18 @@ def _cp(cp: int, u: int, *more: str) -> list[str]:
     ],
 )
 def test_bad_ulysses_config_is_rejected(overrides, world, message):
-    from cp_dtensor.titan import check_job_config
+    from cp_dtensor.titan import check_config
 
     with pytest.raises(ValueError, match=message):
-        check_job_config(_parse(*overrides), world_size=world)
+        check_config(_parse(*overrides), world_size=world)
 
 
 def test_good_ulysses_configs_pass():
-    from cp_dtensor.titan import check_job_config
+    from cp_dtensor.titan import check_config
 
-    check_job_config(_parse(*_cp(4, 2, "--parallelism.tensor_parallel_degree", "2")), world_size=8)  # 8 heads / TP rank
-    check_job_config(_parse(*_cp(4, 4, "--cp_dtensor.kv_exchange", "allgather")), world_size=4)  # R = 1
-    check_job_config(_parse(*_cp(4, 2, "--model.name", "qwen3", "--model.flavor", "debugmodel")), world_size=4)
+    check_config(_parse(*_cp(4, 2, "--parallelism.tensor_parallel_degree", "2")), world_size=8)  # 8 heads / TP rank
+    check_config(_parse(*_cp(4, 4, "--cp_dtensor.kv_exchange", "allgather")), world_size=4)  # R = 1
+    check_config(_parse(*_cp(4, 2, "--model.name", "qwen3", "--model.flavor", "debugmodel")), world_size=4)
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [
@@ -84,8 +84,9 @@ def _mesh_and_shards(rank: int, world: int) -> dict:
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
-    from cp_dtensor.layout import local_positions
-    from cp_dtensor.titan.attention import shard_cp_batch, ulysses_mesh
+    from cp_dtensor.core.layout import local_positions
+    from cp_dtensor.titan.shared.heads import ulysses_mesh
+    from cp_dtensor.titan.v02.attention import shard_cp_batch
 
     cp_mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "cp"))["cp"]
     mesh = ulysses_mesh(cp_mesh, 2)

@@ -80,8 +80,8 @@ def _validate_on_ranks(rank: int, world: int, which: str) -> float:
     from torchtitan.components.loss import cross_entropy_loss
     from torchtitan.components.validate import Validator
 
-    from cp_dtensor.titan.spec import _bind_batch_sharding
-    from cp_dtensor.titan.validate import RingValidator
+    from cp_dtensor.titan.v02.spec import _bind_batch_sharding
+    from cp_dtensor.titan.v02.validate import RingValidator
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     _bind_batch_sharding("striped")  # what the plugin's parallelize does: batches sharded by the ring's layout
@@ -116,7 +116,7 @@ def test_every_family_spec_builds_the_ring_validator():
     import torchtitan.protocols.train_spec as titan_specs
 
     from cp_dtensor.titan import FAMILIES
-    from cp_dtensor.titan.validate import build_ring_validator
+    from cp_dtensor.titan.v02.validate import build_ring_validator
 
     for family in FAMILIES:
         assert titan_specs.get_train_spec(family).build_validator_fn is build_ring_validator, family

@@ -183,7 +183,7 @@ def _tp_heads_into_the_ring(rank, world):
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
     import cp_dtensor.titan.v03.attention as v03
-    from cp_dtensor.layout import shard_tensor
+    from cp_dtensor.core.layout import shard_tensor
 
     b, s, hq, hkv, d = 2, 16, 4, 2, 8
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
@@ -199,7 +199,7 @@ def _tp_heads_into_the_ring(rank, world):
     ref.backward(dout)
 
     def local(t):  # this CP rank's sequence shard, as a DTensor over heads on the TP mesh
-        return shard_tensor(t, dim=1, layout="striped", rank=cp_rank, world=2).contiguous()
+        return shard_tensor(t, seq_dim=1, layout="striped", rank=cp_rank, world=2).contiguous()
 
     tp = mesh["tp"]
     dts = [distribute_tensor(local(t), tp, [Shard(2)]).requires_grad_() for t in full]
@@ -295,8 +295,8 @@ def _gpt_oss_attention(rank, world):
     import torch.distributed as dist
     from torchtitan.models.gpt_oss import model_registry
 
-    from cp_dtensor.layout import shard_tensor
-    from cp_dtensor.titan.config import CPDTensor
+    from cp_dtensor.core.layout import shard_tensor
+    from cp_dtensor.titan.shared.options import CPDTensor
     from cp_dtensor.titan.v03.attention import ring_masks, shard_batch
     from cp_dtensor.titan.v03.trainer import apply_ring_attention
 
@@ -333,7 +333,7 @@ def _gpt_oss_attention(rank, world):
     (ref_outs, ref_grads), (outs, grads) = results
     assert any("sinks" in n for n in grads)
     for ref, out in zip(ref_outs, outs):
-        torch.testing.assert_close(out, shard_tensor(ref, dim=1, layout="striped", rank=rank, world=world),
+        torch.testing.assert_close(out, shard_tensor(ref, seq_dim=1, layout="striped", rank=rank, world=world),
                                    rtol=1e-5, atol=1e-6)
     for n, g in grads.items():
         torch.testing.assert_close(g, ref_grads[n], rtol=1e-4, atol=1e-5, msg=n)
@@ -452,8 +452,8 @@ def _qwen35_layers(rank, world):
     import torch.nn.functional as F
     from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 
-    from cp_dtensor.layout import shard_tensor
-    from cp_dtensor.titan.config import CPDTensor
+    from cp_dtensor.core.layout import shard_tensor
+    from cp_dtensor.titan.shared.options import CPDTensor
     from cp_dtensor.titan.v03.attention import shard_batch
     from cp_dtensor.titan.v03.linear import apply_hybrid, hybrid_masks, qwen35_debugmodel_text
 
@@ -508,7 +508,7 @@ def _qwen35_layers(rank, world):
     xs, _, extra = shard_batch(x, x, extra, layout="headtail", rank=rank, world=world)
     out = run(blocks, xs, extra["attention_masks"], extra["positions"])
     (out * out).sum().backward()
-    torch.testing.assert_close(out, shard_tensor(ref.detach(), dim=1, layout="headtail", rank=rank, world=world),
+    torch.testing.assert_close(out, shard_tensor(ref.detach(), seq_dim=1, layout="headtail", rank=rank, world=world),
                                rtol=1e-4, atol=1e-5)
     names = 0
     for b, rb in zip(blocks, ref_blocks):
@@ -651,8 +651,8 @@ def _kv_bytes(rank, world, section):
     import torch.distributed as dist
     from torchtitan.models.llama3 import model_registry
 
-    from cp_dtensor.debug import CommBytes
     from cp_dtensor.titan.v03.trainer import apply_ring_attention
+    from cp_dtensor.tools.debug import CommBytes
 
     with torch.device("meta"):
         model = model_registry("debugmodel").model.build()
