@@ -1,5 +1,30 @@
-"""Errors that every rank raises alike: one all-gather of a short string per phase. Used by the
-checkpoints (checkpoint/dcp.py, which re-raises DCP's failures as ``CheckpointError``).
+"""Errors that every rank raises alike: the one cross-rank agreement of every entry point.
+
+The ring (checks.py), decoding (decode.py), linear attention (linear_attention.py), transformers'
+generate() and hybrid models (hf/) agree on a call with :func:`agree` or :func:`agree_objects` under
+their own :class:`Rules` (the entry point's name, its fingerprint's fields, how a field reads); the
+checkpoints (checkpoint/dcp.py) agree on each phase of a save or load with :func:`agreed`.
+
+Note [One agreement]
+~~~~~~~~~~~~~~~~~~~~
+A bad argument on one rank must not leave the others blocked in a collective it never joins, and
+ranks that disagree must not run (a ring of unequal shards moves messages of other sizes, or computes
+wrong outputs silently). So an entry point does not raise its local checks at once: each rank condenses
+its call into a fingerprint -- whether its local checks passed, then the fields that must be equal on
+every rank, then values allowed to differ -- and one all-gather over the CP group's host (gloo) twin
+(``comm.host_group``: no device sync) shows every rank every other rank's. Then every rank decides
+alike:
+
+* some rank failed: the error texts are gathered too (only then) and every rank raises
+  ``ValueError("<what> rejected the inputs of rank(s) r, ...: <the first failing rank's error>")``;
+* the fields differ: every rank raises ``ValueError("<what> needs the same <fields> on every rank of
+  the CP group; got rank 0: field=value; rank 1: ...")`` with the entry point's advice;
+* on one rank, its own error is raised as it is.
+
+Three ways to send the fingerprint, by what the call is: ``agree`` with int64 fields (the ring: 20
+ints a rank; linear attention), ``agree`` with ``Rules.digest`` (one int64 a rank, the fields gathered
+only on a mismatch: decoding, once per generated token), ``agree_objects`` with picklable values (the
+transformers wrappers, once per call). Each entry point's fields stay in its own module.
 
 Note [Agreeing on checkpoint errors]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -15,11 +40,109 @@ first failing rank's exception first.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from .comm import Groups, all_gather_host, all_gather_objects, group_size, host_group
+
+__all__ = ["SAME_SHARDS", "Rules", "agree", "agree_objects", "agreed", "rank_world"]
+
+SAME_SHARDS = "Every rank must hold an equal-length shard of one sequence and pass the same options."
+
+
+def _as_written(field: str, value: Any) -> Any:
+    return value
+
+
+@dataclass(frozen=True)
+class Rules:
+    """How one entry point agrees (Note [One agreement]); its fingerprint's fields are its own."""
+
+    what: str  #: the entry point, as its errors name it ("ring_attention")
+    fields: tuple[str, ...]  #: the fingerprint's values that must be equal on every rank, in order
+    advice: str = SAME_SHARDS  #: the sentence after a mismatch's table
+    describe: Callable[[str, Any], Any] = _as_written  #: a field's value as the caller wrote it
+    free: int = 0  #: values after the fields, gathered along, that may differ between ranks
+    digest: bool = False  #: send one int64 a rank; the fields travel only on a mismatch
+    refused: str = "{what} rejected the inputs of rank(s) {ranks}: {error}"  #: keys: what, ranks, rank_list, error
+    differ: str = "{what} needs the same {names} on every rank of the CP group; got {table}. {advice}"
+
+    def raise_refused(self, errors: Sequence[str | None]) -> None:
+        bad = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if bad:
+            ranks = [r for r, _ in bad]
+            raise ValueError(self.refused.format(what=self.what, ranks=", ".join(map(str, ranks)), rank_list=ranks,
+                                                 error=bad[0][1]))
+
+    def raise_differ(self, rows: Sequence[Sequence[Any]]) -> None:
+        """``rows``: every rank's fields; raises when they are not all equal."""
+        names = [f for i, f in enumerate(self.fields) if any(row[i] != rows[0][i] for row in rows)]
+        if names:
+            table = "; ".join(f"rank {r}: " + ", ".join(f"{f}={self.describe(f, row[self.fields.index(f)])}"
+                                                        for f in names) for r, row in enumerate(rows))
+            raise ValueError(self.differ.format(what=self.what, names=", ".join(names), table=table,
+                                                advice=self.advice))
+
+
+def _digest(values: Sequence[int]) -> int:
+    d = 0
+    for x in values:
+        d = (d * 1000003 + int(x)) % (1 << 62)
+    return d
+
+
+def _hosts(groups: Groups | None) -> tuple[dist.ProcessGroup, ...]:
+    """The host (gloo) twins of ``groups``; () for one rank (no twin is made for it)."""
+    groups = () if groups is None else groups if isinstance(groups, tuple) else (groups,)
+    return tuple(host_group(g) for g in groups) if group_size(groups) > 1 else ()
+
+
+def agree(rules: Rules, fingerprint: Sequence[int], error: str | None, groups: Groups | None) -> torch.Tensor | None:
+    """Agree on a call across ``groups`` (a group, a 2-D mesh's (ring, Ulysses) groups, or None: one
+    rank); see Note [One agreement]. ``fingerprint``: int64s, ``rules.fields`` then ``rules.free`` values
+    (with an ``error``: placeholders of that length, compared with nothing). Raises the same ValueError
+    on every rank, or returns every rank's fingerprint [P, len] int64 (``rules.digest``: None)."""
+    hosts = _hosts(groups)
+    world = group_size(hosts)
+    if world == 1:
+        if error is not None:
+            raise ValueError(error)
+        return None if rules.digest else torch.tensor([list(fingerprint)], dtype=torch.int64)
+    if rules.digest:  # one int64 a rank: 0 where the local checks failed
+        mine = torch.tensor([0 if error is not None else _digest(fingerprint) + 1], dtype=torch.int64)
+        every = all_gather_host(mine, hosts).view(world)
+        if bool((every == 0).any()):
+            rules.raise_refused(all_gather_objects(error, hosts))
+        if bool((every != every[0]).any()):
+            rules.raise_differ(all_gather_objects(list(fingerprint), hosts))
+        return None
+    row = torch.tensor([int(error is None), *fingerprint], dtype=torch.int64)
+    every = all_gather_host(row, hosts).view(world, -1)
+    if not bool((every[:, 0] == 1).all()):
+        rules.raise_refused(all_gather_objects(error, hosts))
+    n = len(rules.fields)
+    fields = every[:, 1 : 1 + n]
+    if bool((fields != fields[0]).any()):
+        rules.raise_differ(fields.tolist())
+    return every[:, 1:]
+
+
+def agree_objects(rules: Rules, fingerprint: tuple, error: str | None, groups: Groups | None, extra: Any = None) -> list:
+    """:func:`agree` for picklable fingerprints (``rules.fields`` name its entries): one all-gather of
+    (error, fingerprint, extra) objects. Returns every rank's ``extra``, in rank order."""
+    hosts = _hosts(groups)
+    if not hosts:
+        if error is not None:
+            raise ValueError(error)
+        return [extra]
+    every = all_gather_objects((error, fingerprint, extra), hosts)
+    rules.raise_refused([e for e, _, _ in every])
+    rules.raise_differ([f for _, f, _ in every])
+    return [x for _, _, x in every]
 
 
 def rank_world() -> tuple[int, int]:

@@ -19,8 +19,8 @@ every rank (the layers run replicated on the T new tokens). So attention needs n
 
 A query that sees no key on any rank is decided from the merged lse, which every rank holds alike: every
 rank raises (without sinks; with sinks its output is 0, as sinks define). Arguments are checked before
-the gather by the fingerprint agreement of Note [Agreeing before the ring] in checks.py: a bad call
-raises on every rank instead of leaving one waiting.
+the gather by the agreement of Note [One agreement] in agreement.py: a bad call raises on every rank
+instead of leaving one waiting.
 """
 
 from __future__ import annotations
@@ -32,13 +32,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .comm import all_gather, all_gather_host, all_gather_objects, host_group, wait
+from .agreement import Rules, agree
+from .comm import all_gather, wait
 
 __all__ = ["sharded_cache_attention"]
 
 _NAME = "sharded_cache_attention"
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_FIELDS = ("ok", "batch", "q_heads", "kv_heads", "new_tokens", "head_dim", "value_head_dim", "dtype", "scale",
+_FIELDS = ("batch", "q_heads", "kv_heads", "new_tokens", "head_dim", "value_head_dim", "dtype", "scale",
            "window_left", "window_right", "sinks", "q_values", "q_positions")
 _CHUNK = 1 << 24  # score elements per local chunk of keys (64 MiB in fp32)
 
@@ -117,40 +118,20 @@ def _fingerprint(q, k, v, q_positions, scale, window_size, sinks, ok: bool) -> l
 
     window = tuple(window_size) if ok and window_size is not None else (-2, -2)
     return [
-        int(ok), dim(q, 0), dim(q, 1), dim(k, 1), dim(q, 2), dim(q, 3), dim(v, 3),
+        dim(q, 0), dim(q, 1), dim(k, 1), dim(q, 2), dim(q, 3), dim(v, 3),
         _DTYPES.index(q.dtype) if isinstance(q, Tensor) and q.dtype in _DTYPES else -1,
         _bits(scale) if isinstance(scale, (int, float)) else -1, int(window[0]), int(window[1]),
         digest(sinks) if ok else -3, digest(q) if ok else -3, digest(q_positions) if ok else -3,
     ]
 
 
-def _agree(err: str | None, fp: list[int], group: dist.ProcessGroup, world: int) -> None:
-    """Note [Agreeing before the ring] (checks.py) for this op: one all-gather of one int64 per rank over the
-    group's host (gloo) twin -- a digest of the fingerprint, 0 where the local checks failed -- so the check
-    adds 8 * (P - 1) bytes to the call's wire. Only when some rank differs are the full fingerprints and the
-    errors gathered, to say which rank and field; every rank raises the same error, or none does."""
-    if world > 1:
-        host = host_group(group)
-        digest = 0
-        for x in fp:
-            digest = (digest * 1000003 + x) % (1 << 62)
-        mine = torch.tensor([digest + 1 if err is None else 0], dtype=torch.int64)
-        every = all_gather_host(mine, host).view(world)
-        if bool((every == 0).any()):
-            bad = [(r, e) for r, e in enumerate(all_gather_objects(err, host)) if e is not None]
-            raise ValueError(f"{_NAME} rejected the inputs of rank(s) {', '.join(str(r) for r, _ in bad)}: {bad[0][1]}")
-        if bool((every != every[0]).any()):
-            fps = all_gather_objects(fp, host)
-            fields = [f for i, f in enumerate(_FIELDS) if len({tuple(p)[i] for p in fps}) > 1]
-            table = "; ".join(f"rank {r}: " + ", ".join(f"{f}={p[_FIELDS.index(f)]}" for f in fields)
-                              for r, p in enumerate(fps))
-            raise ValueError(
-                f"{_NAME} needs the same {', '.join(fields)} on every rank of the CP group; got {table}. The new "
-                "tokens' q and q_positions and every option must be replicated; only k, v, k_positions are this "
-                "rank's share (sinks, q and positions are compared exactly where they live on the CPU)."
-            )
-    if err is not None:
-        raise ValueError(err)
+# Note [One agreement] (agreement.py) for this op, by digest: one int64 a rank over the group's host (gloo)
+# twin, so the check adds 8 * (P - 1) bytes to the call's wire; the fields travel only when ranks differ
+_RULES = Rules(
+    _NAME, _FIELDS, digest=True,
+    advice="The new tokens' q and q_positions and every option must be replicated; only k, v, k_positions are this "
+           "rank's share (sinks, q and positions are compared exactly where they live on the CPU).",
+)
 
 
 def _partial(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, scale: float, window, dtype):
@@ -224,7 +205,7 @@ def sharded_cache_attention(
                          "call it on the group's ranks only, or pass their group.")
     err = local_error(q, k, v, q_positions, k_positions, scale, window_size, sinks)
     fp = _fingerprint(q, k, v, q_positions, scale, window_size, sinks, err is None) if world > 1 else []
-    _agree(err, fp, group, world)
+    agree(_RULES, fp, err, group)
     return attend(q, k, v, q_positions=q_positions, k_positions=k_positions, group=group, world=world, scale=scale,
                   window_size=window_size, sinks=sinks)
 

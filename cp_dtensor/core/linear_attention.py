@@ -70,7 +70,7 @@ document on its own, zero-padded.
 *Agreement.* Bad input (striped, shapes, dtypes, ranks disagreeing on shapes, layout, kernel or options,
 document ids of the wrong shape) raises the same ``ValueError`` on every rank before any summary moves:
 one all-gather of a small int64 fingerprint over the CP group's host twin, then every rank decides alike
-(the scheme of Note [Agreeing before the ring] in checks.py).
+(Note [One agreement] in agreement.py).
 
 *torch.compile* (not fullgraph): the checks and the agreement run eagerly (``torch.compiler.disable``:
 one graph break per call); the kernels, the differentiable all-gather and the fold are traced
@@ -92,12 +92,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from .comm import all_gather, all_gather_host, all_gather_objects, host_group, reduce_scatter, wait
+from .agreement import Rules, agree
+from .comm import all_gather, all_gather_host, host_group, reduce_scatter, wait
 from .layout import LAYOUTS
 
 __all__ = [
-    "LINEAR_LAYOUTS", "check_bytes", "check_linear_layout", "conv_halo_bytes", "linear_state_bytes",
-    "sharded_causal_conv1d", "sharded_delta_rule",
+    "LINEAR_LAYOUTS", "check_bytes", "check_linear_layout", "conv_halo_bytes", "linear_state_bytes", "run_owner",
+    "run_starts", "sharded_causal_conv1d", "sharded_delta_rule",
 ]
 
 LINEAR_LAYOUTS = ("contiguous", "headtail")
@@ -165,43 +166,25 @@ def _group(group) -> tuple[dist.ProcessGroup | None, int, int]:
     return group, dist.get_rank(group), dist.get_world_size(group)
 
 
-def _run_starts(layout: str, rank: int, world: int, s_local: int) -> list[tuple[int, int]]:
+def run_starts(layout: str, rank: int, world: int, s_local: int) -> list[tuple[int, int]]:
     """(local start, global run index) of each of this rank's runs, each s_local // runs long."""
     if layout == "contiguous":
         return [(0, rank)]
     return [(0, rank), (s_local // 2, 2 * world - 1 - rank)]
 
 
-def _owner(layout: str, world: int, j: int) -> tuple[int, int]:
+def run_owner(layout: str, world: int, j: int) -> tuple[int, int]:
     """(rank, local run) holding global run ``j``."""
     if layout == "contiguous" or j < world:
         return j, 0
     return 2 * world - 1 - j, 1
 
 
+_run_starts, _owner = run_starts, run_owner  # this module's own short names
+
+
 def _crc(text: str) -> int:
     return zlib.crc32(text.encode())
-
-
-@torch.compiler.disable  # host values and a host collective: run eagerly between the compiled parts
-def _agree(what: str, fields: tuple[str, ...], fp: list[int], err: str | None, group, world: int) -> None:
-    """One all-gather of every rank's fingerprint; the same ValueError on every rank when any rank's local
-    checks failed or the ranks differ. See Note [Agreeing before the ring] in checks.py."""
-    if world > 1:
-        host = host_group(group)
-        every = all_gather_host(torch.tensor([int(err is None), *fp], dtype=torch.int64), host).view(world, -1)
-        if not bool((every[:, 0] == 1).all()):
-            bad = [(r, e) for r, e in enumerate(all_gather_objects(err, host)) if e is not None]
-            raise ValueError(f"{what} rejected the inputs of rank(s) {', '.join(str(r) for r, _ in bad)}: {bad[0][1]}")
-        differ = (every[:, 1:] != every[0, 1:]).any(0).tolist()
-        if any(differ):
-            names = [f for f, d in zip(fields, differ) if d]
-            table = "; ".join(f"rank {r}: " + ", ".join(f"{f}={_describe(f, every[r, 1 + fields.index(f)].item())}"
-                                                        for f in names) for r in range(world))
-            raise ValueError(f"{what} needs the same {', '.join(names)} on every rank of the CP group; got {table}. "
-                             "Every rank must hold an equal-length shard of one sequence and pass the same options.")
-    if err is not None:
-        raise ValueError(err)
 
 
 def _describe(field: str, value: int):
@@ -217,6 +200,12 @@ def _describe(field: str, value: int):
     if field in ("kernel", "kernel_kwargs"):
         return f"#{value & 0xFFFF:04x}"
     return value
+
+
+# one all-gather of every rank's fingerprint, the same ValueError on every rank when any rank's local checks
+# failed or the ranks differ: Note [One agreement] in agreement.py (run eagerly, between the compiled parts)
+_DELTA_RULES = Rules("sharded_delta_rule", _DELTA_FIELDS, describe=_describe)
+_CONV_RULES = Rules("sharded_causal_conv1d", _CONV_FIELDS, describe=_describe)
 
 
 def _layout_error(what: str, layout, s_local: int) -> str | None:
@@ -286,7 +275,7 @@ def _check_delta(kernel, q, k, v, g, beta, layout, ids, l2norm, kernel_kwargs, g
               int(bool(l2norm)),
               _crc(f"{getattr(kernel, '__module__', '')}.{getattr(kernel, '__qualname__', type(kernel).__name__)}"),
               _crc(repr(sorted(kernel_kwargs.items())))]
-    _agree("sharded_delta_rule", _DELTA_FIELDS, fp, err, group, world)
+    agree(_DELTA_RULES, fp, err, group)
 
 
 def _gather_last_ids(ids: Tensor, starts, run_len: int, group, world: int) -> Tensor:
@@ -460,7 +449,7 @@ def _check_conv(x, weight, bias, activation, layout, ids, group, world: int) -> 
     if err is None:
         fp = [*x.shape, weight.shape[1], _FLOATS.index(x.dtype), _FLOATS.index(weight.dtype), int(bias is not None),
               _ACTIVATIONS.index(activation), LAYOUTS.index(layout), int(ids is not None)]
-    _agree("sharded_causal_conv1d", _CONV_FIELDS, fp, err, group, world)
+    agree(_CONV_RULES, fp, err, group)
 
 
 def sharded_causal_conv1d(

@@ -37,7 +37,8 @@ require("hf", "cp_dtensor.hf (transformers generate() under context parallelism)
 
 from transformers.cache_utils import Cache, CacheLayerMixin  # noqa: E402
 
-from ..core.comm import all_gather, all_gather_objects, host_group, wait  # noqa: E402
+from ..core.agreement import Rules, agree_objects  # noqa: E402
+from ..core.comm import all_gather, wait  # noqa: E402
 from ..core.decode import attend, digest, local_error  # noqa: E402
 from ..core.layout import global_order, layout_unit, shard_tensor  # noqa: E402
 
@@ -319,6 +320,16 @@ def _generate_error(model, args, kwargs) -> tuple[str | None, tuple]:
     return None, (tuple(ids.shape), digest(ids.cpu()), digest(None if given is None else given.cpu()), settings)
 
 
+# the wrapper's call agreement (Note [One agreement] in core/agreement.py): _generate_error's fingerprint
+_CALL = Rules(
+    "generate() under CP", ("input_ids shape", "input_ids", "attention_mask", "options"),
+    refused="{what} refused the call on rank(s) {rank_list}: {error}",
+    differ="{what} needs the same call on every rank of the CP group -- the full, unsharded input_ids and "
+           "attention_mask and the same generation options -- but the ranks differ (a sharded prompt?). Pass every "
+           "rank the whole prompt.",
+)
+
+
 def enable_generate(model: nn.Module, ctx) -> None:
     """Install the generate() support on a model that ``cp_dtensor.hf.apply_context_parallel`` has prepared."""
     ctx.step, ctx.cache, ctx.prompt, ctx.held, ctx.keep_logits = None, None, None, None, 0
@@ -337,19 +348,7 @@ def enable_generate(model: nn.Module, ctx) -> None:
     def generate(*args, **kwargs):
         """``GenerationMixin.generate`` under CP: see Note [generate() under CP] in cp_dtensor/hf_generate.py."""
         err, fingerprint = _generate_error(model, args, kwargs)
-        cp = ctx.mesh.size()
-        if cp > 1:  # Note [Agreeing before the ring] (checks.py): every rank raises, or none
-            every = all_gather_objects((err, fingerprint), host_group(ctx.mesh.get_group()))
-            bad = [(r, e) for r, (e, _) in enumerate(every) if e is not None]
-            if bad:
-                raise ValueError(f"generate() under CP refused the call on rank(s) {[r for r, _ in bad]}: {bad[0][1]}")
-            if any(f != every[0][1] for _, f in every):
-                raise ValueError(
-                    "generate() under CP needs the same call on every rank of the CP group -- the full, unsharded "
-                    "input_ids and attention_mask and the same generation options -- but the ranks differ (a "
-                    "sharded prompt?). Pass every rank the whole prompt.")
-        elif err is not None:
-            raise ValueError(err)
+        agree_objects(_CALL, fingerprint, err, ctx.mesh.get_group())  # every rank raises, or none
         text = model.config.get_text_config(decoder=True)
         ctx.cache = ShardedCache(ctx, text.num_hidden_layers)
         try:

@@ -61,9 +61,15 @@ from .._extras import require
 
 require("hf", "cp_dtensor.hf (hybrid linear-attention transformers models under context parallelism)")
 
-from ..core.comm import all_gather_objects, host_group  # noqa: E402
+from ..core.agreement import Rules, agree_objects  # noqa: E402
 from ..core.layout import check_layout  # noqa: E402
-from ..core.linear_attention import _owner, _run_starts, check_linear_layout, sharded_causal_conv1d, sharded_delta_rule  # noqa: E402, I001
+from ..core.linear_attention import (  # noqa: E402, I001
+    check_linear_layout,
+    run_owner,
+    run_starts,
+    sharded_causal_conv1d,
+    sharded_delta_rule,
+)
 
 __all__ = ["FAMILIES", "enable_linear", "linear_layers"]
 
@@ -231,7 +237,7 @@ def _runs_summary(call: dict, b: int, layout: str, rank: int, world: int):
     pos = _positions(call, b).long()
     s = pos.shape[1]
     runs = []
-    for s0, _ in _run_starts(layout, rank, world, s):
+    for s0, _ in run_starts(layout, rank, world, s):
         run = pos[:, s0:s0 + s // (2 if layout == "headtail" else 1)]
         runs.append((bool((run.diff(dim=1) == 1).all()), run[:, 0].tolist(), run[:, -1].tolist()))
     return state, runs
@@ -250,7 +256,7 @@ def _one_document(summaries: list, layout: str, world: int) -> bool:
         return False
     last = None
     for j in range(world * len(summaries[0][1])):  # the runs in global order
-        r, i = _owner(layout, world, j)
+        r, i = run_owner(layout, world, j)
         consecutive, first, end = summaries[r][1][i]
         if not consecutive or (last is not None and any(f != e + 1 for f, e in zip(first, last))):
             return False
@@ -258,9 +264,18 @@ def _one_document(summaries: list, layout: str, world: int) -> bool:
     return True
 
 
+# the first linear layer's call agreement (Note [One agreement] in core/agreement.py)
+_CALL = Rules(
+    "context parallelism", ("layout", "hidden shape", "dtype", "document_ids"),
+    refused="{what} refused the call on rank(s) {rank_list}: {error}",
+    differ="a hybrid model under CP needs the same call on every rank of the CP group; got {table}. {advice}",
+    advice="Every rank must hold an equal-length shard of one batch and pass the same options.",
+)
+
+
 def _start(hybrid: _Hybrid, hidden, kwargs) -> None:
-    """The first linear layer of a call: agree across ranks (Note [Agreeing before the ring] in checks.py,
-    as generate() does: one gather of (error, fingerprint, runs summary)), then derive the documents."""
+    """The first linear layer of a call: agree across ranks (Note [One agreement] in core/agreement.py, as
+    generate() does: one gather of (error, fingerprint, runs summary)), then derive the documents."""
     ctx = hybrid.ctx
     err = _call_error(hybrid, hidden, kwargs)
     call = hybrid.call or {}
@@ -270,20 +285,8 @@ def _start(hybrid: _Hybrid, hidden, kwargs) -> None:
     if err is None:
         fingerprint = (ctx.layout, tuple(hidden.shape), str(hidden.dtype), call["document_ids"] is not None)
         summary = _runs_summary(call, hidden.shape[0], ctx.layout, ctx.mesh.get_local_rank(), world)
-    one_document = False
-    if world > 1:
-        every = all_gather_objects((err, fingerprint, summary), host_group(ctx.mesh.get_group()))
-        bad = [(r, e) for r, (e, _, _) in enumerate(every) if e is not None]
-        if bad:
-            raise ValueError(f"context parallelism refused the call on rank(s) {[r for r, _ in bad]}: {bad[0][1]}")
-        if any(f != every[0][1] for _, f, _ in every):
-            table = "; ".join(f"rank {r}: layout, hidden shape, dtype, document_ids = {f}"
-                              for r, (_, f, _) in enumerate(every))
-            raise ValueError(f"a hybrid model under CP needs the same call on every rank of the CP group; got {table}. "
-                             "Every rank must hold an equal-length shard of one batch and pass the same options.")
-        one_document = _one_document([x for _, _, x in every], ctx.layout, world)
-    elif err is not None:
-        raise ValueError(err)
+    summaries = agree_objects(_CALL, fingerprint, err, ctx.mesh.get_group(), extra=summary)
+    one_document = world > 1 and _one_document(summaries, ctx.layout, world)
     ids = call["document_ids"]
     if ids is None and not one_document:  # the global view: O(N) ids gathered (hf/attention.py's rule)
         pos = call["position_ids"]
