@@ -37,7 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
-from .core.attention import _ring_attention
+from .core.attention import ring_spec, run_ring_attention
 from .core.batch import document_ids_from_positions, shard_batch, unshard_batch
 from .core.checks import check_cp_mesh
 from .core.layout import check_layout
@@ -74,10 +74,9 @@ class _RingSDPA(TorchFunctionMode):
                 "is_causal, document ids (apply_context_parallel(..., documents=...)) and window_size; set the "
                 "attention dropout to 0."
             )
-        return _ring_attention(
-            query, key, value, group=self.mesh.get_group(), layout=self.layout, is_causal=bool(is_causal),
-            scale=scale, document_ids=self.ids, window_size=self.window, error=error,
-        )
+        spec = ring_spec(self.mesh.get_group(), layout=self.layout, is_causal=bool(is_causal), scale=scale,
+                         window_size=self.window)
+        return run_ring_attention(query, key, value, spec, document_ids=self.ids, error=error)
 
     def take_documents(self, kwargs: dict) -> None:
         """Set this forward's documents from the top-level call's keyword arguments."""

@@ -40,10 +40,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .blocks import Mask, add_sinks, no_mask, step_backward, step_forward
+from .blocks import Mask, add_sinks, step_backward, step_forward
 from .comm import all_gather, reduce_scatter, unpack, wait
 from .ops import after, tie
 from .payload import decode_kv, encode_kv
+from .spec import RingSpec, as_spec
 
 __all__ = ["allgather_forward", "allgather_backward", "gather_chunks"]
 
@@ -61,14 +62,15 @@ def _heads(x: Tensor, h: slice) -> Tensor:
 
 
 def allgather_forward(
-    q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup, layout: str, is_causal: bool, scale: float,
-    comm_dtype: torch.dtype | None = None, mask: Mask | None = None, sinks: Tensor | None = None,
-    ready: Tensor | None = None,
+    q: Tensor, k: Tensor, v: Tensor, spec: RingSpec | None = None, *, mask: Mask | None = None,
+    sinks: Tensor | None = None, ready: Tensor | None = None, **options,
 ) -> tuple[Tensor, Tensor]:
     """``ring.ring_forward`` with every block from all-gathers. q: [B, Hq, S, Dqk]; k: [B, Hkv, S, Dqk];
     v: [B, Hkv, S, Dv]. Returns out [B, Hq, S, Dv] (q's dtype) and lse [B, Hq, S] (fp32/fp64)."""
+    spec = as_spec(spec, options, "allgather_forward")
+    group, comm_dtype, scale = spec.group, spec.comm_dtype, spec.softmax_scale(q.shape[-1])
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    mask = mask if mask is not None else no_mask(layout, world, q.shape[2], is_causal)
+    mask = mask if mask is not None else Mask.of(spec, q.shape[2])
     chunks = gather_chunks(q, k)
 
     def post(i: int) -> Tensor | None:  # [P * n] of chunk i's encoded K/V, posted
@@ -100,13 +102,14 @@ def allgather_forward(
 
 
 def allgather_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-    *, group: dist.ProcessGroup, layout: str, is_causal: bool, scale: float, comm_dtype: torch.dtype | None = None,
-    mask: Mask | None = None,
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, spec: RingSpec | None = None,
+    *, mask: Mask | None = None, **options,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``ring.ring_backward`` with the blocks from all-gathers and dK/dV from reduce-scatters."""
+    spec = as_spec(spec, options, "allgather_backward")
+    group, comm_dtype, scale = spec.group, spec.comm_dtype, spec.softmax_scale(q.shape[-1])
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    mask = mask if mask is not None else no_mask(layout, world, q.shape[2], is_causal)
+    mask = mask if mask is not None else Mask.of(spec, q.shape[2])
     dout = dout.contiguous()
     acc_dtype = torch.promote_types(q.dtype, torch.float32)
     chunks = gather_chunks(q, k)

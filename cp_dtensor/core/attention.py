@@ -1,10 +1,13 @@
-"""The front door: ``ring_attention`` for a process group or a (U, R) mesh -- one preamble (validate,
-agree, gather the document ids, check them: ``checks.agree``), then the exchange, under one autograd
-Function.
+"""The front door: ``ring_attention`` for a process group or a (U, R) mesh -- the call's ``RingSpec``
+(spec.py), one preamble (validate, agree, gather the document ids, check them: ``checks.agree``), then
+the exchange, under one autograd Function.
 
-The path of a call: ``ring_attention`` -> ``checks.agree`` (every rank alike, before any K/V moves) ->
-on a 2-D mesh the heads all-to-all (ulysses.py) -> ``_RingAttention`` -> the exchange's forward
-(ring.py: rotations; allgather.py: one all-gather) -> blocks.py per block -> ops.py's kernels.
+The path of a call: ``ring_attention`` -> ``ring_spec`` (once) -> ``run_ring_attention`` ->
+``checks.agree`` (every rank alike, before any K/V moves) -> on a 2-D mesh the heads all-to-all
+(ulysses.py) -> ``_RingAttention`` -> the exchange's forward (ring.py: rotations; allgather.py: one
+all-gather) -> blocks.py per block -> ops.py's kernels. Integrations that check more of the call
+themselves (hf/, model.py) build the spec with ``ring_spec`` and call ``run_ring_attention`` with their
+own local ``error`` and prior agreement.
 """
 
 from __future__ import annotations
@@ -19,34 +22,37 @@ from .blocks import Mask, sinks_grad
 from .checks import agree
 from .ops import tie
 from .ring import ring_backward, ring_forward
+from .spec import RingSpec
 from .ulysses import gather_heads, kv_replicas, mesh_group, scatter_heads, union_order
 
-__all__ = ["ring_attention"]
+__all__ = ["ring_attention", "ring_spec", "run_ring_attention"]
 
 _EXCHANGES = {"ring": (ring_forward, ring_backward), "allgather": (allgather_forward, allgather_backward)}
 
 
 class _RingAttention(torch.autograd.Function):
+    """The exchange of a checked call: (q, k, v, sinks, ids, ready, spec) -> out; see Note [One spec per
+    ring call] in spec.py. ``ids``: every rank's document ids [P, B, S_local] or None; ``ready``: the
+    agreement's result, compiled (Note [Compiled agreement] in checks.py)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, sinks, group, layout, is_causal, scale, comm_dtype, window, ids, ulysses, kv_exchange,
-                ready):
+    def forward(ctx, q, k, v, sinks, ids, ready, spec: RingSpec):
         if ready is None and ids is not None and torch.compiler.is_compiling():
             ready = ids  # the agreement's result (Note [Compiled agreement] in checks.py)
-        mask = Mask(layout, dist.get_world_size(group), q.shape[2], is_causal, window, ids, ulysses)
-        opts = dict(group=group, layout=layout, is_causal=is_causal, scale=scale, comm_dtype=comm_dtype, mask=mask)
-        out, lse = _EXCHANGES[kv_exchange][0](q, k, v, sinks=sinks, ready=ready, **opts)
+        mask = Mask.of(spec, q.shape[2], ids)
+        out, lse = _EXCHANGES[spec.kv_exchange][0](q, k, v, spec, mask=mask, sinks=sinks, ready=ready)
         if mask.steps == 1:  # no K/V payload took the agreement: the output does (Note [Compiled agreement])
             tie(out, ready)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.opts, ctx.kv_exchange = opts, kv_exchange
+        ctx.spec, ctx.mask = spec, mask
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, sinks = ctx.saved_tensors
-        dq, dk, dv = _EXCHANGES[ctx.kv_exchange][1](dout, q, k, v, out, lse, **ctx.opts)
+        dq, dk, dv = _EXCHANGES[ctx.spec.kv_exchange][1](dout, q, k, v, out, lse, ctx.spec, mask=ctx.mask)
         dsinks = sinks_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[3] else None
-        return dq, dk, dv, dsinks, None, None, None, None, None, None, None, None, None, None
+        return dq, dk, dv, dsinks, None, None, None
 
 
 def ring_attention(
@@ -100,60 +106,74 @@ def ring_attention(
     shard of 1-D CP over all P = U * R ranks, its rank being its row-major index in the mesh; Hq must
     be a multiple of U. See Note [Ulysses x ring] in ulysses.py.
     """
-    return _ring_attention(q, k, v, group=group, layout=layout, is_causal=is_causal, scale=scale,
-                           comm_dtype=comm_dtype, document_ids=document_ids, window_size=window_size, sinks=sinks,
-                           kv_exchange=kv_exchange)
+    spec = ring_spec(group, layout=layout, is_causal=is_causal, scale=scale, comm_dtype=comm_dtype,
+                     window_size=window_size, kv_exchange=kv_exchange)
+    return run_ring_attention(q, k, v, spec, document_ids=document_ids, sinks=sinks)
+
+
+def ring_spec(
+    group: dist.ProcessGroup | DeviceMesh | None = None, *, layout: str = "striped", is_causal: bool = False,
+    scale: float | None = None, comm_dtype: torch.dtype | None = None, window_size: tuple[int, int] | None = None,
+    kv_exchange: str = "ring",
+) -> RingSpec:
+    """The ``RingSpec`` of a ``ring_attention`` call with these options (Note [One spec per ring call] in
+    spec.py): ``group`` None is the world; a 1-D mesh its group; a (U, R) mesh the ring over dim 1 and
+    the heads all-to-all over dim 0 (Note [Ulysses x ring] in ulysses.py). The options are kept as
+    given: :func:`run_ring_attention` checks them, on every rank alike."""
+    group = group if group is not None else dist.group.WORLD
+    ulysses_group = None
+    if isinstance(group, DeviceMesh):
+        group = mesh_group(group)  # a 1-D mesh's group; a 2-D mesh stays (raises on any other)
+        if isinstance(group, DeviceMesh):
+            group, ulysses_group = group.get_group(1), group.get_group(0)  # See Note [Ulysses x ring] in ulysses.py
+    window = tuple(window_size) if isinstance(window_size, (tuple, list)) else window_size
+    return RingSpec(group=group, layout=layout, is_causal=is_causal, scale=scale, comm_dtype=comm_dtype, window=window,
+                    kv_exchange=kv_exchange, ulysses_group=ulysses_group)
+
+
+def run_ring_attention(
+    q: Tensor, k: Tensor, v: Tensor, spec: RingSpec, *, document_ids: Tensor | None = None, sinks: Tensor | None = None,
+    error: str | None = None, agreed: tuple[int, int] | None = None,
+) -> Tensor:
+    """``ring_attention`` for a call's ``spec`` (:func:`ring_spec`). ``error``: the caller's own local error
+    (e.g. an unsupported argument the module path saw), raised on every rank through the agreement, like
+    a bad argument; ``agreed``: see ``checks.agree`` (the transformers path, which agreed before deriving
+    the documents)."""
+    if isinstance(document_ids, Tensor) and document_ids.device.type != "cpu":
+        # the one host copy of a call with documents: the kernels are chosen per document on the host
+        document_ids = document_ids.cpu()
+    agreed = agree(q, k, v, spec, document_ids=document_ids, sinks=sinks, error=error, agreed=agreed)
+    if agreed.failed is not None:  # compiled: the agreement raises at run time (Note [Compiled agreement])
+        return tie(q.new_zeros((*q.shape[:3], v.shape[3])), agreed.ready)  # tied, so the op is not dropped
+    if spec.ulysses_group is None:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        return _RingAttention.apply(q, k, v, sinks, agreed.ids, agreed.ready, spec)
+    return _two_d(q, k, v, spec, sinks=sinks, ids=agreed.ids, ready=agreed.ready)
 
 
 def _ring_attention(q, k, v, *, group, layout, is_causal, scale, comm_dtype=None, document_ids=None,
                     window_size=None, sinks=None, kv_exchange="ring", error: str | None = None,
                     agreed: tuple[int, int] | None = None) -> Tensor:
-    """``ring_attention`` with a caller's own local ``error`` (e.g. an unsupported argument the module
-    path saw) that raises on every rank through the agreement check, like a bad argument; ``agreed``:
-    see ``checks.agree`` (the transformers path, which agreed before deriving the documents)."""
-    group = group if group is not None else dist.group.WORLD
-    mesh = None
-    if isinstance(group, DeviceMesh):
-        group = mesh_group(group)  # a 1-D mesh's group; a 2-D mesh stays (raises on any other)
-        if isinstance(group, DeviceMesh):
-            mesh, group = group, group.get_group(1)  # See Note [Ulysses x ring] in ulysses.py
-    u_ = 1 if mesh is None else mesh.shape[0]
-    groups = (group,) if mesh is None else (group, mesh.get_group(0))  # (ring, Ulysses): all P ranks
-    if isinstance(document_ids, Tensor) and document_ids.device.type != "cpu":
-        # the one host copy of a call with documents: the kernels are chosen per document on the host
-        document_ids = document_ids.cpu()
-    agreed = agree(
-        q, k, v, groups=groups, layout=layout, is_causal=is_causal, scale=scale, comm_dtype=comm_dtype,
-        document_ids=document_ids, window_size=window_size, sinks=sinks, kv_exchange=kv_exchange, ulysses=u_,
-        error=error, agreed=agreed,
-    )
-    if agreed.failed is not None:  # compiled: the agreement raises at run time (Note [Compiled agreement])
-        return tie(q.new_zeros((*q.shape[:3], v.shape[3])), agreed.ready)  # tied, so the op is not dropped
-    window = None if window_size is None else tuple(int(w) for w in window_size)
-    if mesh is None:
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        return _RingAttention.apply(q, k, v, sinks, group, layout, is_causal, agreed.scale, comm_dtype, window,
-                                    agreed.ids, 1, kv_exchange, agreed.ready)
-    return _two_d(q, k, v, mesh=mesh, layout=layout, is_causal=is_causal, scale=agreed.scale, comm_dtype=comm_dtype,
-                  ids=agreed.ids, ready=agreed.ready, window=window, sinks=sinks, kv_exchange=kv_exchange)
+    """:func:`run_ring_attention` with the options spelled out (the entry integrations used before it)."""
+    spec = ring_spec(group, layout=layout, is_causal=is_causal, scale=scale, comm_dtype=comm_dtype,
+                     window_size=window_size, kv_exchange=kv_exchange)
+    return run_ring_attention(q, k, v, spec, document_ids=document_ids, sinks=sinks, error=error, agreed=agreed)
 
 
-def _two_d(q, k, v, *, mesh: DeviceMesh, layout, is_causal, scale, comm_dtype, ids, ready, window, sinks,
-           kv_exchange) -> Tensor:
+def _two_d(q, k, v, spec: RingSpec, *, sinks, ids, ready) -> Tensor:
     """The checked call on a (U, R) mesh; see Note [Ulysses x ring] in ulysses.py. q: [B, Hq, S, Dqk],
     k: [B, Hkv, S, Dqk], v: [B, Hkv, S, Dv], this rank's 1-D layout shard over P = U * R; ``ids``: every
     1-D rank's ids [P, B, S] (p = u * R + r). Returns [B, Hq, S, Dv]."""
-    u_, r_ = mesh.shape
-    ulysses_group, ring_group = mesh.get_group(0), mesh.get_group(1)
+    u_, r_, ulysses_group = spec.ulysses, spec.world, spec.ulysses_group
     b, hq, s = q.shape[:3]
-    order = torch.tensor(union_order(layout, u_, s), device=q.device)
+    order = torch.tensor(union_order(spec.layout, u_, s), device=q.device)
     if ids is not None:  # [R, B, U * S]: each ring rank's union
         union = ids.view(u_, r_, b, s).permute(1, 2, 0, 3).reshape(r_, b, u_ * s)
         ids = union.index_select(2, order.to(union.device))
     reps = kv_replicas(k.shape[1], u_)
     if reps > 1:  # See Note [GQA under Ulysses] in ulysses.py
         k, v = k.repeat_interleave(reps, 1), v.repeat_interleave(reps, 1)
-    u = mesh.get_local_rank(0)
+    u = dist.get_rank(ulysses_group)  # the mesh coordinate on the Ulysses dim
     if sinks is not None:
         sinks = sinks[u * (hq // u_) : (u + 1) * (hq // u_)]
     if ready is None and ids is not None and torch.compiler.is_compiling():
@@ -163,11 +183,8 @@ def _two_d(q, k, v, *, mesh: DeviceMesh, layout, is_causal, scale, comm_dtype, i
         ready = None  # the ring's payloads come from the heads all-to-all, after the agreement
     else:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    # striped unions are striped shards over R (Note [Ulysses unions] in ulysses.py): the plain 1-D ring
-    ring_ulysses = 1 if layout == "striped" else u_
-    out = _RingAttention.apply(
-        q, k, v, sinks, ring_group, layout, is_causal, scale, comm_dtype, window, ids, ring_ulysses, kv_exchange, ready
-    )
+    # striped unions are striped shards over R (Note [Ulysses unions] in ulysses.py): RingSpec.ring_ulysses
+    out = _RingAttention.apply(q, k, v, sinks, ids, ready, spec)
     if u_ == 1:
         return out
     return gather_heads(out, ulysses_group, torch.argsort(order))

@@ -74,6 +74,7 @@ from .ops import (
     masked_block_attn_merge_,
     merge_,
 )
+from .spec import RingSpec
 
 __all__ = ["Mask", "add_sinks", "no_mask", "sinks_grad", "step_backward", "step_forward"]
 
@@ -96,6 +97,12 @@ class Mask:
         self.steps = steps_needed(layout, world, s_local, self.lo, self.hi, ulysses) if self.active else world
 
         self._args: dict[tuple[int, int], tuple] = {}  # (rank, src) -> the op's arguments, derived once
+
+    @classmethod
+    def of(cls, spec: RingSpec, s_local: int, ids: Tensor | None = None) -> Mask:
+        """The mask plan of a call (Note [One spec per ring call] in spec.py): ``spec``'s exchange group,
+        layout, causality, window and Ulysses union; ``ids`` [P, B, S_local] or None."""
+        return cls(spec.layout, spec.world, s_local, spec.is_causal, spec.window, ids, spec.ring_ulysses)
 
     def keeps(self, rank: int, src: int) -> bool:
         return has_pairs(self.layout, rank, src, self.world, self.s_local, self.lo, self.hi, self.ulysses)

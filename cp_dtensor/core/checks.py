@@ -5,7 +5,8 @@ Note [Agreeing before the ring]
 A bad argument on one rank must not leave the others blocked in a collective it never joins. So the
 local checks do not raise at once: each rank condenses its arguments -- and whether its local checks
 passed -- into a small int64 fingerprint, and one ``all_gather`` of the fingerprints (P * 160 bytes)
-lets every rank see every other rank's view. On a 2-D mesh (U, R) the fingerprints travel over the ring
+lets every rank see every other rank's view (the scheme every entry point shares: Note [One agreement]
+in agreement.py; the ring's fields are ``Fingerprint``, read from the call's ``RingSpec``). On a 2-D mesh (U, R) the fingerprints travel over the ring
 group and then the Ulysses group (``comm.all_gather_host``): every rank still sees all P of them before
 any K/V or head moves. Then every rank raises the same error, or none does.
 Only when some rank failed is the text of its error gathered too. Compiled calls agree the same way
@@ -58,17 +59,19 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .._compat import resolve_process_group
 from .._extras import installed, require
-from .comm import all_gather_host, all_gather_objects, gather_ids, group_size, host_group
+from .agreement import Rules
+from .agreement import agree as agree_fingerprints
+from .comm import gather_ids, group_size, host_group
 from .layout import LAYOUTS, in_global_order, layout_unit
+from .spec import RingSpec
 from .wire import FINGERPRINT_INTS, KV_EXCHANGES
 
-__all__ = ["Agreed", "Fingerprint", "agree", "check_cp_mesh", "check_documents", "check_ring_args", "local_error"]
+__all__ = [
+    "Agreed", "Fingerprint", "agree", "call_error", "check_call", "check_cp_mesh", "check_documents", "check_ring_args",
+    "local_error",
+]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_FIELDS = (
-    "ok", "batch", "q_heads", "kv_heads", "seq_len_local", "head_dim", "dtype", "layout", "is_causal", "scale",
-    "comm_dtype", "value_head_dim", "document_ids", "window_left", "window_right", "sinks", "kv_exchange", "ulysses",
-)
 _PER_RANK = ("id_min", "id_max")  # gathered alongside, allowed to differ between ranks
 _ID_DTYPES = (torch.int64, torch.int32)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -220,26 +223,25 @@ _FIELDS = Fingerprint._fields[:-2]  # those that must agree
 assert len(Fingerprint._fields) == FINGERPRINT_INTS  # the all-gather's size, stated in wire.py
 
 
-def _fingerprint(
-    q, k, v, layout: str, is_causal, scale, comm_dtype, document_ids, window_size, sinks, kv_exchange, ulysses, ok: bool
-) -> Fingerprint:
+def _fingerprint(q, k, v, spec: RingSpec, document_ids, sinks, ok: bool) -> Fingerprint:
     """The fingerprint's trace-time part: shapes, dtypes and options (Python values, constants of a
     compiled graph). ``sinks``, ``id_min`` and ``id_max`` read tensor values: see :func:`_with_values`."""
     def dims(x, i):
         return x.shape[i] if isinstance(x, Tensor) and x.dim() == 4 else -1
 
     dtype = _DTYPES.index(q.dtype) if isinstance(q, Tensor) and q.dtype in _DTYPES else -1
+    scale, layout, comm_dtype = spec.scale, spec.layout, spec.comm_dtype
     scale_bits = _float_bits(scale) if isinstance(scale, (int, float)) else -1
-    window = tuple(window_size) if ok and window_size is not None else (-1, -1)
+    window = tuple(spec.window) if ok and spec.window is not None else (-1, -1)
     return Fingerprint(
         ok=int(ok), batch=dims(q, 0), q_heads=dims(q, 1), kv_heads=dims(k, 1), seq_len_local=dims(q, 2),
         head_dim=dims(q, 3), dtype=dtype, layout=LAYOUTS.index(layout) if layout in LAYOUTS else -1,
-        is_causal=int(bool(is_causal)), scale=scale_bits,
+        is_causal=int(bool(spec.is_causal)), scale=scale_bits,
         comm_dtype=_COMM_DTYPES.index(comm_dtype) if comm_dtype in _COMM_DTYPES else -1,
         value_head_dim=dims(v, 3), document_ids=int(ok and document_ids is not None), window_left=int(window[0]),
         window_right=int(window[1]), sinks=-1 if not ok or sinks is None else -2,
-        kv_exchange=KV_EXCHANGES.index(kv_exchange) if kv_exchange in KV_EXCHANGES else -1, ulysses=int(ulysses),
-        id_min=0, id_max=0,
+        kv_exchange=KV_EXCHANGES.index(spec.kv_exchange) if spec.kv_exchange in KV_EXCHANGES else -1,
+        ulysses=int(spec.ulysses), id_min=0, id_max=0,
     )
 
 
@@ -279,10 +281,14 @@ def _describe(field: str, value: int):
     return value
 
 
-def _check_member(groups: tuple[dist.ProcessGroup, ...], comm_dtype) -> None:
-    if comm_dtype in _FP8 and not _HAS_TORCHAO:  # the row scales come from torchao: the [float8] extra
-        require("float8", f"comm_dtype={comm_dtype}")
-    if any(g is None or dist.get_rank(g) < 0 for g in groups):
+# the ring's agreement: Note [One agreement] in agreement.py, with the fields of Fingerprint after ``ok``
+_RULES = Rules("ring_attention", _FIELDS[1:], describe=_describe, free=len(_PER_RANK))
+
+
+def _check_member(spec: RingSpec) -> None:
+    if spec.comm_dtype in _FP8 and not _HAS_TORCHAO:  # the row scales come from torchao: the [float8] extra
+        require("float8", f"comm_dtype={spec.comm_dtype}")
+    if any(g is None or dist.get_rank(g) < 0 for g in spec.groups):
         raise ValueError(
             "ring_attention was called on a rank that is not a member of its CP group "
             f"(global rank {dist.get_rank()}); call it only on the ranks of `group`, or pass their group."
@@ -290,38 +296,36 @@ def _check_member(groups: tuple[dist.ProcessGroup, ...], comm_dtype) -> None:
 
 
 def _agree(fp: Fingerprint, err: str | None, hosts: tuple[dist.ProcessGroup, ...]) -> tuple[int, int] | None:
-    """One all-gather of every rank's fingerprint over the host groups; raises the same ValueError on
-    every rank when any rank failed its local checks or the ranks disagree. Returns the global (min, max)
-    document id (None without documents). Then raises this rank's own ``err``, if any (world 1)."""
-    world = group_size(hosts)
-    id_range = None
-    if world > 1:
-        every = all_gather_host(torch.tensor(list(fp), dtype=torch.int64), hosts).view(world, -1)
-        if not bool((every[:, 0] == 1).all()):
-            errors = all_gather_objects(err, hosts)
-            bad = [(r, e) for r, e in enumerate(errors) if e is not None]
-            raise ValueError(
-                "ring_attention rejected the inputs of rank(s) "
-                + ", ".join(str(r) for r, _ in bad) + ": " + bad[0][1]
-            )
-        n = len(_FIELDS)
-        if fp.document_ids:
-            id_range = (int(every[:, n].min()), int(every[:, n + 1].max()))
-        every = every[:, :n]
-        differ = (every != every[0]).any(0)
-        if bool(differ.any()):
-            fields = [f for f, d in zip(_FIELDS, differ.tolist()) if d]
-            table = "; ".join(f"rank {r}: " + ", ".join(
-                f"{f}={_describe(f, every[r, _FIELDS.index(f)].item())}" for f in fields) for r in range(world))
-            raise ValueError(
-                f"ring_attention needs the same {', '.join(fields)} on every rank of the CP group; got {table}. "
-                "Every rank must hold an equal-length shard of one sequence and pass the same options."
-            )
-    elif fp.document_ids:
-        id_range = (fp.id_min, fp.id_max)
-    if err is not None:
-        raise ValueError(err)
-    return id_range
+    """The ring's agreement over the host groups (Note [Agreeing before the ring]): raises the same
+    ValueError on every rank when any rank failed its local checks or the ranks disagree. Returns the
+    global (min, max) document id (None without documents)."""
+    every = agree_fingerprints(_RULES, list(fp)[1:], err, hosts)  # [P, 19]: the fields, then id_min, id_max
+    if not fp.document_ids:
+        return None
+    return int(every[:, -2].min()), int(every[:, -1].max())
+
+
+def call_error(q, k, v, spec: RingSpec, document_ids=None, sinks=None) -> str | None:
+    """:func:`local_error` of a call's ``spec``: this rank's own checks, None when they pass."""
+    return local_error(q, k, v, spec.layout, spec.is_causal, spec.scale, spec.comm_dtype, document_ids, spec.window,
+                       sinks, spec.kv_exchange, spec.ulysses)
+
+
+def check_call(
+    q, k, v, spec: RingSpec, *, document_ids=None, sinks=None, error: str | None = None,
+) -> tuple[float, tuple[int, int] | None]:
+    """Validate a ring call (its ``spec`` and tensors) on every rank of the spec's groups, eagerly: the
+    same ValueError on every rank, or none. Returns the resolved scale and the global (min, max) document
+    id (None without documents). The front door's preamble is :func:`agree`, which also gathers the ids."""
+    _check_member(spec)
+    err = error or call_error(q, k, v, spec, document_ids, sinks)
+    if torch.compiler.is_compiling():  # the front door's op agrees at run time (Note [Compiled agreement])
+        if err is not None and group_size(spec.groups) == 1:
+            raise ValueError(err)
+        return _resolve_scale(q, spec.scale), None
+    fp = _fingerprint(q, k, v, spec, document_ids, sinks, err is None)
+    id_range = _agree(_with_values(fp, document_ids, sinks), err, tuple(host_group(g) for g in spec.groups))
+    return _resolve_scale(q, spec.scale), id_range
 
 
 def check_ring_args(
@@ -329,24 +333,13 @@ def check_ring_args(
     comm_dtype=None, document_ids=None, window_size=None, sinks=None, kv_exchange="ring", ulysses: int = 1,
     error: str | None = None,
 ) -> tuple[float, tuple[int, int] | None]:
-    """Validate ``ring_attention``'s arguments on every rank of ``group`` -- a group, or a 2-D mesh's
-    (ring, Ulysses) groups with ``ulysses`` = U -- eagerly. Returns the resolved scale and the global
-    (min, max) document id (None without documents). The front door's preamble is :func:`agree`."""
+    """:func:`check_call` with the options spelled out: ``group`` a group, or a 2-D mesh's (ring, Ulysses)
+    groups (U, ``ulysses``, is then the second group's size)."""
     groups = group if isinstance(group, tuple) else (group,)
-    _check_member(groups, comm_dtype)
-    err = error or local_error(
-        q, k, v, layout, is_causal, scale, comm_dtype, document_ids, window_size, sinks, kv_exchange, ulysses
-    )
-    if torch.compiler.is_compiling():  # the front door's op agrees at run time (Note [Compiled agreement])
-        if err is not None and group_size(groups) == 1:
-            raise ValueError(err)
-        return _resolve_scale(q, scale), None
-    fp = _fingerprint(
-        q, k, v, layout, is_causal, scale, comm_dtype, document_ids, window_size, sinks, kv_exchange, ulysses,
-        err is None,
-    )
-    id_range = _agree(_with_values(fp, document_ids, sinks), err, tuple(host_group(g) for g in groups))
-    return _resolve_scale(q, scale), id_range
+    window = tuple(window_size) if isinstance(window_size, (tuple, list)) else window_size
+    spec = RingSpec(groups[0], layout, is_causal, scale, comm_dtype, window, kv_exchange,
+                    groups[1] if len(groups) > 1 else None)
+    return check_call(q, k, v, spec, document_ids=document_ids, sinks=sinks, error=error)
 
 
 def _resolve_scale(q: Tensor, scale) -> float:
@@ -363,50 +356,48 @@ class Agreed(NamedTuple):
 
 
 def agree(
-    q, k, v, *, groups: tuple[dist.ProcessGroup, ...], layout: str, is_causal, scale, comm_dtype=None,
-    document_ids=None, window_size=None, sinks=None, kv_exchange="ring", ulysses: int = 1, error: str | None = None,
+    q, k, v, spec: RingSpec, *, document_ids=None, sinks=None, error: str | None = None,
     agreed: tuple[int, int] | None = None,
 ) -> Agreed:
-    """The one preamble of ``ring_attention`` for a group or a (U, R) mesh's (ring, Ulysses) groups:
-    validate locally, agree across ranks, gather the document ids and check them -- on every rank alike,
-    before any K/V moves. Eager it runs here; compiled it is one opaque op (Note [Compiled agreement]).
+    """The one preamble of ``ring_attention`` for the call's ``spec`` (a group, or a (U, R) mesh's (ring,
+    Ulysses) groups): validate locally, agree across ranks, gather the document ids and check them -- on
+    every rank alike, before any K/V moves. Eager it runs here; compiled it is one opaque op (Note
+    [Compiled agreement]).
 
     ``agreed``: the caller has just run :func:`check_ring_args` on these arguments (without the ids),
     and derived ``document_ids`` and ``error`` identically on every rank, the ids' global (min, max)
     given here (hf/attention.py): eager, the fingerprints are not gathered again."""
-    _check_member(groups, comm_dtype)
-    err = error or local_error(
-        q, k, v, layout, is_causal, scale, comm_dtype, document_ids, window_size, sinks, kv_exchange, ulysses
-    )
+    _check_member(spec)
+    groups = spec.groups
+    err = error or call_error(q, k, v, spec, document_ids, sinks)
     ok = err is None
-    fp = _fingerprint(
-        q, k, v, layout, is_causal, scale, comm_dtype, document_ids, window_size, sinks, kv_exchange, ulysses, ok
-    )
+    fp = _fingerprint(q, k, v, spec, document_ids, sinks, ok)
     ids = document_ids if ok else None
     sink_values = sinks.detach() if ok and isinstance(sinks, Tensor) else None
     if torch.compiler.is_compiling():  # See Note [Compiled agreement]
         if group_size(groups) == 1 and ids is None and ok:
-            return Agreed(_resolve_scale(q, scale), None, None)
+            return Agreed(_resolve_scale(q, spec.scale), None, None)
         token = torch.zeros(1, dtype=torch.int64)
         names = [g.group_name for g in groups]  # (ring, Ulysses) on a 2-D mesh
-        ready = agree_(token, list(fp), err, names[0], names[1] if len(names) > 1 else None, layout, ids, sink_values)
+        ready = agree_(token, list(fp), err, names[0], names[1] if len(names) > 1 else None, spec.layout, ids,
+                       sink_values)
         if not ok:  # the front door returns a placeholder [B, Hq, S_local, Dv]: it needs q and v's shapes
             if not all(isinstance(x, Tensor) and x.dim() == 4 for x in (q, v)):
                 raise ValueError(err)
             return Agreed(1.0, None, ready, failed=err)
         if ids is not None:  # the ids are the result: they carry the dependency (one tensor, not two)
-            return Agreed(_resolve_scale(q, scale), ready, None)
-        return Agreed(_resolve_scale(q, scale), None, ready)
+            return Agreed(_resolve_scale(q, spec.scale), ready, None)
+        return Agreed(_resolve_scale(q, spec.scale), None, ready)
     hosts = tuple(host_group(g) for g in groups)
     if agreed is not None:
         if err is not None:  # the same on every rank (see above)
             raise ValueError(err)
         gathered = None if ids is None else gather_ids(ids, hosts, agreed)
         if gathered is not None:
-            check_documents(gathered, layout)
-        return Agreed(_resolve_scale(q, scale), gathered, None)
-    gathered = _agree_and_gather(fp, err, hosts, layout, ids, sink_values)
-    return Agreed(_resolve_scale(q, scale), gathered, None)
+            check_documents(gathered, spec.layout)
+        return Agreed(_resolve_scale(q, spec.scale), gathered, None)
+    gathered = _agree_and_gather(fp, err, hosts, spec.layout, ids, sink_values)
+    return Agreed(_resolve_scale(q, spec.scale), gathered, None)
 
 
 def _agree_and_gather(

@@ -40,35 +40,36 @@ price is one K/V copy per call and the bytes of eager (the backward sends K/V ag
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from .blocks import Mask, add_sinks, no_mask, step_backward, step_forward
+from .blocks import Mask, add_sinks, step_backward, step_forward
 from .comm import RingComm, join_bytes, split_bytes, unpack
 from .ops import after, tie
 from .payload import decode_kv, encode_kv
+from .spec import RingSpec, as_spec
 
 __all__ = ["ring_backward", "ring_forward"]
 
 
 def ring_forward(
-    q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup, layout: str, is_causal: bool, scale: float,
-    comm_dtype: torch.dtype | None = None, mask: Mask | None = None, sinks: Tensor | None = None,
-    ready: Tensor | None = None,
+    q: Tensor, k: Tensor, v: Tensor, spec: RingSpec | None = None, *, mask: Mask | None = None,
+    sinks: Tensor | None = None, ready: Tensor | None = None, **options,
 ) -> tuple[Tensor, Tensor]:
-    """Unchecked ring forward on local shards (compiled: the first transfer waits for ``ready``, Note
-    [Compiled agreement] in checks.py). q, k: [B, H, S, Dqk]; v: [B, Hkv, S, Dv].
-    Returns out: [B, Hq, S, Dv] in q's dtype and lse: [B, Hq, S] fp32 (fp64 for fp64 inputs), both
-    with the sinks (Note [Attention sinks]) when given."""
-    comm = RingComm(group)
-    world, rank, s_local = comm.world, comm.rank, q.shape[2]
-    mask = mask if mask is not None else no_mask(layout, world, s_local, is_causal)
+    """Unchecked ring forward on local shards over ``spec.group`` (compiled: the first transfer waits for
+    ``ready``, Note [Compiled agreement] in checks.py). q, k: [B, H, S, Dqk]; v: [B, Hkv, S, Dv].
+    ``mask``: the call's plan (default ``Mask.of(spec, S)``: no documents). Returns out: [B, Hq, S, Dv]
+    in q's dtype and lse: [B, Hq, S] fp32 (fp64 for fp64 inputs), both with the sinks (Note [Attention
+    sinks]) when given. (``options``: the keywords taken before the spec, which warn.)"""
+    spec = as_spec(spec, options, "ring_forward")
+    comm = RingComm(spec.group)
+    rank, scale = comm.rank, spec.softmax_scale(q.shape[-1])
+    mask = mask if mask is not None else Mask.of(spec, q.shape[2])
     out = lse = None  # fp32 accumulators (fp64 for fp64 inputs), started by the local step
-    kv = tie(encode_kv(k, v, comm_dtype), ready) if mask.steps > 1 else None
+    kv = tie(encode_kv(k, v, spec.comm_dtype), ready) if mask.steps > 1 else None
     for step in range(mask.steps):
         if step + 1 < mask.steps:
             kv_next = comm.rotate(kv)  # posted before this step's compute: overlap
-        kb, vb = (k, v) if step == 0 else decode_kv(kv, k, v, comm_dtype)
+        kb, vb = (k, v) if step == 0 else decode_kv(kv, k, v, spec.comm_dtype)
         out, lse = step_forward(out, lse, q, kb, vb, rank=rank, src=comm.src_at(step), mask=mask, scale=scale)
         del kb, vb  # views of the block just used: free it before the next one arrives
         if step + 1 < mask.steps:
@@ -77,66 +78,91 @@ def ring_forward(
     return out.to(q.dtype), lse
 
 
-
 def _flat_kv(k: Tensor, v: Tensor, dtype: torch.dtype, *, zero: bool) -> Tensor:
     """A flat [dk | dv] buffer shaped for k and v (v's head size may differ from k's)."""
     return (k.new_zeros if zero else k.new_empty)(k.numel() + v.numel(), dtype=dtype)
 
 
+class _Messages:
+    """The backward's one message a step: [the accumulator finished last step | the next step's K/V],
+    either part absent where the step has none. See Note [One message per backward step]."""
+
+    def __init__(self, comm: RingComm, acc: tuple[int, torch.dtype], kv: tuple[int, torch.dtype] | None):
+        self.comm, self.acc, self.kv = comm, acc, kv  # (numel, dtype) of each part
+        self.compiling = torch.compiler.is_compiling()
+        self.pending = None  # the accumulator to send with the next message
+        self.carrier = None  # the message received last, [pending | K/V] updated in place: sent as it is
+        self.joined = None  # the message received last when it had both parts
+        self.last = None  # the last message received: what a message of ours must come after (compiled)
+        self.parts = (False, False)  # (accumulator, K/V) of the message in flight
+
+    def post(self, kv: Tensor | None) -> Tensor | None:
+        """Send [pending | kv] to the next rank; returns the message in flight (None: nothing to send)."""
+        acc, has_kv = self.pending, kv is not None
+        if acc is not None and has_kv:
+            buf = self.carrier if self.carrier is not None else join_bytes(acc, kv)
+        elif acc is not None:  # tied to the last message received: see Note [One message per backward step]
+            buf = after(acc, self.last) if self.compiling else acc
+        else:
+            buf = kv
+        self.parts, self.pending, self.carrier = (acc is not None, has_kv), None, None
+        return None if buf is None else self.comm.rotate(buf)
+
+    def receive(self, msg: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+        """Wait for ``msg``: (the accumulator that arrived, the K/V that arrived), either None."""
+        if msg is None:
+            return None, None
+        got = self.last = self.comm.wait(msg)
+        has_acc, has_kv = self.parts
+        if has_acc and has_kv:
+            self.joined = got
+            return tuple(split_bytes(got, self.acc, self.kv))
+        return (got, None) if has_acc else (None, got)
+
+    def send_on(self, acc: Tensor, *, reuse: bool) -> None:
+        """``acc`` leaves with the next message; ``reuse``: ``acc`` is the received [acc | K/V] message's
+        own part, updated in place, and the next message has both parts -- send that buffer as it is."""
+        self.pending = acc
+        if reuse and self.joined is not None:
+            self.carrier = self.joined
+        self.joined = None
+
+    def home(self, acc: Tensor, steps_back: int) -> Tensor:
+        """Post the last accumulator straight to its block's owner, ``steps_back`` ranks back."""
+        self.joined = None
+        return self.comm.rotate(after(acc, self.last) if self.compiling else acc, shift=-steps_back)
+
 
 def ring_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-    *, group: dist.ProcessGroup, layout: str, is_causal: bool, scale: float, comm_dtype: torch.dtype | None = None,
-    mask: Mask | None = None,
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, spec: RingSpec | None = None,
+    *, mask: Mask | None = None, **options,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Unchecked ring backward on local shards; see Note [Ring backward]. ``out`` and ``lse`` are the
-    forward's final ones (with sinks, if any). Returns dq, dk, dv."""
-    comm = RingComm(group)
-    world, rank, s_local = comm.world, comm.rank, q.shape[2]
-    mask = mask if mask is not None else no_mask(layout, world, s_local, is_causal)
+    forward's final ones (with sinks, if any). Returns dq, dk, dv. (``options``: as :func:`ring_forward`.)"""
+    spec = as_spec(spec, options, "ring_backward")
+    comm = RingComm(spec.group)
+    rank, scale, comm_dtype = comm.rank, spec.softmax_scale(q.shape[-1]), spec.comm_dtype
+    mask = mask if mask is not None else Mask.of(spec, q.shape[2])
     steps = mask.steps
     dout = dout.contiguous()
     acc_dtype = torch.promote_types(q.dtype, torch.float32)
-    n_acc = k.numel() + v.numel()
     dq = None  # started by step 0, whose diagonal block covers every row
     own = None  # [dk | dv] of this rank's block: step 0's share, then the accumulator coming home
     if steps > 1 and torch.compiler.is_compiling():  # See Note [Compiled backward re-sends K/V]
         kv = encode_kv(after(k, dout), after(v, dout), comm_dtype)
     else:
         kv = encode_kv(k, v, comm_dtype) if steps > 1 else None
-    kv_spec = None if kv is None else (kv.numel(), kv.dtype)
-    compiling = torch.compiler.is_compiling()
-    last = None  # the last message received: what a message of ours must come after
-    pending = carrier = None  # the accumulator of the block held at the previous step, to send on
+    messages = _Messages(comm, (k.numel() + v.numel(), k.dtype), None if kv is None else (kv.numel(), kv.dtype))
     home = None  # the accumulator of the last block held, on its way to the block's owner
     for step in range(steps):
-        # One message a step: [the previous step's accumulator | the next step's K/V]; see Note [One
-        # message per backward step].
-        has_acc, has_kv = pending is not None, step + 1 < steps
-        if has_acc and has_kv:  # the message received last step, updated in place, when it has this shape
-            buf = carrier if carrier is not None else join_bytes(pending, kv)
-        elif has_acc:  # tied to the last message received: see Note [One message per backward step]
-            buf = after(pending, last) if compiling else pending
-        else:
-            buf = kv if has_kv else None
-        msg = comm.rotate(buf) if buf is not None else None
-        buf = carrier = pending = None
+        msg = messages.post(kv if step + 1 < steps else None)
         kb, vb = (k, v) if step == 0 else decode_kv(kv, k, v, comm_dtype)
         # mine: this rank's share of the block it holds, in the accumulator's layout
         dq, mine = step_backward(dq, dout, q, kb, vb, out, lse, rank=rank, src=comm.src_at(step), mask=mask, scale=scale)
-        # Free this step's block before the next one arrives.
-        del kb, vb
-        kv = incoming = joined = None
-        if msg is not None:
-            got = last = comm.wait(msg)
-            if has_acc and has_kv:
-                joined = got
-                incoming, kv = split_bytes(got, (n_acc, k.dtype), kv_spec)
-            elif has_acc:
-                incoming = got
-            else:
-                kv = got
-            del got, msg
+        del kb, vb  # free this step's block before the next one arrives
+        kv = None
+        incoming, kv = messages.receive(msg)
+        del msg
         if step == 0:
             own = mine.to(acc_dtype)
             continue
@@ -145,17 +171,15 @@ def ring_backward(
         acc = incoming if incoming is not None else mine if mine is not None else _flat_kv(k, v, k.dtype, zero=True)
         if incoming is not None and mine is not None:
             acc += mine
+        reuse = incoming is not None  # acc is the received message's own part, updated in place
         del mine, incoming
-        if step + 1 < steps:
-            pending = acc  # on to the rank that holds this block next, with the next message
-            if joined is not None and step + 2 < steps:
-                carrier = joined  # [acc | K/V] in place: the next message as it is, no copy
+        if step + 1 < steps:  # on to the rank that holds this block next, with the next message
+            messages.send_on(acc, reuse=reuse and step + 2 < steps)
         else:  # from the last step straight to the block's owner
-            home = comm.rotate(after(acc, last) if compiling else acc, shift=-step)
-        del acc, joined
+            home = messages.home(acc, step)
+        del acc
     kv = None  # the last block held: free it before the accumulator comes home
     if home is not None:
         own += comm.wait(home)
     dk, dv = unpack(own, k, v)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-

@@ -9,8 +9,8 @@ replace its handling of an op (``DTensor._op_dispatcher._custom_op_handlers``, a
 context parallel does); ``install_sdpa_dispatch`` registers one handler for all eight ops.
 
 The handler reads the layout from q's placements (see Note [Layout placements] in dtensor/placements.py). When
-the sequence dim (2 of [B, H, S, D]) is sharded on one mesh dim, it runs ``ring_forward`` /
-``ring_backward`` on the local shards over that mesh dim's process group and wraps the results with
+the sequence dim (2 of [B, H, S, D]) is sharded on one mesh dim, it builds the call's ``RingSpec`` and
+runs ``ring_forward`` / ``ring_backward`` on the local shards over that mesh dim's process group and wraps the results with
 q's placements; the log-sum-exp it returns is ours too (fp32 [B, Hq, S]), so only our backward ever
 reads it. Any other call -- sequence not sharded, e.g. heads-only tensor parallel -- is re-issued with
 our handler out of the table, so it takes exactly the path it takes without cp_dtensor (the handler
@@ -80,9 +80,10 @@ from .._compat import (
     redistribute_local_tensor,
     restore_cache_key,
 )
-from ..core.checks import local_error
+from ..core.checks import call_error
 from ..core.layout import check_seq_len
 from ..core.ring import ring_backward, ring_forward
+from ..core.spec import RingSpec
 from .placements import as_layout_placements, install_headtail_propagation, placement_layout
 
 __all__ = ["install_sdpa_dispatch", "uninstall_sdpa_dispatch"]
@@ -211,18 +212,19 @@ def _sdpa_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> objec
     if ring is None:
         return _ordinary(op, args, kwargs)
     q, k, v = a["query"], a["key"], a["value"]
-    opts = dict(group=ring.group, layout=ring.layout, is_causal=bool(a["is_causal"]), scale=_scale(a, q))
+    # the call's spec, built once (Note [One spec per ring call] in core/spec.py)
+    spec = RingSpec(ring.group, ring.layout, is_causal=bool(a["is_causal"]), scale=_scale(a, q))
     ql, kl, vl = ring.local(q), ring.local(k), ring.local(v)  # same placements: no communication
-    err = local_error(ql, kl, vl, ring.layout, opts["is_causal"], opts["scale"])  # shards are alike on every rank
+    err = call_error(ql, kl, vl, spec)  # the shards are alike on every rank: every rank raises alike
     if err is not None:
         raise ValueError(err)
     if op in _FORWARD_OPS:
         # out: [B, Hq, S, D]; lse: [B, Hq, S] fp32
-        out, lse = ring_forward(ql, kl, vl, **opts)
+        out, lse = ring_forward(ql, kl, vl, spec)
         res = [ring.wrap(out, (*q.shape[:3], v.shape[3])), ring.wrap(lse, tuple(q.shape[:3]))]
         return tuple(res + _empty(op, ring, ql, 2))
     dq, dk, dv = ring_backward(ring.local(a["grad_out"]), ql, kl, vl, ring.local(a["out"]),
-                               ring.local(a["logsumexp"]), **opts)
+                               ring.local(a["logsumexp"]), spec)
     res = [ring.wrap(dq, q.shape), ring.wrap(dk, k.shape), ring.wrap(dv, v.shape)]
     return tuple(res + [None] * (len(op._schema.returns) - 3))  # efficient's attn_bias grad
 

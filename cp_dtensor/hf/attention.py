@@ -52,8 +52,8 @@ require("hf", "cp_dtensor.hf (transformers models under context parallelism)")
 from transformers import AttentionInterface  # noqa: E402
 from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
 
-from ..core.attention import _ring_attention  # noqa: E402
-from ..core.checks import check_cp_mesh, check_ring_args  # noqa: E402
+from ..core.attention import ring_spec, run_ring_attention  # noqa: E402
+from ..core.checks import check_call, check_cp_mesh  # noqa: E402
 from ..core.layout import check_layout, in_global_order, shard_tensor  # noqa: E402
 
 __all__ = ["apply_context_parallel", "register", "shift_labels", "NAME"]
@@ -247,7 +247,7 @@ def cp_dtensor_attention(module: nn.Module, query: Tensor, key: Tensor, value: T
             raise ValueError(err)
         return ctx.decode(module, query, key, value, scaling, window, sinks), None
     err = err or _local_error(ctx, query, key, attention_mask, dropout, softcap, kwargs)
-    group = ctx.mesh.get_group()
+    spec = ring_spec(ctx.mesh.get_group(), layout=ctx.layout, is_causal=causal, scale=scaling, window_size=window)
     ids, agreed = kwargs.get("document_ids"), None
     if err is None and ids is None:
         pos, use_cache = kwargs["position_ids"], bool(kwargs.get("use_cache"))
@@ -260,15 +260,13 @@ def cp_dtensor_attention(module: nn.Module, query: Tensor, key: Tensor, value: T
             # call; compiled, the ring's op is the agreement: Note [Compiled agreement] in checks.py)
             compiling = torch.compiler.is_compiling()
             if not compiling:
-                check_ring_args(query, key, value, group=group, layout=ctx.layout, is_causal=causal,
-                                scale=scaling, window_size=window, sinks=sinks)
+                check_call(query, key, value, spec, sinks=sinks)
             ctx.id_range = None
             ids, err = _documents(ctx, pos, attention_mask, use_cache, query.shape[0])
             ctx.last = (key_, (ids, err))
             agreed = None if compiling else ctx.id_range or (0, 0)
-    out = _ring_attention(query, key, value, group=group, layout=ctx.layout, is_causal=causal, scale=scaling,
-                          document_ids=ids if err is None else None, window_size=window, sinks=sinks, error=err,
-                          agreed=agreed)
+    out = run_ring_attention(query, key, value, spec, document_ids=ids if err is None else None, sinks=sinks,
+                             error=err, agreed=agreed)
     return out.transpose(1, 2).contiguous(), None
 
 

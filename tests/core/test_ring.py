@@ -82,7 +82,29 @@ def _bytes(rank, world):
         counts = {str(op): n for op, n in fwd_counts.get_comm_counts().items()}
         assert sum(counts.values()) == (world - 1) + (1 if world > 1 else 0), counts
         results.append(fwd.by_op["all_gather_into_tensor"])
+    _old_exchange_keywords(rank, world)
     return results
+
+
+def _old_exchange_keywords(rank, world):
+    """ring_forward / ring_backward with the keywords they took before the RingSpec: a FutureWarning, and
+    the float64 reference's output and gradients."""
+    import warnings
+
+    from cp_dtensor.core.ring import ring_backward, ring_forward
+
+    layout = "headtail"
+    q, k, v, do = make_qkv(5, 1, 4, 2, 4 * world, 8)
+    out_ref, *grads_ref = reference(q, k, v, do, is_causal=True, scale=0.5)
+    ql, kl, vl, dol = (shard_tensor(x, seq_dim=2, layout=layout, rank=rank, world=world).float() for x in (q, k, v, do))
+    options = dict(group=dist.group.WORLD, layout=layout, is_causal=True, scale=0.5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out, lse = ring_forward(ql, kl, vl, **options)
+        grads = ring_backward(dol, ql, kl, vl, out, lse, **options)
+    assert [w.category for w in caught] == [FutureWarning, FutureWarning], [str(w.message) for w in caught]
+    for got, want in zip((out, *grads), (out_ref, *grads_ref)):
+        assert rel_err(got, shard_tensor(want, seq_dim=2, layout=layout, rank=rank, world=world)) < 2e-5
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
