@@ -14,6 +14,7 @@ as one more K/V block at the peak of the backward. ``is_causal`` is only used fo
 
 from __future__ import annotations
 
+import functools
 import weakref
 from itertools import accumulate
 
@@ -21,7 +22,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "after", "block_attn", "block_attn_backward", "block_attn_backward_into_", "masked_block_attn",
+    "RowSegments", "after", "block_attn", "block_attn_backward", "block_attn_backward_into_", "masked_block_attn",
     "masked_block_attn_backward", "masked_block_attn_merge_", "merge_", "tie", "tie_",
 ]
 
@@ -139,21 +140,37 @@ def merge_(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
 # Masked blocks: documents and windows. See Note [Masked ring steps] in masks.py.
 
 
-_SEGMENTS: dict[tuple, tuple] = {}  # (id(ids), row) -> (weakref to ids, version, segments): Note [One plan per call]
+class RowSegments:
+    """The document segments (:func:`_segments`) of each row of an ids tensor [B, S], read on the host once
+    per tensor, version and row: a call's forward and backward pass the same ids objects (``blocks.Mask.args``)
+    and every step the same query ids. Each tensor's entry lives exactly as long as the tensor (a weak
+    reference drops it; the call's ``Mask`` holds the ids), so nothing outlives the call and no id is
+    reused. Owned by the masked block ops: a custom op's arguments are tensors and numbers, so a cache
+    cannot travel into it with the call. See Note [One plan per call] in masks.py."""
+
+    def __init__(self):
+        self._entries: dict[int, tuple[weakref.ref, int, dict[int, tuple]]] = {}  # id -> (ref, version, rows)
+
+    def __call__(self, ids: Tensor, row: int) -> tuple[tuple[int, int, int], ...]:
+        key = id(ids)
+        entry = self._entries.get(key)
+        if entry is None or entry[0]() is not ids or entry[1] != ids._version:
+            entry = self._entries[key] = (weakref.ref(ids, functools.partial(self._drop, key)), ids._version, {})
+        rows = entry[2]
+        if row not in rows:
+            rows[row] = _segments(ids[row])
+        return rows[row]
+
+    def _drop(self, key: int, dead: weakref.ref) -> None:
+        """The weak reference's callback: the tensor of ``key`` is gone (unless the entry is a newer one's)."""
+        if key in self._entries and self._entries[key][0] is dead:
+            del self._entries[key]
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
-def _row_segments(ids: Tensor, row: int) -> tuple[tuple[int, int, int], ...]:
-    """:func:`_segments` of ``ids[row]`` ([B, S] ids), once per tensor and row: the forward and the
-    backward of a call pass the same ids (blocks.Mask.args), every step the same query ids."""
-    hit = _SEGMENTS.get((id(ids), row))
-    if hit is not None and hit[0]() is ids and hit[1] == ids._version:
-        return hit[2]
-    segs = _segments(ids[row])
-    if len(_SEGMENTS) > 4096:  # dead entries of earlier calls
-        for key in [k for k, v in _SEGMENTS.items() if v[0]() is None]:
-            del _SEGMENTS[key]
-    _SEGMENTS[id(ids), row] = (weakref.ref(ids), ids._version, segs)
-    return segs
+_row_segments = RowSegments()  # the masked block ops' own: see RowSegments
 
 
 def _segments(ids: Tensor) -> tuple[tuple[int, int, int], ...]:

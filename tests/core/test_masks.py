@@ -302,3 +302,25 @@ def _compiled(rank, world):
 def test_compiled_masks_take_new_document_boundaries_without_recompiling():
     """torch.compile(fullgraph=True), Inductor: documents + window + sinks + Dv != Dqk, fwd+bwd at P=2."""
     run_ranks(2, _compiled)
+
+
+def test_row_segments_are_read_once_per_ids_and_die_with_them():
+    """ops.RowSegments (Note [One plan per call]): the runs of equal ids per row, written out by hand; read
+    again after the ids change in place; the entry gone with the tensor."""
+    import gc
+
+    from cp_dtensor.core.ops import RowSegments
+
+    cache = RowSegments()
+    ids = torch.tensor([[0, 0, 1, 1, 1, 4], [2, 2, 2, 2, 2, 2]])
+    assert cache(ids, 0) == ((0, 2, 0), (2, 5, 1), (5, 6, 4))
+    assert cache(ids, 1) == ((0, 6, 2),)
+    assert cache(ids, 0) is cache(ids, 0) and len(cache) == 1  # read once
+    ids[0, 0] = -1  # in place: a new version, read again
+    assert cache(ids, 0) == ((0, 1, -1), (1, 2, 0), (2, 5, 1), (5, 6, 4))
+    other = ids.clone()
+    cache(other, 1)
+    assert len(cache) == 2
+    del ids, other
+    gc.collect()
+    assert len(cache) == 0
