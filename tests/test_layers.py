@@ -1,5 +1,6 @@
-"""The package's import graph (every import, function-level ones included, read with ast): no circle, and
-every module imports only from its own layer or the layers below (docs/architecture.md)."""
+"""The package's import graph (every import, function-level ones included, read with ast): no circle,
+every module imports only from its own layer or the layers below (docs/architecture.md), and no module
+uses an underscore name of another subpackage's module (integrations use the core's public names)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ _V03 = ("_cpu", "attention", "linear", "trainer", "main")
 LAYERS: list[tuple[str, set[str]]] = [
     ("private torch touch points, deprecation, torch-free layout facts",
      {"_compat", "_deprecated", "_extras", "checkpoint.manifest", "core.layout", "core.kernels"}),
-    ("pure math; the network", {"core.masks", "core.wire", "core.comm", "tools.debug", "core.agreement"}),
+    ("pure math; the network; a ring call's spec",
+     {"core.masks", "core.wire", "core.comm", "tools.debug", "core.agreement", "core.spec"}),
     ("kernels as ops, payloads, validation, placements, the cost model",
      {"core.ops", "core.payload", "core.checks", "dtensor.placements", "tools.plan"}),
     ("one step against one K/V block; the heads all-to-all", {"core.blocks", "core.ulysses"}),
@@ -103,3 +105,71 @@ def test_imports_point_down():
     up = [f"{m or 'cp_dtensor'} (layer {layer[m]}) imports {d} (layer {layer[d]})"
           for m, deps in _graph().items() for d in sorted(deps) if layer[d] > layer[m]]
     assert not up, "\n".join(up)
+
+
+# root modules every package may use, private names included: the touch points of torch's internals,
+# the extras, the deprecations
+SHARED = {"_compat", "_deprecated", "_extras"}
+
+
+def _package(module: str, path: pathlib.Path) -> str:
+    """The subpackage a module belongs to ('' for the package root's modules)."""
+    return module if path.name == "__init__.py" else module.rpartition(".")[0]
+
+
+def _private_uses(name: str, path: pathlib.Path, modules: dict[str, pathlib.Path]) -> list[str]:
+    """``from X import _y`` and ``m._y`` (m a module bound by an import) where X / m is a module of
+    another subpackage than ``name``'s, outside ``SHARED``."""
+    package = _package(name, path)
+    bound: dict[str, str] = {}  # local name -> the package module it binds
+    found = []
+
+    def foreign(target: str) -> bool:
+        return target in modules and target not in SHARED and _package(target, modules[target]) != package
+
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".") if package else []
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            elif node.module and (node.module == "cp_dtensor" or node.module.startswith("cp_dtensor.")):
+                target = node.module.removeprefix("cp_dtensor").removeprefix(".")
+            else:
+                continue
+            for a in node.names:
+                sub = f"{target}.{a.name}".lstrip(".")
+                if sub in modules:  # a module: private if its own name is
+                    bound[a.asname or a.name] = sub
+                    if a.name.startswith("_") and foreign(sub):
+                        found.append(f"from {target or 'cp_dtensor'} import {a.name}")
+                elif a.name.startswith("_") and not a.name.startswith("__") and foreign(target):
+                    found.append(f"from {target} import {a.name}")
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.asname and a.name.startswith("cp_dtensor."):
+                    bound[a.asname] = a.name.removeprefix("cp_dtensor.")
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound
+                and node.attr.startswith("_") and not node.attr.startswith("__") and foreign(bound[node.value.id])):
+            found.append(f"{node.value.id}.{node.attr} ({bound[node.value.id]})")
+    return found
+
+
+def test_no_private_name_across_packages():
+    modules = _modules()
+    bad = [f"{m or 'cp_dtensor'}: {use}" for m, p in modules.items() for use in _private_uses(m, p, modules)]
+    assert not bad, "underscore names used across subpackages (make them public in their module):\n" + "\n".join(bad)
+
+
+def test_the_private_name_check_sees_a_violation(tmp_path):
+    """The check itself: a cross-package private import and attribute are found, a same-package one is not."""
+    modules = {"core.ops": tmp_path / "ops.py", "core.blocks": tmp_path / "blocks.py", "hf.attention": tmp_path / "a.py",
+               "_compat": tmp_path / "_compat.py"}
+    code = ("from ..core.ops import _row_segments, tie\nfrom ..core import ops\nfrom .._compat import _StridedShard\n"
+            "ops._Fresh\n")
+    modules["hf.attention"].write_text(code)
+    assert _private_uses("hf.attention", modules["hf.attention"], modules) == [
+        "from core.ops import _row_segments", "ops._Fresh (core.ops)"]
+    modules["core.blocks"].write_text("from .ops import _row_segments\nfrom . import ops\nops._Fresh\n")
+    assert _private_uses("core.blocks", modules["core.blocks"], modules) == []
