@@ -31,6 +31,8 @@ _EXPORTS = {
     "reduce_gradients": "module",
     "shard_batch": "module",
     "unshard_sequence": "module",
+    "context_parallel": "torch_api",
+    "context_parallel_unshard": "torch_api",
     "HeadTail": "placement",
     "Striped": "placement",
     "sequence_placement": "placement",

@@ -29,6 +29,8 @@ includes CP does this; standalone, call ``reduce_gradients``.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -43,15 +45,19 @@ from .checks import check_cp_mesh
 from .layout import check_layout, check_seq_len, global_order, layout_unit, shard_tensor, unshard_tensor, wrap_dim
 from .placement import full_tensor
 
-__all__ = ["apply_context_parallel", "document_ids_from_positions", "shard_batch", "unshard_sequence", "reduce_gradients"]
+__all__ = ["RingSDPA", "apply_context_parallel", "document_ids_from_positions", "shard_batch", "unshard_sequence", "reduce_gradients"]
 
 
-class _RingSDPA(TorchFunctionMode):
-    """Routes SDPA on local sequence shards to the ring. See Note [Module context parallel]."""
+class RingSDPA(TorchFunctionMode):
+    """Routes SDPA on local sequence shards to the ring while active. See Note [Module context parallel];
+    ``apply_context_parallel`` keeps it active during the model's forward, ``torch_api.context_parallel``
+    while its context is open. ``ids``: this rank's document ids [B | 1, S_local], or None."""
 
-    def __init__(self, cp_mesh: DeviceMesh, layout: str, window_size, documents: str | None):
+    def __init__(self, cp_mesh: DeviceMesh, layout: str, window_size, documents: str | None, *,
+                 comm_dtype: torch.dtype | None = None, kv_exchange: str = "ring"):
         super().__init__()
         self.mesh, self.layout, self.window, self.documents, self.depth = cp_mesh, layout, window_size, documents, 0
+        self.comm_dtype, self.kv_exchange = comm_dtype, kv_exchange
         self.ids: Tensor | None = None  # this forward's document ids [B, S_local]; kept for recomputation
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -59,22 +65,40 @@ class _RingSDPA(TorchFunctionMode):
         if func is F.scaled_dot_product_attention:
             q = args[0] if args else kwargs.get("query")
             if isinstance(q, Tensor) and not isinstance(q, DTensor):
-                return self._sdpa(*args, **kwargs)
+                # eager only: who called (a compiled graph has no Python caller to ask)
+                caller = "" if torch.compiler.is_compiling() else sys._getframe(1).f_globals.get("__name__", "")
+                return self._sdpa(*args, caller=caller, **kwargs)
         return func(*args, **kwargs)
 
-    def _sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    def _sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
+              *, caller: str = ""):
         # query: [B, Hq, S_local, D]; key, value: [B, Hkv, S_local, D] -- this rank's tokens
         error = None  # raised on every rank by the ring's agreement check, before any K/V moves
-        if attn_mask is not None or dropout_p > 0.0:
+        if caller.startswith("transformers."):  # See Note [transformers under CP] in hf.py
+            error = (
+                f"context parallel attention got an SDPA call from transformers ({caller}), whose mask was built "
+                "from this rank's local shapes. Call cp_dtensor.hf.apply_context_parallel_hf(model, cp_mesh, "
+                "layout=...) on the model first: its attention then runs on the ring with the global masks."
+            )
+        elif attn_mask is not None or dropout_p > 0.0:
             error = (
                 "context parallel attention takes no explicit attn_mask and no dropout_p > 0; got attn_mask="
                 f"{'a tensor' if attn_mask is not None else None}, dropout_p={dropout_p}. Masks come from "
                 "is_causal, document ids (apply_context_parallel(..., documents=...)) and window_size; set the "
                 "attention dropout to 0."
             )
+        elif not enable_gqa and _heads(query) != _heads(key):
+            error = (
+                f"scaled_dot_product_attention got {_heads(query)} query heads and {_heads(key)} key/value heads "
+                "with enable_gqa=False, which SDPA refuses; pass enable_gqa=True (grouped-query attention)."
+            )
+        ids = self.ids
+        if ids is not None and ids.shape[0] == 1 and isinstance(query, Tensor) and query.dim() == 4:
+            ids = ids.expand(query.shape[0], -1)  # one row of ids for every batch row
         return _ring_attention(
             query, key, value, group=self.mesh.get_group(), layout=self.layout, is_causal=bool(is_causal),
-            scale=scale, document_ids=self.ids, window_size=self.window, error=error,
+            scale=scale, comm_dtype=self.comm_dtype, document_ids=ids, window_size=self.window,
+            kv_exchange=self.kv_exchange, error=error,
         )
 
     def take_documents(self, kwargs: dict) -> None:
@@ -89,17 +113,21 @@ class _RingSDPA(TorchFunctionMode):
         self.ids = ids
 
 
+def _heads(x) -> int | None:
+    return x.shape[1] if isinstance(x, Tensor) and x.dim() == 4 else None
+
+
 def _is_transformers_model(model: nn.Module) -> bool:
     return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.") for c in type(model).__mro__)
 
 
-def _enter(mode: _RingSDPA, *_) -> None:
+def _enter(mode: RingSDPA, *_) -> None:
     if mode.depth == 0:
         mode.__enter__()
     mode.depth += 1
 
 
-def _exit(mode: _RingSDPA, *_) -> None:
+def _exit(mode: RingSDPA, *_) -> None:
     mode.depth -= 1
     if mode.depth == 0:
         mode.__exit__(None, None, None)
@@ -140,7 +168,7 @@ def apply_context_parallel(
         raise ValueError(f"documents must be None or 'position_ids'; got {documents!r}.")
     if getattr(model, "_cp_dtensor_mode", None) is not None:
         raise ValueError("apply_context_parallel was already applied to this model.")
-    mode = _RingSDPA(cp_mesh, layout, window_size, documents)
+    mode = RingSDPA(cp_mesh, layout, window_size, documents)
     model._cp_dtensor_mode = mode
 
     def take(module, args, kwargs):

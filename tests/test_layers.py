@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, set[str]]] = [
         "_cpu", "config", "data", "flex", "float8", "resume", "validate", "attention", "families", "spec", "train",
         "config_registry", "v03", "v03._cpu", "v03.attention", "v03.main", "v03.trainer", "v03.linear")}
      | {"titan"}),
-    ("whole models (hands transformers models to hf.py)", {"module"}),
+    ("whole models (hands transformers models to hf.py); torch's context-parallel API", {"module", "torch_api"}),
     ("the package and the CLI", {"", "cli"}),
 ]
 
