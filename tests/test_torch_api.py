@@ -302,3 +302,66 @@ def _compiled(rank: int, world: int) -> None:
 
 def test_torch_api_compiled():
     run_ranks(2, _compiled)
+
+
+def _accelerate_loop(rank: int, world: int, family: str, batches, ref_losses) -> None:
+    """accelerate's documented loop with ``maybe_context_parallel`` replaced by cp_dtensor's (docs/torch_api.md):
+    a transformers model, DDP through ``accelerator.prepare`` on gloo, the same batch on every CP rank."""
+    import os
+
+    from accelerate import Accelerator
+
+    from cp_dtensor.hf import apply_context_parallel_hf, shift_labels
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      OMP_NUM_THREADS="1")
+    accelerator = Accelerator(cpu=True)
+    assert accelerator.num_processes == world, "an AcceleratorState leaked into the ranks"
+    cp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))["cp"]
+    model = apply_context_parallel_hf(_hf_model(family), cp_mesh)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    for step, (input_ids, labels) in enumerate(batches):
+        b, n = input_ids.shape
+        batch = {"input_ids": input_ids.clone(), "labels": labels.clone(),
+                 "position_ids": torch.arange(n).repeat(b, 1), "shift_labels": shift_labels(labels)}
+        n_items = (batch["shift_labels"] != -100).sum()  # the full batch's count, before sharding
+        buffers = [batch["input_ids"], batch["shift_labels"], batch["labels"], batch["position_ids"]]
+        with context_parallel(cp_mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1, 1], no_restore_buffers=set(buffers)):
+            loss = model(**batch, num_items_in_batch=n_items).loss  # this rank's tokens / the batch's count
+            accelerator.backward(loss * cp_mesh.size())  # DDP averages over the CP ranks: undo it
+            optimizer.step()
+            optimizer.zero_grad()
+        loss = loss.detach().clone()
+        dist.all_reduce(loss, group=cp_mesh.get_group())
+        assert abs(loss.item() - ref_losses[step]) <= 1e-5 * abs(ref_losses[step]), f"{family} step {step}"
+
+
+def _hf_model(family: str):
+    import transformers
+
+    torch.manual_seed(0)
+    kw = dict(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, use_cache=False, attn_implementation="sdpa")
+    if family == "mistral":  # a window shorter than the sequence: accelerate's own CP refuses this model
+        return transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=5, **kw))
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw))
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_accelerate_loop_matches_cp1(family):
+    pytest.importorskip("accelerate")
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randint(0, 32, (2, 16), generator=g), torch.randint(0, 32, (2, 16), generator=g))
+               for _ in range(3)]
+    batches[1][1][0, :5] = -100  # a prompt without loss: counts differ between the ranks' shards
+    model = _hf_model(family)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for input_ids, labels in batches:  # CP=1: the plain model on the full batch
+        loss = model(input_ids=input_ids, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    run_ranks(2, _accelerate_loop, family, batches, losses)
