@@ -6,11 +6,14 @@ documents and windows against a dense-mask reference; refusals on every rank. On
 from __future__ import annotations
 
 import copy
+import importlib.util
+import pathlib
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _tiers import exhaustive
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -255,6 +258,17 @@ def _cases(rank: int, world: int, base: TinyLM, batches, ref_losses, ref_params)
     _documents(mesh)
     _training(mesh, base, batches, ref_losses, ref_params)
     _refusals(mesh)
+    example = _example()  # the docs' code (docs/torch_api.md), as torchrun runs it
+    example.tutorial(mesh, "cpu")
+    example.packed_documents(mesh, "cpu")
+
+
+def _example():
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "torch_api_example.py"
+    spec = importlib.util.spec_from_file_location("torch_api_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _cp1(base: TinyLM, batches):
@@ -280,6 +294,39 @@ def test_torch_api_matches_no_cp(world):
     batches = [(torch.randint(0, 32, (2, n), generator=g), torch.randint(0, 32, (2, n), generator=g))
                for _ in range(3)]
     run_ranks(world, _cases, base, batches, *_cp1(base, batches))
+
+
+def _train_compiled(rank: int, world: int, base: TinyLM, batches, ref_losses, ref_params) -> None:
+    """The model compiled whole with Inductor, trained inside the context: the CP=1 losses."""
+    mesh = init_device_mesh("cpu", (world,))
+    model = copy.deepcopy(base)
+    compiled = torch.compile(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    b, n = batches[0][0].shape
+    for step, (tokens, labels) in enumerate(batches):
+        tokens, labels = tokens.clone(), labels.clone()
+        with context_parallel(mesh, buffers=[tokens, labels, model.cos, model.sin], buffer_seq_dims=[1, 1, 0, 0],
+                              no_restore_buffers={tokens, labels}):
+            loss = _loss(compiled(tokens), labels, b * n)
+            loss.backward()
+        reduce_gradients(model, mesh)
+        opt.step()
+        opt.zero_grad()
+        loss = loss.detach().clone()
+        dist.all_reduce(loss, group=mesh.get_group())
+        assert abs(loss.item() - ref_losses[step]) <= 1e-5 * abs(ref_losses[step]), f"step {step}"
+    for p, want in zip(model.parameters(), ref_params):
+        assert rel_err(p.detach(), want) <= 1e-5
+
+
+@exhaustive("Inductor compiles the whole model: minutes on 2 CPU cores")
+def test_torch_api_inductor_model():
+    torch.manual_seed(0)
+    base = TinyLM(16)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 32, (2, 16), generator=g), torch.randint(0, 32, (2, 16), generator=g))
+               for _ in range(3)]
+    run_ranks(2, _train_compiled, base, batches, *_cp1(base, batches), timeout=900)
 
 
 def _compiled(rank: int, world: int) -> None:
