@@ -84,8 +84,9 @@ class RingSDPA(TorchFunctionMode):
             error = (
                 "context parallel attention takes no explicit attn_mask and no dropout_p > 0; got attn_mask="
                 f"{'a tensor' if attn_mask is not None else None}, dropout_p={dropout_p}. Masks come from "
-                "is_causal, document ids (apply_context_parallel(..., documents=...)) and window_size; set the "
-                "attention dropout to 0."
+                "is_causal and the documents and window of apply_context_parallel(..., documents=, window_size=) "
+                "or context_parallel(..., document_ids= | position_ids=, window_size=); set the attention "
+                "dropout to 0."
             )
         elif not enable_gqa and _heads(query) != _heads(key):
             error = (

@@ -197,7 +197,8 @@ def _local_documents(document_ids, position_ids, layout: str, rank: int, world: 
     if document_ids is None:
         return None
     ids = document_ids.reshape(-1, document_ids.shape[-1]).long()  # [B | 1, N]
-    return shard_tensor(ids, dim=1, layout=layout, rank=rank, world=world).contiguous()
+    # on the host once: the ring reads document ids there (a device copy would cost a sync per call)
+    return shard_tensor(ids, dim=1, layout=layout, rank=rank, world=world).cpu().contiguous()
 
 
 @torch.no_grad()

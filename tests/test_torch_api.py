@@ -345,6 +345,16 @@ def _compiled(rank: int, world: int) -> None:
     (out,) = context_parallel_unshard(mesh, [out], [2])
     assert rel_err(out, want) <= TOL
     assert rel_err(fn(*full), want) <= TOL
+    # documents and a window, compiled: the ring's agreement runs inside the graph
+    n = q.shape[2]
+    positions = torch.cat([torch.arange(3), torch.arange(n - 3)])
+    ids = (positions == 0).long().cumsum(0)[None]
+    want = masked_reference(q, k, v, do, is_causal=True, document_ids=ids, window_size=(2, 0))[0]
+    cp = [t.clone() for t in full]
+    with context_parallel(mesh, buffers=cp, buffer_seq_dims=[2] * 3, position_ids=positions, window_size=(2, 0)):
+        out = fn(*cp)
+    (out,) = context_parallel_unshard(mesh, [out], [2])
+    assert rel_err(out, want) <= TOL
 
 
 def test_torch_api_compiled():
