@@ -48,6 +48,7 @@ torchtitan's plugin calls ``ring_attention`` on local shards: the first case.
 from __future__ import annotations
 
 import hashlib
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -148,6 +149,8 @@ PRIVATE_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("torch.ops._c10d_functional", "wait_tensor", None),
     ("torch.distributed.distributed_c10d", "_resolve_process_group", None),  # a pybind builtin: no signature
     ("torch.utils._python_dispatch", "TorchDispatchMode.__torch_dispatch__", ("self", "func", "types", "args", "kwargs")),
+    # module.py: nn.MultiheadAttention's SDPA under context parallelism (Note [SDPA inside multi_head_attention_forward])
+    ("torch.nn.functional", "multi_head_attention_forward", ("query", "key", "value")),
     # titan/spec.py: Note [How the plugin hooks torchtitan]
     (TITAN_CP, TITAN_CP_INPUT, ("inputs", "labels", "extra_kwargs", "cp_mesh", "device", "load_balancer_type")),
     ("torchtitan.models.llama3.infra.parallelize", TITAN_CP_STEP, ("attention_modules", "cp_mesh", "attention_type")),
@@ -285,3 +288,23 @@ def mesh_concatenate(meshes: list[DeviceMesh]) -> DeviceMesh:
     """Sub-meshes of one root mesh stacked as the dims of one mesh, in the given order (a transpose when
     reordered); reuses their groups. torch 2.13's private ``DeviceMesh._concatenate``."""
     return DeviceMesh._concatenate(meshes)
+
+
+# Note [SDPA inside multi_head_attention_forward]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A TorchFunctionMode runs its handler with itself popped from the mode stack, so a Python-level torch
+# function the mode passes on runs its body without the mode: ``F.multi_head_attention_forward`` (every
+# ``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer``) calls ``scaled_dot_product_attention``
+# inside, where module.py's ``RingSDPA`` would never see it -- attention within this rank's shard only,
+# silently. The function looks SDPA up by its global name in torch.nn.functional (torch 2.13-2.15;
+# tests/test_compat.py checks it), so ``with_sdpa`` runs the same code object with that one name bound
+# to the ring, in a copy of the globals: torch's module is not touched, other threads see nothing.
+
+
+def with_sdpa(fn: Callable, sdpa: Callable) -> Callable:
+    """``fn`` (a torch Python function calling ``scaled_dot_product_attention`` by its global name) with
+    that name bound to ``sdpa``. See Note [SDPA inside multi_head_attention_forward]."""
+    scope = dict(fn.__globals__, scaled_dot_product_attention=sdpa)
+    out = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+    out.__kwdefaults__ = fn.__kwdefaults__
+    return out

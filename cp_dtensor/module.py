@@ -29,6 +29,8 @@ includes CP does this; standalone, call ``reduce_gradients``.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import sys
 
 import torch
@@ -40,12 +42,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
+from ._agree import agree_on_call
+from ._compat import with_sdpa
 from .attention import _ring_attention
 from .checks import check_cp_mesh
 from .layout import check_layout, check_seq_len, global_order, layout_unit, shard_tensor, unshard_tensor, wrap_dim
 from .placement import full_tensor
 
 __all__ = ["RingSDPA", "apply_context_parallel", "document_ids_from_positions", "shard_batch", "unshard_sequence", "reduce_gradients"]
+
+
+_MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
 
 
 class RingSDPA(TorchFunctionMode):
@@ -68,7 +75,24 @@ class RingSDPA(TorchFunctionMode):
                 # eager only: who called (a compiled graph has no Python caller to ask)
                 caller = "" if torch.compiler.is_compiling() else sys._getframe(1).f_globals.get("__name__", "")
                 return self._sdpa(*args, caller=caller, **kwargs)
+        if func is F.multi_head_attention_forward:  # See Note [SDPA inside multi_head_attention_forward] in _compat.py
+            q = args[0] if args else kwargs.get("query")
+            if isinstance(q, Tensor) and not isinstance(q, DTensor):
+                return self._mha(args, kwargs)
         return func(*args, **kwargs)
+
+    def _mha(self, args, kwargs):
+        """``F.multi_head_attention_forward`` with its SDPA call on the ring; its ``need_weights=True``
+        branch (softmax weights by matmul, no SDPA) refused on every rank."""
+        call = _MHA_SIGNATURE.bind(*args, **kwargs)
+        call.apply_defaults()
+        if call.arguments["need_weights"]:
+            agree_on_call(
+                "nn.MultiheadAttention with need_weights=True computes the attention weights of this rank's shard "
+                "only (no SDPA call the ring could run); pass need_weights=False.", {}, self.mesh.get_group(),
+                what="context parallel attention")
+        ring = functools.partial(self._sdpa, caller="torch.nn.functional")
+        return with_sdpa(F.multi_head_attention_forward, ring)(*args, **kwargs)
 
     def _sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
               *, caller: str = ""):

@@ -201,6 +201,37 @@ def _training(mesh, base: TinyLM, batches, ref_losses, ref_params) -> None:
             assert rel_err(p.detach(), want) <= 1e-5, f"P={world} {layout} parameters after training"
 
 
+def _torch_modules(mesh) -> None:
+    """nn.TransformerEncoder (its SDPA call is inside F.multi_head_attention_forward), causal and not,
+    inside the context: the outputs and gradients of the same modules on the full sequence, in float64 (in
+    float32 the first layer's in_proj gradients are tiny and carry ~1e-2 of their own size in rounding)."""
+    world = mesh.size()
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(d_model=16, nhead=4, dim_feedforward=16, batch_first=True, dropout=0.0)
+    model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False).double()
+    n = 4 * world
+    seq = torch.randn(2, n, 16, dtype=torch.float64)
+    for causal in (True, False):
+        ref = copy.deepcopy(model)
+        mask = nn.Transformer.generate_square_subsequent_mask(n) if causal else None
+        want = ref(seq, mask=mask, is_causal=causal)
+        want.square().sum().backward()
+        cp_model, x = copy.deepcopy(model), seq.clone()
+        with context_parallel(mesh, buffers=[x], buffer_seq_dims=[1], layout="headtail"):
+            local = nn.Transformer.generate_square_subsequent_mask(x.shape[1]) if causal else None
+            out = cp_model(x, mask=local, is_causal=causal)
+            out.square().sum().backward()
+        reduce_gradients(cp_model, mesh)
+        (out,) = context_parallel_unshard(mesh, [out.detach()], [1], layout="headtail")
+        assert rel_err(out, want.detach()) <= 1e-10, f"P={world} TransformerEncoder causal={causal}"
+        for (name, p), w in zip(cp_model.named_parameters(), ref.parameters()):
+            assert rel_err(p.grad, w.grad) <= 1e-9, f"P={world} TransformerEncoder causal={causal} grad {name}"
+    mha, x = nn.MultiheadAttention(16, 4, batch_first=True).double(), seq.clone()
+    with context_parallel(mesh, buffers=[x], buffer_seq_dims=[1]), pytest.raises(ValueError, match="need_weights"):
+        mha(x, x, x)  # need_weights=True by default: weights by matmul on the shard, no SDPA
+    assert torch.equal(x, seq)
+
+
 def _refusals(mesh) -> None:
     """What the ring cannot serve raises the same error on every rank, with the buffers restored."""
     rank, world = mesh.get_local_rank(), mesh.size()
@@ -257,6 +288,7 @@ def _cases(rank: int, world: int, base: TinyLM, batches, ref_losses, ref_params)
     _buffers(mesh)
     _documents(mesh)
     _training(mesh, base, batches, ref_losses, ref_params)
+    _torch_modules(mesh)
     _refusals(mesh)
     example = _example()  # the docs' code (docs/torch_api.md), as torchrun runs it
     example.tutorial(mesh, "cpu")
