@@ -308,3 +308,11 @@ def with_sdpa(fn: Callable, sdpa: Callable) -> Callable:
     out = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
     out.__kwdefaults__ = fn.__kwdefaults__
     return out
+
+
+def flex_attention_op() -> object | None:
+    """The flex_attention higher-order op as a TorchFunctionMode sees it (``func``), or None: module.py
+    refuses it under context parallelism (it would attend within one rank's shard)."""
+    import torch.nn.attention.flex_attention  # noqa: F401  (registers the op)
+
+    return getattr(torch.ops.higher_order, "flex_attention", None)

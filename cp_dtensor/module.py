@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
 from ._agree import agree_on_call
-from ._compat import with_sdpa
+from ._compat import flex_attention_op, with_sdpa
 from .attention import _ring_attention
 from .checks import check_cp_mesh
 from .layout import check_layout, check_seq_len, global_order, layout_unit, shard_tensor, unshard_tensor, wrap_dim
@@ -65,6 +65,7 @@ class RingSDPA(TorchFunctionMode):
         super().__init__()
         self.mesh, self.layout, self.window, self.documents, self.depth = cp_mesh, layout, window_size, documents, 0
         self.comm_dtype, self.kv_exchange = comm_dtype, kv_exchange
+        self.flex = flex_attention_op()  # refused: it would run on the local shard only
         self.ids: Tensor | None = None  # this forward's document ids [B, S_local]; kept for recomputation
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -75,6 +76,13 @@ class RingSDPA(TorchFunctionMode):
                 # eager only: who called (a compiled graph has no Python caller to ask)
                 caller = "" if torch.compiler.is_compiling() else sys._getframe(1).f_globals.get("__name__", "")
                 return self._sdpa(*args, caller=caller, **kwargs)
+        if func is self.flex and func is not None:
+            error = ("flex_attention inside a context-parallel region attends within this rank's shard only; "
+                     "cp_dtensor runs SDPA calls (is_causal, documents, windows). Call "
+                     "F.scaled_dot_product_attention, or run flex_attention without CP.")
+            if torch.compiler.is_compiling():  # flex_attention always compiles: every rank traces this alike
+                raise ValueError(error)
+            agree_on_call(error, {}, self.mesh.get_group(), what="context parallel attention")
         if func is F.multi_head_attention_forward:  # See Note [SDPA inside multi_head_attention_forward] in _compat.py
             q = args[0] if args else kwargs.get("query")
             if isinstance(q, Tensor) and not isinstance(q, DTensor):

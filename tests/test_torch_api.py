@@ -251,6 +251,11 @@ def _refusals(mesh) -> None:
     k = torch.randn(1, 1, 2, 8)
     with context_parallel(mesh), pytest.raises(ValueError, match="enable_gqa=True"):
         F.scaled_dot_product_attention(x[:, :, :2], k, k)
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if world == 2:  # flex_attention compiles itself (seconds): the ValueError arrives wrapped by Dynamo
+        with context_parallel(mesh), pytest.raises(Exception, match="flex_attention inside a context-parallel"):
+            flex_attention(x, x, x)
     # transformers' attention code builds its mask from local shapes: refused, pointing to cp_dtensor.hf
     scope = {"__name__": "transformers.integrations.sdpa_attention", "F": F}
     exec("def sdpa_attention_forward(q, k, v):\n    return F.scaled_dot_product_attention(q, k, v, is_causal=True)",
