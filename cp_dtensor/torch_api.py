@@ -30,9 +30,9 @@ puts them back in order. Both run under ``no_grad``.
   documents from ``document_ids`` or from ``position_ids`` that restart at 0 -- both full [B | 1, N]
   tensors (they may be buffers too), read at entry, so no communication. An ``attn_mask``, dropout,
   ``enable_gqa=False`` with fewer K/V heads, or a call from transformers' own attention code (its mask
-  was built from local shapes: Note [transformers under CP] in hf.py) raises on every rank through the
-  ring's agreement (Note [Agreeing before the ring] in checks.py), before any K/V moves.
-* Entry: every argument is checked locally, then one small all-gather (``_agree.agree_on_call``) makes
+  was built from local shapes: Note [transformers under CP] in hf/attention.py) raises on every rank through the
+  ring's agreement (Note [Agreeing before the ring] in core/checks.py), before any K/V moves.
+* Entry: every argument is checked locally, then one small all-gather (``core.agreement.agree_on_call``) makes
   every rank raise alike, before any buffer changes -- torch raises on the rank it fails on only.
 * Nothing changes outside the context: no global option is set (torch's sets ``_cp_options`` and its
   dispatch mode); on exit, an exception included, the mode is popped and the buffers restored.
@@ -52,10 +52,11 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ._agree import agree_on_call
-from .checks import check_cp_mesh, local_error
-from .layout import LAYOUTS, layout_unit, shard_tensor
-from .module import RingSDPA, unshard_sequence
+from .core.agreement import agree_on_call
+from .core.batch import unshard_batch
+from .core.checks import check_cp_mesh, local_error
+from .core.layout import LAYOUTS, layout_unit, shard_tensor
+from .model import RingSDPA
 
 __all__ = ["context_parallel", "context_parallel_unshard", "set_rotate_method"]
 
@@ -112,7 +113,7 @@ def context_parallel(
     mode.ids = _local_documents(document_ids, position_ids, layout, rank, world)
     with torch.no_grad():
         kept = [None if any(b is x for x in no_restore) else b.clone() for b in buffers]
-        shards = [shard_tensor(b, dim=d, layout=layout, rank=rank, world=world).clone() for b, d in zip(buffers, dims)]
+        shards = [shard_tensor(b, seq_dim=d, layout=layout, rank=rank, world=world).clone() for b, d in zip(buffers, dims)]
         for b, shard in zip(buffers, shards):
             _set(b, shard)
     try:
@@ -198,7 +199,7 @@ def _local_documents(document_ids, position_ids, layout: str, rank: int, world: 
         return None
     ids = document_ids.reshape(-1, document_ids.shape[-1]).long()  # [B | 1, N]
     # on the host once: the ring reads document ids there (a device copy would cost a sync per call)
-    return shard_tensor(ids, dim=1, layout=layout, rank=rank, world=world).cpu().contiguous()
+    return shard_tensor(ids, seq_dim=1, layout=layout, rank=rank, world=world).cpu().contiguous()
 
 
 @torch.no_grad()
@@ -240,7 +241,7 @@ def context_parallel_unshard(
     shapes = repr([(tuple(b.shape), str(b.dtype), d) for b, d in zip(buffers, dims)]) if error is None else ""
     agree_on_call(error, {"number of buffers": len(buffers), "shapes (crc32)": zlib.crc32(shapes.encode())},
                   mesh.get_group(), what="context_parallel_unshard")
-    return [unshard_sequence(b, mesh, layout=layout, dim=d) for b, d in zip(buffers, dims)]
+    return [unshard_batch(b, mesh, seq_dim=d, layout=layout) for b, d in zip(buffers, dims)]
 
 
 def set_rotate_method(rotate_method: str) -> None:

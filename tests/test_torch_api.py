@@ -17,9 +17,8 @@ from _tiers import exhaustive
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from cp_dtensor import context_parallel, context_parallel_unshard
-from cp_dtensor.layout import shard_tensor
-from cp_dtensor.module import reduce_gradients
+from cp_dtensor import context_parallel, context_parallel_unshard, reduce_gradients
+from cp_dtensor.core.layout import shard_tensor
 from cp_dtensor.torch_api import set_rotate_method
 from _dist import run_ranks
 from _ref import abs_rel_err, make_qkv, masked_reference, reference, rel_err
@@ -63,9 +62,9 @@ def _buffers(mesh) -> None:
     a, b = torch.arange(2 * n).view(2, n), torch.randn(n, 3)
     a0, b0 = a.clone(), b.clone()
     with context_parallel(mesh, buffers=[a, b], buffer_seq_dims=[1, 0], no_restore_buffers={a}, layout="headtail"):
-        assert torch.equal(a, shard_tensor(a0, dim=1, layout="headtail", rank=rank, world=world))
-        assert torch.equal(b, shard_tensor(b0, dim=0, layout="headtail", rank=rank, world=world))
-    assert torch.equal(a, shard_tensor(a0, dim=1, layout="headtail", rank=rank, world=world))  # kept sharded
+        assert torch.equal(a, shard_tensor(a0, seq_dim=1, layout="headtail", rank=rank, world=world))
+        assert torch.equal(b, shard_tensor(b0, seq_dim=0, layout="headtail", rank=rank, world=world))
+    assert torch.equal(a, shard_tensor(a0, seq_dim=1, layout="headtail", rank=rank, world=world))  # kept sharded
     assert torch.equal(b, b0)
     a = a0.clone()
     with pytest.raises(KeyError, match="inside"):
@@ -405,14 +404,14 @@ def _accelerate_loop(rank: int, world: int, family: str, batches, ref_losses) ->
 
     from accelerate import Accelerator
 
-    from cp_dtensor.hf import apply_context_parallel_hf, shift_labels
+    from cp_dtensor.hf import apply_context_parallel, shift_labels
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       OMP_NUM_THREADS="1")
     accelerator = Accelerator(cpu=True)
     assert accelerator.num_processes == world, "an AcceleratorState leaked into the ranks"
     cp_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))["cp"]
-    model = apply_context_parallel_hf(_hf_model(family), cp_mesh)
+    model = apply_context_parallel(_hf_model(family), cp_mesh)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     model, optimizer = accelerator.prepare(model, optimizer)
     for step, (input_ids, labels) in enumerate(batches):
