@@ -30,10 +30,12 @@ puts them back in order. Both run under ``no_grad``.
   documents from ``document_ids`` or from ``position_ids`` that restart at 0 -- both full [B | 1, N]
   tensors (they may be buffers too), read at entry, so no communication. An ``attn_mask``, dropout,
   ``enable_gqa=False`` with fewer K/V heads, or a call from transformers' own attention code (its mask
-  was built from local shapes: Note [transformers under CP] in hf/attention.py) raises on every rank through the
-  ring's agreement (Note [Agreeing before the ring] in core/checks.py), before any K/V moves.
-* Entry: every argument is checked locally, then one small all-gather (``core.agreement.agree_on_call``) makes
-  every rank raise alike, before any buffer changes -- torch raises on the rank it fails on only.
+  was built from local shapes: Note [transformers under CP] in hf/attention.py) raises on every rank
+  through the ring's agreement (Note [Agreeing before the ring] in core/checks.py), before any K/V
+  moves. ``nn.MultiheadAttention``'s SDPA is routed too (Note [SDPA inside multi_head_attention_forward]
+  in _compat.py); ``flex_attention`` is refused.
+* Entry: every argument is checked locally, then one small all-gather (``core.agreement.agree_on_call``)
+  makes every rank raise alike, before any buffer changes -- torch raises on the rank it fails on only.
 * Nothing changes outside the context: no global option is set (torch's sets ``_cp_options`` and its
   dispatch mode); on exit, an exception included, the mode is popped and the buffers restored.
   ``set_rotate_method`` is accepted and ignored: the exchange is ``kv_exchange=`` of each context.
