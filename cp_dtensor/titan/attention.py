@@ -118,10 +118,12 @@ class RingAttention(nn.Module):
 
 
 def _tp_head_sharding(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, heads_dim: int = 1):
-    """Note [TP heads into the ring]: (mesh, placements) of q, k, v when they are DTensors sharded over
-    heads (dim ``heads_dim``: 1 in 0.2.2's [B, H, S, D], 2 in 0.3's [B, L, N, H]) on a TP mesh (qwen3's TP
-    plan keeps them so, for its head-wise q/k norms; torchtitan 0.3's plans for every family), else None.
+    """(mesh, placements) of q, k, v when they are DTensors sharded over heads (dim ``heads_dim``: 1 in
+    0.2.2's [B, H, S, D], 2 in 0.3's [B, L, N, H]) on a TP mesh (qwen3's TP plan keeps them so, for its
+    head-wise q/k norms; torchtitan 0.3's plans for every family), else None.
 
+    Note [TP heads into the ring]
+    ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
     torchtitan 0.2.2's qwen3 TP plan runs ``wq``/``wk``/``wv`` with ``use_local_output=False`` and q/k norm
     as ``SequenceParallel(sequence_dim=2)``, so attention receives DTensors [B, H, S_local, D] placed
     Shard(1) (heads) on the TP mesh -- which is why torch's own CP x TP breaks for qwen3 upstream. Heads
