@@ -20,6 +20,7 @@ import shlex
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 
@@ -136,6 +137,18 @@ def test_no_words_about_how_the_project_was_made():
     assert not found, "say what the code does and what was measured, not how it was made:\n" + "\n".join(found)
 
 
+PATH = re.compile(r"`((?:cp_dtensor|tests|scripts|titan_configs|docs|requirements|\.ci)/[\w./-]*\w)`")
+
+
+def test_paths_the_docs_name_exist():
+    missing = []
+    for path in _files(README, ROOT / "docs", suffixes=(".md",)):
+        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            missing += [f"{path.relative_to(ROOT)}:{i}: {m.group(1)}" for m in PATH.finditer(line)
+                        if not (ROOT / m.group(1)).exists()]
+    assert not missing, "the docs name files that do not exist (moved?):\n" + "\n".join(missing)
+
+
 # -------------------------------------------------------------------------------------------- examples
 
 MARKER = re.compile(r"^<!--\s*example(?::\s*(ranks=(\d+)|output))?\s*-->\s*$")
@@ -160,13 +173,42 @@ def examples() -> list[tuple[str, str, str]]:
     return out
 
 
+def code_blocks() -> list[tuple[str, str]]:
+    """('file:line', code) of every fenced block of the README and docs/, marked or not."""
+    out = []
+    for path in _files(README, ROOT / "docs", suffixes=(".md",)):
+        lines = path.read_text(encoding="utf-8").splitlines()
+        i = 0
+        while i < len(lines):
+            if fence := FENCE.match(lines[i]):
+                end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == fence.group(1))
+                out.append((f"{path.relative_to(ROOT)}:{i + 2}", "\n".join(lines[i + 1:end])))
+                i = end
+            i += 1
+    return out
+
+
+def test_code_blocks_use_no_deprecated_spelling():
+    # the old module paths, and the renamed names a static read can see (the runs below catch the rest)
+    from cp_dtensor._deprecated import MOVED_MODULES
+
+    old = [re.escape(m) + r"(?![\w(])" for m in MOVED_MODULES]  # cp_dtensor.relayout(x, ...) is the function
+    old += [r"\bapply_context_parallel_hf\b", r"\bcheck_job_config\b", r"\bshard_batch\(\s*(cp_)?mesh\b"]
+    found = [f"{where}: {m.group(0)}" for where, code in code_blocks() for w in old for m in re.finditer(w, code)]
+    assert not found, "the docs' code uses deprecated spellings (docs/architecture.md, Where things moved):\n" + "\n".join(found)
+
+
 def test_the_docs_have_examples():
     kinds = {kind for kind, _, _ in examples()}
     assert {"python", "ranks=2", "output"} <= kinds, kinds
 
 
+# an example that uses an old name fails: cp_dtensor's deprecation warnings become errors
+DEPRECATED = r"cp_dtensor.* is deprecated and will be removed"
+
 _RUN_ONE = """
-import sys, traceback
+import sys, traceback, warnings
+warnings.filterwarnings("error", message=DEPRECATED, category=FutureWarning)
 failed = []
 for where, code in BLOCKS:
     try:
@@ -181,7 +223,8 @@ if failed:
 def test_single_process_examples_run():
     blocks = [(where, code) for kind, where, code in examples() if kind == "python"]
     # one fresh interpreter for all of them (one torch import); each block in its own namespace
-    proc = subprocess.run([sys.executable, "-c", f"BLOCKS = {blocks!r}\n{_RUN_ONE}"], cwd=ROOT, capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", f"BLOCKS, DEPRECATED = {blocks!r}, {DEPRECATED!r}\n{_RUN_ONE}"], cwd=ROOT,
+                          capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-6000:]
 
@@ -189,8 +232,12 @@ def test_single_process_examples_run():
 def _run_blocks(rank: int, world: int, blocks: list[tuple[str, str]]) -> list[str]:
     import torch.distributed as dist
 
+    from cp_dtensor import _deprecated
+
     joined = lambda *a, **k: None  # the launcher joined the ranks; the block's own init/destroy are no-ops
     dist.init_process_group, dist.destroy_process_group = joined, joined
+    _deprecated._warned.clear()  # warn (here: raise) even if the parent process has warned already
+    warnings.filterwarnings("error", message=DEPRECATED, category=FutureWarning)
     done = []
     for where, code in blocks:
         with contextlib.redirect_stdout(io.StringIO()):
@@ -214,10 +261,7 @@ def test_multi_rank_examples_run():
 
 
 def test_output_examples_match():
-    try:
-        from cp_dtensor.tools.cli import main
-    except ImportError:  # TODO(house-moved): drop
-        from cp_dtensor.cli import main
+    from cp_dtensor.tools.cli import main
 
     for kind, where, block in examples():
         if kind != "output":
