@@ -192,7 +192,8 @@ def test_code_blocks_use_no_deprecated_spelling():
     # the old module paths, and the renamed names a static read can see (the runs below catch the rest)
     from cp_dtensor._deprecated import MOVED_MODULES
 
-    old = [re.escape(m) + r"(?![\w(])" for m in MOVED_MODULES]  # cp_dtensor.relayout(x, ...) is the function
+    # not a flag (--cp_dtensor.layout), not the function cp_dtensor.relayout(x, ...)
+    old = [r"(?<![\w-])" + re.escape(m) + r"(?![\w(])" for m in MOVED_MODULES]
     old += [r"\bapply_context_parallel_hf\b", r"\bcheck_job_config\b", r"\bshard_batch\(\s*(cp_)?mesh\b"]
     found = [f"{where}: {m.group(0)}" for where, code in code_blocks() for w in old for m in re.finditer(w, code)]
     assert not found, "the docs' code uses deprecated spellings (docs/architecture.md, Where things moved):\n" + "\n".join(found)
