@@ -217,7 +217,9 @@ def _property(rank, world):
         ql, kl, vl = (sh(x).float().requires_grad_() for x in (q, k, v))
         out = cp_dtensor.ring_attention(ql, kl, vl, layout=layout, is_causal=causal, scale=scale)
         out.backward(sh(do).float())
-        err = max(rel_err(g, sh(r)) for g, r in zip((out, ql.grad, kl.grad, vl.grad), ref))
+        # relative to the whole tensor's norm: a shard of the reference can be exactly 0 (a causal rank whose
+        # only query sees only its own key has dQ = 0), where fp32 leaves ~1e-6
+        err = max(float((g.double() - sh(r)).norm() / r.norm()) for g, r in zip((out, ql.grad, kl.grad, vl.grad), ref))
         if not err <= 2e-5:
             failures.append((err, layout, causal, kv_heads, group, s_local, head_dim, batch, scale, seed))
 
