@@ -29,6 +29,7 @@ _EXPORTS = {
     "apply_context_parallel": "module",
     "document_ids_from_positions": "module",
     "reduce_gradients": "module",
+    "remove_context_parallel": "module",
     "shard_batch": "module",
     "unshard_sequence": "module",
     "HeadTail": "placement",

@@ -19,7 +19,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("the exchanges; linear attention's state passing", {"ring", "allgather", "linear_attention"}),
     ("the front door; the SDPA-on-DTensor rule; decoding against a sharded cache", {"attention", "dispatch", "decode"}),
     ("DTensor entry points", {"relayout"}),
-    ("integrations", {"hf", "hf_generate", "hf_linear", "checkpoint"} | {f"titan.{m}" for m in (
+    ("integrations", {"hf", "hf_generate", "hf_linear", "hf_state", "checkpoint"} | {f"titan.{m}" for m in (
         "_cpu", "config", "data", "flex", "float8", "resume", "validate", "attention", "families", "spec", "train",
         "config_registry", "v03", "v03._cpu", "v03.attention", "v03.main", "v03.trainer", "v03.linear")}
      | {"titan"}),
