@@ -33,34 +33,36 @@ module they run on, so a deepcopy of the model generates with its own weights.
 Note [Agreed stopping and sampling]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 Every rank runs transformers' decoding loop; a loop that ends on one rank and not on another leaves
-the other waiting in its next collective (gloo aborts: "Received data size doesn't match"). Logits are
-bit-identical on every rank, so what generate() computes from them alone agrees by construction --
-but not what it computes from a rank's own clock (``max_time``), its random generator (sampling), or
-objects that may differ between ranks (``stopping_criteria``, ``logits_processor``). So:
+the other waiting in its next collective (gloo aborts: "Received data size doesn't match"). The
+prompt and every generation option but ``max_time`` are agreed before the first token (the call's
+fingerprint: the whole GenerationConfig), and the logits are bit-identical on every rank; so whatever
+generate() derives from options and logits alone -- greedy tokens, max_length, EOS per row, stop
+strings, penalties -- agrees by construction. Three things do not:
 
-* Sampling follows rank 0's seed. When ``do_sample`` is on, the call's agreement gather (which already
-  carries every rank's checks and fingerprint, before the first token) also carries each rank's state
-  of the default generator of the prompt's device -- the one ``torch.multinomial`` draws from -- and
-  every rank samples from rank 0's: after ``torch.manual_seed(s)`` on rank 0 the tokens are those of
-  the model at CP=1 after ``torch.manual_seed(s)``, whatever the other ranks' seeds (``seed + rank``).
-  Rank 0's generator advances as at CP=1; every other rank gets its own state back when generate()
-  returns. No communication per token.
-* Stopping follows rank 0's decisions. The ``StoppingCriteriaList`` generate() builds (max_length,
-  max_time, stop strings, EOS, the caller's ``stopping_criteria``) is wrapped (:class:`AgreedStopping`):
-  every rank evaluates it, then one all-gather over the CP group of each rank's [2, B] int64 -- per
-  row, done or not and the token just chosen -- makes rank 0's per-row decisions every rank's and
-  checks that every rank chose the same tokens. If not (a logits processor that differs by rank, a
-  forward drawing random numbers on some ranks only), every rank raises the same error at that step.
-  So ``max_time`` runs on rank 0's clock, EOS ends a row at the same step everywhere, and
-  ``synced_gpus=True`` (transformers' all-reduce of "this rank finished" over the default group) sees
-  the same answer from every rank of a CP group. Cost: one all-gather of 16 * B bytes a rank per
-  token, beside the decode attention's one per layer (scripts/bench_generate.py measures it).
+* Sampling draws from each rank's own generator. So when ``do_sample`` is on, the call's agreement
+  gather also carries each rank's state of the default generator of the prompt's device (the one
+  ``torch.multinomial`` draws from) and every rank samples from rank 0's: after ``torch.manual_seed(s)``
+  on rank 0 the tokens are those of the model at CP=1 after ``torch.manual_seed(s)``, whatever the
+  other ranks' seeds (``seed + rank``). Rank 0's generator advances as at CP=1; every other rank gets
+  its own state back when generate() returns. Nothing per token.
+* ``max_time`` reads each rank's clock, and the caller's ``stopping_criteria`` and ``logits_processor``
+  are objects no fingerprint can compare. When any rank's call has one of them (so every rank knows,
+  from the same gather), the ``StoppingCriteriaList`` generate() builds is wrapped
+  (:class:`AgreedStopping`): every rank evaluates it, then one all-gather over the CP group of each
+  rank's [2, B] int64 -- per row, done or not and the token just chosen -- makes rank 0's per-row
+  decisions every rank's, and checks that every rank chose the same tokens; if not (a logits processor
+  that differs by rank), every rank raises the same error at that step. So ``max_time`` runs on rank
+  0's clock and a criterion that differs by rank follows rank 0's. Cost: one all-gather of 16 * B bytes
+  a rank per token (scripts/bench_generate_agree.py measures it).
+* ``synced_gpus=True``: transformers all-reduces "this rank finished" over the default group every
+  step; the ranks of a CP group agree on it by the above, and the option itself is in the fingerprint.
 
-Why not broadcast rank 0's token every step: it makes sampling independent of the generators too,
-but the token would have to be replaced after transformers has appended it (and streamed it); the
-generator agreed once costs nothing per token, and the token check above -- riding on the stop
-agreement, needed anyway for max_time and the caller's criteria -- turns the rare divergence that
-agreement cannot prevent into an error on every rank instead of a silent difference or a hang.
+Why this design and not the alternatives: a per-token broadcast of rank 0's token would make sampling
+independent of the generators, but the token would have to be replaced after transformers has appended
+(and streamed) it, and it would cost a collective on every token of every call; agreeing the generator
+once costs nothing per token. An all-reduce of the unfinished-rows flags on every step would cost the
+same collective on calls that provably need none; the per-step gather runs only where something the
+fingerprint cannot see could make the ranks differ, and there it also checks the tokens.
 """
 
 from __future__ import annotations
@@ -453,14 +455,24 @@ def _generate_error(model, args, kwargs) -> tuple[str | None, tuple, object]:
     if kwargs.get("position_ids") is not None:
         return ("generate() under CP computes position_ids from the attention_mask; do not pass position_ids.", (),
                 config)
-    settings = tuple(repr(getattr(config, a, None)) for a in (
-        "max_length", "max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p",
-        "eos_token_id", "pad_token_id", "num_return_sequences", "repetition_penalty", "return_dict_in_generate",
-        "output_logits", "output_scores"))
+    # every option but max_time (whose decision is rank 0's: Note [Agreed stopping and sampling]); synced_gpus:
+    # transformers all-reduces over the default group each step when it is on -- on every rank or on none
+    settings = tuple(sorted((k, _plain_repr(v)) for k, v in config.to_dict().items() if k != "max_time"))
     given = kwargs.get("attention_mask")
-    # synced_gpus: transformers all-reduces over the default group each step when it is on -- on every rank or none
     return None, (tuple(ids.shape), digest(ids.cpu()), digest(None if given is None else given.cpu()), settings,
                   repr(kwargs.get("synced_gpus"))), config
+
+
+def _plain_repr(value) -> str:
+    """``repr`` without memory addresses (an object's differs between ranks): its type name instead."""
+    text = repr(value)
+    return type(value).__name__ if " at 0x" in text else text
+
+
+def _steps_to_agree(config, kwargs: dict) -> bool:
+    """Whether this rank's stopping decisions or tokens could differ from the other ranks' though the logits
+    are the same: a clock (max_time), or objects of the caller's (criteria, logits processors)."""
+    return config.max_time is not None or bool(kwargs.get("stopping_criteria")) or bool(kwargs.get("logits_processor"))
 
 
 def generate(model: nn.Module, *args, **kwargs):
@@ -478,12 +490,15 @@ def generate(model: nn.Module, *args, **kwargs):
     sampling = err is None and cp > 1 and bool(config.do_sample)
     get_rng, set_rng = _generator(ids.device) if sampling else (None, None)
     own = get_rng() if sampling else None
+    steps = False
     if cp > 1:  # Note [Agreeing before the ring] (checks.py): every rank raises, or none
-        every = all_gather_objects((err, fingerprint, own), host_group(state.mesh.get_group()))
-        bad = [(r, e) for r, (e, _, _) in enumerate(every) if e is not None]
+        mine = (err, fingerprint, own, err is None and _steps_to_agree(config, kwargs))
+        every = all_gather_objects(mine, host_group(state.mesh.get_group()))
+        bad = [(r, x[0]) for r, x in enumerate(every) if x[0] is not None]
         if bad:
             raise ValueError(f"generate() under CP refused the call on rank(s) {[r for r, _ in bad]}: {bad[0][1]}")
-        if any(f != every[0][1] for _, f, _ in every):
+        steps = any(x[3] for x in every)  # Note [Agreed stopping and sampling]: decided alike on every rank
+        if any(x[1] != every[0][1] for x in every):
             raise ValueError(
                 "generate() under CP needs the same call on every rank of the CP group -- the full, unsharded "
                 "input_ids and attention_mask and the same generation options -- but the ranks differ (a "
@@ -498,7 +513,7 @@ def generate(model: nn.Module, *args, **kwargs):
     try:
         if sampling:
             set_rng(every[0][2])  # rank 0's generator: Note [Agreed stopping and sampling]
-        agreed = (lambda criteria: AgreedStopping(criteria, state.mesh)) if cp > 1 else (lambda criteria: criteria)
+        agreed = (lambda criteria: AgreedStopping(criteria, state.mesh)) if steps else (lambda criteria: criteria)
         with generation_stopping_criteria(model, agreed):
             return type(model).generate(model, *args, cache=call.cache, **kwargs)
     finally:
