@@ -415,6 +415,7 @@ def _call_ends(model: nn.Module, args, output):
 
 def _forward_starts(base: nn.Module, args):
     getattr(base, ATTR).last = None  # a new forward derives its documents afresh
+    register()  # idempotent: a model unpickled in a fresh process finds "cp_dtensor" registered
 
 
 def _configs(config) -> list:

@@ -213,6 +213,7 @@ def _copies(rank: int, world: int, base, model, mesh) -> None:
         assert loaded.model.layers[0].self_attn._cp_dtensor_hf is loaded._cp_dtensor_hf
         assert torch.equal(loaded.generate(input_ids=ids, max_new_tokens=5, **GREEDY), want)
         assert rel_err(_logits(loaded, mesh, ids), want_logits) <= TOL
+        assert torch.equal(cp_dtensor.remove_context_parallel(loaded)(input_ids=ids).logits, want_logits)
         # taking CP off a copy: the plain model, bit for bit what it was
         plain = cp_dtensor.remove_context_parallel(copy.deepcopy(clone))
         assert plain.config._attn_implementation == "sdpa" and "generate" not in plain.__dict__
@@ -277,7 +278,9 @@ def _unsharded(rank: int, world: int, base, model, hybrid, mesh) -> None:
 
 
 def _inference_mode(rank: int, world: int, base, model, hybrid_base, hybrid, mesh) -> None:
-    """torch.inference_mode() and torch.no_grad() alike: generate, evaluation forwards (with padding), hybrids."""
+    """torch.inference_mode() and torch.no_grad() alike: generate, evaluation forwards (with padding), hybrids
+    (a deepcopy of the CP hybrid with its own weights; then CP taken off it)."""
+    hybrid_base, hybrid = _scaled(copy.deepcopy(hybrid_base)), _scaled(copy.deepcopy(hybrid))
     ids, mask = _prompt(7, left_pad=[0, 4])
     ref_model = copy.deepcopy(base)
     with torch.no_grad():
@@ -299,6 +302,10 @@ def _inference_mode(rank: int, world: int, base, model, hybrid_base, hybrid, mes
             hs = shard_batch(mesh, ids12, hpos, layout="headtail")
             hgot = unshard_sequence(hybrid(input_ids=hs[0], position_ids=hs[1]).logits, mesh, layout="headtail", dim=1)
             assert rel_err(hgot, href) <= TOL, ctx.__name__
+    plain = cp_dtensor.remove_context_parallel(hybrid)
+    assert not any(hasattr(m, "_cp_dtensor_hf") or hasattr(m, "_cp_dtensor_token") for m in plain.modules())
+    with torch.no_grad():
+        assert torch.equal(plain(input_ids=ids12, position_ids=hpos).logits, href)
 
 
 def _messages(rank: int, world: int, base, model, mesh) -> None:
