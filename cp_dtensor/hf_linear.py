@@ -295,7 +295,10 @@ def _start(state: HFState, hidden, kwargs) -> None:
                               for r, (_, f, _) in enumerate(every))
             raise ValueError(f"a hybrid model under CP needs the same call on every rank of the CP group; got {table}. "
                              "Every rank must hold an equal-length shard of one batch and pass the same options.")
-        one_document = _one_document([x for _, _, x in every], ctx.layout, world)
+        summaries = [x for _, _, x in every]
+        # the same summary on every rank: maybe the full inputs on every rank -- the O(N) derivation below
+        # tells (Note [Unsharded inputs] in hf.py)
+        one_document = _one_document(summaries, ctx.layout, world) and any(x != summaries[0] for x in summaries)
     elif err is not None:
         raise ValueError(err)
     ids = call["document_ids"]

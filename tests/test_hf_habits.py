@@ -50,11 +50,11 @@ def _llama():
                                         attn_implementation="sdpa")).eval()
 
 
-def _hybrid():
+def _hybrid(types=("linear_attention", "full_attention")):
     """Qwen3-Next with a linear-attention layer, then a full-attention one."""
     torch.manual_seed(0)
-    cfg = Qwen3NextConfig(vocab_size=V, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2, head_dim=8, layer_types=["linear_attention", "full_attention"],
+    cfg = Qwen3NextConfig(vocab_size=V, hidden_size=32, intermediate_size=32, num_hidden_layers=len(types),
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, layer_types=list(types),
                           linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8,
                           linear_num_key_heads=2, linear_num_value_heads=4, num_experts=0, max_position_embeddings=256,
                           attn_implementation="sdpa")
@@ -266,6 +266,9 @@ def _unsharded(rank: int, world: int, base, model, hybrid, mesh) -> None:
     with torch.no_grad():
         _expect("shard_batch", lambda: model(input_ids=ids, position_ids=pos))
         _expect("shard_batch", lambda: hybrid(input_ids=ids, position_ids=pos))
+        linear = hf.apply_context_parallel_hf(_hybrid(("linear_attention",)), mesh, layout="headtail")
+        for m in (hybrid, linear):  # a mask of ones: the linear layers' one-document shortcut must not skip the test
+            _expect("shard_batch", lambda: m(input_ids=ids, position_ids=pos, attention_mask=torch.ones_like(ids)))
         # world documents, one per rank's contiguous shard, all with positions 0..L-1: real documents
         cont = hf.apply_context_parallel_hf(copy.deepcopy(base), mesh, layout="contiguous")
         docs = torch.arange(12 * world).remainder(12)[None]
