@@ -253,6 +253,11 @@ def _own_model(rank: int, world: int, mesh) -> None:
         buf.seek(0)
         loaded = torch.load(buf, weights_only=False)
         assert rel_err(unshard_sequence(loaded(shard_batch(mesh, x)[0]), mesh, dim=1), base(x)) <= TOL
+        with torch.inference_mode():  # two packed documents of 5 and 7 tokens: each as if alone
+            docs = (torch.arange(12) >= 5).long().expand(2, 12)
+            x_s, d_s = shard_batch(mesh, x, docs)
+            got = unshard_sequence(cp(x_s, document_ids=d_s), mesh, dim=1)
+            assert rel_err(got, torch.cat([base(x[:, :5]), base(x[:, 5:])], 1)) <= TOL
         plain = cp_dtensor.remove_context_parallel(clone)
         assert not any(hasattr(m, "_cp_dtensor_mode") for m in plain.modules())
         assert torch.equal(plain(x), _scaled(copy.deepcopy(base))(x))  # the whole sequence, no ring
