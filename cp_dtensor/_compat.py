@@ -137,7 +137,7 @@ PRIVATE_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("torch.distributed.tensor", "DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding_non_cached",
      ("op_schema",)),
     ("torch.distributed.tensor._sharding_prop", "LocalLRUCache", ("user_function",)),
-    # checkpoint/dcp.py: DCP's box of a strided shard (Note [Checkpoint layouts])
+    # checkpoint/dcp.py: DCP's box of a strided shard (Note [Checkpointing layout shards])
     ("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset",
      ("global_shape", "mesh", "placements")),
     # comm.py, tools/debug.py: the raw functional collectives
