@@ -25,8 +25,13 @@ own declared dataclass: ``generating`` (generate.py: the generate() call in prog
 one) and ``linear`` (linear.py: a hybrid model's linear layers, None for a model without them).
 A copy gets ``linear.fresh()`` (the per-call fields emptied) and no ``generating``.
 
-:func:`remove_context_parallel` undoes ``cp_dtensor.hf.apply_context_parallel`` in place and returns the plain
-module: hooks removed by their handles, the attribute deleted from every module, ``generate`` back to
+A feature building on this keeps the same rules: its state in a declared dataclass in a slot of
+``HFState`` (a new field here), its hooks module-level functions reading ``getattr(module, ATTR)``,
+their handles appended to ``state.handles``, and a generate() of its own as ``CPGenerate(model, fn)``
+with ``fn(model, *args, **kwargs)`` a module-level function.
+
+:func:`remove_context_parallel` undoes ``cp_dtensor.hf.apply_context_parallel`` in place and returns the
+plain module: hooks removed by their handles, the attribute deleted from every module, ``generate`` back to
 the class's, and each (sub-)config's attention implementation restored. The pass-through dispatchers
 linear.py puts in transformers' modeling modules stay (they run the original function whenever no
 CP layer is running, so a plain model is unaffected).
