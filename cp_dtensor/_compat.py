@@ -47,9 +47,11 @@ torchtitan's plugin calls ``ring_attention`` on local shards: the first case.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -136,7 +138,7 @@ PRIVATE_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("torch.distributed.tensor", "DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding_non_cached",
      ("op_schema",)),
     ("torch.distributed.tensor._sharding_prop", "LocalLRUCache", ("user_function",)),
-    # checkpoint/dcp.py: DCP's box of a strided shard (Note [Checkpoint layouts])
+    # checkpoint/dcp.py: DCP's box of a strided shard (Note [Checkpointing layout shards])
     ("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset",
      ("global_shape", "mesh", "placements")),
     # comm.py, tools/debug.py: the raw functional collectives
@@ -148,6 +150,8 @@ PRIVATE_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("torch.ops._c10d_functional", "wait_tensor", None),
     ("torch.distributed.distributed_c10d", "_resolve_process_group", None),  # a pybind builtin: no signature
     ("torch.utils._python_dispatch", "TorchDispatchMode.__torch_dispatch__", ("self", "func", "types", "args", "kwargs")),
+    # model.py: nn.MultiheadAttention's SDPA under context parallelism (Note [SDPA inside multi_head_attention_forward])
+    ("torch.nn.functional", "multi_head_attention_forward", ("query", "key", "value")),
     # titan/v02/spec.py: Note [How the plugin hooks torchtitan]
     (TITAN_CP, TITAN_CP_INPUT, ("inputs", "labels", "extra_kwargs", "cp_mesh", "device", "load_balancer_type")),
     ("torchtitan.models.llama3.infra.parallelize", TITAN_CP_STEP, ("attention_modules", "cp_mesh", "attention_type")),
@@ -209,6 +213,15 @@ TITAN03_QWEN35_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("torchtitan.models.qwen3_5.model", "Qwen35Model.get_attention_masks", ("self", "positions")),
     ("torchtitan.models.qwen3_5.model", "Qwen35TransformerBlock.forward", ("self", "x_BLD", "attention_masks", "positions")),
     ("torchtitan.models.qwen3_5.parallelize", "parallelize_qwen3_5", ("model", "parallel_dims")),
+)
+
+# transformers (the [hf] extra), checked where it is installed: hf/generate.py's generate() under CP. Only
+# called here, never imported (the rest of _compat must not need transformers).
+TRANSFORMERS_VERSION = "5.24.0"  # what the rows below were written against
+TRANSFORMERS_PRIVATE_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
+    ("transformers.generation.utils", "GenerationMixin._prepare_generation_config", ("self", "generation_config")),
+    ("transformers.generation.utils", "GenerationMixin._get_stopping_criteria",
+     ("self", "generation_config", "stopping_criteria", "tokenizer")),
 )
 
 c10d_functional = torch.ops._c10d_functional  # the raw functional collectives (comm.py, tools/debug.py)
@@ -285,3 +298,50 @@ def mesh_concatenate(meshes: list[DeviceMesh]) -> DeviceMesh:
     """Sub-meshes of one root mesh stacked as the dims of one mesh, in the given order (a transpose when
     reordered); reuses their groups. torch 2.13's private ``DeviceMesh._concatenate``."""
     return DeviceMesh._concatenate(meshes)
+
+
+def prepare_generation_config(model, generation_config, **kwargs) -> tuple[Any, dict]:
+    """transformers' ``GenerationMixin._prepare_generation_config``: (the GenerationConfig a generate() call with
+    these arguments runs with, the model kwargs left over). Validates as generate() does."""
+    return model._prepare_generation_config(generation_config, **kwargs)
+
+
+@contextlib.contextmanager
+def generation_stopping_criteria(model, wrap: Callable[[Any], Any]) -> Iterator[None]:
+    """While open, the ``StoppingCriteriaList`` that ``model.generate()`` builds (transformers'
+    ``GenerationMixin._get_stopping_criteria``: max_length, max_time, stop strings, EOS, the caller's) is
+    replaced by ``wrap(it)``. An attribute of this instance only, removed on exit."""
+    build = type(model)._get_stopping_criteria
+    model.__dict__["_get_stopping_criteria"] = lambda *args, **kwargs: wrap(build(model, *args, **kwargs))
+    try:
+        yield
+    finally:
+        model.__dict__.pop("_get_stopping_criteria", None)
+
+
+# Note [SDPA inside multi_head_attention_forward]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A TorchFunctionMode runs its handler with itself popped from the mode stack, so a Python-level torch
+# function the mode passes on runs its body without the mode: ``F.multi_head_attention_forward`` (every
+# ``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer``) calls ``scaled_dot_product_attention``
+# inside, where model.py's ``RingSDPA`` would never see it -- attention within this rank's shard only,
+# silently. The function looks SDPA up by its global name in torch.nn.functional (torch 2.13-2.15;
+# tests/test_compat.py checks it), so ``with_sdpa`` runs the same code object with that one name bound
+# to the ring, in a copy of the globals: torch's module is not touched, other threads see nothing.
+
+
+def with_sdpa(fn: Callable, sdpa: Callable) -> Callable:
+    """``fn`` (a torch Python function calling ``scaled_dot_product_attention`` by its global name) with
+    that name bound to ``sdpa``. See Note [SDPA inside multi_head_attention_forward]."""
+    scope = dict(fn.__globals__, scaled_dot_product_attention=sdpa)
+    out = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+    out.__kwdefaults__ = fn.__kwdefaults__
+    return out
+
+
+def flex_attention_op() -> object | None:
+    """The flex_attention higher-order op as a TorchFunctionMode sees it (``func``), or None: model.py
+    refuses it under context parallelism (it would attend within one rank's shard)."""
+    import torch.nn.attention.flex_attention  # noqa: F401  (registers the op)
+
+    return getattr(torch.ops.higher_order, "flex_attention", None)

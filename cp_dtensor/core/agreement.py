@@ -1,9 +1,10 @@
 """Errors that every rank raises alike: the one cross-rank agreement of every entry point.
 
 The ring (checks.py), decoding (decode.py), linear attention (linear_attention.py), transformers'
-generate() and hybrid models (hf/) agree on a call with :func:`agree` or :func:`agree_objects` under
-their own :class:`Rules` (the entry point's name, its fingerprint's fields, how a field reads); the
-checkpoints (checkpoint/dcp.py) agree on each phase of a save or load with :func:`agreed`.
+generate() and hybrid models (hf/), torch's API (torch_api.py, :func:`agree_on_call`) agree on a call
+with :func:`agree` or :func:`agree_objects` under their own :class:`Rules` (the entry point's name, its
+fingerprint's fields, how a field reads); the checkpoints (checkpoint/dcp.py) agree on each phase of a
+save or load with :func:`agreed`.
 
 Note [One agreement]
 ~~~~~~~~~~~~~~~~~~~~
@@ -49,7 +50,7 @@ import torch.distributed as dist
 
 from .comm import Groups, all_gather_host, all_gather_objects, group_size, host_group
 
-__all__ = ["SAME_SHARDS", "Rules", "agree", "agree_objects", "agreed", "rank_world"]
+__all__ = ["SAME_SHARDS", "Rules", "agree", "agree_objects", "agree_on_call", "agreed", "rank_world"]
 
 SAME_SHARDS = "Every rank must hold an equal-length shard of one sequence and pass the same options."
 
@@ -190,3 +191,14 @@ def agreed(fn: Callable[[], Any], doing: str, payload: Callable[[Any], str] = la
             cls = kinds.get(kind, kinds.get("", RuntimeError))
             raise cls(f"{msg} [rank {r} of {world}]")
     return [t[1:] for t in texts]
+
+
+def agree_on_call(error: str | None, fingerprint: dict[str, int], group: dist.ProcessGroup, *, what: str) -> None:
+    """Raise the same ``ValueError`` on every rank of ``group`` -- before the caller's first collective --
+    when any rank's local checks failed (``error``: this rank's text, or None) or the ranks' ``fingerprint``
+    (host ints, the same keys on every rank: lengths, options) differ: :func:`agree` with the keys as the
+    fields (Note [One agreement]). The entry checks of ``torch_api.context_parallel`` and
+    ``context_parallel_unshard``."""
+    rules = Rules(what, tuple(fingerprint), refused="{what} rejected the arguments of rank(s) {ranks}: {error}",
+                  advice="Every rank must pass the same arguments, with tensors of the same shapes.")
+    agree(rules, list(fingerprint.values()), error, group)

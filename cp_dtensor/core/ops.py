@@ -152,6 +152,8 @@ class RowSegments:
         self._entries: dict[int, tuple[weakref.ref, int, dict[int, tuple]]] = {}  # id -> (ref, version, rows)
 
     def __call__(self, ids: Tensor, row: int) -> tuple[tuple[int, int, int], ...]:
+        if ids.is_inference():  # no version counter to tell an in-place change (torch.inference_mode): read every time
+            return _segments(ids[row])
         key = id(ids)
         entry = self._entries.get(key)
         if entry is None or entry[0]() is not ids or entry[1] != ids._version:
