@@ -6,9 +6,9 @@ A bad argument on one rank must not leave the others blocked in a collective it 
 local checks do not raise at once: each rank condenses its arguments -- and whether its local checks
 passed -- into a small int64 fingerprint, and one ``all_gather`` of the fingerprints (P * 160 bytes)
 lets every rank see every other rank's view (the scheme every entry point shares: Note [One agreement]
-in agreement.py; the ring's fields are ``Fingerprint``, read from the call's ``RingSpec``). On a 2-D mesh (U, R) the fingerprints travel over the ring
-group and then the Ulysses group (``comm.all_gather_host``): every rank still sees all P of them before
-any K/V or head moves. Then every rank raises the same error, or none does.
+in agreement.py; the ring's fields are ``Fingerprint``, read from the call's ``RingSpec``). On a 2-D
+mesh (U, R) the fingerprints travel over the ring group and then the Ulysses group
+(``comm.all_gather_host``): every rank still sees all P of them before any K/V or head moves. Then every rank raises the same error, or none does.
 Only when some rank failed is the text of its error gathered too. Compiled calls agree the same way
 (Note [Compiled agreement]).
 
