@@ -307,8 +307,6 @@ def test_compiled_masks_take_new_document_boundaries_without_recompiling():
 def test_row_segments_are_read_once_per_ids_and_die_with_them():
     """ops.RowSegments (Note [One plan per call]): the runs of equal ids per row, written out by hand; read
     again after the ids change in place; the entry gone with the tensor."""
-    import gc
-
     from cp_dtensor.core.ops import RowSegments
 
     cache = RowSegments()
@@ -321,6 +319,5 @@ def test_row_segments_are_read_once_per_ids_and_die_with_them():
     other = ids.clone()
     cache(other, 1)
     assert len(cache) == 2
-    del ids, other
-    gc.collect()
+    del ids, other  # freed at once (reference counts): their entries with them
     assert len(cache) == 0
