@@ -357,14 +357,13 @@ def apply_context_parallel_hf(
 
     model.register_forward_pre_hook(check, with_kwargs=True)
     model.register_forward_hook(lambda *_: setattr(ctx, "pending", None), always_call=True)  # this call's only
-    if linear is not None:  # the linear layers' convolution and delta rule; no cache, no generate()
+    from .hf_generate import enable_generate  # generate(): ring prefill, then a sequence-sharded KV cache
+
+    enable_generate(model, ctx)  # first: its base-model hook hands the linear layers' hook the shards
+    if linear is not None:  # the linear layers' convolution and delta rule (state passing; generate()'s states)
         from .hf_linear import enable_linear
 
         enable_linear(model, ctx, linear, lambda pos, mask, use_cache, b: _documents(ctx, pos, mask, use_cache, b))
-        return model
-    from .hf_generate import enable_generate  # generate(): ring prefill, then a sequence-sharded KV cache
-
-    enable_generate(model, ctx)
     return model
 
 

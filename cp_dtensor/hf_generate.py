@@ -35,13 +35,13 @@ from ._extras import require
 
 require("hf", "cp_dtensor.hf_generate (transformers generate() under context parallelism)")
 
-from transformers.cache_utils import Cache, CacheLayerMixin  # noqa: E402
+from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLayer  # noqa: E402
 
 from .comm import all_gather, all_gather_objects, host_group, wait  # noqa: E402
 from .decode import attend, digest, local_error  # noqa: E402
 from .layout import global_order, layout_unit, shard_tensor  # noqa: E402
 
-__all__ = ["ShardedCache", "ShardedCacheLayer", "cache_bytes", "enable_generate"]
+__all__ = ["ReplicatedLinearLayer", "ShardedCache", "ShardedCacheLayer", "cache_bytes", "enable_generate"]
 
 _GROW = 32  # columns added to a layer's buffer at a time while decoding
 
@@ -142,18 +142,57 @@ class ShardedCacheLayer(CacheLayerMixin):
         self.is_initialized = False
 
     def _refuse(self, *_args, **_kwargs):
-        raise ValueError("a cp_dtensor ShardedCache cannot be cropped, reordered or re-batched (beam search, "
-                         "assisted decoding, contrastive search); generate greedily or by sampling under CP.")
+        raise ValueError(_REFUSED)
 
     crop = reorder_cache = batch_repeat_interleave = batch_select_indices = _refuse
 
 
-class ShardedCache(Cache):
-    """A transformers ``Cache`` of :class:`ShardedCacheLayer` s: each rank holds its own tokens only."""
+_REFUSED = ("a cp_dtensor ShardedCache cannot be cropped, reordered or re-batched (beam search, assisted decoding, "
+            "contrastive search); generate greedily or by sampling under CP.")
 
-    def __init__(self, ctx, num_layers: int):
+
+class ReplicatedLinearLayer(LinearAttentionLayer):
+    """A linear-attention layer's cache under CP: the *full* recurrent state [B, Hv, dk, dv] and conv state
+    [B, C, K] -- the same bits on every rank. The CP prefill stores them (the fold of every rank's summary and
+    the prompt's last K conv inputs, Note [Prefill for decoding] in linear_attention.py); each decode step then
+    runs transformers' own recurrent step on them, on every rank alike. Cropping, reordering and re-batching
+    are refused on every rank, as for the attention layers' shares (:class:`ShardedCacheLayer`)."""
+
+    def __init__(self, ctx):
+        super().__init__(number_of_states=1)
+        self._ctx = ctx
+
+    def update_conv_state(self, conv_states: Tensor, state_idx: int = 0, conv_kernel_size: int | None = None,
+                          **kwargs) -> Tensor:
+        step = self._ctx.step
+        if step is None:
+            raise ValueError("a cp_dtensor ShardedCache is filled by model.generate() under CP only; pass no cache "
+                             "to a plain forward, or call generate().")
+        if step.kind == "prefill":  # x [B, C, S_local]: the conv runs sharded and stores the state (store_conv)
+            return conv_states
+        return super().update_conv_state(conv_states, state_idx, conv_kernel_size=conv_kernel_size, **kwargs)
+
+    def store_conv(self, state: Tensor, state_idx: int = 0) -> None:
+        """The prefill's conv state: the prompt's last K inputs [B, C, K], the same on every rank."""
+        self.lazy_initialization(conv_states=state, state_idx=state_idx)
+        self.conv_states[state_idx].copy_(state)
+        self.has_previous_state[state_idx] = True
+
+    def _refuse(self, *_args, **_kwargs):
+        raise ValueError(_REFUSED)
+
+    crop = reorder_cache = batch_repeat_interleave = batch_select_indices = activate_past_recording = _refuse
+
+
+class ShardedCache(Cache):
+    """A transformers ``Cache`` under CP: :class:`ShardedCacheLayer` s holding this rank's tokens only, and for
+    the layers in ``linear`` (a hybrid model's linear-attention layers) :class:`ReplicatedLinearLayer` s
+    holding the full states."""
+
+    def __init__(self, ctx, num_layers: int, linear=()):
         positions = _Positions()  # shared: every layer holds the same slots
-        super().__init__(layers=[ShardedCacheLayer(ctx, positions) for _ in range(num_layers)])
+        super().__init__(layers=[ReplicatedLinearLayer(ctx) if i in set(linear) else ShardedCacheLayer(ctx, positions)
+                                 for i in range(num_layers)])
 
 
 def cache_bytes(cache: Cache) -> int:
@@ -182,18 +221,18 @@ def _base_pre_hook(ctx, module, args, kwargs):
     pos = pos.expand(b, n)
     cp, rank = ctx.mesh.size(), ctx.mesh.get_local_rank()
     real = torch.ones(b, n, dtype=torch.bool, device=ids.device) if mask is None else mask[:, -n:].bool()
-    if cache.get_seq_length() == 0:  # prefill: this rank's layout shard of the padded prompt
+    if cache.get_seq_length() == 0:  # prefill: this rank's layout shard of the prompt, padded on the left
         unit = layout_unit(ctx.layout, cp)
-        pad = -n % unit
-        padded = lambda x, v: torch.nn.functional.pad(x, (0, pad), value=v)  # noqa: E731
+        pad = -n % unit  # masked columns before the prompt: its last token ends the sequence (the final states)
+        padded = lambda x, v: torch.nn.functional.pad(x, (pad, 0), value=v)  # noqa: E731
         shard = lambda x: shard_tensor(x, dim=1, layout=ctx.layout, rank=rank, world=cp).contiguous()  # noqa: E731
         cols = shard(torch.arange(n + pad, device=ids.device)[None])[0]  # global columns held here
-        keep = torch.nonzero(cols < n).flatten()
+        keep = torch.nonzero(cols >= pad).flatten()
         kpos = shard(padded(pos.masked_fill(~real, -1), -1)).index_select(1, keep)
         ctx.step = _Step("prefill", kpos, keep, n)
         ctx.prompt = (n, pad)
         every = global_order(ctx.layout, cp, n + pad).view(cp, -1)  # [P, S_local]: each rank's columns
-        ctx.held = (every < n).sum(1).tolist()  # the prompt tokens each rank keeps
+        ctx.held = (every >= pad).sum(1).tolist()  # the prompt tokens each rank keeps
         kwargs["input_ids"], kwargs["position_ids"] = shard(padded(ids, 0)), shard(padded(pos, 0))
         if mask is not None or pad:
             kwargs["attention_mask"] = shard(padded(real.long(), 0))
@@ -217,7 +256,7 @@ def _base_post_hook(ctx, module, args, kwargs, output):
     n, pad = ctx.prompt
     keep = ctx.keep_logits
     k = keep if isinstance(keep, int) and 0 < keep <= n else n
-    output.last_hidden_state = _gather_columns(ctx, output.last_hidden_state, n + pad, range(n - k, n))
+    output.last_hidden_state = _gather_columns(ctx, output.last_hidden_state, n + pad, range(pad + n - k, pad + n))
     return output
 
 
@@ -351,7 +390,8 @@ def enable_generate(model: nn.Module, ctx) -> None:
         elif err is not None:
             raise ValueError(err)
         text = model.config.get_text_config(decoder=True)
-        ctx.cache = ShardedCache(ctx, text.num_hidden_layers)
+        linear = [i for i, t in enumerate(getattr(text, "layer_types", None) or ()) if t == "linear_attention"]
+        ctx.cache = ShardedCache(ctx, text.num_hidden_layers, linear)
         try:
             return original(*args, cache=ctx.cache, **kwargs)
         finally:

@@ -144,17 +144,27 @@ class _Hybrid:
         self.call: dict | None = None  # position_ids, attention_mask, document_ids of the base model's call
         self.pending: str | None = None
         self.docs: tuple[Tensor | None] | None = None  # this call's documents, once derived
+        self.generating: str | None = None  # "prefill" / "decode": a forward of generate() under CP, else None
 
 
 class _Running(NamedTuple):
     hybrid: _Hybrid
     ids: Tensor | None  # this rank's document ids [B, S_local], or None
     calls: dict  # how many times the layer called each dispatcher
+    cache: object | None  # generate()'s prefill: the layer's hf_generate.ReplicatedLinearLayer, which keeps the states
 
 
-_NO_CACHE = ("a hybrid linear-attention model under context parallelism runs without a cache: its recurrent and conv "
-             "states summarise the whole prefix, which no rank holds. Call it with use_cache=False (the default under "
-             "CP) and no cache; generate() is not supported -- generate with the model without CP.")
+_NO_CACHE = ("a hybrid linear-attention model under context parallelism runs without a cache in a forward call: its "
+             "recurrent and conv states summarise the whole prefix, which no rank holds. Call it with use_cache=False "
+             "(the default under CP) and no cache; model.generate() under CP builds and fills its own cache.")
+
+
+def _generating(hybrid: _Hybrid, cache) -> str | None:
+    """"prefill" / "decode" when this forward is generate()'s under CP (its own cache), else None."""
+    step = getattr(hybrid.ctx, "step", None)
+    if cache is None or step is None or cache is not getattr(hybrid.ctx, "cache", None):
+        return None
+    return step.kind
 
 
 def _bound(module: nn.Module, args, kwargs) -> tuple[dict, dict]:
@@ -171,7 +181,8 @@ def _take_call(hybrid: _Hybrid, module: nn.Module, args, kwargs):
     bound, extra = _bound(module, args, kwargs)
     get = lambda name: bound.get(name, extra.get(name))  # noqa: E731
     cache = next((get(n) for n in ("cache", "past_key_values", "cache_params") if get(n) is not None), None)
-    hybrid.pending = _NO_CACHE if cache is not None or get("use_cache") else None
+    hybrid.generating = _generating(hybrid, cache)  # Note [Hybrid generate() under CP]
+    hybrid.pending = _NO_CACHE if hybrid.generating is None and (cache is not None or get("use_cache")) else None
     if get("use_cache") is None and "use_cache" not in bound or "use_cache" in kwargs and kwargs["use_cache"] is None:
         kwargs = {**kwargs, "use_cache": False}  # merge_with_config_defaults would take config.use_cache (True)
     hybrid.call = dict(position_ids=get("position_ids"), attention_mask=get("attention_mask"),
@@ -184,7 +195,7 @@ def _call_error(hybrid: _Hybrid, hidden, kwargs) -> str | None:
     """What this rank cannot run, from the call kept by the base model and the first layer's inputs."""
     if hybrid.ctx.pending is not None or hybrid.pending is not None:
         return hybrid.ctx.pending or hybrid.pending
-    if kwargs.get("cache") is not None:
+    if kwargs.get("cache") is not None and hybrid.generating is None:
         return _NO_CACHE
     if hybrid.call is None:
         return ("a linear-attention layer under CP ran outside its model's forward: call the model (or its base "
@@ -294,12 +305,16 @@ def _start(hybrid: _Hybrid, hidden, kwargs) -> None:
 
 
 def _layer_pre(hybrid: _Hybrid, layer: nn.Module, args, kwargs):
+    if hybrid.generating == "decode":  # transformers' own step on the full states, alike on every rank
+        return args, kwargs
     hidden = kwargs.get("hidden_states", args[0] if args else None)
     if hybrid.docs is None:
         _start(hybrid, hidden, kwargs)
-    elif kwargs.get("cache") is not None:  # the same on every rank
+    elif kwargs.get("cache") is not None and hybrid.generating is None:  # the same on every rank
         raise ValueError(_NO_CACHE)
-    layer._cp_dtensor_token = _RUNNING.set(_Running(hybrid, hybrid.docs[0], {"conv": 0, "rule": 0}))
+    cache = kwargs.get("cache") if hybrid.generating == "prefill" else None
+    state = cache.layers[layer.layer_idx] if cache is not None else None
+    layer._cp_dtensor_token = _RUNNING.set(_Running(hybrid, hybrid.docs[0], {"conv": 0, "rule": 0}, state))
     return args, kwargs
 
 
@@ -329,8 +344,14 @@ def _conv_dispatcher(original):
         a = signature.bind(*args, **kwargs).arguments  # (hidden_states [B, C, S_local], weight [C, K], bias, activation)
         run.calls["conv"] += 1
         ctx = run.hybrid.ctx
-        return sharded_causal_conv1d(a["hidden_states"], a["weight"], a.get("bias"), a.get("activation"),
-                                     group=ctx.mesh.get_group(), layout=ctx.layout, document_ids=run.ids)
+        out = sharded_causal_conv1d(a["hidden_states"], a["weight"], a.get("bias"), a.get("activation"),
+                                    group=ctx.mesh.get_group(), layout=ctx.layout, document_ids=run.ids,
+                                    output_final_state=run.cache is not None)
+        if run.cache is None:
+            return out
+        out, state = out  # generate()'s prefill: keep the prompt's last K inputs for decoding
+        run.cache.store_conv(state)
+        return out
 
     conv._cp_dtensor_original = original
     return conv
@@ -345,15 +366,17 @@ def _rule_dispatcher(original):
         if run is None:
             return original(*args, **kwargs)
         a = signature.bind(*args, **kwargs).arguments  # q, k [B, S_local, Hk, dk]; v [B, S_local, Hv, dv]; g; beta
-        if a.get("initial_state") is not None or a.get("output_final_state"):
+        final = bool(a.get("output_final_state"))
+        if a.get("initial_state") is not None or final and run.cache is None:
             raise ValueError(_NO_CACHE)  # the call's cache check refused this already, on every rank
         run.calls["rule"] += 1
         ctx = run.hybrid.ctx
         extra = {"chunk_size": a["chunk_size"]} if "chunk_size" in a else {}  # the rest: the model's call kwargs
         out = sharded_delta_rule(original, a["query"], a["key"], a["value"], a["g"], a["beta"],
                                  group=ctx.mesh.get_group(), layout=ctx.layout, document_ids=run.ids,
-                                 use_qk_l2norm_in_kernel=bool(a.get("use_qk_l2norm_in_kernel", False)), **extra)
-        return out, None
+                                 use_qk_l2norm_in_kernel=bool(a.get("use_qk_l2norm_in_kernel", False)),
+                                 output_final_state=final, **extra)
+        return out if final else (out, None)  # final: (o, the state after the prompt), which the layer caches
 
     rule._cp_dtensor_original = original
     return rule
@@ -380,10 +403,5 @@ def enable_linear(model: nn.Module, ctx, layers: list[tuple[nn.Module, Family]],
         layer._cp_dtensor_token = None
         layer.register_forward_pre_hook(lambda m, a, k: _layer_pre(hybrid, m, a, k), with_kwargs=True)
         layer.register_forward_hook(_layer_post, with_kwargs=True, always_call=True)
-
-    def generate(*args, **kwargs):  # the same on every rank: nothing to agree on
-        raise ValueError(_NO_CACHE)
-
-    model.generate = generate
     model._cp_dtensor_linear = hybrid
 
