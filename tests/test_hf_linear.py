@@ -307,7 +307,7 @@ def _check_errors(rank: int, world: int) -> None:
 
     _expect_error(lambda: call(use_cache=True), "without a cache")
     _expect_error(lambda: call(use_cache=rank == 0), "without a cache")  # on rank 0 only
-    _expect_error(lambda: model.generate(tokens, max_new_tokens=2), "generate")
+    _expect_error(lambda: model.generate(tokens, max_new_tokens=2, num_beams=2), "num_beams")  # generate()'s own
     _expect_error(lambda: call(position_ids=None if rank == world - 1 else pos), "needs position_ids")
     _expect_error(lambda: call(position_ids=pos[:, :1] if rank == 0 else pos), "position_ids must be")
     _expect_error(lambda: call(labels=tok), "shift_labels")
