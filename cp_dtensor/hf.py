@@ -316,9 +316,11 @@ def apply_context_parallel_hf(
     hf_generate.py).
 
     Hybrid linear-attention models (Qwen3-Next, Qwen3.5, Kimi Linear: ``"linear_attention"`` in
-    ``config.layer_types``) take ``layout="headtail"`` or ``"contiguous"`` (striped raises), run without a
-    cache (``use_cache`` defaults to False; a cache or ``generate()`` raises), and keep packed documents apart
-    in their linear layers too: Note [Linear attention in transformers under CP] in hf_linear.py.
+    ``config.layer_types``) take ``layout="headtail"`` or ``"contiguous"`` (striped raises), run forward
+    calls without a cache (``use_cache`` defaults to False; a cache raises), and keep packed documents apart
+    in their linear layers too: Note [Linear attention in transformers under CP] in hf_linear.py. Their
+    ``generate()`` prefills by state passing and decodes from replicated linear states and sharded
+    attention caches: Note [Hybrid generate() under CP] there.
     """
     check_cp_mesh(cp_mesh)
     check_layout(layout)

@@ -7,8 +7,10 @@ with the same full inputs. The wrapper installed here checks the call on every r
 serve raises on every rank before the first token, as do inputs that differ between ranks) and hands
 generate a :class:`ShardedCache` -- a transformers ``Cache`` whose layers hold only this rank's tokens:
 
-* prefill (the cache is empty): a pre-hook on the base model pads the prompt to a multiple of the
-  layout unit (pad tokens masked: each its own document) and passes each rank its layout shard of
+* prefill (the cache is empty): a pre-hook on the base model pads the prompt on the left to a multiple
+  of the layout unit (pad tokens masked: each its own document; on the left so that the prompt's last
+  token ends the sequence, where a hybrid's linear layers take their final states: Note [Hybrid
+  generate() under CP] in hf_linear.py) and passes each rank its layout shard of
   input_ids, position_ids and the padding mask. The layers run on the shard; ``cache.update`` stores
   the shard's K/V (minus the internal pad columns) with their global positions (-1 for left padding)
   and returns them for the ring (hf.py's attention function, no K/V all-gather). A hook after the base

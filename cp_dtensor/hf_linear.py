@@ -37,10 +37,35 @@ sequence (it cannot keep them apart); under CP they are kept apart. Padding: tra
 (``apply_mask_to_padding_states``) with this rank's shard of the mask, and each pad token is a document
 of its own, so the real tokens see exactly what they see at CP=1.
 
-Caches. A recurrent state and a conv state are summaries of the whole prefix: a sequence-sharded cache
-of them would need the global fold. So a hybrid model under CP runs without a cache: the base model's
-``use_cache`` defaults to False, and ``use_cache=True``, a cache object or ``generate()`` raise, on every
-rank before any state moves.
+Caches. A recurrent state and a conv state summarise the whole prefix, so a *forward* call of a hybrid
+model under CP runs without a cache: the base model's ``use_cache`` defaults to False, and
+``use_cache=True`` or a cache object raise, on every rank before any state moves. ``generate()`` builds
+and fills its own cache: Note [Hybrid generate() under CP].
+
+Note [Hybrid generate() under CP]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``model.generate()`` runs hf_generate.py's wrapper for hybrids too (Note [generate() under CP]): the same
+checks and refusals on every rank before the first token, the same agreement, a ``ShardedCache`` -- whose
+linear-attention layers are ``ReplicatedLinearLayer`` s holding the *full* states (transformers'
+``LinearAttentionLayer``), the attention layers this rank's share of the K/V.
+
+* Prefill (the base model's call with generate()'s cache and its ``prefill`` step): the prompt, padded on
+  the left to the layout's unit, arrives sharded; the linear layers run under CP as in training (the
+  documents agreed and derived once per call; left padding makes each pad token a document of its own),
+  with two differences: the conv dispatcher asks ``sharded_causal_conv1d`` for the conv state and stores
+  it in the layer's cache (the layer's own ``update_conv_state`` hands the shard back unchanged), and the
+  delta-rule dispatcher answers the layer's ``output_final_state=True`` with ``sharded_delta_rule``'s final
+  state, which the layer itself then stores (``update_recurrent_state``) -- Note [Prefill for decoding] in
+  linear_attention.py. The attention layers write their shares and run the ring.
+* Decode (the ``decode`` step): the new token is the same on every rank and the linear layers' hooks stand
+  aside: transformers' own single-token path (``causal_conv1d_update``, the recurrent kernel) steps the full
+  states, alike on every rank, with no communication; the attention layers run ``sharded_cache_attention``.
+  Every rank computes the same logits, hence the same tokens and the same stopping step.
+
+So ``out.past_key_values`` holds this rank's share of every attention layer and every linear layer's full
+states; its length (``get_seq_length``) is the global one; cropping, reordering, re-batching and past
+recording raise on every rank (nothing rank-dependent decides them). A forward call with that cache, or
+any other, is refused as above.
 
 Layouts. The sharded ops summarise each contiguous run of tokens a rank holds by one affine map of the
 state; headtail (two runs a rank, the causal ring's balance) and contiguous work, striped (one run per

@@ -76,11 +76,45 @@ one all-gather of a small int64 fingerprint over the CP group's host twin, then 
 one graph break per call); the kernels, the differentiable all-gather and the fold are traced
 (tests/test_linear_attention.py, exhaustive tier: CP_DTENSOR_SLOW=all). Documents read host values: more breaks (not tested compiled).
 
+Note [Prefill for decoding]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Decoding continues a linear layer from two fixed-size summaries of the whole prompt: its recurrent state S
+[B, Hv, dk, dv] after the last token, and its conv state, the last K inputs of the conv [B, C, K] (K - 1 of
+them feed the next token's taps; the K-th is kept because transformers' cache and fla keep K). Under CP no
+rank holds the prompt, but both come out of what the prefill already moves, with no extra collective:
+
+* ``sharded_delta_rule(..., output_final_state=True)``: every rank holds every run's summary (A_j, B_j)
+  after the one all-gather, so every rank folds *all* of them in global order (S = A_j S + B_j; 2P small
+  products for headtail) instead of stopping at its own runs. The fold reads the same gathered bits in the
+  same order on every rank: S is bit-identical across ranks. Per row, documents are respected as in the
+  outputs: a run holding a document start has A = 0, so the final state is that of the last document
+  alone (a left-padded row: each pad token is a document of its own, the prompt's tokens one).
+* ``sharded_causal_conv1d(..., output_final_state=True)``: the halo's all-gather carries each run's last
+  min(L, K) tokens instead of min(L, K - 1) (one column more per run, ``conv_halo_bytes(final_state=True)``),
+  and every rank cuts the sequence's last K inputs from them (zeros before its start, raw: as transformers
+  and fla keep them, whatever the documents).
+
+For the state to be the prompt's, the prompt's last token must be the sequence's last: a caller that pads
+the sequence to the layout's unit pads on the *left* (masked; each pad a document of its own), as
+transformers' generate() under CP does (Note [generate() under CP] in hf_generate.py).
+
+Decoding then needs no communication for these layers: the new tokens are the same on every rank, so
+every rank steps the full state alike (:func:`delta_rule_step`, :func:`causal_conv1d_step`, or the model's
+own kernels, e.g. fla's ``fused_recurrent``) and gets the same bits. The alternative -- one rank steps and
+broadcasts the layer's output -- puts the step *and* a broadcast on every token's critical path (the other
+ranks wait for both), to save only the other ranks' copy of a step of O(B * Hv * dk * dv) work and the
+state's memory, which is fixed (Qwen3-Next: 2 MiB fp32 per layer and row, against the attention layers'
+shares that grow with the context). scripts/bench_hybrid_generate.py measures both sides: a linear
+layer's replicated step and one gloo broadcast of its output and of its state; the replicated step sends 0
+bytes, and the full-attention layers alone send their (P - 1) * B * Hq * T * (Dv + 1) * 4 bytes per token
+(Note [Decoding from a sharded cache] in decode.py).
+
 *fla's kernels* (``fla.ops.gated_delta_rule.chunk_gated_delta_rule``, ``fla.ops.kda.chunk_kda``) take
 [B, T, H, D], ``initial_state`` [B, H, dk, dv] and return the final state in fp32: the identity initial
 state is built fp32 and contiguous, every input is made contiguous, and no ``chunk_size`` is added (pass
 kernel options through ``**kernel_kwargs``; fla's ``scale`` passes through unchanged). The op owns
-``initial_state``, ``output_final_state`` and ``cu_seqlens`` (documents go through ``document_ids``).
+``initial_state``, ``output_final_state`` (its own keyword: Note [Prefill for decoding]) and ``cu_seqlens``
+(documents go through ``document_ids``).
 """
 
 from __future__ import annotations
