@@ -315,8 +315,8 @@ def apply_context_parallel_hf(
     a ring prefill into a sequence-sharded KV cache, then decoding from it (Note [generate() under CP] in
     hf_generate.py).
 
-    Hybrid linear-attention models (Qwen3-Next, Qwen3.5, Kimi Linear: ``"linear_attention"`` in
-    ``config.layer_types``) take ``layout="headtail"`` or ``"contiguous"`` (striped raises), run forward
+    Hybrid linear-attention models (Qwen3-Next, Qwen3.5, Kimi Linear, OLMo-Hybrid, Lara-Mini, Bailing-Hybrid:
+    ``"linear_attention"`` in ``config.layer_types``) take ``layout="headtail"`` or ``"contiguous"`` (striped raises), run forward
     calls without a cache (``use_cache`` defaults to False; a cache raises), and keep packed documents apart
     in their linear layers too: Note [Linear attention in transformers under CP] in hf_linear.py. Their
     ``generate()`` prefills by state passing and decodes from replicated linear states and sharded
@@ -338,7 +338,7 @@ def apply_context_parallel_hf(
     if other:
         raise ValueError(f"{type(model).__name__} has {', '.join(other)} layers (config.layer_types); context "
                          "parallelism runs full and sliding-window attention and the linear_attention layers of "
-                         "Qwen3-Next, Qwen3.5 and Kimi Linear only. Run it without CP.")
+                         "hf_linear.FAMILIES (Gated DeltaNet, Kimi Delta Attention) only. Run it without CP.")
     linear = None
     if "linear_attention" in types:  # Note [Linear attention in transformers under CP] in hf_linear.py
         from .hf_linear import linear_layers  # checks only: a refused model stays unchanged

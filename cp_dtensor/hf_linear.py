@@ -1,4 +1,5 @@
-"""transformers' hybrid linear-attention models under CP: Qwen3-Next, Qwen3.5 (dense, MoE), Kimi Linear.
+"""transformers' hybrid linear-attention models under CP: Qwen3-Next, Qwen3.5 (dense, MoE), Kimi Linear, and
+the same Gated DeltaNet / KDA layers in OLMo-Hybrid, Lara-Mini and Bailing-Hybrid.
 
 Every touch of transformers' linear-attention internals is here, in ``FAMILIES`` (tests/test_hf_linear.py
 checks that each symbol still exists). hf.py calls :func:`linear_layers` (checks only) before it changes
@@ -111,6 +112,13 @@ FAMILIES = (
            "torch_chunk_gated_delta_rule"),
     Family("transformers.models.kimi_linear.modeling_kimi_linear", "KimiLinearDeltaAttention", "causal_conv1d_fn",
            "chunk_kimi_delta_attention"),
+    # the same layers in other transformers models
+    Family("transformers.models.olmo_hybrid.modeling_olmo_hybrid", "OlmoHybridGatedDeltaNet", "causal_conv1d_fn",
+           "torch_chunk_gated_delta_rule"),
+    Family("transformers.models.lara_mini.modeling_lara_mini", "LaraMiniGatedDeltaNet", "causal_conv1d_fn",
+           "torch_chunk_gated_delta_rule"),
+    Family("transformers.models.bailing_hybrid.modeling_bailing_hybrid", "BailingHybridDeltaAttention",
+           "causal_conv1d_fn", "chunk_kimi_delta_attention"),
 )
 # the layers' forward keywords read by the hooks (checked by the symbol test, with the table)
 LAYER_KWARGS = ("hidden_states", "cache", "attention_mask")

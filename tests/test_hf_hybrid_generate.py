@@ -21,8 +21,12 @@ from _ref import rel_err
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
-from test_hf_linear import _model  # noqa: E402  the tiny hybrids (4 layers: linear, linear, full, linear)
+from test_hf_linear import COMMON, TYPES  # noqa: E402
+from test_hf_linear import _model as _hybrid  # noqa: E402  the tiny hybrids (4 layers: linear, linear, full, linear)
 from transformers.cache_utils import LinearAttentionCacheLayerMixin  # noqa: E402
+from transformers.models.bailing_hybrid import BailingHybridConfig, BailingHybridForCausalLM  # noqa: E402
+from transformers.models.lara_mini import LaraMiniConfig, LaraMiniForCausalLM  # noqa: E402
+from transformers.models.olmo_hybrid import OlmoHybridConfig, OlmoHybridForCausalLM  # noqa: E402
 
 from cp_dtensor import hf  # noqa: E402
 from cp_dtensor.hf_generate import ReplicatedLinearLayer, ShardedCache, ShardedCacheLayer  # noqa: E402
@@ -31,6 +35,26 @@ from cp_dtensor.layout import layout_unit  # noqa: E402
 TOL = 1e-4  # fp32 logits, relative to the largest magnitude (the issue's bound)
 STATE_TOL = 1e-5  # the linear layers' states
 V = 128  # test_hf_linear's vocabulary
+LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
+OTHERS = {  # the same linear layers in other transformers models (hf_linear.FAMILIES), with their defaults' init
+    "olmo_hybrid": (OlmoHybridConfig, OlmoHybridForCausalLM, LINEAR),  # GDN with negative eigenvalues
+    "lara_mini": (LaraMiniConfig, LaraMiniForCausalLM, dict(  # GDN, MoE
+        LINEAR, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32)),
+    "bailing_hybrid": (BailingHybridConfig, BailingHybridForCausalLM, dict(  # KDA + MLA, dense MLPs
+        num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+        head_dim=16, first_k_dense_replace=4, num_mtp_layers=0, moe_intermediate_size=32, num_local_experts=4,
+        num_experts_per_tok=2, n_group=1, topk_group=1)),
+}
+
+
+def _model(name: str):
+    if name not in OTHERS:
+        return _hybrid(name)
+    cfg_cls, cls, extra = OTHERS[name]
+    torch.manual_seed(0)
+    common = {k: v for k, v in COMMON.items() if k != "max_position_embeddings"}
+    return cls(cfg_cls(**{**common, **extra, "layer_types": TYPES, "pad_token_id": 0})).float()
 
 CASES = [  # (model, layout, batch, prompt length -- not a multiple of 2P --, left padding per row, max_new_tokens)
     ("qwen3_next", "headtail", 2, 13, [0, 4], 5),
@@ -41,6 +65,9 @@ CASES = [  # (model, layout, batch, prompt length -- not a multiple of 2P --, le
     ("kimi_linear", "contiguous", 1, 5, None, 4),
     ("qwen3_5_moe", "headtail", 1, 8, None, 3),
     ("qwen3_next", "headtail", 1, 1, None, 3),  # a one-token prompt: shorter than P and than the conv kernel
+    ("olmo_hybrid", "headtail", 2, 11, [0, 3], 3),
+    ("lara_mini", "contiguous", 1, 9, None, 3),
+    ("bailing_hybrid", "headtail", 2, 7, [1, 0], 3),
 ]
 
 
