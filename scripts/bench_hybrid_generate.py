@@ -217,7 +217,9 @@ def main(argv: list[str] | None = None) -> dict:
         slow = lambda key: max(r[key] for r in b)  # noqa: E731  the slower rank
         row = dict(prefill_ratio=slow("prefill_s") / a["prefill_s"], decode_ratio=slow("decode_s") / a["decode_s"],
                    decode_ratio_sharded=slow("decode_s") / s["decode_s"],
+                   prefill_cpu_ratio=slow("prefill_cpu_s") / a["prefill_cpu_s"],
                    decode_cpu_ratio=slow("decode_cpu_s") / a["decode_cpu_s"],
+                   decode_cpu_ratio_sharded=slow("decode_cpu_s") / s["decode_cpu_s"],
                    peak_ratio=slow("peak_bytes") / a["peak_bytes"], cache_ratio=slow("cache_bytes") / a["cache_bytes"],
                    tokens_equal=all(r["tokens"] == a["tokens"] for r in b) and s["tokens"] == a["tokens"])
         report["rows"][n] = row
@@ -226,6 +228,15 @@ def main(argv: list[str] | None = None) -> dict:
               f"{row['decode_ratio']:.2f} | {row['decode_ratio_sharded']:.2f} | {row['decode_cpu_ratio']:.2f} | "
               f"{a['peak_bytes'] / 2**20:.0f} / {slow('peak_bytes') / 2**20:.0f} | {row['peak_ratio']:.2f} | "
               f"{a['cache_bytes'] / 2**20:.1f} / {slow('cache_bytes') / 2**20:.1f} | {row['tokens_equal']} |")
+    print("\nCPU seconds of the busiest rank (time.process_time: the work, without the waits a loaded machine adds):")
+    print("| N | prefill cpu s cp1 / cp2 | ratio | decode cpu ms/token cp1 / cp1-sharded / cp2 | cp2÷cp1 | cp2÷cp1-sharded |")
+    print("|---|---|---|---|---|---|")
+    for n in args.lengths:
+        a, s, b, row = one[str(n)], sharded[str(n)], [r[str(n)] for r in two], report["rows"][n]
+        print(f"| {n} | {a['prefill_cpu_s']:.1f} / {max(r['prefill_cpu_s'] for r in b):.1f} | "
+              f"{row['prefill_cpu_ratio']:.2f} | {1e3 * a['decode_cpu_s']:.1f} / {1e3 * s['decode_cpu_s']:.1f} / "
+              f"{1e3 * max(r['decode_cpu_s'] for r in b):.1f} | {row['decode_cpu_ratio']:.2f} | "
+              f"{row['decode_cpu_ratio_sharded']:.2f} |")
     print(f"load average: start {start_load[0]:.1f}, end {report['load_average_end'][0]:.1f} ({os.cpu_count()} CPUs)")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
