@@ -11,16 +11,16 @@ drawn from [0.05, 1] so the greedy tokens of a random model are not a tie-break 
 thread per rank. It generates greedily from one prompt three ways, each in freshly forked ranks:
 
 * ``cp1``: the plain model (SDPA, transformers' DynamicCache) in one process;
-* ``cp1-sharded``: ``apply_context_parallel_hf`` on a 1-rank mesh (the same cache classes and decode path
+* ``cp1-sharded``: ``cp_dtensor.hf.apply_context_parallel`` on a 1-rank mesh (the same cache classes and decode path
   as CP=2: the ratio against it isolates what the second rank buys);
-* ``cp2``: ``apply_context_parallel_hf`` on 2 ranks, layout headtail.
+* ``cp2``: ``apply_context_parallel`` on 2 ranks, layout headtail.
 
 Per prompt length: prefill time (generate's start to the first logits), decode time per token (median over
 the steps) and its CPU time, the cache bytes each rank holds (attention shares + linear states), the rank's
 peak resident memory over the whole generate above its start (``_bench_mem``), whether the tokens equal
 CP=1's. On a short prompt: the bytes each rank sends per decoded token (``CommBytes``) against the formula
 (P - 1) * B * Hq * T * (Dv + 1) * 4 per full-attention layer and 0 per linear layer; and the choice for the
-linear layers' decode step (Note [Prefill for decoding] in cp_dtensor/linear_attention.py): the measured
+linear layers' decode step (Note [Prefill for decoding] in cp_dtensor/core/linear_attention.py): the measured
 time of one linear layer's replicated step against one gloo broadcast of its output [B, 1, E] and of its
 state [B, Hv, dk, dv] (what computing it on one rank would add). Writes bench_out/hybrid_generate.json.
 """
@@ -54,7 +54,7 @@ def build_model(mesh=None, layout: str = "headtail"):
     import transformers
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
-    from cp_dtensor.hf import apply_context_parallel_hf
+    from cp_dtensor.hf import apply_context_parallel
 
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
@@ -66,7 +66,7 @@ def build_model(mesh=None, layout: str = "headtail"):
                 a = layer.linear_attn.A_log
                 a.copy_(torch.empty(a.shape).uniform_(0.05, 1.0, generator=g).log())
     if mesh is not None:
-        apply_context_parallel_hf(model, mesh, layout=layout)
+        apply_context_parallel(model, mesh, layout=layout)
     return model
 
 
@@ -92,7 +92,7 @@ def timed_generate(model, ids: torch.Tensor, new_tokens: int, count_bytes: bool 
     decode-step times."""
     from transformers import LogitsProcessor
 
-    from cp_dtensor.debug import CommBytes
+    from cp_dtensor.tools.debug import CommBytes
 
     stamps, cpu, sent, linear = [], [], [], []
     meter = CommBytes() if count_bytes else None
