@@ -47,9 +47,10 @@ torchtitan's plugin calls ``ring_attention`` on local shards: the first case.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -211,6 +212,15 @@ TITAN03_QWEN35_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("torchtitan.models.qwen3_5.parallelize", "parallelize_qwen3_5", ("model", "parallel_dims")),
 )
 
+# transformers (the [hf] extra), checked where it is installed: hf/generate.py's generate() under CP. Only
+# called here, never imported (the rest of _compat must not need transformers).
+TRANSFORMERS_VERSION = "5.24.0"  # what the rows below were written against
+TRANSFORMERS_PRIVATE_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
+    ("transformers.generation.utils", "GenerationMixin._prepare_generation_config", ("self", "generation_config")),
+    ("transformers.generation.utils", "GenerationMixin._get_stopping_criteria",
+     ("self", "generation_config", "stopping_criteria", "tokenizer")),
+)
+
 c10d_functional = torch.ops._c10d_functional  # the raw functional collectives (comm.py, tools/debug.py)
 
 
@@ -285,3 +295,22 @@ def mesh_concatenate(meshes: list[DeviceMesh]) -> DeviceMesh:
     """Sub-meshes of one root mesh stacked as the dims of one mesh, in the given order (a transpose when
     reordered); reuses their groups. torch 2.13's private ``DeviceMesh._concatenate``."""
     return DeviceMesh._concatenate(meshes)
+
+
+def prepare_generation_config(model, generation_config, **kwargs) -> tuple[Any, dict]:
+    """transformers' ``GenerationMixin._prepare_generation_config``: (the GenerationConfig a generate() call with
+    these arguments runs with, the model kwargs left over). Validates as generate() does."""
+    return model._prepare_generation_config(generation_config, **kwargs)
+
+
+@contextlib.contextmanager
+def generation_stopping_criteria(model, wrap: Callable[[Any], Any]) -> Iterator[None]:
+    """While open, the ``StoppingCriteriaList`` that ``model.generate()`` builds (transformers'
+    ``GenerationMixin._get_stopping_criteria``: max_length, max_time, stop strings, EOS, the caller's) is
+    replaced by ``wrap(it)``. An attribute of this instance only, removed on exit."""
+    build = type(model)._get_stopping_criteria
+    model.__dict__["_get_stopping_criteria"] = lambda *args, **kwargs: wrap(build(model, *args, **kwargs))
+    try:
+        yield
+    finally:
+        model.__dict__.pop("_get_stopping_criteria", None)

@@ -98,3 +98,13 @@ def test_qwen3_5_symbol_still_there(module, qualname, params):
 
     obj = _resolve(module, qualname)
     assert tuple(inspect.signature(obj).parameters)[: len(params)] == params, f"{module}.{qualname}"
+
+
+@pytest.mark.parametrize(("module", "qualname", "params"), _compat.TRANSFORMERS_PRIVATE_SYMBOLS,
+                         ids=[f"{m}.{q}" for m, q, _ in _compat.TRANSFORMERS_PRIVATE_SYMBOLS])
+def test_transformers_symbol_still_there(module, qualname, params):
+    """transformers' generate() internals hf_generate.py relies on (through _compat), written against
+    _compat.TRANSFORMERS_VERSION."""
+    pytest.importorskip("transformers")
+    obj = _resolve(module, qualname)
+    assert tuple(inspect.signature(obj).parameters)[: len(params)] == params, f"{module}.{qualname}"
