@@ -88,21 +88,18 @@ def state_bytes(cache) -> int:
 
 
 def timed_generate(model, ids: torch.Tensor, new_tokens: int, count_bytes: bool = False) -> dict:
-    """Greedy generate with a time stamp (and the bytes sent so far) at every step's logits; the linear layers'
-    decode-step times."""
-    from transformers import LogitsProcessor
-
+    """Greedy generate with a time stamp (and the bytes sent so far) at every step's logits -- a hook on the LM
+    head, not a logits processor, which would switch on generate()'s per-step stopping agreement (Note [Agreed
+    stopping and sampling]) -- and the linear layers' decode-step times."""
     from cp_dtensor.tools.debug import CommBytes
 
     stamps, cpu, sent, linear = [], [], [], []
     meter = CommBytes() if count_bytes else None
 
-    class Stamp(LogitsProcessor):
-        def __call__(self, input_ids, scores):
-            stamps.append(time.perf_counter())
-            cpu.append(time.process_time())
-            sent.append(meter.sent if meter is not None else 0)
-            return scores
+    def stamp(m, a, o):
+        stamps.append(time.perf_counter())
+        cpu.append(time.process_time())
+        sent.append(meter.sent if meter is not None else 0)
 
     def pre(m, a, k):
         m._t0 = time.perf_counter()
@@ -111,7 +108,7 @@ def timed_generate(model, ids: torch.Tensor, new_tokens: int, count_bytes: bool 
         if k.get("hidden_states", a[0] if a else None).shape[1] == 1:  # a decode step
             linear.append(time.perf_counter() - m._t0)
 
-    handles = []
+    handles = [model.lm_head.register_forward_hook(stamp)]
     for layer in model.model.layers:
         if hasattr(layer, "linear_attn"):
             handles += [layer.linear_attn.register_forward_pre_hook(pre, with_kwargs=True),
@@ -120,7 +117,7 @@ def timed_generate(model, ids: torch.Tensor, new_tokens: int, count_bytes: bool 
     try:
         with torch.no_grad(), (meter if meter is not None else contextlib.nullcontext()):
             out = model.generate(input_ids=ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-                                 eos_token_id=None, logits_processor=[Stamp()], return_dict_in_generate=True)
+                                 eos_token_id=None, return_dict_in_generate=True)
     finally:
         for h in handles:
             h.remove()

@@ -217,7 +217,7 @@ def _bound(module: nn.Module, args, kwargs) -> tuple[dict, dict]:
 
 
 def _take_call(module: nn.Module, args, kwargs):
-    """Base-model pre-hook: keep the call's inputs for the documents; no cache under CP."""
+    """Base-model pre-hook: keep the call's inputs for the documents; no cache under CP but generate()'s own."""
     hybrid: LinearState = getattr(module, ATTR).linear
     bound, extra = _bound(module, args, kwargs)
     get = lambda name: bound.get(name, extra.get(name))  # noqa: E731
