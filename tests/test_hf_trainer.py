@@ -16,6 +16,7 @@ import tempfile
 import numpy as np
 import pytest
 import torch
+
 from _tiers import slow
 
 from _dist import run_ranks
@@ -105,7 +106,7 @@ def _args(out: str, **kw) -> TrainingArguments:
 # name -> (model, train data, eval data, collator, layout, TrainingArguments overrides)
 CASES = {
     "llama-rows": ("llama", _rows(1), _rows(2, 6), default_data_collator, "striped", {}),
-    "llama-packed": ("llama", _documents(3), _documents(4, 10), DataCollatorWithFlattening(), "striped", {}),
+    "llama-packed": ("llama", _documents(3), _documents(4, 14), DataCollatorWithFlattening(), "striped", {}),
     "llama-accumulate": ("llama", _documents(5), None, DataCollatorWithFlattening(), "headtail",
                          dict(gradient_accumulation_steps=2, per_device_train_batch_size=2)),
     "mistral-window-packed": ("mistral", _documents(6), _documents(7, 6), DataCollatorWithFlattening(), "striped", {}),
@@ -320,15 +321,35 @@ def _dp_cp(rank: int, world: int, tmp: str, cp: int) -> dict:
             for name in ("llama-packed", "llama-accumulate")}
 
 
-@slow("dp x cp: 4 ranks")
 def test_data_parallel_replicas_of_cp_ranks():
-    """dp=2 x cp=2 on 4 ranks logs what dp=2 without CP (the unchanged Trainer on 2 ranks) logs: the
-    samplers count replicas, not ranks."""
+    """dp=2 x cp=2 on 4 ranks logs what dp=2 without CP (the unchanged Trainer on 2 ranks) logs: the samplers
+    count replicas, not ranks; the evaluation gathers each replica's rows once (14 eval rows, 8 a step: the last
+    step's remainder, 6, is more than one replica's batch)."""
     with tempfile.TemporaryDirectory() as tmp:
         got = run_ranks(4, _dp_cp, tmp, 2, timeout=900)
         want = run_ranks(2, _dp_cp, tmp, 1, timeout=900)
     for name in want[0]:
         for rank in range(4):
             _close(got[rank][name]["losses"], want[0][name]["losses"], f"dp x cp {name} rank {rank}")
-            if "eval" in want[0][name]:
-                _close([got[rank][name]["eval"]["eval_loss"]], [want[0][name]["eval"]["eval_loss"]], f"{name} eval")
+            for key in ("eval_loss", "eval_target_logit", "eval_rows"):
+                if key in want[0][name].get("eval", {}):
+                    _close([got[rank][name]["eval"][key]], [want[0][name]["eval"][key]], f"dp x cp {name} {key}")
+
+
+def _cp3(rank: int, world: int, tmp: str) -> dict:
+    _env(rank, world)
+    return {name: _train(name, tempfile.mkdtemp(dir=tmp), world)
+            for name in ("llama-packed", "llama-accumulate", "mistral-window-packed", "qwen3-next-hybrid")}
+
+
+@slow("CP=3: 3 ranks")
+def test_trainer_cp3_logs_cp1_losses(runs):
+    """P = 3: rows padded to multiples of 3 (striped) and 6 (headtail)."""
+    _, ref = runs
+    with tempfile.TemporaryDirectory() as tmp:
+        got = run_ranks(3, _cp3, tmp, timeout=900)
+    for name in got[0]:
+        for rank in range(3):
+            _close(got[rank][name]["losses"], ref[name]["losses"], f"CP=3 {name} rank {rank}")
+            if "eval" in ref[name]:
+                _close([got[rank][name]["eval"]["eval_loss"]], [ref[name]["eval"]["eval_loss"]], f"CP=3 {name} eval")
