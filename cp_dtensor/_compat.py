@@ -80,6 +80,7 @@ __all__ = [
     "mesh_unflatten",
     "redistribute_local_tensor",
     "replica_dataloaders",
+    "seq2seq_pad",
     "resolve_process_group",
     "restore_cache_key",
     "wrap_sharding_propagation",
@@ -233,7 +234,16 @@ TRAINER_PRIVATE_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("transformers.trainer", "Trainer.prediction_step", ("self", "model", "inputs", "prediction_loss_only", "ignore_keys")),
     ("transformers.trainer", "Trainer.evaluation_loop",
      ("self", "dataloader", "description", "prediction_loss_only", "ignore_keys", "metric_key_prefix")),
+    # seq2seq_pad: Seq2SeqTrainer pads the labels it returns with predict_with_generate to the generated width
+    ("transformers.trainer_seq2seq", "Seq2SeqTrainer._pad_tensors_to_max_len", ("self", "tensor", "max_length")),
 )
+
+
+def seq2seq_pad(trainer, tensor: torch.Tensor, length: int) -> torch.Tensor:
+    """``tensor`` [B, n] padded to [B, length] the way a Seq2SeqTrainer pads the labels it returns with
+    ``predict_with_generate`` (its private ``_pad_tensors_to_max_len``); unchanged for other trainers."""
+    pad = getattr(trainer, "_pad_tensors_to_max_len", None)
+    return tensor if pad is None else pad(tensor, length)
 
 
 class replica_dataloaders:  # noqa: N801  (a context manager used as a function)

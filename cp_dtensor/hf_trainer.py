@@ -47,12 +47,13 @@ so a run resumes at another CP size (same dp, same batches).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -63,7 +64,7 @@ require("trainer", "cp_dtensor.hf.with_context_parallel (the transformers Traine
 
 from transformers import Trainer  # noqa: E402
 
-from ._compat import replica_dataloaders  # noqa: E402
+from ._compat import replica_dataloaders, seq2seq_pad  # noqa: E402
 from .comm import all_gather_objects, host_group  # noqa: E402
 from .hf import apply_context_parallel_hf, shift_labels  # noqa: E402
 from .layout import check_layout, layout_unit  # noqa: E402
@@ -71,7 +72,7 @@ from .module import shard_batch, unshard_sequence  # noqa: E402
 
 __all__ = ["ShardingCollator", "with_context_parallel"]
 
-_LENGTH, _FINGERPRINT = "_cp_dtensor_length", "_cp_dtensor_fingerprint"  # private batch keys, popped by the hooks
+_META = "_cp_dtensor_batch"  # the private batch key (a _Batch), popped by the hooks
 _VARLEN = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")  # dropped: see the Note
 _PAD = {"labels": -100, "shift_labels": -100}  # the pad value per key (else 0; position_ids continue)
 
@@ -90,6 +91,14 @@ class CPOptions:
         check_layout(self.layout)
         if self.documents not in (None, "position_ids"):
             raise ValueError(f"documents must be None or 'position_ids'; got {self.documents!r}.")
+
+
+class _Batch(NamedTuple):
+    """What the collator tells the step hooks about the full batch."""
+
+    length: int  #: N, the rows' length before the layout's padding
+    fingerprint: int  #: a digest of the full batch, compared across the CP ranks
+    added: tuple[str, ...]  #: the keys the CP collator added (position_ids, shift_labels)
 
 
 def _fingerprint(batch: Mapping) -> int:
@@ -126,6 +135,7 @@ class ShardingCollator:
                              "served). Collate token ids.")
         b, n = ids.shape
         fingerprint = _fingerprint(batch)
+        added = tuple(k for k in ("position_ids", "shift_labels") if batch.get(k) is None)
         if batch.get("position_ids") is None:  # what transformers uses without them: arange per row
             batch["position_ids"] = torch.arange(n).expand(b, n)
         if isinstance(batch["position_ids"], Tensor) and batch["position_ids"].shape == (1, n):
@@ -145,7 +155,7 @@ class ShardingCollator:
                 batch[k] = _pad(batch[k], k, pad)
         out = dict(zip(keys, shard_batch(self.mesh, *(batch[k] for k in keys), layout=self.layout)))
         out.update({k: v for k, v in batch.items() if k not in out})
-        out[_LENGTH], out[_FINGERPRINT] = n, fingerprint
+        out[_META] = _Batch(n, fingerprint, added)
         return out
 
 
@@ -188,9 +198,6 @@ def _refusal(trainer, options: CPOptions) -> str | None:
         return "train_sampling_strategy='batch_rebalance' counts ranks, not replicas; use 'random' or 'group_by_length'."
     if "inputs" in (args.include_for_metrics or ()):
         return "include_for_metrics=['inputs'] would gather each rank's shard of the inputs; drop 'inputs'."
-    if getattr(args, "predict_with_generate", False):
-        return ("predict_with_generate=True is not served under CP: evaluate with predict_with_generate=False, and "
-                "generate with the model itself (model.generate runs under CP with every rank passing the full inputs).")
     return None
 
 
@@ -233,22 +240,22 @@ class _ContextParallel:
     def get_total_train_batch_size(self, args) -> int:
         return super().get_total_train_batch_size(args) // self._cp_options.cp_size  # samples, over replicas
 
-    def _cp_take(self, inputs: dict) -> tuple[dict, int | None]:
-        """Pop the private keys; check that every CP rank holds the same batch (one tiny all-gather)."""
-        if _FINGERPRINT not in inputs:
+    def _cp_take(self, inputs: dict) -> tuple[dict, _Batch]:
+        """Pop the private key; check that every CP rank holds the same batch (one tiny all-gather)."""
+        if _META not in inputs:
             raise ValueError("this batch did not come through the CP collator (ShardingCollator): the Trainer's "
                              "dataloaders wrap it; a custom get_*_dataloader must use self.data_collator.")
         inputs = dict(inputs)
-        n, mine = inputs.pop(_LENGTH), inputs.pop(_FINGERPRINT)
+        meta = inputs.pop(_META)
         if self.cp_mesh.size() > 1:
-            every = all_gather_objects(mine, host_group(self.cp_mesh.get_group()))
+            every = all_gather_objects(meta.fingerprint, host_group(self.cp_mesh.get_group()))
             if len(set(every)) > 1:
                 raise ValueError(
                     "the CP ranks of one data-parallel replica were handed different batches (fingerprints "
                     f"{every}): a sampler that counts ranks instead of replicas, a dataloader not built by the "
                     "Trainer's get_*_dataloader, or a collator that draws random numbers. Every CP rank must collate "
                     "the same examples alike.")
-        return inputs, n
+        return inputs, meta
 
     # -- training ----------------------------------------------------------------------------------
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -265,8 +272,10 @@ class _ContextParallel:
         return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
     # -- evaluation --------------------------------------------------------------------------------
-    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        inputs, n = self._cp_take(inputs)
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **gen_kwargs):
+        inputs, meta = self._cp_take(inputs)
+        if getattr(self.args, "predict_with_generate", False) and not prediction_loss_only:
+            return self._cp_generate(model, inputs, meta, ignore_keys, gen_kwargs)
         loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         cp = self.cp_mesh.size()
         if loss is not None and cp > 1:  # the replica's loss: what the Trainer computes on dp ranks without CP
@@ -274,12 +283,28 @@ class _ContextParallel:
             dist.all_reduce(loss, group=self.cp_mesh.get_group())
             loss = loss / cp
         s_local = inputs["input_ids"].shape[1]
-        full = lambda x: self._cp_full(x, s_local, n)  # noqa: E731
+        full = lambda x: self._cp_full(x, s_local, meta.length)  # noqa: E731
         if isinstance(logits, (tuple, list)):
             logits = type(logits)(full(x) for x in logits)
         else:
             logits = full(logits)
         return loss, logits, full(labels)
+
+    def _cp_generate(self, model, inputs: dict, meta: _Batch, ignore_keys, gen_kwargs):
+        """Seq2SeqTrainer's predict_with_generate: the loss under CP from the shards; the trainer's own generation
+        step on the full batch (as the collator made it, labels aside), which every CP rank passes alike to the
+        model's generate() -- a ring prefill, then decoding from a sequence-sharded cache (Note [generate() under
+        CP] in hf_generate.py)."""
+        loss = None
+        if inputs.get("shift_labels") is not None:
+            loss, _, _ = self.prediction_step(model, {**inputs, _META: meta}, True, ignore_keys=ignore_keys)
+        s_local = inputs["input_ids"].shape[1]
+        full = {k: self._cp_full(v, s_local, meta.length) for k, v in inputs.items() if k not in meta.added}
+        labels = full.pop("labels", None)
+        _, generated, _ = super().prediction_step(model, full, False, ignore_keys=ignore_keys, **gen_kwargs)
+        if labels is not None and generated is not None and labels.shape[-1] < generated.shape[-1]:
+            labels = seq2seq_pad(self, labels, generated.shape[-1])  # the trainer's own padding of labels
+        return loss, generated, labels
 
     def _cp_full(self, x, s_local: int, n: int):
         if not isinstance(x, Tensor) or x.dim() < 2 or x.shape[1] != s_local:
@@ -287,27 +312,29 @@ class _ContextParallel:
         return unshard_sequence(x.contiguous(), self.cp_mesh, layout=self._cp_options.layout, dim=1)[:, :n]
 
     def evaluation_loop(self, *args, **kwargs):
-        self.gather_function = self._cp_gather  # the Trainer resets it to gather_for_metrics when the loop ends
+        # the Trainer resets gather_function to gather_for_metrics when the loop ends; a subclass may have chosen
+        # another (Seq2SeqTrainer: accelerator.gather, which keeps the even-batches padding)
+        self.gather_function = functools.partial(self._cp_gather, chosen=self.gather_function)
         return super().evaluation_loop(*args, **kwargs)
 
-    def _cp_gather(self, data, use_gather_object: bool = False):
-        """accelerate's gather_for_metrics over the dp replicas: each replica's rows once. See Note [The Trainer
-        under CP] 4."""
+    def _cp_gather(self, data, use_gather_object: bool = False, *, chosen=None):
+        """The trainer's gather (accelerate's gather_for_metrics or gather) over the dp replicas: each replica's
+        rows once. See Note [The Trainer under CP] 4."""
         from accelerate.utils import gather_object, recursively_apply
 
-        use_gather_object = use_gather_object or self.args.eval_use_gather_object
+        plain = chosen == self.accelerator.gather  # no even-batches truncation
+        use_gather_object = (use_gather_object or getattr(chosen, "keywords", {}).get("use_gather_object", False)
+                             or not _all_tensors(data))
         cp, world = self.cp_mesh.size(), self.args.world_size
-        if use_gather_object or not isinstance(data, Tensor) and not _all_tensors(data):
+        if use_gather_object:
             every = gather_object(data)
             k = len(every) // world
             data = [x for r in range(0, world, cp) for x in every[r * k:(r + 1) * k]]
-            keep = lambda x: x  # noqa: E731
         else:
-            data = self.accelerator.gather(data)
             keep = lambda x: x.reshape(world // cp, cp, -1, *x.shape[1:])[:, 0].reshape(-1, *x.shape[1:])  # noqa: E731
-            data = recursively_apply(keep, data)
+            data = recursively_apply(keep, self.accelerator.gather(data))
         state = self.accelerator.gradient_state
-        if state.end_of_dataloader and state.remainder > 0:  # accelerate's even_batches padding, as gather_for_metrics
+        if not plain and state.end_of_dataloader and state.remainder > 0:  # as gather_for_metrics drops the padding
             cut = lambda x: x[: state.remainder]  # noqa: E731
             data = cut(data) if isinstance(data, list) else recursively_apply(cut, data)
         return data

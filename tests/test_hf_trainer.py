@@ -16,7 +16,6 @@ import tempfile
 import numpy as np
 import pytest
 import torch
-
 from _tiers import slow
 
 from _dist import run_ranks
@@ -140,6 +139,29 @@ def _train(name: str, out: str, cp: int | None, **extra) -> dict:
     return result
 
 
+def _generate(out: str, cp: int | None) -> dict:
+    """Seq2SeqTrainer's predict_with_generate on a decoder-only model: eval loss and greedy tokens (4 new)."""
+    from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
+
+    model = _model("llama")
+    model.config.pad_token_id = model.generation_config.pad_token_id = 0
+    model.generation_config.max_new_tokens = 4
+    model.config.use_cache = model.generation_config.use_cache = True  # generate() under CP decodes from a cache
+    args = Seq2SeqTrainingArguments(output_dir=out, predict_with_generate=True, per_device_eval_batch_size=2,
+                                    report_to=[], use_cpu=True, disable_tqdm=True, seed=0)
+    cls = Seq2SeqTrainer if cp is None else hf.with_context_parallel(Seq2SeqTrainer, cp_size=cp)
+    got = {}
+
+    def metrics(pred):
+        got["predictions"], got["labels"] = pred.predictions.tolist(), pred.label_ids.tolist()
+        return {}
+
+    trainer = cls(model=model, args=args, eval_dataset=_rows(17, 3), data_collator=default_data_collator,
+                  compute_metrics=metrics)
+    got["eval_loss"] = trainer.evaluate()["eval_loss"]
+    return got
+
+
 def _tokenizer():
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
@@ -230,6 +252,7 @@ def _cp_ranks(rank: int, world: int, tmp: str) -> dict:
     results = {name: _train(name, out, world) for name in CASES}
     results["sft-packed"] = _sft(out, world)
     results["sft-bf16"] = _sft(out, world, bf16=True)  # TRL's default: bf16 autocast around fp32 weights
+    results["generate"] = _generate(out, world)
     # a checkpoint at save_steps: resumed at CP=1 by the reference ranks
     ckpt = os.path.join(tmp, "ckpt")
     results["save"] = _train("llama-packed", ckpt, world, max_steps=4, save_strategy="steps", save_steps=2)
@@ -246,6 +269,7 @@ def _reference_rank(rank: int, world: int, tmp: str) -> dict:
     results = {name: _train(name, out, None) for name in CASES}
     results["sft-packed"] = _sft(out, None)
     results["sft-bf16"] = _sft(out, None, bf16=True)
+    results["generate"] = _generate(out, None)
     results["save"] = _train("llama-packed", out, None, max_steps=4)
     # resume the CP=2 run's checkpoint-2 at CP=1 (the CP class at cp_size=1: one process)
     resumed = hf.with_context_parallel(Trainer, cp_size=1)(
@@ -298,6 +322,17 @@ def test_trl_sft_bf16_autocast(runs):
         assert len(got) == len(want) == 3
         for x, y in zip(got, want):
             assert abs(x - y) <= 1e-2 * abs(y), (got, want)
+
+
+def test_seq2seq_predict_with_generate(runs):
+    """Seq2SeqTrainer(predict_with_generate=True): the eval loss from the shards, the greedy tokens generated under
+    CP (ring prefill, sharded cache) and the padded labels equal CP=1's."""
+    cp, ref = runs
+    for rank in (0, 1):
+        got, want = cp[rank]["generate"], ref["generate"]
+        assert got["predictions"] == want["predictions"] and got["labels"] == want["labels"], rank
+        assert len(want["predictions"]) == 3 and len(want["predictions"][0]) > N  # the prompts and new tokens
+        _close([got["eval_loss"]], [want["eval_loss"]], "Seq2SeqTrainer eval_loss")
 
 
 def test_checkpoint_at_save_steps_resumes_at_another_cp_size(runs):
