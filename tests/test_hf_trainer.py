@@ -16,7 +16,7 @@ import tempfile
 import numpy as np
 import pytest
 import torch
-from _tiers import slow
+from _tiers import exhaustive, slow
 
 from _dist import run_ranks
 
@@ -388,3 +388,42 @@ def test_trainer_cp3_logs_cp1_losses(runs):
             _close(got[rank][name]["losses"], ref[name]["losses"], f"CP=3 {name} rank {rank}")
             if "eval" in ref[name]:
                 _close([got[rank][name]["eval"]["eval_loss"]], [ref[name]["eval"]["eval_loss"]], f"CP=3 {name} eval")
+
+
+SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts")
+
+
+def _torchrun(nproc: int, script: str, *args: str) -> list[float]:
+    import re
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           os.path.join(SCRIPTS, script), *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return [float(x) for x in re.findall(r"^step \d+: (?:eval_)?loss ([0-9.]+)", r.stdout, re.M)]
+
+
+@exhaustive("the examples under torchrun: ~50 s")
+@pytest.mark.parametrize("script", ["trainer_example.py", "trl_sft_example.py"])
+def test_examples_under_torchrun(script, tmp_path):
+    """The scripts as documented: CP=2 on 2 processes prints the losses the unchanged class prints on 1."""
+    got = _torchrun(2, script, "--steps", "2", "--out", str(tmp_path / "cp2"))
+    want = _torchrun(1, script, "--steps", "2", "--cp", "1", "--out", str(tmp_path / "cp1"))
+    _close(got, want, script)
+
+
+@exhaustive("scripts/bench_trainer.py at a tiny length: ~17 s")
+def test_bench_trainer_runs(tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "trainer.json"
+    r = subprocess.run([sys.executable, os.path.join(SCRIPTS, "bench_trainer.py"), "--seq-len", "256", "--steps", "1",
+                        "--out", str(out)], capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    row = json.loads(out.read_text())["rows"][0]
+    _close(row["cp2"]["losses"], row["cp1"]["losses"], "bench_trainer CP=2 vs CP=1")
