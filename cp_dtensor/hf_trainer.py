@@ -216,9 +216,8 @@ class _ContextParallel:
         device = self.args.device.type
         if world > 1 and not dist.is_initialized():
             raise ValueError("context parallelism needs torch.distributed; launch with torchrun.")
-        if world == 1:
-            dist.is_initialized() or dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0,
-                                                                world_size=1)
+        if world == 1 and not dist.is_initialized():  # one process (cp_size=1): a group of one for the mesh
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         self.cp_mesh_2d = init_device_mesh(device, (world // cp, cp), mesh_dim_names=("dp_replicate", "cp"))
         self.cp_mesh = self.cp_mesh_2d["cp"]
         apply_context_parallel_hf(self.model, self.cp_mesh, layout=options.layout, documents=options.documents)
@@ -247,11 +246,13 @@ class _ContextParallel:
                              "dataloaders wrap it; a custom get_*_dataloader must use self.data_collator.")
         inputs = dict(inputs)
         meta = inputs.pop(_META)
-        if self.cp_mesh.size() > 1:
-            every = all_gather_objects(meta.fingerprint, host_group(self.cp_mesh.get_group()))
-            if len(set(every)) > 1:
+        cp = self.cp_mesh.size()
+        if cp > 1:  # over the world, so that every replica raises, not only the one that differs
+            every = all_gather_objects(meta.fingerprint, host_group(dist.group.WORLD))
+            bad = [r // cp for r in range(0, len(every), cp) if len(set(every[r:r + cp])) > 1]
+            if bad:
                 raise ValueError(
-                    "the CP ranks of one data-parallel replica were handed different batches (fingerprints "
+                    f"the CP ranks of data-parallel replica(s) {bad} were handed different batches (fingerprints "
                     f"{every}): a sampler that counts ranks instead of replicas, a dataloader not built by the "
                     "Trainer's get_*_dataloader, or a collator that draws random numbers. Every CP rank must collate "
                     "the same examples alike.")
