@@ -1,74 +1,134 @@
 """cp_dtensor: context parallelism for PyTorch -- ring / striped attention as a PyTorch-native layer.
 
+The layers, bottom to top (imports point down only; ``tests/test_layers.py`` checks it):
+
+* ``core/`` -- layouts, masks, kernels and custom ops, the ring / all-gather / Ulysses exchanges, the
+  cross-rank agreement, the front door ``ring_attention``, decoding, linear attention. torch only.
+* ``dtensor/`` -- the sequence layouts as DTensor placements, the SDPA-on-DTensor rule, relayouts.
+* ``checkpoint/`` -- sequence-sharded checkpoints (DCP, safetensors) that reshard between CP sizes.
+* ``model.py`` (own models), ``torch_api.py`` (torch's ``context_parallel`` API), ``hf/`` (transformers),
+  ``titan/`` (torchtitan 0.2.2 and 0.3) -- the integrations; ``tools/`` -- the planner, the CLI, debugging.
+
 Importing the package changes nothing and imports no torch: each public name loads its module on first
-use (PEP 562), so ``cp-dtensor plan`` (cli.py, plan.py) starts without torch. The SDPA-on-DTensor rule is
-installed by ``install_sdpa_dispatch()`` -- explicitly, or by the entry points that create sequence-sharded
-DTensors (see Note [SDPA dispatch] in dispatch.py).
+use (PEP 562), so ``cp-dtensor plan`` starts without torch. The SDPA-on-DTensor rule is installed by
+``install_sdpa_dispatch()`` -- explicitly, or by the entry points that create sequence-sharded DTensors
+(see Note [SDPA dispatch] in dtensor/sdpa.py). Old module paths and names keep working and warn once
+(``_deprecated.py``).
 """
 
 from __future__ import annotations
 
 import importlib
-import sys
-import types
+import os
+from typing import TYPE_CHECKING
 
-from .layout import LAYOUTS as LAYOUTS  # torch-free
+from .core.layout import LAYOUTS as LAYOUTS  # torch-free
+
+# old module paths (cp_dtensor.layout, cp_dtensor.hf_generate, ...): files in _legacy/ that warn once
+__path__.append(os.path.join(os.path.dirname(__file__), "_legacy"))  # noqa: F821 -- a package's own __path__
 
 # public name -> the module that defines it
 _EXPORTS = {
-    "CheckpointError": "_manifest",
-    "CheckpointExistsError": "_manifest",
-    "export_hf_safetensors": "checkpoint",
-    "latest_checkpoint": "checkpoint",
-    "load_hf_safetensors": "checkpoint",
-    "load_sequence_sharded": "checkpoint",
-    "save_checkpoint": "checkpoint",
-    "save_sequence_sharded": "checkpoint",
-    "relayout": "relayout",
-    "to_mesh": "relayout",
-    "apply_context_parallel": "module",
-    "document_ids_from_positions": "module",
-    "reduce_gradients": "module",
-    "shard_batch": "module",
-    "unshard_sequence": "module",
-    "HeadTail": "placement",
-    "Striped": "placement",
-    "sequence_placement": "placement",
-    "shard_sequence": "relayout",
-    "ring_attention": "attention",
-    "sharded_cache_attention": "decode",
-    "install_sdpa_dispatch": "dispatch",
-    "uninstall_sdpa_dispatch": "dispatch",
+    # the front door and its ops
+    "ring_attention": "core.attention",
+    "sharded_cache_attention": "core.decode",
+    "sharded_delta_rule": "core.linear_attention",
+    "sharded_causal_conv1d": "core.linear_attention",
+    "shard_tensor": "core.layout",
+    "unshard_tensor": "core.layout",
+    "local_positions": "core.layout",
+    # DTensor
+    "HeadTail": "dtensor.placements",
+    "Striped": "dtensor.placements",
+    "sequence_placement": "dtensor.placements",
+    "install_sdpa_dispatch": "dtensor.sdpa",
+    "uninstall_sdpa_dispatch": "dtensor.sdpa",
+    "relayout": "dtensor.sharding",
+    "shard_sequence": "dtensor.sharding",
+    "to_mesh": "dtensor.sharding",
+    "unshard_sequence": "dtensor.sharding",
+    # a batch's shards; own models
+    "apply_context_parallel": "model",
+    "document_ids_from_positions": "core.batch",
+    "reduce_gradients": "model",
+    "shard_batch": "core.batch",
+    "unshard_batch": "core.batch",
+    # checkpoints
+    "CheckpointError": "checkpoint.manifest",
+    "CheckpointExistsError": "checkpoint.manifest",
+    "export_hf_safetensors": "checkpoint.dcp",
+    "latest_checkpoint": "checkpoint.dcp",
+    "load_hf_safetensors": "checkpoint.dcp",
+    "load_sequence_sharded": "checkpoint.dcp",
+    "save_checkpoint": "checkpoint.dcp",
+    "save_sequence_sharded": "checkpoint.dcp",
+    # tools
+    "CommBytes": "tools.debug",
 }
 
-__all__ = sorted(["LAYOUTS", *_EXPORTS])
+__all__ = [
+    "CheckpointError",
+    "CheckpointExistsError",
+    "CommBytes",
+    "HeadTail",
+    "LAYOUTS",
+    "Striped",
+    "apply_context_parallel",
+    "document_ids_from_positions",
+    "export_hf_safetensors",
+    "install_sdpa_dispatch",
+    "latest_checkpoint",
+    "load_hf_safetensors",
+    "load_sequence_sharded",
+    "local_positions",
+    "reduce_gradients",
+    "relayout",
+    "ring_attention",
+    "save_checkpoint",
+    "save_sequence_sharded",
+    "sequence_placement",
+    "shard_batch",
+    "shard_sequence",
+    "shard_tensor",
+    "sharded_cache_attention",
+    "sharded_causal_conv1d",
+    "sharded_delta_rule",
+    "to_mesh",
+    "uninstall_sdpa_dispatch",
+    "unshard_batch",
+    "unshard_sequence",
+    "unshard_tensor",
+]
+
+if TYPE_CHECKING:  # what IDEs, type checkers and the API reference see; at run time the names load lazily
+    from .checkpoint.dcp import (
+        export_hf_safetensors,
+        latest_checkpoint,
+        load_hf_safetensors,
+        load_sequence_sharded,
+        save_checkpoint,
+        save_sequence_sharded,
+    )
+    from .checkpoint.manifest import CheckpointError, CheckpointExistsError
+    from .core.attention import ring_attention
+    from .core.batch import document_ids_from_positions, shard_batch, unshard_batch
+    from .core.decode import sharded_cache_attention
+    from .core.layout import local_positions, shard_tensor, unshard_tensor
+    from .core.linear_attention import sharded_causal_conv1d, sharded_delta_rule
+    from .dtensor.placements import HeadTail, Striped, sequence_placement
+    from .dtensor.sdpa import install_sdpa_dispatch, uninstall_sdpa_dispatch
+    from .dtensor.sharding import relayout, shard_sequence, to_mesh, unshard_sequence
+    from .model import apply_context_parallel, reduce_gradients
+    from .tools.debug import CommBytes
 
 
 def __getattr__(name: str):
     if name not in _EXPORTS:
         raise AttributeError(f"module 'cp_dtensor' has no attribute {name!r}")
     value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-    if name != "relayout":  # see _Package
-        globals()[name] = value
+    globals()[name] = value
     return value
 
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
-
-
-class _Package(types.ModuleType):
-    """The package's module type: ``cp_dtensor.relayout`` is the function (``relayout.relayout``), as it
-    always was, although the submodule ``cp_dtensor/relayout.py`` has that name too -- the import system
-    binds a submodule to its package's attribute on first import, which here would replace the function."""
-
-    @property
-    def relayout(self):
-        return importlib.import_module(".relayout", __name__).relayout
-
-    @relayout.setter
-    def relayout(self, value) -> None:  # the import system binding the submodule: the function stays
-        pass
-
-
-sys.modules[__name__].__class__ = _Package

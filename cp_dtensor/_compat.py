@@ -8,8 +8,8 @@ names it needs from here (``_StridedShard``, ``DTensorSpec``, ``redistribute_loc
 ``PRIVATE_SYMBOLS`` lists every hooked symbol with the parameters cp_dtensor relies on;
 tests/test_compat.py checks each one, so a torch or torchtitan bump fails one clear test instead of
 somewhere deep; a new torch release joins ``TORCH_VERSIONS`` (and the bound in pyproject.toml) when the
-newest leg passes on it. The torchtitan rebinds themselves live with the plugin (titan/spec.py, titan/_cpu.py,
-titan/float8.py, each citing its Note); their targets are listed here.
+newest leg passes on it. The torchtitan rebinds themselves live with the plugin (titan/v02/spec.py, titan/shared/cpu.py,
+titan/shared/float8.py, each citing its Note); their targets are listed here.
 
 Note [Rank-specialised compiled graphs]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -24,7 +24,7 @@ the same way. So every rank compiles its own graph, and a compile cache must key
   are in the graph Dynamo hands on; Inductor's FX graph cache keys differ per rank. Safe as is.
 * ``F.scaled_dot_product_attention`` on DTensors: Dynamo's graph is one SDPA call on DTensor inputs,
   the same on every rank; the ring appears only when AOTAutograd traces through DTensor's dispatch
-  (dispatch.py). AOTAutograd's cache keys that graph by its inputs' ``DTensor._stable_hash_for_caching``
+  (dtensor/sdpa.py). AOTAutograd's cache keys that graph by its inputs' ``DTensor._stable_hash_for_caching``
   -> ``DTensorSpec._stable_hash`` -> ``DeviceMesh._stable_hash``, which (torch 2.13) hashes the mesh's
   ranks, shape and names but not *this rank's coordinate in it* (still so in 2.14 and 2.15). Every rank computes the same key, the
   last to finish a cold run owns the cache entry, and on the next run every rank loads that one rank's
@@ -38,7 +38,7 @@ also hash ``mesh.get_coordinate()`` (this rank's coordinate on every mesh dim, s
 group too), and so every DTensor graph AOTAutograd caches is keyed by the rank it was traced on. Nothing
 else reads ``_stable_hash`` in torch 2.13-2.15 (DTensor sharding propagation uses ``__hash__``). The cost:
 one compile per rank (which happens anyway: the ranks trace concurrently) and one AOTAutograd cache entry
-per rank instead of one shared (wrong) one. A model under ``apply_context_parallel`` (module.py)
+per rank instead of one shared (wrong) one. A model under ``apply_context_parallel`` (model.py)
 compiles to the local ring's graph with ``DTensor.from_local`` and the mesh in Dynamo's graph; torch
 2.13's AOTAutograd cache bypasses that graph or keys its mesh input differently in every process, and
 Inductor's FX graph cache, which sees the rank-specific ring, serves it: safe without the patch.
@@ -111,7 +111,7 @@ PRIVATE_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("torch.distributed.device_mesh", "DeviceMesh._stable_hash", ("self",)),
     ("torch.distributed.tensor._dtensor_spec", "DTensorSpec._stable_hash", ("self",)),
     ("torch.distributed.tensor", "DTensor._stable_hash_for_caching", ("self",)),
-    # dispatch.py: the SDPA handlers (Note [SDPA dispatch]) and DTensor's ordinary path
+    # dtensor/sdpa.py: the SDPA handlers (Note [SDPA dispatch]) and DTensor's ordinary path
     ("torch.distributed.tensor", "DTensor._op_dispatcher._custom_op_handlers", None),
     ("torch.distributed.tensor", "DTensor._op_dispatcher.unwrap_to_op_info", ("op_call", "args", "kwargs")),
     ("torch.distributed.tensor", "DTensor._op_dispatcher._dispatch_get_local_results_slow_path",
@@ -123,10 +123,10 @@ PRIVATE_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("torch.distributed.tensor._dtensor_spec", "DTensorSpec", ("mesh", "placements", "tensor_meta")),
     ("torch.distributed.tensor._dtensor_spec", "TensorMeta", ("shape", "stride", "dtype")),
     ("torch._prims_common", "make_contiguous_strides_for", ("shape",)),
-    # titan/attention.py: the (ulysses, ring) mesh of a CP group (Note [Ulysses in torchtitan])
+    # titan/v02/attention.py: the (ulysses, ring) mesh of a CP group (Note [Ulysses in torchtitan])
     ("torch.distributed.device_mesh", "DeviceMesh._unflatten", ("self", "dim", "mesh_sizes", "mesh_dim_names")),
     ("torch.distributed.device_mesh", "DeviceMesh._concatenate", ("device_mesh_list",)),
-    # placement.py: HeadTail subclasses _StridedShard (Note [HeadTail placement]) and fixes propagation
+    # dtensor/placements.py: HeadTail subclasses _StridedShard (Note [HeadTail placement]) and fixes propagation
     ("torch.distributed.tensor.placement_types", "_StridedShard", ("dim", "split_factor")),
     ("torch.distributed.tensor.placement_types", "_StridedShard.local_shard_size_and_offset",
      ("self", "curr_local_size", "num_chunks", "rank", "offset_mode")),
@@ -138,10 +138,10 @@ PRIVATE_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("torch.distributed.tensor", "DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding_non_cached",
      ("op_schema",)),
     ("torch.distributed.tensor._sharding_prop", "LocalLRUCache", ("user_function",)),
-    # checkpoint.py: DCP's box of a strided shard (Note [Checkpoint layouts])
+    # checkpoint/dcp.py: DCP's box of a strided shard (Note [Checkpoint layouts])
     ("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset",
      ("global_shape", "mesh", "placements")),
-    # comm.py, debug.py: the raw functional collectives
+    # comm.py, tools/debug.py: the raw functional collectives
     ("torch.ops._c10d_functional", "all_to_all_single", None),
     ("torch.ops._c10d_functional", "all_gather_into_tensor", None),
     ("torch.ops._c10d_functional", "reduce_scatter_tensor", None),
@@ -150,12 +150,12 @@ PRIVATE_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("torch.ops._c10d_functional", "wait_tensor", None),
     ("torch.distributed.distributed_c10d", "_resolve_process_group", None),  # a pybind builtin: no signature
     ("torch.utils._python_dispatch", "TorchDispatchMode.__torch_dispatch__", ("self", "func", "types", "args", "kwargs")),
-    # titan/spec.py: Note [How the plugin hooks torchtitan]
+    # titan/v02/spec.py: Note [How the plugin hooks torchtitan]
     (TITAN_CP, TITAN_CP_INPUT, ("inputs", "labels", "extra_kwargs", "cp_mesh", "device", "load_balancer_type")),
     ("torchtitan.models.llama3.infra.parallelize", TITAN_CP_STEP, ("attention_modules", "cp_mesh", "attention_type")),
-    # titan/_cpu.py: Note [torchtitan on CPU] (TITAN_MOE_KERNELS needs triton to import: not checked here)
+    # titan/shared/cpu.py: Note [torchtitan on CPU] (TITAN_MOE_KERNELS needs triton to import: not checked here)
     *((module, name, None) for module, names in TITAN_DEVICE_HOLDERS.items() for name in names),
-    # titan/float8.py: Note [float8 training on CPU]
+    # titan/shared/float8.py: Note [float8 training on CPU]
     (TITAN_FLOAT8, "has_cuda_capability", ("major", "minor")),
 )
 
@@ -196,11 +196,11 @@ TITAN03_PRIVATE_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     # titan/v03/_cpu.py: Note [torchtitan 0.3 on CPU]
     *((module, name, None) for module, names in TITAN03_DEVICE_HOLDERS.items() for name in names),
     *((module, f"{name}.forward", ("self", "x_RD", "num_tokens_per_expert_E")) for module, name in TITAN03_BF16_EXPERTS),
-    # titan/float8.py: Note [float8 training on CPU]
+    # titan/shared/float8.py: Note [float8 training on CPU]
     (TITAN03_FLOAT8, "has_cuda_capability", ("major", "minor")),
 )
 # titan/v03/linear.py: Note [qwen3_5 under the 0.3 plugin]. Checked where torchtitan 0.3 and fla (which
-# torchtitan's qwen3_5 model module imports) are installed; the layer test runs them (tests/test_titan03.py).
+# torchtitan's qwen3_5 model module imports) are installed; the layer test runs them (tests/titan/v03/test_titan03.py).
 TITAN03_QWEN35_CONV = "_causal_conv"  # GatedDeltaNet's method the plugin binds per layer
 TITAN03_QWEN35_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("torchtitan.models.qwen3_5.model", f"GatedDeltaNet.{TITAN03_QWEN35_CONV}",
@@ -213,7 +213,7 @@ TITAN03_QWEN35_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("torchtitan.models.qwen3_5.parallelize", "parallelize_qwen3_5", ("model", "parallel_dims")),
 )
 
-# accelerate and transformers (hf_trainer.py: Note [The Trainer under CP]): checked by tests/test_compat.py where
+# accelerate and transformers (hf/trainer.py: Note [The Trainer under CP]): checked by tests/test_compat.py where
 # the [trainer] extra is installed. Written against accelerate 1.15.0 and transformers 5.24.0.
 ACCELERATE_VERSION = "1.15.0"
 TRAINER_PRIVATE_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
@@ -224,7 +224,7 @@ TRAINER_PRIVATE_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
      ("dataloader", "device", "num_processes", "process_index", "split_batches", "put_on_device", "rng_types",
       "dispatch_batches", "even_batches", "slice_fn_for_dispatch", "use_seedable_sampler", "data_seed",
       "non_blocking", "use_stateful_dataloader", "torch_device_mesh")),
-    # the Trainer hooks hf_trainer.py overrides (documented; their signatures are what it relies on)
+    # the Trainer hooks hf/trainer.py overrides (documented; their signatures are what it relies on)
     ("transformers.trainer", "Trainer.get_train_dataloader", ("self",)),
     ("transformers.trainer", "Trainer.get_eval_dataloader", ("self", "eval_dataset")),
     ("transformers.trainer", "Trainer.get_test_dataloader", ("self", "test_dataset")),
@@ -273,7 +273,7 @@ class replica_dataloaders:  # noqa: N801  (a context manager used as a function)
         return False
 
 
-c10d_functional = torch.ops._c10d_functional  # the raw functional collectives (comm.py, debug.py)
+c10d_functional = torch.ops._c10d_functional  # the raw functional collectives (comm.py, tools/debug.py)
 
 
 def custom_op_handlers() -> dict[Any, Callable]:

@@ -16,7 +16,7 @@ trainer    accelerate, trl   ``cp_dtensor.hf.with_context_parallel``: the Traine
 Using a feature whose package is missing raises :class:`ImportError` naming the extra
 (``pip install 'cp_dtensor[titan]'``). The check only looks the package up (``find_spec``), so it
 imports nothing: torchtitan must not be imported before the plugin's CPU preparations (Note [torchtitan
-on CPU] in titan/_cpu.py). The same environment on every rank means every rank raises alike, before
+on CPU] in titan/shared/cpu.py). The same environment on every rank means every rank raises alike, before
 any communication.
 """
 

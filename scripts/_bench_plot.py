@@ -76,7 +76,7 @@ def work_heatmap(res: dict, path: str) -> str:
 
 
 def memory_vs_n(res: dict, path: str) -> str:
-    """One panel per searched head shape: measured peak per rank vs N for each P, the cap, plan.py's estimate."""
+    """One panel per searched head shape: measured peak per rank vs N for each P, the cap, tools/plan.py's estimate."""
     mems = res["memory"]
     fig, axes = plt.subplots(1, len(mems), figsize=(5.6 * len(mems), 4.2), squeeze=False)
     for ax, m in zip(axes[0], mems):
@@ -85,12 +85,12 @@ def memory_vs_n(res: dict, path: str) -> str:
             ns = [p["n"] for p in probes]
             line, = ax.plot(ns, [p["peak_bytes"] / 2**20 for p in probes], "o-",
                             label=f"P={world}: N_max {m['n_max'][world]} (P5 {m['P5'][world]:.2f})")
-            if not m.get("layers"):  # plan.py models the attention layer only
+            if not m.get("layers"):  # tools/plan.py models the attention layer only
                 ax.plot(ns, [p["plan_bytes"] / 2**20 for p in probes], ":", color=line.get_color(), alpha=0.8)
             ax.axvline(m["n_max"][world], color=line.get_color(), alpha=0.25)
         ax.axhline(m["cap_bytes"] / 2**20, color="k", ls="--", label=f"cap {m['cap_bytes'] / 2**20:.0f} MiB")
         if not m.get("layers"):
-            ax.plot([], [], "k:", label="plan.py memory estimate")
+            ax.plot([], [], "k:", label="tools/plan.py memory estimate")
         sh = m["shape"]
         ax.set(xscale="log", xlabel="global sequence length N (tokens)", ylabel="peak MiB per rank",
                title=f"Hq={sh['q_heads']} Hkv={sh['kv_heads']} D={sh['head_dim']} {res['config']['dtype']}"
@@ -98,7 +98,7 @@ def memory_vs_n(res: dict, path: str) -> str:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle("Striped ring fwd+bwd: peak resident memory per rank (VmHWM above the pre-call RSS, fresh ranks)"
-                 "; dotted: plan.py",
+                 "; dotted: tools/plan.py",
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

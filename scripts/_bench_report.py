@@ -86,7 +86,7 @@ def markdown(res: dict) -> str:
            f"{cfg['dtype']}, causal forward+backward, median of {cfg['iters']}.", ""]
     out.append("| N/P | N | " + " | ".join(f"{lay} ms" for lay in lays)
                + " | ideal ms | P3 (ceiling) | P4 (kernel ceiling) [vs concurrent ideal] " + " / ".join(lays) + " | P2 striped / contiguous | "
-               "bytes / formula | plan.py error (tile-aware) " + " / ".join(lays) + " |")
+               "bytes / formula | tools/plan.py error (tile-aware) " + " / ".join(lays) + " |")
     out.append("|" + "---|" * (8 + len(lays)))
     for r in res["timing"]:
         cells = [str(r["s_local"]), str(r["n"])] + [f"{r[f'ring_{lay}_s'] * 1e3:.0f}" for lay in lays]

@@ -13,9 +13,9 @@ import time
 
 import torch
 
-from cp_dtensor.layout import local_positions, step_block, step_pairs
-from cp_dtensor.ops import block_attn, block_attn_backward
-from cp_dtensor.plan import PlanInput, make_plan
+from cp_dtensor.core.layout import local_positions, step_block, step_pairs
+from cp_dtensor.core.ops import block_attn, block_attn_backward
+from cp_dtensor.tools.plan import PlanInput, make_plan
 
 PLAN_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -99,7 +99,7 @@ def measured_table(layout: str, world: int, q, k, v, *, repeats: int = 1, progre
 
 
 def calibrate_tflops(t_causal_s: float, *, s_local: int, batch: int, q_heads: int, head_dim: int) -> float:
-    """Sustained TFLOP/s of one causal S x S block fwd+bwd, counted as plan.py counts (Note [Plan FLOPs])."""
+    """Sustained TFLOP/s of one causal S x S block fwd+bwd, counted as tools/plan.py counts (Note [Plan FLOPs])."""
     plan = make_plan(PlanInput(seq_len=s_local, cp=1, head_dim=head_dim, q_heads=q_heads, kv_heads=1, dtype="fp32",
                                batch=batch))
     return plan.fwd_bwd_flops_max_rank / t_causal_s / 1e12
@@ -107,7 +107,7 @@ def calibrate_tflops(t_causal_s: float, *, s_local: int, batch: int, q_heads: in
 
 def plan_ring_seconds(*, layout: str, world: int, s_local: int, batch: int, q_heads: int, kv_heads: int,
                       head_dim: int, dtype: torch.dtype, tflops: float, link_gbps: float) -> float:
-    """The planner's forward+backward ring time (plan.py's step timeline with overlap)."""
+    """The planner's forward+backward ring time (tools/plan.py's step timeline with overlap)."""
     inp = PlanInput(seq_len=s_local * world, cp=world, head_dim=head_dim, q_heads=q_heads, kv_heads=kv_heads,
                     dtype=PLAN_DTYPES[dtype], layout=layout, batch=batch, tflops=tflops, link_gbps=link_gbps)
     timing = make_plan(inp).timing

@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cp_dtensor.checkpoint import load_sequence_sharded, save_sequence_sharded  # noqa: E402
-from cp_dtensor.placement import sequence_placement  # noqa: E402
+from cp_dtensor.checkpoint.dcp import load_sequence_sharded, save_sequence_sharded  # noqa: E402
+from cp_dtensor.dtensor.placements import sequence_placement  # noqa: E402
 from _bench_dist import run_ranks  # noqa: E402
 
 H, D = 8, 128

@@ -8,7 +8,7 @@ shared machine hits both alike. A step lasts as long as its slowest rank, so eac
 the maximum over ranks; the report gives the median of those, the ratio compiled / eager (target
 <= 1.0) and the cold compile time: the first compiled call (forward + backward) minus one warm
 step, with a fresh, empty Inductor cache. ``--overlap-config`` compiles under the Inductor setting
-of tests/test_compile.py (OVERLAP_CONFIG) instead of the defaults.
+of tests/core/test_compile.py (OVERLAP_CONFIG) instead of the defaults.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import cp_dtensor  # noqa: E402
 from _bench_dist import run_ranks  # noqa: E402  the one rank launcher (tests/_dist.py)
 
-OVERLAP_CONFIG = dict(reorder_for_peak_memory=False)  # the same as tests/test_compile.py
+OVERLAP_CONFIG = dict(reorder_for_peak_memory=False)  # the same as tests/core/test_compile.py
 
 
 def _step(fn, q, k, v, dout):

@@ -8,9 +8,9 @@ random weights, the same on every rank) generates greedily from one prompt three
 other, each in freshly forked ranks with one thread each:
 
 * ``cp1``: the plain model (attn_implementation="sdpa", transformers' DynamicCache) in one process;
-* ``cp1-sharded``: ``apply_context_parallel_hf`` on a 1-rank mesh (the same cache class and decode
+* ``cp1-sharded``: ``apply_context_parallel`` on a 1-rank mesh (the same cache class and decode
   attention as CP=2, so the ratio against it isolates what the second rank buys);
-* ``cp2``: ``apply_context_parallel_hf`` on 2 ranks, layout striped.
+* ``cp2``: ``apply_context_parallel`` on 2 ranks, layout striped.
 
 Per prompt length: prefill time (generate's start to the first logits), decode time per token (median
 over the steps), the KV cache bytes each rank allocates, and the rank's peak resident memory over the
@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # this checkout's cp_dtensor
 sys.path.insert(0, os.path.dirname(__file__))
-from cp_dtensor.hf_generate import cache_bytes  # noqa: E402  (each buffer once: K, V, the shared positions)
+from cp_dtensor.hf.generate import cache_bytes  # noqa: E402  (each buffer once: K, V, the shared positions)
 from _bench_dist import run_ranks  # noqa: E402
 from _bench_mem import _libc_live_memory, peak_since, reset_peak  # noqa: E402
 
@@ -47,14 +47,14 @@ def build_model(cp_mesh=None, max_len: int = 40000, layout: str = "striped"):
     import transformers
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from cp_dtensor.hf import apply_context_parallel_hf
+    from cp_dtensor.hf import apply_context_parallel
 
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**SHAPE, max_position_embeddings=max_len, attn_implementation="sdpa"))
     model = model.float().eval()
     if cp_mesh is not None:
-        apply_context_parallel_hf(model, cp_mesh, layout=layout)
+        apply_context_parallel(model, cp_mesh, layout=layout)
     return model
 
 
@@ -66,7 +66,7 @@ def timed_generate(model, ids: torch.Tensor, new_tokens: int, count_bytes: bool 
     """Greedy generate with a time stamp (and the bytes sent so far) at every step's logits."""
     from transformers import LogitsProcessor
 
-    from cp_dtensor.debug import CommBytes
+    from cp_dtensor.tools.debug import CommBytes
 
     stamps, cpu, sent = [], [], []
     meter = CommBytes() if count_bytes else None

@@ -10,7 +10,7 @@ thread per rank. The step: the README's recipe, ``model(input_ids, position_ids,
 num_items_in_batch).loss`` forward + backward (transformers' torch kernels: ``torch_chunk_gated_delta_rule``,
 chunk 64; SDPA for the full layer).
 
-* CP=1: the plain model (no CP) in one process. CP=2: ``apply_context_parallel_hf(model, mesh,
+* CP=1: the plain model (no CP) in one process. CP=2: ``apply_context_parallel(model, mesh,
   layout="headtail")`` on 2 gloo ranks (the step's time is the slower rank's, per repeat).
 * Time: min over ``--repeats`` after one warm-up step, each configuration in freshly forked processes,
   CP=1 then CP=2 for each N (one run: the ratio is taken minutes apart at most). Also the process CPU
@@ -76,8 +76,8 @@ def saved_bytes(step, params) -> int:
 def _rank(rank: int, world: int, n: int, batch: int, repeats: int, layout: str) -> dict:
     import torch.distributed as dist
 
-    from cp_dtensor import hf
-    from cp_dtensor.module import shard_batch
+    from cp_dtensor.hf import attention as hf
+    from cp_dtensor.model import shard_batch
 
     torch.set_num_threads(1)
     bench_mem._libc_live_memory()
@@ -89,10 +89,10 @@ def _rank(rank: int, world: int, n: int, batch: int, repeats: int, layout: str) 
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", (world,))
-        hf.apply_context_parallel_hf(model, mesh, layout=layout)
+        hf.apply_context_parallel(model, mesh, layout=layout)
         shifted = hf.shift_labels(tokens)
         count = (shifted != -100).sum()
-        tok, pos, lab = shard_batch(mesh, tokens, positions, shifted, layout=layout)
+        tok, pos, lab = shard_batch((tokens, positions, shifted), mesh, layout=layout)
 
         def step():
             return model(input_ids=tok, position_ids=pos, labels=lab, shift_labels=lab, num_items_in_batch=count).loss

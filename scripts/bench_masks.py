@@ -31,10 +31,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 import cp_dtensor  # noqa: E402
-from cp_dtensor.comm import RingComm  # noqa: E402
-from cp_dtensor.debug import CommBytes  # noqa: E402
-from cp_dtensor.layout import shard_tensor  # noqa: E402
-from cp_dtensor.masks import block_rects, kept_pairs, mask_bounds, runs, segments  # noqa: E402
+from cp_dtensor.core.comm import RingComm  # noqa: E402
+from cp_dtensor.core.layout import shard_tensor  # noqa: E402
+from cp_dtensor.core.masks import block_rects, kept_pairs, mask_bounds, runs, segments  # noqa: E402
+from cp_dtensor.tools.debug import CommBytes  # noqa: E402
 from _bench_dist import run_ranks  # noqa: E402
 
 CASES = [  # name, layout, documents (mean length, None: none), window
@@ -84,7 +84,7 @@ def kept(layout: str, world: int, n: int, ids: torch.Tensor | None, window, *, a
     """Per-rank kept pairs (or computed rectangle area) of a causal ring over every step."""
     lo, hi = mask_bounds(True, window)
     s = n // world
-    shards = [None if ids is None else shard_tensor(ids, dim=1, layout=layout, rank=r, world=world)[0].tolist()
+    shards = [None if ids is None else shard_tensor(ids, seq_dim=1, layout=layout, rank=r, world=world)[0].tolist()
               for r in range(world)]
     work = []
     for r in range(world):
@@ -127,8 +127,8 @@ def _rank(rank, world, s_local, iters, shape):
     for it in range(iters + 1):  # the first iteration warms up
         for name, layout, length, window in CASES:
             ids = doc_ids(n, length)
-            local = [shard_tensor(x, dim=2, layout=layout, rank=rank, world=world) for x in full]
-            lids = None if ids is None else shard_tensor(ids, dim=1, layout=layout, rank=rank, world=world)
+            local = [shard_tensor(x, seq_dim=2, layout=layout, rank=rank, world=world) for x in full]
+            lids = None if ids is None else shard_tensor(ids, seq_dim=1, layout=layout, rank=rank, world=world)
             dist.barrier()
             t0 = time.perf_counter()
             with CommBytes() as cb, _no_transfers(name.endswith(PROBE)):

@@ -15,7 +15,7 @@ One run measures, and writes to --out-dir (JSON + PNG plots; --docs-img copies t
     iterations -- the share of P cores' speed that P busy processes actually get here, which bounds P4;
   * the per-(rank, step) work heat map for --heat-worlds (blocks run standalone in this process);
   * P5 = longest N whose ring fwd+bwd fits --mem-cap-mib per rank, for --mem-worlds (see _bench_mem.py);
-  * the planner's ring time (plan.py, TFLOP/s calibrated on one causal block) against every measurement.
+  * the planner's ring time (tools/plan.py, TFLOP/s calibrated on one causal block) against every measurement.
 The machine may be shared: only numbers measured together in one run are compared.
 """
 
@@ -39,11 +39,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 from tqdm import tqdm  # noqa: E402
 
 import cp_dtensor  # noqa: E402
-from cp_dtensor.comm import RingComm  # noqa: E402
-from cp_dtensor.debug import CommBytes  # noqa: E402
-from cp_dtensor.layout import step_block  # noqa: E402
-from cp_dtensor.ops import block_attn, block_attn_backward  # noqa: E402
-from cp_dtensor.plan import PlanInput, memory_bytes  # noqa: E402
+from cp_dtensor.core.comm import RingComm  # noqa: E402
+from cp_dtensor.core.layout import step_block  # noqa: E402
+from cp_dtensor.core.ops import block_attn, block_attn_backward  # noqa: E402
+from cp_dtensor.tools.debug import CommBytes  # noqa: E402
+from cp_dtensor.tools.plan import PlanInput, memory_bytes  # noqa: E402
 import _bench_mem as mem  # noqa: E402
 import _bench_report as report  # noqa: E402
 import _bench_work as work  # noqa: E402

@@ -4,7 +4,7 @@
     .venv/bin/python scripts/decode_demo.py --prompt-len 8191 --cp 3 --layout striped
 
 A random-init Llama (GQA) generates greedily twice from the same prompt: once as the plain model
-(attn_implementation="sdpa", one process), once after ``cp_dtensor.hf.apply_context_parallel_hf`` on
+(attn_implementation="sdpa", one process), once after ``cp_dtensor.hf.apply_context_parallel`` on
 ``--cp`` forked gloo ranks, each calling ``model.generate`` with the full prompt: the prompt's prefill
 runs the ring in the layout and leaves each rank its share of the KV cache; every decoded token's K/V
 stay on one rank (column mod P), and each step attends by ``cp_dtensor.sharded_cache_attention``.
@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # this checko
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_decode import build_model  # noqa: E402
 
-from cp_dtensor.hf_generate import cache_bytes  # noqa: E402
+from cp_dtensor.hf.generate import cache_bytes  # noqa: E402
 from _bench_dist import run_ranks  # noqa: E402  (the scripts' forked-gloo launcher)
 
 

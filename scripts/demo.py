@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 import cp_dtensor
-from cp_dtensor.debug import CommBytes
-from cp_dtensor.layout import shard_tensor
+from cp_dtensor.core.layout import shard_tensor
+from cp_dtensor.tools.debug import CommBytes
 
 
 def main() -> None:
@@ -39,10 +39,10 @@ def main() -> None:
     if rank == 0:
         print(f"CP={world} ranks, N={n}, Hq={args.q_heads}, Hkv={args.kv_heads}, D={d}, causal, fp32")
     for layout in cp_dtensor.LAYOUTS:
-        ql, kl, vl = (shard_tensor(x, dim=2, layout=layout, rank=rank, world=world).float() for x in (q, k, v))
+        ql, kl, vl = (shard_tensor(x, seq_dim=2, layout=layout, rank=rank, world=world).float() for x in (q, k, v))
         with CommBytes() as sent:
             out = cp_dtensor.ring_attention(ql, kl, vl, layout=layout, is_causal=True)
-        want = shard_tensor(ref, dim=2, layout=layout, rank=rank, world=world)
+        want = shard_tensor(ref, seq_dim=2, layout=layout, rank=rank, world=world)
         err = torch.tensor([((out.double() - want).abs().max() / want.abs().max()).item()])
         dist.all_reduce(err, op=dist.ReduceOp.MAX)
         formula = (world - 1) * 2 * (n // world) * d * args.kv_heads * 4

@@ -20,14 +20,14 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import cp_dtensor  # noqa: E402
-from cp_dtensor.layout import shard_tensor, unshard_tensor  # noqa: E402
+from cp_dtensor.core.layout import shard_tensor, unshard_tensor  # noqa: E402
 from _dist import run_ranks  # noqa: E402
 from _ref import make_qkv, reference, rel_err  # noqa: E402
 
 
 def _grads(rank, world, n, seed):
     q, k, v, do = make_qkv(seed, 1, 4, 2, n, 64)
-    sh = lambda x: shard_tensor(x, dim=2, layout="striped", rank=rank, world=world).bfloat16()  # noqa: E731
+    sh = lambda x: shard_tensor(x, seq_dim=2, layout="striped", rank=rank, world=world).bfloat16()  # noqa: E731
     ql, kl, vl = (sh(x).requires_grad_() for x in (q, k, v))
     out = cp_dtensor.ring_attention(ql, kl, vl, layout="striped", is_causal=True)
     out.backward(sh(do))
@@ -51,7 +51,7 @@ def main() -> None:
             ref = reference(q, k, v, do, is_causal=True)[1:]
             shards = run_ranks(world, _grads, args.seq_len, seed)
             for i in range(3):
-                got = unshard_tensor([torch.from_numpy(s[i]) for s in shards], dim=2, layout="striped")
+                got = unshard_tensor([torch.from_numpy(s[i]) for s in shards], seq_dim=2, layout="striped")
                 worst[i] = max(worst[i], rel_err(got, ref[i]))
         print(f"{world:>3} " + " ".join(f"{e:9.2e}" for e in worst), flush=True)
 

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from cp_dtensor import ring_attention  # noqa: E402
-from cp_dtensor.layout import local_positions, shard_tensor  # noqa: E402
+from cp_dtensor.core.layout import local_positions, shard_tensor  # noqa: E402
 from _dist import run_ranks  # noqa: E402
 
 PAYLOADS = {"none": None, "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
@@ -41,7 +41,7 @@ def _rank(rank: int, world: int, s_local: int, heads: int, d: int, dtype_name: s
     n, dtype = world * s_local, DTYPES[dtype_name]
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, heads, n, d, generator=g).to(dtype) for _ in range(3))  # rounded inputs are the truth
-    sh = lambda x: shard_tensor(x, dim=2, layout="striped", rank=rank, world=world)  # noqa: E731
+    sh = lambda x: shard_tensor(x, seq_dim=2, layout="striped", rank=rank, world=world)  # noqa: E731
     ql, kl, vl = sh(q), sh(k), sh(v)
     pos = local_positions("striped", rank, world, n)  # [S_local] global position of each local row
     pick = torch.linspace(0, s_local - 1, min(rows, s_local)).round().long()

@@ -57,10 +57,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import cp_dtensor  # noqa: E402  (installs the SDPA handlers)
-from cp_dtensor.layout import LAYOUTS, shard_tensor, step_block, unshard_tensor  # noqa: E402
-from cp_dtensor.ops import block_attn, block_attn_backward  # noqa: E402
-from cp_dtensor.ops import merge_ as _merge_  # noqa: E402  (the ring's own merge, so this checks its math)
-from cp_dtensor.plan import PlanInput, memory_bytes  # noqa: E402
+from cp_dtensor.core.layout import LAYOUTS, shard_tensor, step_block, unshard_tensor  # noqa: E402
+from cp_dtensor.core.ops import block_attn, block_attn_backward  # noqa: E402
+from cp_dtensor.core.ops import merge_ as _merge_  # noqa: E402  (the ring's own merge, so this checks its math)
+from cp_dtensor.tools.plan import PlanInput, memory_bytes  # noqa: E402
 
 TOL = {torch.bfloat16: 3e-2, torch.float16: 1e-2, torch.float32: 2e-3, torch.float64: 1e-10}
 _DT = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
@@ -154,14 +154,14 @@ def _ring_case(rank, world, device, layout, seed, bsz, n, d, dtype, hq, hkv, dv,
         ids[1] = ids[1] * 2  # rows differ: per-row document runs
         sinks = torch.randn(hq, generator=g, dtype=torch.float64).to(device)
         opts = dict(document_ids=ids, window=(n // 5, 0), sinks=sinks)
-        kw = dict(document_ids=shard_tensor(ids, dim=1, layout=layout, rank=rank, world=world),  # host ids
+        kw = dict(document_ids=shard_tensor(ids, seq_dim=1, layout=layout, rank=rank, world=world),  # host ids
                   window_size=(n // 5, 0), sinks=sinks.float().requires_grad_())
         if masked == "docs":  # documents alone: every rectangle in the varlen calls (Note [Varlen rectangles])
             opts, kw = dict(document_ids=ids), dict(document_ids=kw["document_ids"])
         if masked == "window":  # a window alone: one band per step, in flash's own window if the build has it
             opts, kw = dict(window=(n // 5, 0)), dict(window_size=(n // 5, 0))
     want = reference(q, k, v, do, is_causal=causal, **opts)
-    shard = lambda x: shard_tensor(x, dim=2, layout=layout, rank=rank, world=world)  # noqa: E731
+    shard = lambda x: shard_tensor(x, seq_dim=2, layout=layout, rank=rank, world=world)  # noqa: E731
     ql, kl, vl = (shard(x).to(dtype).contiguous().requires_grad_() for x in (q, k, v))
     out = cp_dtensor.ring_attention(ql, kl, vl, layout=layout, is_causal=causal, **kw)
     out.backward(shard(do).to(dtype))
@@ -172,7 +172,7 @@ def _ring_case(rank, world, device, layout, seed, bsz, n, d, dtype, hq, hkv, dv,
         errs["dsinks"] = abs_rel_err(total, want[4].cpu())
     worst = max(errs.values())
     # whether torch's flash build took the window bands as flash windows (else: tiles with a bias)
-    windows = cp_dtensor.kernels.flash_windows(ql) if "window_size" in kw else None
+    windows = cp_dtensor.core.kernels.flash_windows(ql) if "window_size" in kw else None
     return dict(errors=errs, worst=worst, ok=worst <= TOL[dtype], flash_windows=windows)
 
 
@@ -202,7 +202,7 @@ def _sdpa_cases(cfg, rank, world, device):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from cp_dtensor.relayout import shard_sequence
+    from cp_dtensor.dtensor.sharding import shard_sequence
 
     mesh = DeviceMesh(device.type, list(range(world)))
     n, d, rows = cfg["ring_seq_len"], cfg["head_dim"], []
@@ -218,20 +218,20 @@ def _sdpa_cases(cfg, rank, world, device):
             continue
         q, k, v, do = _qkv(500 + i, 1, hq, hkv, n, d, d, device)
         want = reference(q, k, v, do, is_causal=True)
-        xs = [shard_sequence(x.to(dtype), mesh, dim=2, layout="striped").requires_grad_() for x in (q, k, v)]
+        xs = [shard_sequence(x.to(dtype), mesh, seq_dim=2, layout="striped").requires_grad_() for x in (q, k, v)]
         refuse = dtype == torch.float64 and device.type == "cuda"
         try:
             with CommDebugMode() as fwd, _backend(backend):
                 out = F.scaled_dot_product_attention(*xs, is_causal=True, enable_gqa=gqa)
             with CommDebugMode() as bwd:
-                out.backward(shard_sequence(do.to(dtype), mesh, dim=2, layout="striped"))
+                out.backward(shard_sequence(do.to(dtype), mesh, seq_dim=2, layout="striped"))
         except ValueError as e:
             rows.append(dict(row, status="ValueError", detail=str(e)[:200], ok=refuse))
             continue
         except Exception as e:  # noqa: BLE001 -- the same on every rank: report, go on
             rows.append(dict(row, status="error", detail=_last_line(e), ok=False))
             continue
-        shard = lambda x: shard_tensor(x, dim=2, layout="striped", rank=rank, world=world)  # noqa: E731
+        shard = lambda x: shard_tensor(x, seq_dim=2, layout="striped", rank=rank, world=world)  # noqa: E731
         got = (out.to_local(), *(x.grad.to_local() for x in xs))
         worst = max(abs_rel_err(a, shard(b)) for a, b in zip(got, want))
         comm = dict(forward=_comm_counts(fwd), backward=_comm_counts(bwd))
@@ -263,7 +263,7 @@ def _sync_check(cfg, rank, world, device):
     """(b): ring calls under the sync debug mode; the first round warms up (lazy inits), the second counts."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    from cp_dtensor.relayout import shard_sequence
+    from cp_dtensor.dtensor.sharding import shard_sequence
 
     n, d = cfg["ring_seq_len"], cfg["head_dim"]
     mesh = DeviceMesh(device.type, list(range(world)))
@@ -271,11 +271,11 @@ def _sync_check(cfg, rank, world, device):
     ids = torch.arange(n).div(n // 3, rounding_mode="floor").unsqueeze(0)  # three documents, on the host
 
     # inputs sharded up front: the watched region holds the ring calls and nothing else
-    shard = lambda x, layout, dim=2: shard_tensor(x, dim=dim, layout=layout, rank=rank, world=world)  # noqa: E731
+    shard = lambda x, layout, dim=2: shard_tensor(x, seq_dim=dim, layout=layout, rank=rank, world=world)  # noqa: E731
     local = [(layout, [shard(x, layout).contiguous().requires_grad_() for x in (q, k, v)], shard(do, layout),
               shard(ids, layout, 1)) for layout in LAYOUTS]
-    xs = [shard_sequence(x, mesh, dim=2).requires_grad_() for x in (q, k, v)]
-    dxs = shard_sequence(do, mesh, dim=2)
+    xs = [shard_sequence(x, mesh, seq_dim=2).requires_grad_() for x in (q, k, v)]
+    dxs = shard_sequence(do, mesh, seq_dim=2)
 
     def calls():
         for layout, (ql, kl, vl), dout, idl in local:
@@ -453,7 +453,7 @@ def ring_backward_sim(dos, qs, ks, vs, outs, lses, *, layout: str, scale: float)
 
 
 def _shards(xs, layout, world):
-    return [[shard_tensor(x, dim=2, layout=layout, rank=r, world=world).contiguous() for r in range(world)] for x in xs]
+    return [[shard_tensor(x, seq_dim=2, layout=layout, rank=r, world=world).contiguous() for r in range(world)] for x in xs]
 
 
 def simulate(q, k, v, do, *, layout: str, world: int, scale: float):
@@ -461,7 +461,7 @@ def simulate(q, k, v, do, *, layout: str, world: int, scale: float):
     qs, ks, vs, dos = _shards((q, k, v, do), layout, world)
     outs, lses = ring_forward_sim(qs, ks, vs, layout=layout, scale=scale)
     grads = ring_backward_sim(dos, qs, ks, vs, outs, lses, layout=layout, scale=scale)
-    return [unshard_tensor(x, dim=2, layout=layout) for x in (outs, *grads)]
+    return [unshard_tensor(x, seq_dim=2, layout=layout) for x in (outs, *grads)]
 
 
 def single_call(q, k, v, do, *, scale: float):

@@ -7,7 +7,7 @@ A random-init LlamaForCausalLM (GQA) trains on batches of packed documents (one 
 ids restarting at 0 per document, labels -100 at each document's first token: what transformers'
 ``DataCollatorWithFlattening`` produces). The same steps run twice from the same weights: once as the
 plain model on the full sequence (CP=1, attn_implementation="sdpa"), once with
-``cp_dtensor.hf.apply_context_parallel_hf`` on ``--cp`` forked gloo ranks, each holding its layout's
+``cp_dtensor.hf.apply_context_parallel`` on ``--cp`` forked gloo ranks, each holding its layout's
 shard of tokens, positions and labels. Prints both losses per step and how far the weights drifted apart.
 """
 
@@ -43,7 +43,7 @@ def train(rank: int, world: int, args) -> list[tuple[float, float]] | float:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import cp_dtensor
-    from cp_dtensor.hf import apply_context_parallel_hf, shift_labels
+    from cp_dtensor.hf import apply_context_parallel, shift_labels
 
     transformers.logging.set_verbosity_error()
     cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -76,8 +76,8 @@ def train(rank: int, world: int, args) -> list[tuple[float, float]] | float:
 
     ref = copy.deepcopy(base)
     ref_losses = steps(ref)  # CP=1: every rank runs the full sequence alike
-    model = apply_context_parallel_hf(copy.deepcopy(base), mesh, layout=args.layout)
-    cp_losses = steps(model, lambda *t: cp_dtensor.shard_batch(mesh, *t, layout=args.layout))
+    model = apply_context_parallel(copy.deepcopy(base), mesh, layout=args.layout)
+    cp_losses = steps(model, lambda *t: cp_dtensor.shard_batch(t, mesh, layout=args.layout))
     drift = max(((p - r).abs().max() / r.abs().max()).item() for p, r in zip(model.parameters(), ref.parameters()))
     if rank == 0:
         for step, ((*_, docs), a, b) in enumerate(zip(batches, ref_losses, cp_losses)):

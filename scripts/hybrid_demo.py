@@ -4,7 +4,7 @@
     .venv/bin/torchrun --standalone --nproc_per_node 3 scripts/hybrid_demo.py --model kimi_linear --seq-len 96
 
 Every rank builds the same model (3 linear-attention layers + 1 full-attention layer) and batch, runs it
-whole (CP=1, the reference), then applies ``apply_context_parallel_hf(model, mesh, layout="headtail")``
+whole (CP=1, the reference), then applies ``apply_context_parallel(model, mesh, layout="headtail")``
 and runs the README's three lines on its shard: ``shard_batch`` of tokens, positions and the shifted
 labels, then ``model(input_ids, position_ids, labels, shift_labels, num_items_in_batch).loss`` and its
 backward. Prints the loss (summed over ranks) against CP=1, max |logits - CP=1| and the largest gradient
@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # this checkout's cp_dtensor
 import cp_dtensor  # noqa: E402
-from cp_dtensor.hf import apply_context_parallel_hf, shift_labels  # noqa: E402
+from cp_dtensor.hf import apply_context_parallel, shift_labels  # noqa: E402
 
 V = 128
 LAYERS = ["linear_attention", "linear_attention", "full_attention", "linear_attention"]
@@ -77,17 +77,17 @@ def main() -> None:
         out.loss.backward()
 
         # the README's recipe
-        model = apply_context_parallel_hf(copy.deepcopy(base), mesh, layout="headtail")
+        model = apply_context_parallel(copy.deepcopy(base), mesh, layout="headtail")
         shifted = shift_labels(labels)
         n = (shifted != -100).sum()
-        tok, pos, lab = cp_dtensor.shard_batch(mesh, tokens, positions, shifted, layout="headtail")
+        tok, pos, lab = cp_dtensor.shard_batch((tokens, positions, shifted), mesh, layout="headtail")
         cp = model(input_ids=tok, position_ids=pos, labels=lab, shift_labels=lab, num_items_in_batch=n)
         cp.loss.backward()
         cp_dtensor.reduce_gradients(model, mesh)  # each rank's gradients cover its own tokens
 
         loss = cp.loss.detach().clone()
         dist.all_reduce(loss)
-        logits = cp_dtensor.unshard_sequence(cp.logits.detach(), mesh, layout="headtail", dim=1)
+        logits = cp_dtensor.unshard_batch(cp.logits.detach(), mesh, layout="headtail")
         logit_err = (logits - out.logits.detach()).abs().max().item()
         grad_err, worst = max((((a.grad - b.grad).abs().max() / b.grad.abs().max()).item(), k)
                               for (k, a), b in zip(model.named_parameters(), ref.parameters()))

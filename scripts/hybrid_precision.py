@@ -85,18 +85,19 @@ def batch(seed: int, b: int, n: int):
 
 def run(m, tokens, weights, *, mesh=None, layout="headtail"):
     """(logits [B, N, V] float64, {name: grad float64}) of sum(logits * weights), whole or under CP."""
-    from cp_dtensor.module import reduce_gradients, shard_batch, unshard_sequence
+    from cp_dtensor.core.batch import shard_batch, unshard_batch
+    from cp_dtensor.model import reduce_gradients
 
     n = tokens.shape[1]
     positions = torch.arange(n).expand_as(tokens)
     dtype = next(m.parameters()).dtype
     if mesh is not None:
-        tokens, positions, weights = shard_batch(mesh, tokens, positions, weights, layout=layout)
+        tokens, positions, weights = shard_batch((tokens, positions, weights), mesh, layout=layout)
     logits = m(input_ids=tokens, position_ids=positions, use_cache=False).logits
     (logits * weights.to(dtype)).sum().backward()
     if mesh is not None:
         reduce_gradients(m, mesh)
-        logits = unshard_sequence(logits.detach(), mesh, layout=layout, dim=1)
+        logits = unshard_batch(logits.detach(), mesh, layout=layout)
     return logits.detach().double(), {k: p.grad.double() for k, p in m.named_parameters()}
 
 
@@ -127,7 +128,7 @@ def compare(rank: int, world: int, seq_len: int, b: int, layout: str, seed: int)
     import transformers
     from torch.distributed.device_mesh import init_device_mesh
 
-    from cp_dtensor import hf
+    from cp_dtensor.hf import attention as hf
 
     transformers.logging.set_verbosity_error()
     base = model(seed)
@@ -136,7 +137,7 @@ def compare(rank: int, world: int, seq_len: int, b: int, layout: str, seed: int)
     ref_check = errors(reference64(base, tokens, weights, chunk64()), ref)
     cp1 = run(copy.deepcopy(base), tokens, weights)
     mesh = init_device_mesh("cpu", (world,))
-    cp = run(hf.apply_context_parallel_hf(copy.deepcopy(base), mesh, layout=layout), tokens, weights, mesh=mesh,
+    cp = run(hf.apply_context_parallel(copy.deepcopy(base), mesh, layout=layout), tokens, weights, mesh=mesh,
              layout=layout)
     a_max = max(p.exp().max().item() for k, p in base.named_parameters() if k.endswith("A_log"))
     return dict(cp1=errors(cp1, ref), cp=errors(cp, ref), cp_vs_cp1=errors(cp, cp1), a_max=a_max,

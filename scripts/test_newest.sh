@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # CI's second leg: the default suite on the newest torch release, in its own venv (.venv-newest/, created or
 # reused). The stack is requirements/newest.txt: torch 2.15.0 (PyPI's CUDA build, ~5 GB; it runs on CPU),
-# transformers, torchao and torchtitan 0.3.0 (tests/test_titan03.py runs; the 0.2.2 TOML plugin's tests skip). pip's machine-wide configuration here caps
+# transformers, torchao and torchtitan 0.3.0 (tests/titan/v03/test_titan03.py runs; the 0.2.2 TOML plugin's tests skip). pip's machine-wide configuration here caps
 # torch at the releases stored locally; PIP_CONFIG_FILE=/dev/null lifts that for this venv only.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -70,3 +70,34 @@ def abs_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| / max(max |b|, 1): relative to the largest magnitude, absolute where the reference
     is (near) zero -- e.g. the gradients of a query that attends only to itself."""
     return ((a.double() - b.double()).abs().max() / max(b.double().abs().max().item(), 1.0)).item()
+
+
+# -- linear attention (the gated delta rule) ------------------------------------------------------------
+
+def recurrence(q, k, v, g, beta, *, state=None, reset=None, l2norm=True):
+    """The gated delta rule token by token: S = (I - beta k k^T) diag(exp g) S + beta k v^T, o = S^T q.
+    q, k [B, N, Hk, dk]; v [B, N, Hv, dv]; g [B, N, Hv] or [B, N, Hv, dk]; beta [B, N, Hv]; ``reset`` [B, N]
+    bool: the state restarts at that token (a document start). Returns o [B, N, Hv, dv], S [B, Hv, dk, dv]."""
+    b, n, hk, dk = q.shape
+    hv, dv = v.shape[2:]
+    q, k = (x.repeat_interleave(hv // hk, 2) for x in (q, k))
+    if l2norm:
+        q, k = (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
+    q = q * dk ** -0.5
+    s = v.new_zeros(b, hv, dk, dv) if state is None else state.to(v.dtype)
+    outs = []
+    for t in range(n):
+        if reset is not None:
+            s = s * (~reset[:, t]).to(s.dtype)[:, None, None, None]
+        gate = g[:, t].exp()
+        s = s * (gate[..., None, None] if g.dim() == 3 else gate[..., None])
+        kt, vt, bt = k[:, t], v[:, t], beta[:, t]
+        s = s + bt[..., None, None] * kt[..., :, None] * (vt - (s * kt[..., None]).sum(-2))[..., None, :]
+        outs.append((s * q[:, t][..., None]).sum(-2))
+    return torch.stack(outs, 1), s
+
+
+def f64_kernel(q, k, v, g, beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False, **_):
+    """A float64 kernel with transformers' signature (the recurrence): the CP machinery alone, to 1e-9."""
+    o, s = recurrence(q, k, v, g, beta, state=initial_state, l2norm=use_qk_l2norm_in_kernel)
+    return o.to(q.dtype), s if output_final_state else None

@@ -78,7 +78,7 @@ def step_losses(out: str, *, first: int = 1, last: int | None = None) -> list[fl
     return [by_step[s].pop() for s in range(first, last + 1)]
 
 
-# ---- torchtitan 0.3: --module / --config instead of a TOML (tests/test_titan03.py) ----
+# ---- torchtitan 0.3: --module / --config instead of a TOML (tests/titan/v03/test_titan03.py) ----
 
 def run_torchrun_03(nproc: int, dump: Path, *args: str, entry: Sequence[str] = TRAIN, timeout: float | None = 420,
                     ) -> tuple[int, str]:

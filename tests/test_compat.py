@@ -61,7 +61,7 @@ def _hashes(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
-    x = cp_dtensor.shard_sequence(torch.zeros(1, 1, 2 * world, 1), mesh, dim=2, layout="headtail")
+    x = cp_dtensor.shard_sequence(torch.zeros(1, 1, 2 * world, 1), mesh, seq_dim=2, layout="headtail")
     return mesh._stable_hash(), init_device_mesh("cpu", (world,))._stable_hash(), x._stable_hash_for_caching()
 
 

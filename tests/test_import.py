@@ -1,7 +1,7 @@
 """Importing cp_dtensor changes nothing; once installed, the SDPA rule acts on sequence-sharded DTensors only.
 
 Each check compares with torch on its own: a fresh interpreter before the import, or the same call with
-the dispatch uninstalled (Note [SDPA dispatch] in dispatch.py).
+the dispatch uninstalled (Note [SDPA dispatch] in dtensor/sdpa.py).
 """
 
 from __future__ import annotations
@@ -67,13 +67,13 @@ def test_import_alone_imports_no_torch():
 
 
 def test_plan_cli_starts_without_torch():
-    """The real entry point, ``python -m cp_dtensor.cli plan``: its output, and no torch module imported."""
+    """The real entry point, ``python -m cp_dtensor.tools.cli plan``: its output, and no torch module imported."""
     args = ["plan", "--seq-len", "64k", "--head-dim", "128", "--heads", "32", "--kv-heads", "8", "--cp", "4", "--json"]
-    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "cp_dtensor.cli", *args], capture_output=True,
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "cp_dtensor.tools.cli", *args], capture_output=True,
                           text=True, check=True, cwd=ROOT)
     assert json.loads(done.stdout)["input"]["cp"] == 4
     imported = [line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if "|" in line]
-    assert "cp_dtensor" in imported and "cp_dtensor.plan" in imported  # (cli.py runs as __main__)
+    assert "cp_dtensor" in imported and "cp_dtensor.tools.plan" in imported  # (tools/cli.py runs as __main__)
     assert not [m for m in imported if m == "torch" or m.startswith("torch.")], "the plan CLI imported torch"
 
 
@@ -120,7 +120,7 @@ def _outcome(fn):
 
 
 def _non_sequence(rank, world, placements):
-    import cp_dtensor.dispatch as dispatch
+    import cp_dtensor.dtensor.sdpa as dispatch
 
     mesh = init_device_mesh("cpu", (world,))
     g = torch.Generator().manual_seed(0)

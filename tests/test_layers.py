@@ -1,5 +1,5 @@
 """The package's import graph (every import, function-level ones included, read with ast): no circle, and
-every module imports only from its own layer or the layers below (README: "One idea per file")."""
+every module imports only from its own layer or the layers below (docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -9,22 +9,27 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "cp_dtensor"
 
 # Bottom to top. A module may import modules of its own layer or a lower one; the cycle check keeps
-# each layer's own imports a DAG.
-# (_extras, decode, hf_generate: on main, from the work beside this one; listed so the merge needs no edit.)
+# each layer's own imports a DAG. A package's __init__ sits with its modules' top layer.
+_V02 = ("config", "attention", "families", "flex", "resume", "spec", "validate", "trainer")
+_V03 = ("_cpu", "attention", "linear", "trainer", "main")
 LAYERS: list[tuple[str, set[str]]] = [
-    ("private torch touch points and torch-free layout facts", {"_compat", "_manifest", "_extras", "layout", "kernels"}),
-    ("pure math; the network", {"masks", "wire", "comm", "debug", "_agree"}),
-    ("kernels as ops, payloads, validation, placements, the cost model", {"ops", "payload", "checks", "placement", "plan"}),
-    ("one step against one K/V block; the heads all-to-all", {"blocks", "ulysses"}),
-    ("the exchanges; linear attention's state passing", {"ring", "allgather", "linear_attention"}),
-    ("the front door; the SDPA-on-DTensor rule; decoding against a sharded cache", {"attention", "dispatch", "decode"}),
-    ("DTensor entry points", {"relayout"}),
-    ("integrations", {"hf", "hf_generate", "hf_linear", "checkpoint"} | {f"titan.{m}" for m in (
-        "_cpu", "config", "data", "flex", "float8", "resume", "validate", "attention", "families", "spec", "train",
-        "config_registry", "v03", "v03._cpu", "v03.attention", "v03.main", "v03.trainer", "v03.linear")}
-     | {"titan"}),
-    ("whole models (hands transformers models to hf.py)", {"module"}),
-    ("the package and the CLI", {"", "cli"}),
+    ("private torch touch points, deprecation, torch-free layout facts",
+     {"_compat", "_deprecated", "_extras", "checkpoint.manifest", "core.layout", "core.kernels"}),
+    ("pure math; the network", {"core.masks", "core.wire", "core.comm", "tools.debug", "core.agreement"}),
+    ("kernels as ops, payloads, validation, placements, the cost model",
+     {"core.ops", "core.payload", "core.checks", "dtensor.placements", "tools.plan"}),
+    ("one step against one K/V block; the heads all-to-all", {"core.blocks", "core.ulysses"}),
+    ("the exchanges; linear attention's state passing", {"core.ring", "core.allgather", "core.linear_attention"}),
+    ("the front door; a batch's shards; the SDPA-on-DTensor rule; decoding against a sharded cache",
+     {"core.attention", "core.batch", "dtensor.sdpa", "core.decode", "core"}),
+    ("DTensor entry points", {"dtensor.sharding", "dtensor"}),
+    ("integrations", {"hf.attention", "hf.generate", "hf.linear", "hf.trainer", "hf", "checkpoint.dcp", "checkpoint"}
+     | {f"titan.shared.{m}" for m in ("options", "cpu", "data", "float8", "heads")} | {"titan.shared"}
+     | {f"titan.v02.{m}" for m in _V02} | {"titan.v02"}
+     | {f"titan.v03.{m}" for m in _V03} | {"titan.v03"} | {"titan", "titan.config", "titan.config_registry",
+                                                          "titan.train"}),
+    ("whole models (hands transformers models to hf/)", {"model"}),
+    ("the package and the CLI", {"", "tools.cli", "tools"}),
 ]
 
 
@@ -32,6 +37,8 @@ def _modules() -> dict[str, pathlib.Path]:
     out = {}
     for f in sorted(ROOT.rglob("*.py")):
         parts = f.relative_to(ROOT).with_suffix("").parts
+        if parts[0] == "_legacy":  # the old module paths: each hands over to its new home (_deprecated.py)
+            continue
         out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
     return out
 

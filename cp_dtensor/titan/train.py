@@ -17,34 +17,20 @@ import sys
 
 # isort: off
 import cp_dtensor.titan  # noqa: F401  registers the plugin (either torchtitan) before torchtitan.train is imported
-from cp_dtensor._extras import installed_version
+from .._extras import installed_version
 # isort: on
 
 V03 = installed_version("titan") >= (0, 3)  # torchtitan 0.3: the config-registry glue (titan/v03/main.py)
 
 if not V03:
-    from torchtitan.train import Trainer
     from torchtitan.train import main as titan_main
 
-    from cp_dtensor.titan import check_job_config
-    from cp_dtensor.titan.resume import check_resume
-
-    class CPTrainer(Trainer):
-        """torchtitan's Trainer; fails fast, on every rank, on a CP setup cp_dtensor cannot run or a
-        resume that would skip or repeat data (Note [Resume across CP degrees] in resume.py)."""
-
-        def init_distributed(self):
-            check_job_config(self.job_config, world_size=int(os.environ.get("WORLD_SIZE", "1")))
-            return super().init_distributed()
-
-        def train(self):
-            check_resume(self.checkpointer, self.parallel_dims, load_step=self.job_config.checkpoint.load_step)
-            return super().train()
+    from .v02.trainer import CPTrainer
 
 
 def _run() -> None:
     if V03:
-        from cp_dtensor.titan.v03.main import main as main_03
+        from .v03.main import main as main_03
 
         main_03()
     else:

@@ -24,7 +24,7 @@ there is no accelerator, so a CUDA run is untouched:
    whatever the parameter dtype (``_compat.TITAN03_BF16_EXPERTS``). The weight gradient of a bf16 matmul is
    its sum over tokens rounded to bf16, and each CP rank sums only its own tokens: CP = 2 rounds two half
    sums (then adds them in fp32 in FSDP's reduce-scatter) where CP = 1 rounds one, so the expert gradients
-   differ by bf16 rounding (~4e-3 of the largest element at the debug models' dims; tests/test_titan03.py)
+   differ by bf16 rounding (~4e-3 of the largest element at the debug models' dims; tests/titan/v03/test_titan03.py)
    and Adam turns that into a loss difference (gpt_oss debug, lr 8e-4: 3e-4 at step 2, 2e-2 at step 3;
    torchtitan sums the load-balancing token counts over data parallel x CP, so the bias is not it). On
    CPU, where ``_grouped_mm`` runs in fp32 as well, ``experts_in_param_dtype`` runs each expert module's
@@ -44,7 +44,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..._compat import TITAN03_BF16_EXPERTS, TITAN03_DEVICE_HOLDERS
-from .._cpu import CpuDeviceModule
+from ..shared.cpu import CpuDeviceModule
 
 __all__ = ["experts_in_param_dtype", "use_cpu_device"]
 

@@ -47,9 +47,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from ...attention import ring_attention
-from ...layout import check_seq_len, shard_tensor
-from ..attention import _tp_head_sharding
+from ...core.attention import ring_attention
+from ...core.layout import check_seq_len, shard_tensor
+from ..shared.heads import tp_head_sharding
 
 __all__ = ["RingDocs", "RingInnerAttention", "ring_masks", "shard_batch"]
 
@@ -92,7 +92,7 @@ def shard_batch(inputs: torch.Tensor, labels: torch.Tensor, extra: dict[str, Any
     check_seq_len(layout, world, inputs.shape[1], fix="Change --training.seq_len (or the validator's seq_len).")
 
     def shard(x: torch.Tensor) -> torch.Tensor:
-        return shard_tensor(x, dim=1, layout=layout, rank=rank, world=world).contiguous()
+        return shard_tensor(x, seq_dim=1, layout=layout, rank=rank, world=world).contiguous()
 
     masks = extra.get("attention_masks")
     if isinstance(masks, RingDocs):
@@ -133,7 +133,7 @@ class RingInnerAttention(nn.Module):
         if out_transform is not None and sinks is None:
             raise NotImplementedError("cp_dtensor ring attention hands out_transform an lse only for gpt_oss-style "
                                       "sinks (Note [0.3 inner attention as the ring]); this model has none.")
-        tp_heads = _tp_head_sharding(q, k, v, heads_dim=2)  # See Note [0.3 TP heads into the ring]
+        tp_heads = tp_head_sharding(q, k, v, heads_dim=2)  # See Note [0.3 TP heads into the ring]
         if tp_heads is not None:
             q, k, v = q.to_local(), k.to_local(), v.to_local()  # [B, S_local, H / TP, D]: this TP rank's heads
             if isinstance(sinks, DTensor):  # gpt_oss: sinks [Hq] placed Shard(0) on the same TP mesh

@@ -48,8 +48,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..._compat import TITAN03_QWEN35_CONV
-from ...linear_attention import check_linear_layout, sharded_causal_conv1d, sharded_delta_rule
-from ..config import CPDTensor
+from ...core.linear_attention import check_linear_layout, sharded_causal_conv1d, sharded_delta_rule
+from ..shared.options import CPDTensor
 from .attention import RingDocs, RingInnerAttention, document_ids
 
 __all__ = ["HYBRID", "LinearDocs", "ShardedGatedDeltaKernel", "apply_hybrid", "check_hybrid", "hybrid_masks",

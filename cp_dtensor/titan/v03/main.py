@@ -20,7 +20,7 @@ import torchtitan.train as titan_train
 from torchtitan.config.manager import ConfigManager
 from torchtitan.tools.logging import logger
 
-from ..data import DATASET_NAME, register_dataset  # the 0.2.2 registration serves 0.3's dataset table as is
+from ..shared.data import DATASET_NAME, register_dataset  # the 0.2.2 registration serves 0.3's dataset table as is
 from .trainer import as_cp_config
 
 __all__ = ["PluginConfigManager", "main", "use_shipped_assets"]

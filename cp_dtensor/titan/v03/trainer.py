@@ -47,10 +47,10 @@ from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from ..._compat import TITAN03_CP_STEP
-from ...layout import layout_unit
-from .._cpu import init_as_unsharded, unsharded_template, use_for_loop_experts, use_sum_reduction_on_gloo
-from ..attention import ulysses_mesh, ulysses_shard_index
-from ..config import CPDTensor
+from ...core.layout import layout_unit
+from ..shared.cpu import init_as_unsharded, unsharded_template, use_for_loop_experts, use_sum_reduction_on_gloo
+from ..shared.heads import ulysses_mesh, ulysses_shard_index
+from ..shared.options import CPDTensor
 from ._cpu import experts_in_param_dtype
 from .attention import RingInnerAttention, ring_masks, shard_batch
 from .linear import HYBRID, apply_hybrid, check_hybrid, hybrid_masks, is_hybrid, without_cp

@@ -1,0 +1,120 @@
+"""Old names that keep working: each warns once per process (``FutureWarning``, shown by default) and
+then behaves exactly as before.
+
+* Old module paths (``cp_dtensor.layout``, ``cp_dtensor.hf_generate``, ``cp_dtensor.titan.spec``, ...)
+  are files under ``_legacy/``, which the packages add to their ``__path__``: importing one warns and
+  binds the module's new home under the old name (the same module object, so everything in it,
+  monkeypatching included, still works). ``MOVED_MODULES`` lists them.
+* Renamed functions and keyword arguments: ``renamed`` wraps the new function.
+
+Nothing here runs at ``import cp_dtensor``; a name warns when it is first used.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import sys
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["MOVED_MODULES", "RENAMED", "moved_module", "renamed", "renamed_keyword", "seq_dim_argument", "warn_once"]
+
+# old module path -> its new home (see README "Where things moved")
+MOVED_MODULES: dict[str, str] = {
+    **{f"cp_dtensor.{m}": f"cp_dtensor.core.{m}" for m in (
+        "layout", "masks", "wire", "payload", "kernels", "ops", "comm", "blocks", "ring", "allgather", "ulysses",
+        "checks", "attention", "decode", "linear_attention")},
+    "cp_dtensor._agree": "cp_dtensor.core.agreement",
+    "cp_dtensor._manifest": "cp_dtensor.checkpoint.manifest",
+    "cp_dtensor.placement": "cp_dtensor.dtensor.placements",
+    "cp_dtensor.dispatch": "cp_dtensor.dtensor.sdpa",
+    "cp_dtensor.relayout": "cp_dtensor.dtensor.sharding",
+    "cp_dtensor.hf_generate": "cp_dtensor.hf.generate",
+    "cp_dtensor.hf_linear": "cp_dtensor.hf.linear",
+    "cp_dtensor.module": "cp_dtensor.model",
+    "cp_dtensor.plan": "cp_dtensor.tools.plan",
+    "cp_dtensor.cli": "cp_dtensor.tools.cli",
+    "cp_dtensor.debug": "cp_dtensor.tools.debug",
+    "cp_dtensor.titan._cpu": "cp_dtensor.titan.shared.cpu",
+    "cp_dtensor.titan.data": "cp_dtensor.titan.shared.data",
+    "cp_dtensor.titan.float8": "cp_dtensor.titan.shared.float8",
+    **{f"cp_dtensor.titan.{m}": f"cp_dtensor.titan.v02.{m}" for m in (
+        "attention", "families", "flex", "resume", "spec", "validate")},
+}
+
+# old public name -> new public name (functions and arguments), filled by ``renamed``
+RENAMED: dict[str, str] = {}
+
+_warned: set[str] = set()
+
+
+def warn_once(old: str, new: str, *, stacklevel: int = 3) -> None:
+    """One ``FutureWarning`` per process for ``old``, naming ``new``."""
+    if old in _warned:
+        return
+    _warned.add(old)
+    warnings.warn(f"{old} is deprecated and will be removed in a future release; use {new}.", FutureWarning,
+                  stacklevel=stacklevel)
+
+
+def moved_module(name: str, spec: Any = None) -> Any:
+    """Called by a ``_legacy/`` file as it is imported: warn once and put the new module in its place.
+    ``python -m OLD`` (``name == "__main__"``) runs the new module as the program instead."""
+    old = spec.name if name == "__main__" and spec is not None else name
+    if old not in MOVED_MODULES:
+        raise ImportError(f"{name} is not a module of cp_dtensor.")
+    new = MOVED_MODULES[old]
+    warn_once(old, new, stacklevel=4)
+    if name == "__main__":
+        import runpy
+
+        runpy.run_module(new, run_name="__main__", alter_sys=True)
+        raise SystemExit(0)
+    module = importlib.import_module(new)
+    sys.modules[old] = module
+    return module
+
+
+def renamed(new_fn: Callable, old: str, new: str, *, convert: Callable | None = None) -> Callable:
+    """``new_fn`` under its old name ``old``: warns once, then calls ``new_fn`` (with the arguments
+    passed through ``convert(args, kwargs) -> (args, kwargs)`` when the call changed shape)."""
+    RENAMED[old] = new
+
+    @functools.wraps(new_fn)
+    def alias(*args, **kwargs):
+        warn_once(old, new)
+        if convert is not None:
+            args, kwargs = convert(args, kwargs)
+        return new_fn(*args, **kwargs)
+
+    alias.__doc__ = f"Deprecated: {old} is now {new}.\n\n" + (new_fn.__doc__ or "")
+    alias.__qualname__ = alias.__name__ = old.rpartition(".")[2]
+    return alias
+
+
+def renamed_keyword(kwargs: dict, old: str, new: str, where: str) -> dict:
+    """``kwargs`` with the deprecated keyword ``old`` moved to ``new`` (warns once); both given: an error."""
+    if old in kwargs:
+        if new in kwargs:
+            raise TypeError(f"{where} got both {new}= and its deprecated spelling {old}=; pass {new}= only.")
+        warn_once(f"{where}({old}=...)", f"{where}({new}=...)", stacklevel=4)
+        kwargs = dict(kwargs)
+        kwargs[new] = kwargs.pop(old)
+    return kwargs
+
+
+def seq_dim_argument(seq_dim: int | None, deprecated: dict, where: str) -> int:
+    """``seq_dim``, or its old spelling ``dim=`` (warns once); any other keyword is a TypeError, as Python's."""
+    if seq_dim is not None and "dim" in deprecated:
+        raise TypeError(f"{where} got both seq_dim= and its deprecated spelling dim=; pass seq_dim= only.")
+    given = renamed_keyword(deprecated, "dim", "seq_dim", where)
+    extra = sorted(set(given) - {"seq_dim"})
+    if extra:
+        raise TypeError(f"{where}() got an unexpected keyword argument {extra[0]!r}")
+    if seq_dim is None:
+        seq_dim = given.get("seq_dim")
+    if seq_dim is None:
+        raise TypeError(f"{where}() missing the keyword argument 'seq_dim' (the sequence dimension)")
+    return seq_dim

@@ -1,0 +1,125 @@
+"""A batch's share on each CP rank, as plain local tensors: ``shard_batch`` and its inverse
+``unshard_batch``, and the document ids of packed sequences from position ids that restart at 0.
+
+A batch is a tensor, or a tuple / list / dict of tensors that share one sequence length along
+``seq_dim``; the result has the same structure. Every rank passes the same full tensors to
+``shard_batch`` (no communication); ``unshard_batch`` gathers every rank's shard (one all-gather per
+tensor, differentiable).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+
+from .._deprecated import warn_once
+from .checks import check_cp_mesh
+from .layout import check_layout, check_seq_len, global_order, layout_unit, shard_tensor, unshard_tensor, wrap_dim
+
+__all__ = ["document_ids_from_positions", "shard_batch", "unshard_batch"]
+
+Batch = Any  # a Tensor, or a tuple / list / dict of Tensors
+
+
+def _leaves(batch: Batch, where: str) -> list[tuple[str, Tensor]]:
+    if isinstance(batch, Tensor):
+        return [("", batch)]
+    items = batch.items() if isinstance(batch, dict) else enumerate(batch) if isinstance(batch, (tuple, list)) else None
+    if items is None:
+        raise TypeError(f"{where} takes a tensor, or a tuple / list / dict of tensors; got {type(batch).__name__}.")
+    out = []
+    for key, t in items:
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{where}: every entry of the batch must be a tensor; entry {key!r} is "
+                            f"{type(t).__name__}. Take it out of the batch before sharding.")
+        out.append((f"[{key!r}]", t))
+    return out
+
+
+def _rebuild(batch: Batch, fn: Callable[[Tensor], Tensor]) -> Batch:
+    if isinstance(batch, Tensor):
+        return fn(batch)
+    if isinstance(batch, dict):
+        return type(batch)((k, fn(t)) for k, t in batch.items())
+    return type(batch)(fn(t) for t in batch)
+
+
+def _check(batch: Batch, mesh: DeviceMesh, seq_dim: int, layout: str, where: str, *, local: bool) -> int:
+    """The sequence length (local or full) every tensor shares; raises alike on every rank (no collective:
+    every rank holds the same full batch, or shards of it that have the same shapes)."""
+    check_cp_mesh(mesh)
+    check_layout(layout)
+    leaves = _leaves(batch, where)
+    if not leaves:
+        raise ValueError(f"{where} got an empty batch.")
+    lengths = {}
+    for key, t in leaves:
+        if not -t.dim() <= seq_dim < t.dim():
+            raise ValueError(f"{where}: seq_dim={seq_dim} is out of range for batch{key} of shape {tuple(t.shape)}.")
+        lengths.setdefault(t.shape[seq_dim], key)
+    if len(lengths) != 1:
+        raise ValueError(f"{where} needs one sequence length along seq_dim={seq_dim}; got "
+                         f"{', '.join(f'{n} (batch{k})' for n, k in lengths.items())}.")
+    n = next(iter(lengths))
+    if not local:
+        check_seq_len(layout, mesh.size(), n, fix=f"Pad the batch to a multiple of {layout_unit(layout, mesh.size())}.")
+    return n
+
+
+def shard_batch(batch: Batch, mesh: DeviceMesh | None = None, *more: Tensor, seq_dim: int = 1,
+                layout: str = "striped") -> Batch:
+    """This rank's share of a full batch (inputs, labels, positions, ...): each tensor sharded alike along
+    ``seq_dim`` in ``layout`` over the 1-D CP mesh ``mesh``. Same structure out as in.
+
+        tokens, labels, positions = cp_dtensor.shard_batch((tokens, labels, positions), cp_mesh)
+        batch = cp_dtensor.shard_batch({"input_ids": ids, "labels": lab}, cp_mesh)
+
+    Every rank passes the same full tensors; no communication. ``unshard_batch`` is the inverse.
+    (The old call ``shard_batch(cp_mesh, *tensors)`` still works and returns a tuple; it warns once.)
+    """
+    if isinstance(batch, DeviceMesh):  # the old order: shard_batch(cp_mesh, *tensors)
+        warn_once("cp_dtensor.shard_batch(cp_mesh, *tensors)", "cp_dtensor.shard_batch((t1, t2, ...), cp_mesh)")
+        batch, mesh = (() if mesh is None else (mesh,)) + more, batch
+        batch = tuple(batch)
+    elif more:
+        raise TypeError("shard_batch takes one batch (a tensor, or a tuple / list / dict of tensors) and the mesh: "
+                        "shard_batch((tokens, labels), cp_mesh).")
+    if mesh is None:
+        raise TypeError("shard_batch() missing the CP mesh: shard_batch(batch, cp_mesh).")
+    _check(batch, mesh, seq_dim, layout, "shard_batch", local=False)
+    cp, rank = mesh.size(), mesh.get_local_rank()
+    return _rebuild(batch, lambda t: shard_tensor(t, seq_dim=seq_dim, layout=layout, rank=rank, world=cp).contiguous())
+
+
+def unshard_batch(batch: Batch, mesh: DeviceMesh, *, seq_dim: int = 1, layout: str = "striped") -> Batch:
+    """The full tensors, in original order, from every rank's shard (the inverse of ``shard_batch``; one
+    all-gather per tensor, differentiable). Same structure out as in."""
+    _check(batch, mesh, seq_dim, layout, "unshard_batch", local=True)
+    cp = mesh.size()
+
+    def gather(x: Tensor) -> Tensor:
+        dim = wrap_dim(seq_dim, x.dim())
+        every = funcol.all_gather_single_autograd(x.contiguous(), gather_dim=dim, group=mesh)
+        return unshard_tensor(list(every.chunk(cp, dim=dim)), seq_dim=dim, layout=layout)
+
+    return _rebuild(batch, gather)
+
+
+def document_ids_from_positions(positions: Tensor, cp_mesh: DeviceMesh, *, layout: str = "striped") -> Tensor:
+    """Document ids [B, S_local] of this rank's tokens from their position ids [B, S_local] (or [1, S_local])
+    that restart at 0 for every document: a document starts at every position 0 of the *global* sequence,
+    so one all-gather of the start flags (one byte per token) gives every rank the global count."""
+    check_cp_mesh(cp_mesh)
+    cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
+    starts = (positions == 0).to(torch.uint8).contiguous()  # [B, S_local]
+    every = funcol.all_gather_single(starts, gather_dim=0, group=cp_mesh).view(cp, *starts.shape)
+    b, s = starts.shape
+    full = torch.empty(b, cp * s, dtype=torch.int64, device=positions.device)
+    full[:, global_order(layout, cp, cp * s).to(positions.device)] = every.permute(1, 0, 2).reshape(b, cp * s).long()
+    ids = full.cumsum(1)
+    return shard_tensor(ids, seq_dim=1, layout=layout, rank=rank, world=cp).contiguous()

@@ -1,0 +1,223 @@
+"""The fused attention kernel of each device, called on one rectangle with the inputs it requires.
+
+Note [Kernel contracts]
+~~~~~~~~~~~~~~~~~~~~~~~
+What each kernel accepts, read from its schema and PyTorch's kernel sources, and what the calls below
+guarantee (tests/core/test_cuda_paths.py runs the CUDA branches on CPU through strict stand-ins that
+assert exactly these contracts and compute by the textbook formula):
+
+* CPU ``_scaled_dot_product_flash_attention_for_cpu``: any strides; native GQA (Hq % Hkv == 0); an
+  additive ``attn_mask`` in q's dtype; top-left causal alignment; lse [B, H, Sq] fp32 (sequence-major
+  strides), read back by the backward through strides.
+* CUDA flash (fp16/bf16, D <= 256, D % 8 == 0), no mask: native GQA -- K/V are passed with their Hkv
+  heads, never expanded; last dim contiguous; ``is_causal`` only on square rectangles (flash aligns a
+  non-square causal mask bottom-right, the CPU kernel top-left; the ring's causal rectangles are all
+  square). The backward reads the lse through a raw pointer as a dense [B, Hq, Sq] fp32 array: it gets
+  a contiguous copy of exactly that (a slice of the ring's lse is not). Dense calls pass no cumulative
+  sequence lengths (None, as the forward returns them) and, without dropout, no philox state.
+* CUDA memory-efficient (fp32, or any call with a mask): no GQA, so it runs once per KV head on that
+  head's group of Hq / Hkv query heads with the one K/V head copied g times (a group's copy, not the
+  whole block's: 1 / Hkv of an expanded block); an additive ``attn_bias`` [B, H, Sq, Sk] whose rows
+  start on 16-element boundaries; lse padded to a multiple of 32, which the backward wants back padded
+  and contiguous.
+* CUDA flash, variable length (``_flash_attention_forward`` / ``_backward`` with cumulative
+  sequence lengths): many sequences packed along one token dim, q [Tq, Hq, D], k and v [Tk, Hkv, D]
+  (last dim contiguous), ``cu_seqlens`` int32 on the device, [0, ..., T]; native GQA; ``is_causal``
+  only where every packed sequence is square (the ring's are); lse [Hq, Tq] fp32, which the backward
+  wants contiguous in that layout; no dropout, so no rng state. A window ``(left, right)`` keeps, for
+  row r of a sequence of Lq rows and Lk keys, the keys r + Lk - Lq - left .. r + Lk - Lq + right (-1:
+  unbounded; flash-attn's bottom-right alignment), every row keeping at least one; whether the build
+  takes windows is probed once per device (:func:`flash_windows`). See Note [Varlen rectangles] in
+  ops.py.
+* float64 has no fused CUDA kernel: ``checks.py`` refuses it on CUDA before the ring.
+
+Note [Value head size]
+~~~~~~~~~~~~~~~~~~~~~~
+The kernels take one head size for q, k and v; MLA (DeepSeek-V3) has Dv != Dqk. The narrower side is
+zero-padded per call: zero columns of v (and of out and dout in the backward) add nothing to
+rowsum(dout * out) and change neither dq nor dk; zero columns of q and k change no score (the scale is
+passed explicitly). Results are sliced back to their own head sizes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = [
+    "backend", "causal_strip", "flash_windows", "kernel_bwd", "kernel_bwd_varlen", "kernel_fwd", "kernel_fwd_varlen",
+    "varlen",
+]
+
+aten = torch.ops.aten
+
+
+def backend(x: Tensor) -> str:
+    """Which kernel family runs ``x``'s attention: "cpu" or "cuda"."""
+    return "cpu" if x.device.type == "cpu" else "cuda"
+
+
+CAUSAL_STRIP = {"cpu": 256, "cuda": 0}  # See Note [Causal staircase] in masks.py
+
+
+def causal_strip(device: torch.device) -> int:
+    """Rows per strip of a masked step's causal squares on ``device`` (masks.block_rects' ``strip``;
+    0: one kernel call per square)."""
+    return CAUSAL_STRIP["cpu" if device.type == "cpu" else "cuda"]
+
+
+def _use_flash(q: Tensor, mask: Tensor | None) -> bool:
+    return mask is None and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0
+
+
+def _pad_last(x: Tensor, d: int) -> Tensor:
+    return x if x.shape[-1] == d else F.pad(x, (0, d - x.shape[-1]))
+
+
+def _pad_fwd(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v with one head size, the narrower side zero-padded: Note [Value head size]."""
+    dqk, dv = q.shape[-1], v.shape[-1]
+    if dv < dqk:
+        return q, k, _pad_last(v, dqk)
+    return (_pad_last(q, dv), _pad_last(k, dv), v) if dv > dqk else (q, k, v)
+
+
+def _pad_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor) -> tuple[Tensor, ...]:
+    """dout, q, k, v, out with one head size (v, out and dout padded like v): Note [Value head size]."""
+    dqk, dv = q.shape[-1], v.shape[-1]
+    if dv < dqk:
+        return _pad_last(dout, dqk), q, k, _pad_last(v, dqk), _pad_last(out, dqk)
+    return (dout, _pad_last(q, dv), _pad_last(k, dv), v, out) if dv > dqk else (dout, q, k, v, out)
+
+
+def _group(x: Tensor, h: int, g: int) -> Tensor:
+    """KV head ``h`` of x [B, Hkv, S, D] copied for its g query heads: [B, g, S, D]."""
+    one = x[:, h : h + 1]
+    return one if g == 1 else one.expand(-1, g, -1, -1).contiguous()
+
+
+def _bias(mask: Tensor, b: int, h: int) -> Tensor:
+    """An additive [Sq, Sk] mask as the memory-efficient kernel's attn_bias [B, H, Sq, Sk], its rows
+    starting on 16-element boundaries (stored padded, expanded over batch and heads)."""
+    sq, sk = mask.shape
+    padded = mask.new_zeros(sq, sk + (-sk) % 16)
+    padded[:, :sk] = mask
+    return padded[:, :sk].expand(b, h, sq, sk)
+
+
+def kernel_fwd(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float, mask: Tensor | None = None):
+    """One fused-kernel call on one rectangle: out [B, Hq, Sq, Dv] (kernel strides), lse [B, Hq, Sq] fp32.
+    q, k: [B, Hq | Hkv, S, Dqk]; v: [B, Hkv, Sk, Dv]; ``mask``: additive [Sq, Sk] in q's dtype or None.
+    See Note [Kernel contracts] and Note [Value head size]."""
+    dv = v.shape[-1]
+    q, k, v = _pad_fwd(q, k, v)
+    if backend(q) == "cpu":
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)[:2]
+        return out[..., :dv], lse
+    if _use_flash(q, mask):
+        out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)[:2]
+        return out[..., :dv], lse
+    hkv, g, sq = k.shape[1], q.shape[1] // k.shape[1], q.shape[2]
+    outs, lses = [], []
+    for h in range(hkv):
+        bias = None if mask is None else _bias(mask, q.shape[0], g)
+        out, lse = aten._scaled_dot_product_efficient_attention(
+            q[:, h * g : (h + 1) * g], _group(k, h, g), _group(v, h, g), bias, True, 0.0, is_causal, scale=scale
+        )[:2]
+        outs.append(out[..., :dv])
+        lses.append(lse[..., :sq])  # the kernel pads lse to a multiple of 32
+    return (outs[0], lses[0]) if hkv == 1 else (torch.cat(outs, 1), torch.cat(lses, 1))
+
+
+def kernel_bwd(dout, q, k, v, out, lse, is_causal: bool, scale: float, mask: Tensor | None = None):
+    """The backward of :func:`kernel_fwd` given the rows' *final* out and lse: dq, dk, dv (kernel strides)."""
+    dqk, dv_size = q.shape[-1], v.shape[-1]
+    dout, q, k, v, out = _pad_bwd(dout, q, k, v, out)
+    if backend(q) == "cpu":
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale
+        )
+        return dq[..., :dqk], dk[..., :dqk], dv[..., :dv_size]
+    sq, sk = q.shape[2], k.shape[2]
+    # Without dropout the kernels never read the philox state: pass empty tensors.
+    empty = q.new_empty(0, dtype=torch.int64)
+    if _use_flash(q, mask):
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse.contiguous(), None, None, sq, sk, 0.0, is_causal, empty, empty, scale=scale
+        )
+        return dq[..., :dqk], dk[..., :dqk], dv[..., :dv_size]
+    hkv, g = k.shape[1], q.shape[1] // k.shape[1]
+    lse = F.pad(lse, (0, (-sq) % 32))  # back to the kernel's padded length (a contiguous copy)
+    grads = []
+    for h in range(hkv):
+        qs = slice(h * g, (h + 1) * g)
+        bias = None if mask is None else _bias(mask, q.shape[0], g)
+        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+            dout[:, qs], q[:, qs], _group(k, h, g), _group(v, h, g), bias, out[:, qs], lse[:, qs].contiguous(),
+            empty, empty, 0.0, [True, True, True, False], is_causal, scale=scale,
+        )
+        grads.append((dq, dk.sum(1, keepdim=True), dv.sum(1, keepdim=True)))
+    dq, dk, dv = (torch.cat(x, 1) for x in zip(*grads)) if hkv > 1 else grads[0]
+    return dq[..., :dqk], dk[..., :dqk], dv[..., :dv_size]
+
+
+def varlen(q: Tensor) -> bool:
+    """Whether unmasked rectangles of ``q``'s dtype and head size run as one variable-length call per
+    kind (CUDA flash) rather than one call each. See Note [Varlen rectangles] in ops.py."""
+    return backend(q) == "cuda" and _use_flash(q, None)
+
+
+_FLASH_WINDOWS: dict[torch.device, bool] = {}  # per device: whether flash takes window sizes
+
+
+def flash_windows(q: Tensor) -> bool:
+    """Whether window bands of ``q``'s calls run as flash windows (one rectangle per band, packed)
+    rather than as tiles with a bias: CUDA flash dtypes on a build that takes window sizes, probed
+    once per device with a two-token call (tensors made on the device: no copy, no wait)."""
+    if not varlen(q):
+        return False
+    if q.device not in _FLASH_WINDOWS:
+        x = torch.zeros(2, 1, 8, dtype=torch.bfloat16, device=q.device)
+        cu = torch.arange(0, 3, 2, dtype=torch.int32, device=q.device)  # [0, 2]
+        try:
+            aten._flash_attention_forward(x, x, x, cu, cu, 2, 2, 0.0, False, False, scale=1.0, window_size_left=1,
+                                          window_size_right=0)
+            _FLASH_WINDOWS[q.device] = True
+        except RuntimeError:  # a build without local attention refuses at the call, on the host
+            _FLASH_WINDOWS[q.device] = False
+    return _FLASH_WINDOWS[q.device]
+
+
+def _windows(window: tuple[int, int] | None) -> dict:
+    return {} if window is None else dict(window_size_left=window[0], window_size_right=window[1])
+
+
+def kernel_fwd_varlen(
+    q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, is_causal: bool, scale: float,
+    window: tuple[int, int] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """One call over packed sequences: q [Tq, Hq, Dqk], k [Tk, Hkv, Dqk], v [Tk, Hkv, Dv]; sequence i is
+    q rows [cu_q[i], cu_q[i + 1]) against k rows [cu_k[i], cu_k[i + 1]), within ``window`` (left,
+    right) if given. Returns out [Tq, Hq, Dv] and lse [Hq, Tq] fp32. See Note [Kernel contracts]."""
+    dv = v.shape[-1]
+    q, k, v = _pad_fwd(q, k, v)
+    out, lse = aten._flash_attention_forward(
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, is_causal, False, scale=scale, **_windows(window)
+    )[:2]
+    return out[..., :dv], lse
+
+
+def kernel_bwd_varlen(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int,
+    max_k: int, is_causal: bool, scale: float, window: tuple[int, int] | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward of :func:`kernel_fwd_varlen` given the rows' *final* out and lse ([Hq, Tq]): dq, dk, dv."""
+    dqk, dv_size = q.shape[-1], v.shape[-1]
+    dout, q, k, v, out = _pad_bwd(dout, q, k, v, out)
+    empty = q.new_empty(0, dtype=torch.int64)  # no dropout: the kernel never reads the rng state
+    dq, dk, dv = aten._flash_attention_backward(
+        dout, q, k, v, out, lse.contiguous(), cu_q, cu_k, max_q, max_k, 0.0, is_causal, empty, empty, scale=scale,
+        **_windows(window),
+    )
+    return dq[..., :dqk], dk[..., :dqk], dv[..., :dv_size]

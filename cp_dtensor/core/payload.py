@@ -1,0 +1,71 @@
+"""Wire formats of the K/V ring payload: as is, cast, or float8 with power-of-two row scales.
+
+Note [float8 ring payload]
+~~~~~~~~~~~~~~~~~~~~~~~~~~
+The K/V blocks that travel are the one place where CP adds communication. With
+``comm_dtype=torch.float8_e4m3fn`` (or ``float8_e5m2``) each row of each head of K and V -- D values --
+is scaled by a power of two chosen with torchao's float8 scaling utilities (axiswise amax -> scale,
+rounded down to a power of two) and saturated to float8. Only the scale's exponent travels, as one
+int8 per row (``layout.FP8_SCALE_BYTES``), so a row costs D + 1 bytes instead of D * itemsize
+(``layout.payload_bytes``, the one statement of the message size; the planner charges it, and
+tests/tools/test_plan.py checks it against ``encode_kv``'s buffer): (D + 1) / (2 D) of the bf16 bytes
+(0.508 at D = 64, 0.504 at D = 128). A power-of-two
+scale loses no precision (it only moves the exponent), so a row's relative error is float8's own:
+2^-4 for e4m3. The receiving rank dequantizes into the input dtype before the block's kernel.
+
+The local block (ring step 0) never leaves the rank and stays in full precision; the backward rotates
+K/V in the same format, so it sees the very values the forward used, and the dK/dV accumulators
+travel in the input dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .comm import pack, unpack
+from .layout import FP8_SCALE_BYTES, payload_bytes  # the message size, stated once (torch-free, for tools/plan.py)
+
+__all__ = ["FP8_DTYPES", "FP8_SCALE_BYTES", "encode_kv", "decode_kv", "payload_bytes"]
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _quantize_rows(x: Tensor, fp8: torch.dtype) -> tuple[Tensor, Tensor]:
+    # x: [B, H, S, D] -> data: [B, H, S, D] float8 (as uint8), exponent: [B, H, S, 1] int8 (as uint8)
+    from torchao.float8.config import ScalingGranularity
+    from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
+
+    scale = tensor_to_scale(
+        x, fp8, scaling_granularity=ScalingGranularity.AXISWISE, axiswise_dim=-1, round_scales_to_power_of_2=True
+    )
+    exp = torch.log2(scale).round_().clamp_(-126, 126)
+    data = to_fp8_saturated(x.float() * torch.exp2(exp), fp8)
+    return data.view(torch.uint8), exp.to(torch.int8).view(torch.uint8)
+
+
+def _dequantize_rows(data: Tensor, exp: Tensor, fp8: torch.dtype, dtype: torch.dtype) -> Tensor:
+    return (data.view(fp8).float() * torch.exp2(-exp.view(torch.int8).float())).to(dtype)
+
+
+def encode_kv(k: Tensor, v: Tensor, comm_dtype: torch.dtype | None) -> Tensor:
+    """One flat buffer holding K and V in ``comm_dtype`` (None: as they are)."""
+    if comm_dtype is None or comm_dtype == k.dtype:
+        return pack(k, v)
+    if comm_dtype in FP8_DTYPES:
+        (kd, ke), (vd, ve) = _quantize_rows(k, comm_dtype), _quantize_rows(v, comm_dtype)
+        return pack(kd, vd, ke, ve)
+    return pack(k.to(comm_dtype), v.to(comm_dtype))
+
+
+def decode_kv(buf: Tensor, k: Tensor, v: Tensor, comm_dtype: torch.dtype | None) -> tuple[Tensor, Tensor]:
+    """K and V of another rank, shaped and typed like the local ``k`` and ``v``."""
+    if comm_dtype is None or comm_dtype == k.dtype:
+        kb, vb = unpack(buf, k, v)
+        return kb, vb
+    if comm_dtype in FP8_DTYPES:
+        rows = k.new_empty(k.shape[:-1] + (1,), dtype=torch.uint8)
+        kd, vd, ke, ve = unpack(buf, k, v, rows, rows)
+        return _dequantize_rows(kd, ke, comm_dtype, k.dtype), _dequantize_rows(vd, ve, comm_dtype, v.dtype)
+    kb, vb = unpack(buf, k, v)
+    return kb.to(k.dtype), vb.to(v.dtype)

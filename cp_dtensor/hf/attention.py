@@ -1,0 +1,389 @@
+"""Hugging Face transformers models under context parallelism, through transformers' attention interface.
+
+transformers is an optional extra (``pip install cp_dtensor[hf]``); only this module imports it.
+
+Note [transformers under CP]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A transformers model builds its attention mask in the model's forward, from the shapes it sees -- on a
+CP rank the *local* shard: a Mistral layer whose window is longer than S_local gets no mask and
+``is_causal=True`` (plain causal where the window should cut), position ids that a layout interleaves
+look like packed sequences on some ranks only, left padding is visible only on the rank holding it.
+So the mask transformers builds is never used. ``cp_dtensor.hf.apply_context_parallel`` switches the model to the
+attention function ``"cp_dtensor"`` (registered with ``AttentionInterface``) and the mask function of
+the same name (``AttentionMaskInterface``), and each attention call rebuilds the mask from what holds
+for the *global* sequence:
+
+* the window from what the layer declares: the ``sliding_window`` the layer passes (Mistral, Qwen2/3,
+  gpt-oss, every ``layer_types`` family), else ``module.sliding_window``, else ``config.layer_types`` /
+  ``config.sliding_window``. transformers' window W keeps keys ``q - W < k <= q``: ring ``(W - 1, 0)``.
+* sinks from ``s_aux`` / ``module.sinks`` (gpt-oss), ``is_causal`` from the call or the module.
+* documents by transformers' own rules for sdpa / eager, applied to the global sequence: with a 2-D
+  ``attention_mask`` a query sees the unpadded keys (each row's tokens must be one run: left and / or
+  right padding; each pad token becomes a document of its own); without one, and with ``use_cache``
+  off, position ids that do not advance by 1 start a new sequence (packed sequences,
+  ``DataCollatorWithFlattening``; ``documents="position_ids"`` applies them with use_cache on too);
+  ``document_ids=`` in the model call overrides both. So a model equals itself at CP=1 -- except
+  gpt-oss, whose modeling code builds no packed-sequence mask at all: under CP its packed documents
+  are kept apart, as flash-attention keeps them.
+
+The global view costs one all-gather per forward of each rank's position ids and padding flags
+(16 bytes per token), cached while the layers (and activation checkpointing's recomputation) pass the
+same position-id tensor. The mask function returns only the 2-D padding mask, or a refusal when the
+model composes a mask rule the ring cannot run (``or_mask_function`` / ``and_mask_function``, image
+blocks, chunks). Whatever cannot be expressed -- a 4-D mask, dropout, softcapping, a KV cache holding
+earlier tokens, padding inside a sequence, missing position ids, labels shifted locally -- raises on
+every rank before any K/V moves: the error goes through the ring's agreement check (Note [Agreeing
+before the ring] in checks.py), before the gather too.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from .._extras import require
+
+require("hf", "cp_dtensor.hf (transformers models under context parallelism)")
+
+from transformers import AttentionInterface  # noqa: E402
+from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
+
+from ..core.attention import _ring_attention  # noqa: E402
+from ..core.checks import check_cp_mesh, check_ring_args  # noqa: E402
+from ..core.layout import check_layout, in_global_order, shard_tensor  # noqa: E402
+
+__all__ = ["apply_context_parallel", "register", "shift_labels", "NAME"]
+
+NAME = "cp_dtensor"
+_UNSET = object()
+# the transformers.masking_utils rules the ring expresses itself (by global position, not local shapes)
+_KNOWN_RULES = {
+    "causal_mask_function", "bidirectional_mask_function", "and_masks.<locals>.and_mask",
+    "sliding_window_overlay.<locals>.inner_mask", "sliding_window_bidirectional_overlay.<locals>.inner_mask",
+    "remap_positions_for_packed_sequence.<locals>.inner_mask", "packed_sequence_mask_function.<locals>.inner_mask",
+}
+
+
+class _Refused:
+    """What the mask function hands the attention function for a mask rule the ring cannot run."""
+
+    def __init__(self, why: str):
+        self.why = why
+
+
+class _Context:
+    """Per model: the CP mesh and layout, the pending top-level error, and the last documents."""
+
+    def __init__(self, cp_mesh: DeviceMesh, layout: str, documents: str | None):
+        self.mesh, self.layout, self.documents = cp_mesh, layout, documents
+        self.pending: str | None = None  # from the top-level call, raised by the next attention call
+        self.last: tuple | None = None  # ((positions, version, mask, use_cache, B), (ids, error))
+        self.id_range: tuple[int, int] | None = None  # the global (min, max) of the last documents derived
+
+
+def _unknown_rules(fn, seen=None) -> list[str]:
+    """Names of mask rules in transformers' composed ``mask_function`` that are not in _KNOWN_RULES."""
+    seen = set() if seen is None else seen
+    if id(fn) in seen:
+        return []
+    seen.add(id(fn))
+    name = getattr(fn, "__qualname__", type(fn).__name__)
+    if not (getattr(fn, "__module__", "") == "transformers.masking_utils" and name in _KNOWN_RULES):
+        return [f"{getattr(fn, '__module__', '?')}.{name}"]
+    out = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        value = cell.cell_contents
+        for f in value if isinstance(value, (tuple, list)) else (value,):
+            if callable(f) and not isinstance(f, Tensor):
+                out += _unknown_rules(f, seen)
+    return out
+
+
+def _mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None,
+          **kwargs):
+    """transformers' mask interface: no dense mask from local shapes -- the 2-D padding mask, or a refusal."""
+    unknown = _unknown_rules(mask_function) if mask_function is not None else []
+    if unknown:
+        return _Refused(
+            f"the model composes a mask rule context parallelism cannot run ({', '.join(unknown)}: an "
+            "or_mask_function / and_mask_function, image-token blocks or chunked attention); the ring runs "
+            "causal, sliding-window, padding and packed-sequence masks only. Run this model without CP."
+        )
+    if attention_mask is not None and attention_mask.dim() == 2:
+        return attention_mask[:, -kv_length:].bool()
+    return attention_mask
+
+
+def register() -> None:
+    """Register ``"cp_dtensor"`` with transformers' attention and mask interfaces (idempotent)."""
+    AttentionInterface.register(NAME, cp_dtensor_attention)
+    AttentionMaskInterface.register(NAME, _mask)
+
+
+def _window(module: nn.Module, sliding_window, is_causal: bool) -> tuple[tuple[int, int] | None, str | None]:
+    """(ring window, error) for this layer from what it declares; see Note [transformers under CP]."""
+    w = sliding_window
+    if w is _UNSET:  # the layer passed no sliding_window: read its declarations
+        config = getattr(module, "config", None)
+        w = getattr(module, "sliding_window", _UNSET)
+        if w is _UNSET:
+            types, idx = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
+            if types is not None and idx is not None:
+                w = getattr(config, "sliding_window", None) if types[idx] == "sliding_attention" else None
+            elif getattr(config, "use_sliding_window", True):
+                w = getattr(config, "sliding_window", None)
+            else:
+                w = None
+    if w is None:
+        return None, None
+    if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+        return None, f"sliding_window must be a positive int; the layer declares {w!r}. Fix the model config."
+    if not is_causal:
+        return None, (f"a bidirectional sliding window (sliding_window={w}, is_causal=False) is not supported under "
+                      "context parallelism. Run this model without CP.")
+    return (w - 1, 0), None  # transformers keeps q - W < k <= q
+
+
+def _local_error(ctx, query, key, attention_mask, dropout, softcap, kwargs) -> str | None:
+    if ctx.pending is not None:
+        return ctx.pending
+    if isinstance(attention_mask, _Refused):
+        return attention_mask.why
+    if attention_mask is not None and not (isinstance(attention_mask, Tensor) and attention_mask.dim() == 2):
+        shape = tuple(attention_mask.shape) if hasattr(attention_mask, "shape") else type(attention_mask).__name__
+        return (f"an explicit {shape} attention mask cannot be split across CP ranks; pass a 2-D padding "
+                "attention_mask [B, N] sharded like the tokens, or none, and position_ids for packed sequences.")
+    if dropout:
+        return (f"attention dropout is not supported under context parallelism; got dropout={dropout}. Set "
+                "config.attention_dropout = 0 (or call model.eval()).")
+    if softcap is not None:
+        return (f"attention logit softcapping (softcap={softcap}) is not supported under context parallelism. "
+                "Run this model without CP.")
+    if kwargs.get("position_bias") is not None or kwargs.get("cu_seq_lens_q") is not None:
+        return ("position_bias / cu_seq_lens are not supported under context parallelism; for packed sequences "
+                "pass position_ids that restart at 0 per sequence, sharded like the tokens.")
+    if key.shape[2] != query.shape[2]:
+        return (f"context parallel attention is self-attention over this rank's shard only: got {query.shape[2]} "
+                f"queries and {key.shape[2]} keys (a KV cache holding earlier tokens, or cross-attention). "
+                "Generate without CP; use_cache=True is fine for a single forward.")
+    pos = kwargs.get("position_ids")
+    if pos is None:
+        return ("context parallel attention needs position_ids: call the model with position_ids= (the global "
+                "positions, sharded like the tokens by cp_dtensor.shard_batch).")
+    if pos.dim() != 2 or pos.shape[-1] != query.shape[2] or pos.shape[0] not in (1, query.shape[0]):
+        return (f"position_ids must be [B, S_local] or [1, S_local] = [{query.shape[0]}, {query.shape[2]}]; got "
+                f"{tuple(pos.shape)} (multi-axis positions are not supported under CP).")
+    if kwargs.get("document_ids") is not None and attention_mask is not None:
+        return "pass document_ids= or a padding attention_mask, not both; fold the padding into the documents."
+    return None
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    """Tensors by identity, everything else by value."""
+    return all(x is y if isinstance(x, Tensor) or isinstance(y, Tensor) else x == y for x, y in zip(a, b))
+
+
+def _global(x: Tensor, ctx: _Context) -> Tensor:
+    """[..., S_local] on every rank -> [..., N] in global order (every rank gets the same)."""
+    cp = ctx.mesh.size()
+    every = funcol.wait_tensor(funcol.all_gather_single(x.contiguous(), 0, ctx.mesh.get_group()))  # [P*lead, S_local]
+    return in_global_order(every.view(cp, -1, x.shape[-1]), ctx.layout)
+
+
+def _documents(ctx: _Context, positions: Tensor, mask: Tensor | None, use_cache: bool, b: int):
+    """(this rank's document ids [B, S_local] or None, error or None) from the global positions and padding,
+    by transformers' sdpa / eager rules; see Note [transformers under CP]. Identical on every rank."""
+    pos = positions.expand(b, -1).long()
+    flag = torch.full_like(pos, 2) if mask is None else mask.long()  # 1 real, 0 pad, 2 no mask on this rank
+    full = _global(torch.cat([pos, flag]), ctx)
+    pos, flag = full[:b], full[b:]
+    given = flag != 2
+    if bool(given.any()) and not bool(given.all()):
+        return None, "attention_mask was passed on some CP ranks only; pass it (or None) on every rank."
+    if bool(given.all()):
+        real = flag == 1
+        prev = torch.nn.functional.pad(real[:, :-1], (1, 0), value=False)
+        runs = (real & ~prev).sum(1)
+        if bool((runs > 1).any()):
+            row = int(torch.nonzero(runs > 1)[0])
+            return None, (f"attention_mask row {row} has padding inside the sequence (its tokens are not one run); "
+                          "the ring runs left and right padding only. Pack the sequences with position_ids "
+                          "restarting at 0 instead, or pad at the ends.")
+        if bool(real.all()):
+            return None, None
+        ids = (~real | ~prev).long().cumsum(1)  # each pad token a document of its own, the tokens one
+    elif use_cache and ctx.documents is None:
+        return None, None  # transformers looks for packed sequences only without a cache
+    else:  # transformers' find_packed_sequence_indices on the global positions
+        diff = torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1)
+        ids = (diff != 1).long().cumsum(1)
+        if not bool(ids[:, -1].any()):
+            return None, None
+    rank, cp = ctx.mesh.get_local_rank(), ctx.mesh.size()
+    ctx.id_range = (int(ids.min()), int(ids.max()))  # global: every rank derived the same ids
+    return shard_tensor(ids, seq_dim=1, layout=ctx.layout, rank=rank, world=cp).contiguous(), None
+
+
+def cp_dtensor_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask,
+                         dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None,
+                         sliding_window=_UNSET, softcap=None, s_aux=None, **kwargs):
+    """transformers attention function ``"cp_dtensor"``: ring attention over this rank's shard.
+    query: [B, Hq, S_local, D]; key, value: [B, Hkv, S_local, D(v)]. Returns ([B, S_local, Hq, Dv], None)."""
+    ctx: _Context | None = getattr(module, "_cp_dtensor_hf", None)
+    if ctx is None:  # the same on every rank: no collective is pending
+        raise ValueError("attn_implementation='cp_dtensor' needs the CP mesh: call "
+                         "cp_dtensor.hf.apply_context_parallel(model, cp_mesh, layout=...) instead of setting it.")
+    device = query.device.type
+    if torch.is_autocast_enabled(device):  # as SDPA under autocast: q, k, v in the autocast dtype (bf16 Trainer runs)
+        dtype = torch.get_autocast_dtype(device)
+        query, key, value = (x.to(dtype) for x in (query, key, value))
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    window, err = _window(module, sliding_window, causal)
+    sinks = s_aux if s_aux is not None else getattr(module, "sinks", None)
+    if getattr(ctx, "step", None) is not None and ctx.step.kind == "decode":  # Note [generate() under CP]
+        refused = attention_mask.why if isinstance(attention_mask, _Refused) else None
+        err = err or refused or _local_error(ctx, query, query, None, dropout, softcap, kwargs)
+        if err is not None:  # the decode step's inputs are replicated: every rank raises alike
+            raise ValueError(err)
+        return ctx.decode(module, query, key, value, scaling, window, sinks), None
+    err = err or _local_error(ctx, query, key, attention_mask, dropout, softcap, kwargs)
+    group = ctx.mesh.get_group()
+    ids, agreed = kwargs.get("document_ids"), None
+    if err is None and ids is None:
+        pos, use_cache = kwargs["position_ids"], bool(kwargs.get("use_cache"))
+        key_ = (pos, pos._version, attention_mask, use_cache, query.shape[0])  # what the documents depend on
+        if ctx.last is not None and _same(ctx.last[0], key_):  # the next layer, or a recomputation
+            ids, err = ctx.last[1]
+        else:
+            # agree on shapes and options before the gather: a bad call raises on every rank here; the
+            # documents then come out the same on every rank, so the ring does not agree again (once a
+            # call; compiled, the ring's op is the agreement: Note [Compiled agreement] in checks.py)
+            compiling = torch.compiler.is_compiling()
+            if not compiling:
+                check_ring_args(query, key, value, group=group, layout=ctx.layout, is_causal=causal,
+                                scale=scaling, window_size=window, sinks=sinks)
+            ctx.id_range = None
+            ids, err = _documents(ctx, pos, attention_mask, use_cache, query.shape[0])
+            ctx.last = (key_, (ids, err))
+            agreed = None if compiling else ctx.id_range or (0, 0)
+    out = _ring_attention(query, key, value, group=group, layout=ctx.layout, is_causal=causal, scale=scaling,
+                          document_ids=ids if err is None else None, window_size=window, sinks=sinks, error=err,
+                          agreed=agreed)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _top_level_error(model: nn.Module, args, kwargs) -> str | None:
+    try:
+        bound = inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments
+    except TypeError:
+        bound = kwargs
+    extra = bound.get("kwargs", {}) if isinstance(bound.get("kwargs"), dict) else {}
+    get = lambda name: bound.get(name, extra.get(name))  # noqa: E731
+    if get("position_ids") is None:
+        return ("a model under context parallelism needs position_ids=: the global positions of this rank's tokens, "
+                "sharded like them (cp_dtensor.shard_batch(mesh, tokens, positions, layout=...)); transformers "
+                "would number the local shard 0..S_local-1.")
+    if get("labels") is not None and get("shift_labels") is None:
+        return ("labels= alone would be shifted inside this rank's shard, pairing tokens with the labels of other "
+                "positions. Shift on the full batch -- lab = cp_dtensor.hf.shift_labels(labels), sharded like the "
+                "tokens -- and pass labels=lab, shift_labels=lab, num_items_in_batch= the global count of "
+                "labels != -100.")
+    if get("shift_labels") is not None and get("num_items_in_batch") is None:
+        return ("with shift_labels= under context parallelism pass num_items_in_batch= (the global count of labels "
+                "!= -100): each rank's mean would otherwise be over its own tokens only.")
+    return None
+
+
+def apply_context_parallel(
+    model: nn.Module, cp_mesh: DeviceMesh, *, layout: str = "striped", documents: str | None = None,
+) -> nn.Module:
+    """Run a transformers model's attention as ring attention over ``cp_mesh`` (changes ``model`` in place).
+
+    Switches the model (and its sub-models) to ``attn_implementation="cp_dtensor"``. Call it with this
+    rank's shard of every sequence tensor (``cp_dtensor.shard_batch(..., layout=layout)``): input_ids,
+    ``position_ids`` (global positions, required), an optional 2-D padding ``attention_mask``, and for the
+    loss ``labels=lab, shift_labels=lab`` where ``lab`` is the shard of ``shift_labels(labels)`` (shifted
+    on the full batch) with ``num_items_in_batch=`` the global label count. Windows, sinks, padding and packed sequences follow the model; what the ring
+    cannot run raises on every rank. See Note [transformers under CP]. Parameter gradients are each
+    rank's share: sum them over the CP group (FSDP / DDP, or ``cp_dtensor.reduce_gradients``).
+
+    ``documents=None`` follows transformers' sdpa / eager rule for packed sequences (position ids that do
+    not advance by 1 start a sequence when the call has no attention_mask and use_cache is off);
+    ``documents="position_ids"`` applies them with use_cache on too.
+
+    ``model.generate(...)`` then runs under CP as well, every rank passing the same full, unsharded inputs:
+    a ring prefill into a sequence-sharded KV cache, then decoding from it (Note [generate() under CP] in
+    hf/generate.py).
+
+    Hybrid linear-attention models (Qwen3-Next, Qwen3.5, Kimi Linear: ``"linear_attention"`` in
+    ``config.layer_types``) take ``layout="headtail"`` or ``"contiguous"`` (striped raises), run without a
+    cache (``use_cache`` defaults to False; a cache or ``generate()`` raises), and keep packed documents apart
+    in their linear layers too: Note [Linear attention in transformers under CP] in hf/linear.py.
+    """
+    check_cp_mesh(cp_mesh)
+    check_layout(layout)
+    if documents not in (None, "position_ids"):
+        raise ValueError(f"documents must be None or 'position_ids'; got {documents!r}.")
+    if getattr(model, "_cp_dtensor_hf", None) is not None or getattr(model, "_cp_dtensor_mode", None) is not None:
+        raise ValueError("context parallelism was already applied to this model.")
+    if not hasattr(model, "set_attn_implementation"):
+        raise ValueError(f"cp_dtensor.hf.apply_context_parallel takes a transformers PreTrainedModel; got {type(model).__name__}. "
+                         "Use cp_dtensor.apply_context_parallel for other modules.")
+    types = set()
+    for config in _configs(model.config):  # layers that mix tokens outside attention would see their shard only
+        types |= set(getattr(config, "layer_types", None) or ())
+    other = sorted(types - {"full_attention", "sliding_attention", "linear_attention"})
+    if other:
+        raise ValueError(f"{type(model).__name__} has {', '.join(other)} layers (config.layer_types); context "
+                         "parallelism runs full and sliding-window attention and the linear_attention layers of "
+                         "Qwen3-Next, Qwen3.5 and Kimi Linear only. Run it without CP.")
+    linear = None
+    if "linear_attention" in types:  # Note [Linear attention in transformers under CP] in hf/linear.py
+        from .linear import linear_layers  # checks only: a refused model stays unchanged
+
+        linear = linear_layers(model, layout)
+    register()
+    model.set_attn_implementation(NAME)
+    if model.config._attn_implementation != NAME:
+        raise ValueError(f"{type(model).__name__} does not route its attention through transformers' "
+                         "AttentionInterface, so it cannot run context parallel attention.")
+    ctx = _Context(cp_mesh, layout, documents)
+    for m in model.modules():
+        m._cp_dtensor_hf = ctx
+
+    def check(module, args, kwargs):
+        ctx.pending = _top_level_error(model, args, kwargs)
+        return args, kwargs
+
+    model.register_forward_pre_hook(check, with_kwargs=True)
+    model.register_forward_hook(lambda *_: setattr(ctx, "pending", None), always_call=True)  # this call's only
+    if linear is not None:  # the linear layers' convolution and delta rule; no cache, no generate()
+        from .linear import enable_linear
+
+        enable_linear(model, ctx, linear, lambda pos, mask, use_cache, b: _documents(ctx, pos, mask, use_cache, b))
+        return model
+    from .generate import enable_generate  # generate(): ring prefill, then a sequence-sharded KV cache
+
+    enable_generate(model, ctx)
+    return model
+
+
+def _configs(config) -> list:
+    """The config and its sub-configs (a multimodal model's text config, ...)."""
+    out = [config]
+    for key in getattr(config, "sub_configs", {}) or {}:
+        sub = getattr(config, key, None)
+        if sub is not None and hasattr(sub, "to_dict"):
+            out += _configs(sub)
+    return out
+
+
+def shift_labels(labels: Tensor, ignore_index: int = -100) -> Tensor:
+    """transformers' causal-LM label shift on the *full* [B, N] labels (label of token i is token i + 1),
+    to shard like the tokens and pass as ``shift_labels=``."""
+    return torch.nn.functional.pad(labels[..., 1:], (0, 1), value=ignore_index)
+

@@ -1,0 +1,389 @@
+"""transformers' hybrid linear-attention models under CP: Qwen3-Next, Qwen3.5 (dense, MoE), Kimi Linear.
+
+Every touch of transformers' linear-attention internals is here, in ``FAMILIES`` (tests/hf/test_hf_linear.py
+checks that each symbol still exists). hf/attention.py calls :func:`linear_layers` (checks only) before it changes
+the model, then :func:`enable_linear`.
+
+Note [Linear attention in transformers under CP]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A Gated DeltaNet / KDA layer mixes tokens in two places, both module-level functions of its modeling
+module that the layer's forward looks up in the module's globals at call time: the short causal
+convolution (``causal_conv1d_fn``, over [B, C, S]) and the chunked delta rule
+(``torch_chunk_gated_delta_rule`` / ``chunk_kimi_delta_attention``; either name is transformers' wrapper
+that picks fla's kernel when installed). ``enable_linear`` swaps those two globals for dispatchers that
+pass every call through unchanged unless a layer of a CP model is running: a forward pre-hook on each
+linear layer sets a context variable holding the layer's CP state (and the post-hook clears it), and
+while it is set the dispatcher runs ``cp_dtensor.linear_attention``'s sharded op on this rank's shard,
+with the original function as the kernel. So no layer code is copied; a model of the same family
+without CP, in the same process, runs as before. Importing cp_dtensor patches nothing. The post-hook
+checks that the layer made exactly one call of each (a layer whose forward a hub kernel replaced would
+otherwise run on its shard alone).
+
+Documents. The linear layers see neither position_ids nor the 2-D padding mask (transformers passes them
+``create_recurrent_attention_mask``'s local view, None on a rank whose shard has no padding), so a
+pre-hook on the base model keeps the call's position_ids, attention_mask and document_ids, and the
+first linear layer of each call derives the documents from the *global* view by hf/attention.py's rule (Note
+[transformers under CP]: padding from the mask, else packed sequences from the position ids, or
+``document_ids=``), after agreeing on the call across ranks; the later layers and activation
+checkpointing's recomputation reuse them until the next call. That derivation gathers the global
+positions and mask (O(N) int64s); the agreement's gather also carries, per run of this rank, whether its
+positions are consecutive and their first and last values per row, and whether the mask is all ones, and
+when those prove a single document per row (no mask and positions consecutive across the runs in global
+order, or every mask all ones -- the common case) the O(N) gather is skipped: then an all-linear model
+sends per call bytes independent of the sequence length (tests/hf/test_hf_linear.py counts them). The
+recurrent state restarts at each document and the convolution does not reach across one, as fla's
+kernels run packed sequences (``cu_seqlens``). transformers' torch fallback runs packed sequences as one
+sequence (it cannot keep them apart); under CP they are kept apart. Padding: transformers zeroes the pad tokens' hidden states
+(``apply_mask_to_padding_states``) with this rank's shard of the mask, and each pad token is a document
+of its own, so the real tokens see exactly what they see at CP=1.
+
+Caches. A recurrent state and a conv state are summaries of the whole prefix: a sequence-sharded cache
+of them would need the global fold. So a hybrid model under CP runs without a cache: the base model's
+``use_cache`` defaults to False, and ``use_cache=True``, a cache object or ``generate()`` raise, on every
+rank before any state moves.
+
+Layouts. The sharded ops summarise each contiguous run of tokens a rank holds by one affine map of the
+state; headtail (two runs a rank, the causal ring's balance) and contiguous work, striped (one run per
+token) is refused when CP is applied.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import importlib
+import inspect
+from typing import NamedTuple
+
+from torch import Tensor, nn
+
+from .._extras import require
+
+require("hf", "cp_dtensor.hf (hybrid linear-attention transformers models under context parallelism)")
+
+from ..core.comm import all_gather_objects, host_group  # noqa: E402
+from ..core.layout import check_layout  # noqa: E402
+from ..core.linear_attention import _owner, _run_starts, check_linear_layout, sharded_causal_conv1d, sharded_delta_rule  # noqa: E402, I001
+
+__all__ = ["FAMILIES", "enable_linear", "linear_layers"]
+
+
+class Family(NamedTuple):
+    """One transformers linear-attention layer and the module-level functions its forward calls."""
+
+    module: str  #: the modeling module (its globals are what the layer's forward reads)
+    layer: str  #: the linear-attention layer class in it
+    conv: str  #: the causal short convolution, transformers' causal_conv1d_fn(x [B, C, S], weight [C, K], ...)
+    rule: str  #: the chunked delta rule (q, k, v, g=, beta=, initial_state=, output_final_state=, ...)
+
+
+FAMILIES = (
+    Family("transformers.models.qwen3_next.modeling_qwen3_next", "Qwen3NextGatedDeltaNet", "causal_conv1d_fn",
+           "torch_chunk_gated_delta_rule"),
+    Family("transformers.models.qwen3_5.modeling_qwen3_5", "Qwen3_5GatedDeltaNet", "causal_conv1d_fn",
+           "torch_chunk_gated_delta_rule"),
+    Family("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet", "causal_conv1d_fn",
+           "torch_chunk_gated_delta_rule"),
+    Family("transformers.models.kimi_linear.modeling_kimi_linear", "KimiLinearDeltaAttention", "causal_conv1d_fn",
+           "chunk_kimi_delta_attention"),
+)
+# the layers' forward keywords read by the hooks (checked by the symbol test, with the table)
+LAYER_KWARGS = ("hidden_states", "cache", "attention_mask")
+
+_RUNNING: contextvars.ContextVar[_Running | None] = contextvars.ContextVar("cp_dtensor_linear", default=None)
+
+
+def _family_classes() -> list[tuple[Family, type]]:
+    out = []
+    for fam in FAMILIES:
+        try:
+            out.append((fam, getattr(importlib.import_module(fam.module), fam.layer)))
+        except (ImportError, AttributeError):  # a transformers without this model: nothing of it to serve
+            continue
+    return out
+
+
+def _layer_count(config) -> int:
+    types = getattr(config, "layer_types", None) or ()
+    n = sum(t == "linear_attention" for t in types)
+    for key in getattr(config, "sub_configs", {}) or {}:
+        sub = getattr(config, key, None)
+        if sub is not None and hasattr(sub, "to_dict"):
+            n += _layer_count(sub)
+    return n
+
+
+def linear_layers(model: nn.Module, layout: str) -> list[tuple[nn.Module, Family]]:
+    """The model's linear-attention layers and their families; raises (changing nothing) when CP cannot
+    serve them. The same on every rank (no communication)."""
+    check_layout(layout)
+    name = type(model).__name__
+    classes = _family_classes()
+    found = [(m, fam) for m in model.modules() for fam, cls in classes if isinstance(m, cls)]
+    expected = _layer_count(model.config)
+    if len(found) != expected:
+        served = ", ".join(f.layer for f in FAMILIES)
+        raise ValueError(
+            f"{name} has {expected} linear_attention layers (config.layer_types) but {len(found)} of the kinds context "
+            f"parallelism serves ({served}); run it without CP.")
+    if layout == "striped":
+        raise ValueError(
+            f"{name} has linear-attention layers, which need each rank's tokens in contiguous runs: their recurrent "
+            "state passes between ranks as one affine summary per run ([dk, dk + dv] per head), and the striped "
+            "layout makes every token a run of its own. Use layout=\"headtail\" for hybrid models (it keeps the "
+            "causal attention layers' load balance: two runs a rank), or \"contiguous\".")
+    check_linear_layout(layout)
+    return found
+
+
+class _Hybrid:
+    """Per model: the hf/attention.py context, this call's inputs, the error found at its start, its documents."""
+
+    def __init__(self, ctx, derive):
+        self.ctx, self.derive = ctx, derive  # derive(positions, mask, use_cache, b) -> (ids, error): hf/attention.py's rule
+        self.call: dict | None = None  # position_ids, attention_mask, document_ids of the base model's call
+        self.pending: str | None = None
+        self.docs: tuple[Tensor | None] | None = None  # this call's documents, once derived
+
+
+class _Running(NamedTuple):
+    hybrid: _Hybrid
+    ids: Tensor | None  # this rank's document ids [B, S_local], or None
+    calls: dict  # how many times the layer called each dispatcher
+
+
+_NO_CACHE = ("a hybrid linear-attention model under context parallelism runs without a cache: its recurrent and conv "
+             "states summarise the whole prefix, which no rank holds. Call it with use_cache=False (the default under "
+             "CP) and no cache; generate() is not supported -- generate with the model without CP.")
+
+
+def _bound(module: nn.Module, args, kwargs) -> tuple[dict, dict]:
+    try:
+        bound = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
+    except TypeError:
+        bound = dict(kwargs)
+    extra = bound.get("kwargs") if isinstance(bound.get("kwargs"), dict) else {}
+    return bound, extra
+
+
+def _take_call(hybrid: _Hybrid, module: nn.Module, args, kwargs):
+    """Base-model pre-hook: keep the call's inputs for the documents; no cache under CP."""
+    bound, extra = _bound(module, args, kwargs)
+    get = lambda name: bound.get(name, extra.get(name))  # noqa: E731
+    cache = next((get(n) for n in ("cache", "past_key_values", "cache_params") if get(n) is not None), None)
+    hybrid.pending = _NO_CACHE if cache is not None or get("use_cache") else None
+    if get("use_cache") is None and "use_cache" not in bound or "use_cache" in kwargs and kwargs["use_cache"] is None:
+        kwargs = {**kwargs, "use_cache": False}  # merge_with_config_defaults would take config.use_cache (True)
+    hybrid.call = dict(position_ids=get("position_ids"), attention_mask=get("attention_mask"),
+                       document_ids=get("document_ids"))
+    hybrid.docs = None
+    return args, kwargs
+
+
+def _call_error(hybrid: _Hybrid, hidden, kwargs) -> str | None:
+    """What this rank cannot run, from the call kept by the base model and the first layer's inputs."""
+    if hybrid.ctx.pending is not None or hybrid.pending is not None:
+        return hybrid.ctx.pending or hybrid.pending
+    if kwargs.get("cache") is not None:
+        return _NO_CACHE
+    if hybrid.call is None:
+        return ("a linear-attention layer under CP ran outside its model's forward: call the model (or its base "
+                "model), which hands the layers the position ids and padding they need.")
+    if not isinstance(hidden, Tensor) or hidden.dim() != 3:
+        return f"a linear-attention layer expects hidden_states [B, S_local, E]; got {type(hidden).__name__}."
+    b, s = hidden.shape[:2]
+    if kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seqlens") is not None:
+        return ("cu_seq_lens are not supported under context parallelism; for packed sequences pass position_ids "
+                "that restart at 0 per sequence, sharded like the tokens.")
+    pos, mask, ids = (hybrid.call[k] for k in ("position_ids", "attention_mask", "document_ids"))
+    if pos is None:
+        return ("a model under context parallelism needs position_ids=: the global positions of this rank's tokens, "
+                "sharded like them (cp_dtensor.shard_batch(mesh, tokens, positions, layout=...)).")
+    if pos.dim() == 3 and pos.shape[0] == 4:  # Qwen3.5: the text row, then three multimodal rows
+        pos = pos[0]
+    if pos.dim() != 2 or pos.shape[-1] != s or pos.shape[0] not in (1, b):
+        return (f"position_ids must be [B, S_local] or [1, S_local] = [{b}, {s}]; got {tuple(pos.shape)} "
+                "(multi-axis positions are not supported under CP).")
+    if mask is not None and not (isinstance(mask, Tensor) and mask.dim() == 2 and tuple(mask.shape) == (b, s)):
+        shape = tuple(mask.shape) if hasattr(mask, "shape") else type(mask).__name__
+        return (f"an explicit {shape} attention mask cannot be split across CP ranks; pass a 2-D padding "
+                f"attention_mask [B, S_local] = [{b}, {s}] sharded like the tokens, or none.")
+    if ids is not None and mask is not None:
+        return "pass document_ids= or a padding attention_mask, not both; fold the padding into the documents."
+    if ids is not None and not (isinstance(ids, Tensor) and tuple(ids.shape) == (b, s) and not ids.is_floating_point()):
+        return f"document_ids must be an integer tensor [B, S_local] = [{b}, {s}]; got {getattr(ids, 'shape', ids)}."
+    return None
+
+
+def _positions(call: dict, b: int) -> Tensor:
+    pos = call["position_ids"]
+    return (pos[0] if pos.dim() == 3 else pos).expand(b, -1)
+
+
+def _runs_summary(call: dict, b: int, layout: str, rank: int, world: int):
+    """This rank's share of the one-document test (Note [Linear attention in transformers under CP]):
+    (mask: "none" / "ones" / "other", per run: (consecutive positions in every row, first and last position
+    per row)); None when the call passes document_ids (nothing to derive)."""
+    if call["document_ids"] is not None:
+        return None
+    mask = call["attention_mask"]
+    state = "none" if mask is None else "ones" if bool((mask == 1).all()) else "other"
+    pos = _positions(call, b).long()
+    s = pos.shape[1]
+    runs = []
+    for s0, _ in _run_starts(layout, rank, world, s):
+        run = pos[:, s0:s0 + s // (2 if layout == "headtail" else 1)]
+        runs.append((bool((run.diff(dim=1) == 1).all()), run[:, 0].tolist(), run[:, -1].tolist()))
+    return state, runs
+
+
+def _one_document(summaries: list, layout: str, world: int) -> bool:
+    """Whether the summaries of every rank prove the call has no documents: every rank's mask all ones
+    (transformers then looks at nothing else), or no mask anywhere and positions consecutive across the
+    global sequence (no packed sequences)."""
+    if any(x is None for x in summaries):
+        return False
+    states = {state for state, _ in summaries}
+    if states == {"ones"}:
+        return True
+    if states != {"none"}:
+        return False
+    last = None
+    for j in range(world * len(summaries[0][1])):  # the runs in global order
+        r, i = _owner(layout, world, j)
+        consecutive, first, end = summaries[r][1][i]
+        if not consecutive or (last is not None and any(f != e + 1 for f, e in zip(first, last))):
+            return False
+        last = end
+    return True
+
+
+def _start(hybrid: _Hybrid, hidden, kwargs) -> None:
+    """The first linear layer of a call: agree across ranks (Note [Agreeing before the ring] in checks.py,
+    as generate() does: one gather of (error, fingerprint, runs summary)), then derive the documents."""
+    ctx = hybrid.ctx
+    err = _call_error(hybrid, hidden, kwargs)
+    call = hybrid.call or {}
+    world = ctx.mesh.size()
+    # (a mask on some ranks only is found by the documents' gather, which every rank joins)
+    fingerprint = summary = None
+    if err is None:
+        fingerprint = (ctx.layout, tuple(hidden.shape), str(hidden.dtype), call["document_ids"] is not None)
+        summary = _runs_summary(call, hidden.shape[0], ctx.layout, ctx.mesh.get_local_rank(), world)
+    one_document = False
+    if world > 1:
+        every = all_gather_objects((err, fingerprint, summary), host_group(ctx.mesh.get_group()))
+        bad = [(r, e) for r, (e, _, _) in enumerate(every) if e is not None]
+        if bad:
+            raise ValueError(f"context parallelism refused the call on rank(s) {[r for r, _ in bad]}: {bad[0][1]}")
+        if any(f != every[0][1] for _, f, _ in every):
+            table = "; ".join(f"rank {r}: layout, hidden shape, dtype, document_ids = {f}"
+                              for r, (_, f, _) in enumerate(every))
+            raise ValueError(f"a hybrid model under CP needs the same call on every rank of the CP group; got {table}. "
+                             "Every rank must hold an equal-length shard of one batch and pass the same options.")
+        one_document = _one_document([x for _, _, x in every], ctx.layout, world)
+    elif err is not None:
+        raise ValueError(err)
+    ids = call["document_ids"]
+    if ids is None and not one_document:  # the global view: O(N) ids gathered (hf/attention.py's rule)
+        pos = call["position_ids"]
+        ids, err = hybrid.derive(pos[0] if pos.dim() == 3 else pos, call["attention_mask"], False, hidden.shape[0])
+        if err is not None:  # derived from the global view: the same on every rank
+            raise ValueError(err)
+    hybrid.docs = (ids,)
+
+
+def _layer_pre(hybrid: _Hybrid, layer: nn.Module, args, kwargs):
+    hidden = kwargs.get("hidden_states", args[0] if args else None)
+    if hybrid.docs is None:
+        _start(hybrid, hidden, kwargs)
+    elif kwargs.get("cache") is not None:  # the same on every rank
+        raise ValueError(_NO_CACHE)
+    layer._cp_dtensor_token = _RUNNING.set(_Running(hybrid, hybrid.docs[0], {"conv": 0, "rule": 0}))
+    return args, kwargs
+
+
+def _layer_post(layer: nn.Module, args, kwargs, output):
+    token = getattr(layer, "_cp_dtensor_token", None)
+    if token is None:
+        return output
+    run = _RUNNING.get()
+    _RUNNING.reset(token)
+    layer._cp_dtensor_token = None
+    if output is not None and run is not None and run.calls != {"conv": 1, "rule": 1}:
+        raise RuntimeError(
+            f"{type(layer).__name__}.forward made {run.calls} calls of the convolution and the delta rule that context "
+            "parallelism serves (one each expected): its forward no longer calls transformers' module functions (a hub "
+            "kernel, use_kernels=True?), so it saw only this rank's shard. Run it without kernel replacement.")
+    return output
+
+
+def _conv_dispatcher(original):
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def conv(*args, **kwargs):
+        run = _RUNNING.get()
+        if run is None:
+            return original(*args, **kwargs)
+        a = signature.bind(*args, **kwargs).arguments  # (hidden_states [B, C, S_local], weight [C, K], bias, activation)
+        run.calls["conv"] += 1
+        ctx = run.hybrid.ctx
+        return sharded_causal_conv1d(a["hidden_states"], a["weight"], a.get("bias"), a.get("activation"),
+                                     group=ctx.mesh.get_group(), layout=ctx.layout, document_ids=run.ids)
+
+    conv._cp_dtensor_original = original
+    return conv
+
+
+def _rule_dispatcher(original):
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def rule(*args, **kwargs):
+        run = _RUNNING.get()
+        if run is None:
+            return original(*args, **kwargs)
+        a = signature.bind(*args, **kwargs).arguments  # q, k [B, S_local, Hk, dk]; v [B, S_local, Hv, dv]; g; beta
+        if a.get("initial_state") is not None or a.get("output_final_state"):
+            raise ValueError(_NO_CACHE)  # the call's cache check refused this already, on every rank
+        run.calls["rule"] += 1
+        ctx = run.hybrid.ctx
+        extra = {"chunk_size": a["chunk_size"]} if "chunk_size" in a else {}  # the rest: the model's call kwargs
+        out = sharded_delta_rule(original, a["query"], a["key"], a["value"], a["g"], a["beta"],
+                                 group=ctx.mesh.get_group(), layout=ctx.layout, document_ids=run.ids,
+                                 use_qk_l2norm_in_kernel=bool(a.get("use_qk_l2norm_in_kernel", False)), **extra)
+        return out, None
+
+    rule._cp_dtensor_original = original
+    return rule
+
+
+def _install(fam: Family) -> None:
+    """Swap the family's two module functions for dispatchers (once per process; they pass through)."""
+    module = importlib.import_module(fam.module)
+    for name, make in ((fam.conv, _conv_dispatcher), (fam.rule, _rule_dispatcher)):
+        current = getattr(module, name)
+        if getattr(current, "_cp_dtensor_original", None) is None:
+            setattr(module, name, make(current))
+
+
+def enable_linear(model: nn.Module, ctx, layers: list[tuple[nn.Module, Family]], derive) -> None:
+    """Serve the linear layers found by :func:`linear_layers` under CP (model changed in place);
+    ``derive(positions, mask, use_cache, b)`` is hf/attention.py's document rule. See Note [Linear attention in
+    transformers under CP]."""
+    hybrid = _Hybrid(ctx, derive)
+    for fam in {fam for _, fam in layers}:
+        _install(fam)
+    model.base_model.register_forward_pre_hook(lambda m, a, k: _take_call(hybrid, m, a, k), with_kwargs=True)
+    for layer, _ in layers:
+        layer._cp_dtensor_token = None
+        layer.register_forward_pre_hook(lambda m, a, k: _layer_pre(hybrid, m, a, k), with_kwargs=True)
+        layer.register_forward_hook(_layer_post, with_kwargs=True, always_call=True)
+
+    def generate(*args, **kwargs):  # the same on every rank: nothing to agree on
+        raise ValueError(_NO_CACHE)
+
+    model.generate = generate
+    model._cp_dtensor_linear = hybrid
+

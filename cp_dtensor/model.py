@@ -1,0 +1,168 @@
+"""Context parallelism for whole models whose attention modules call ``F.scaled_dot_product_attention``.
+
+Note [Module context parallel]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The model runs on plain local tensors: each CP rank holds its layout's share of every sequence --
+tokens, labels and positions sharded alike by ``shard_batch``. Every layer except attention works
+token by token, so it needs nothing, provided position-dependent layers take the positions as an input
+(RoPE indexed by ``positions``, not by local index): positions travel with their tokens.
+
+Attention is the one layer that mixes tokens. ``apply_context_parallel`` installs forward hooks that
+keep a ``TorchFunctionMode`` active while the model (or any of its submodules, so activation
+checkpointing's recomputation is covered too) runs forward. The mode turns each SDPA call on plain
+[B, H, S_local, D] tensors into ``ring_attention`` on the same local shards, so every call goes
+through the ring's agreement check (Note [Agreeing before the ring] in checks.py): a call that is
+bad on one rank only -- an explicit mask one rank's model built from its local shapes, say -- raises
+on every rank before any K/V moves. The masks the ring can express come from the hooks: document ids
+taken from the top-level call (``document_ids=``, or derived from ``position_ids`` that restart at 0)
+and kept until the next top-level call (activation checkpointing recomputes with them), and the
+model's window.
+
+Why not run the whole model on DTensors: in torch 2.13 a view that merges [B, S] fails when S carries
+a strided placement, and ``nn.Linear`` on [B, S, E] makes exactly that view, so striped and head-tail
+activations cannot pass through a Linear as DTensors.
+
+A rank's loss covers its own tokens (normalise by the *global* token count), so each parameter's
+gradient is that rank's share and must be summed over the CP group: FSDP / DDP over a mesh dim that
+includes CP does this; standalone, call ``reduce_gradients``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.overrides import TorchFunctionMode
+
+from .core.attention import _ring_attention
+from .core.batch import document_ids_from_positions, shard_batch, unshard_batch
+from .core.checks import check_cp_mesh
+from .core.layout import check_layout
+
+__all__ = [
+    "apply_context_parallel", "reduce_gradients",
+    "document_ids_from_positions", "shard_batch", "unshard_batch",  # from core.batch, here for the old module path
+]
+
+
+class _RingSDPA(TorchFunctionMode):
+    """Routes SDPA on local sequence shards to the ring. See Note [Module context parallel]."""
+
+    def __init__(self, cp_mesh: DeviceMesh, layout: str, window_size, documents: str | None):
+        super().__init__()
+        self.mesh, self.layout, self.window, self.documents, self.depth = cp_mesh, layout, window_size, documents, 0
+        self.ids: Tensor | None = None  # this forward's document ids [B, S_local]; kept for recomputation
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            q = args[0] if args else kwargs.get("query")
+            if isinstance(q, Tensor) and not isinstance(q, DTensor):
+                return self._sdpa(*args, **kwargs)
+        return func(*args, **kwargs)
+
+    def _sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        # query: [B, Hq, S_local, D]; key, value: [B, Hkv, S_local, D] -- this rank's tokens
+        error = None  # raised on every rank by the ring's agreement check, before any K/V moves
+        if attn_mask is not None or dropout_p > 0.0:
+            error = (
+                "context parallel attention takes no explicit attn_mask and no dropout_p > 0; got attn_mask="
+                f"{'a tensor' if attn_mask is not None else None}, dropout_p={dropout_p}. Masks come from "
+                "is_causal, document ids (apply_context_parallel(..., documents=...)) and window_size; set the "
+                "attention dropout to 0."
+            )
+        return _ring_attention(
+            query, key, value, group=self.mesh.get_group(), layout=self.layout, is_causal=bool(is_causal),
+            scale=scale, document_ids=self.ids, window_size=self.window, error=error,
+        )
+
+    def take_documents(self, kwargs: dict) -> None:
+        """Set this forward's documents from the top-level call's keyword arguments."""
+        ids = kwargs.pop("document_ids", None)
+        if ids is None and self.documents == "position_ids":
+            pos = kwargs.get("position_ids", kwargs.get("positions"))
+            if pos is None:
+                raise ValueError("apply_context_parallel(documents='position_ids') needs the model to be called "
+                                 "with position_ids= (or positions=) restarting at 0 for every document.")
+            ids = document_ids_from_positions(pos, self.mesh, layout=self.layout)
+        self.ids = ids
+
+
+def _is_transformers_model(model: nn.Module) -> bool:
+    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.") for c in type(model).__mro__)
+
+
+def _enter(mode: _RingSDPA, *_) -> None:
+    if mode.depth == 0:
+        mode.__enter__()
+    mode.depth += 1
+
+
+def _exit(mode: _RingSDPA, *_) -> None:
+    mode.depth -= 1
+    if mode.depth == 0:
+        mode.__exit__(None, None, None)
+
+
+def apply_context_parallel(
+    model: nn.Module, cp_mesh: DeviceMesh, *, layout: str = "striped", window_size: tuple[int, int] | None = None,
+    documents: str | None = None,
+) -> nn.Module:
+    """Run ``model``'s ``F.scaled_dot_product_attention`` calls as ring attention over ``cp_mesh``.
+
+    Feed the model its local shard of each batch (``shard_batch``), including positions for RoPE;
+    ``layout`` must match. Attention calls use ``is_causal`` and no dropout; masks come from:
+
+    * ``document_ids=`` given to the model's forward (a keyword the hook takes away before the model
+      sees it): this rank's shard of the global [B, N] ids, non-decreasing (packed sequences);
+    * ``documents="position_ids"``: ids derived from the forward's ``position_ids`` (or ``positions``)
+      that restart at 0 for every document, the Hugging Face packed-sequence convention;
+    * ``window_size=(left, right)``: a sliding window on every attention call.
+
+    An SDPA call with an explicit ``attn_mask`` or dropout raises on every rank before any K/V moves.
+    See Note [Module context parallel]. Returns ``model``, changed in place (forward hooks only).
+
+    A Hugging Face transformers model goes to ``cp_dtensor.hf.apply_context_parallel`` instead: its
+    masks come from what the model declares (windows per layer, sinks, padding, packed position ids),
+    not from SDPA calls whose masks transformers built from local shapes.
+    """
+    if _is_transformers_model(model):  # See Note [transformers under CP] in hf/attention.py
+        if window_size is not None:
+            raise ValueError(f"a transformers model declares its own windows (config.sliding_window / layer_types); "
+                             f"got window_size={window_size!r}. Drop window_size.")
+        from .hf import apply_context_parallel as apply_hf  # transformers is installed: the model is one of its
+
+        return apply_hf(model, cp_mesh, layout=layout, documents=documents)
+    check_cp_mesh(cp_mesh)
+    check_layout(layout)
+    if documents not in (None, "position_ids"):
+        raise ValueError(f"documents must be None or 'position_ids'; got {documents!r}.")
+    if getattr(model, "_cp_dtensor_mode", None) is not None:
+        raise ValueError("apply_context_parallel was already applied to this model.")
+    mode = _RingSDPA(cp_mesh, layout, window_size, documents)
+    model._cp_dtensor_mode = mode
+
+    def take(module, args, kwargs):
+        mode.take_documents(kwargs)
+        return args, kwargs
+
+    model.register_forward_pre_hook(take, with_kwargs=True)
+    for m in model.modules():
+        m.register_forward_pre_hook(lambda *a, mode=mode: _enter(mode))
+        m.register_forward_hook(lambda *a, mode=mode: _exit(mode), always_call=True)
+    return model
+
+
+@torch.no_grad()
+def reduce_gradients(model: nn.Module, cp_mesh: DeviceMesh) -> None:
+    """Sum every parameter gradient over the CP group (each rank's covers only its own tokens).
+    Not needed when FSDP / DDP already reduce over a mesh dim that includes CP."""
+    check_cp_mesh(cp_mesh)
+    group = cp_mesh.get_group()
+    for p in model.parameters():
+        if p.grad is not None:
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            dist.all_reduce(g, group=group)

@@ -1,0 +1,62 @@
+"""The ``cp_dtensor`` options of a torchtitan job -- the ``[cp_dtensor]`` TOML section in 0.2.2, the
+``cp_dtensor`` field of the config (``--cp_dtensor.layout`` ...) in 0.3 -- checked as they are built.
+(No ``from __future__ import annotations`` here: tyro resolves the field types in torchtitan's namespace.)
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from ...core.layout import LAYOUTS
+from ...core.wire import KV_EXCHANGES  # kv_exchange values, as ring_attention(kv_exchange=...) takes them
+
+__all__ = ["COMM_DTYPES", "CPDTensor"]
+
+COMM_DTYPES = {  # [cp_dtensor] comm_dtype -> the K/V ring payload dtype (see Note [float8 ring payload])
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
+
+
+@dataclass
+class CPDTensor:
+    """Context parallelism through cp_dtensor's ring attention (active when context_parallel_degree > 1)."""
+
+    layout: str = "striped"
+    """How the sequence is split over the CP ranks: "striped", "headtail" or "contiguous"."""
+
+    comm_dtype: str | None = None
+    """dtype of the K/V blocks on the ring, e.g. "float8_e4m3fn" (about half of bf16's bytes); unset: the input dtype."""
+
+    ulysses_degree: int = 1
+    """U: heads all-to-all over U CP ranks, ring over the other CP / U (Note [Ulysses x ring]); must divide the CP degree."""
+
+    kv_exchange: str = "ring"
+    """How K/V reach every rank of the ring: "ring" (P - 1 hops) or "allgather" (one gather; Note [All-gather K/V])."""
+
+    def __post_init__(self):
+        if self.layout not in LAYOUTS:
+            raise ValueError(
+                f"[cp_dtensor] layout must be one of {', '.join(LAYOUTS)}; got {self.layout!r}. "
+                'Set e.g. layout = "striped" in the TOML or pass --cp_dtensor.layout striped.'
+            )
+        if self.comm_dtype is not None and self.comm_dtype not in COMM_DTYPES:
+            raise ValueError(
+                f"[cp_dtensor] comm_dtype must be one of {', '.join(COMM_DTYPES)} or unset (the input dtype); "
+                f'got {self.comm_dtype!r}. Set e.g. comm_dtype = "float8_e4m3fn" in the TOML, pass '
+                "--cp_dtensor.comm_dtype float8_e4m3fn, or remove the key."
+            )
+        if not isinstance(self.ulysses_degree, int) or self.ulysses_degree < 1:
+            raise ValueError(f"[cp_dtensor] ulysses_degree must be an integer >= 1; got {self.ulysses_degree!r}. "
+                             "Set ulysses_degree = 1 (ring only) or a divisor of context_parallel_degree.")
+        if self.kv_exchange not in KV_EXCHANGES:
+            raise ValueError(f"[cp_dtensor] kv_exchange must be one of {', '.join(KV_EXCHANGES)}; got "
+                             f'{self.kv_exchange!r}. Set kv_exchange = "ring" (or "allgather") in the TOML.')
+
+    @property
+    def comm_torch_dtype(self) -> torch.dtype | None:
+        """``comm_dtype`` as the torch dtype ``ring_attention`` takes (None: the input dtype)."""
+        return None if self.comm_dtype is None else COMM_DTYPES[self.comm_dtype]

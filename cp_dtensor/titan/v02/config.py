@@ -1,0 +1,144 @@
+"""The ``[cp_dtensor]`` TOML section, and the start-up checks of a torchtitan job that uses it.
+
+torchtitan merges this module's ``JobConfig`` into its own when the TOML says
+``[job] custom_config_module = "cp_dtensor.titan.config"``. (No ``from __future__ import
+annotations`` here: tyro resolves the field types in torchtitan's namespace.)
+"""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...core.layout import layout_unit
+from ..shared.options import COMM_DTYPES, CPDTensor
+
+__all__ = ["COMM_DTYPES", "FAMILIES", "CPDTensor", "JobConfig", "check_config", "cp_section"]
+
+FAMILIES = ("llama3", "qwen3", "deepseek_v3", "llama4", "gpt_oss")  # torchtitan 0.2.2 model names the plugin serves
+
+@dataclass
+class JobConfig:
+    cp_dtensor: CPDTensor = field(default_factory=CPDTensor)
+    """cp_dtensor's context-parallel options."""
+
+
+def cp_section(job_config: Any) -> CPDTensor:
+    """The ``[cp_dtensor]`` section of a parsed torchtitan config, or a clear error without it."""
+    section = getattr(job_config, "cp_dtensor", None)
+    if section is None:
+        raise ValueError(
+            "context_parallel_degree > 1 with cp_dtensor needs its config section: add "
+            '[job] custom_config_module = "cp_dtensor.titan.config" to the TOML (or pass '
+            "--job.custom_config_module cp_dtensor.titan.config)."
+        )
+    return section
+
+
+def check_config(job_config: Any, world_size: int) -> None:
+    """Raise on every rank, before any collective, for a job cp_dtensor cannot run as configured."""
+    par, training = job_config.parallelism, job_config.training
+    cp, tp = par.context_parallel_degree, par.tensor_parallel_degree
+    if cp < 1:
+        raise ValueError(f"context_parallel_degree must be >= 1; got {cp}.")
+    old_names = {"float8": "quantize.linear.float8", "mx": "quantize.linear.mx"}  # older torchtitan names
+    for name in getattr(job_config.model, "converters", None) or []:
+        if name in old_names:
+            raise ValueError(
+                f'[model] converters: torchtitan 0.2.2 has no converter "{name}"; its float8 / MX linears are '
+                f'"{old_names[name]}". Write converters = ["{old_names[name]}"].'
+            )
+    if world_size % cp != 0:
+        raise ValueError(
+            f"context_parallel_degree ({cp}) must divide the number of ranks ({world_size}). "
+            f"Launch a multiple of {cp} ranks or change [parallelism] context_parallel_degree."
+        )
+    _check_ulysses(job_config, cp, tp)
+    if cp == 1:
+        return
+    layout = cp_section(job_config).layout
+    unit = layout_unit(layout, cp)
+    seq_len = training.seq_len
+    if seq_len % (unit * tp) != 0:
+        why = f"the {layout} layout on {cp} CP ranks needs a multiple of {unit}"
+        if tp > 1:
+            why += f", times tensor_parallel_degree ({tp}) for sequence parallelism"
+        raise ValueError(
+            f"[training] seq_len ({seq_len}) does not fit: {why}. Use seq_len = a multiple of {unit * tp}."
+        )
+    # windows (gpt_oss) and chunks (llama4) fit every layout and seq_len: the ring masks by global position
+    validation = getattr(job_config, "validation", None)
+    if validation is not None and validation.enable and validation.seq_len % (unit * tp) != 0:
+        raise ValueError(
+            f"[validation] seq_len ({validation.seq_len}) does not fit: the validator shards its batches like "
+            f"training's, and the {layout} layout on {cp} CP ranks"
+            + (f" times tensor_parallel_degree ({tp})" if tp > 1 else "")
+            + f" needs a multiple of {unit * tp}. Use [validation] seq_len = a multiple of {unit * tp}."
+        )
+    if seq_len % (2 * cp * tp) != 0:
+        raise ValueError(
+            f"[training] seq_len ({seq_len}) must be divisible by 2 * context_parallel_degree * "
+            f"tensor_parallel_degree = {2 * cp * tp}: torchtitan 0.2.2's parallelize_llama asserts this "
+            "for every layout. Round seq_len up to that multiple."
+        )
+
+    unsupported = []
+    if par.pipeline_parallel_degree > 1:
+        unsupported.append("[parallelism] pipeline_parallel_degree > 1")
+    if par.expert_parallel_degree > 1:
+        unsupported.append("[parallelism] expert_parallel_degree > 1")
+    name = job_config.model.name
+    if name not in FAMILIES:
+        unsupported.append(f'[model] name = "{name}" (cp_dtensor serves {", ".join(FAMILIES)})')
+    elif (attn := _attn_type(name, job_config.model.flavor)) not in ("sdpa", "flex"):
+        unsupported.append(f'[model] flavor = "{job_config.model.flavor}" with attn_type "{attn}" (the ring serves '
+                           '"sdpa" and "flex" flavors, e.g. "debugmodel", "debugmodel_flex_attn")')
+    if unsupported:
+        raise ValueError(
+            "cp_dtensor context parallelism does not support: " + "; ".join(unsupported)
+            + ". Turn these off or set context_parallel_degree = 1."
+        )
+
+
+def _check_ulysses(job_config: Any, cp: int, tp: int) -> None:
+    # See Note [Ulysses in torchtitan] (attention.py): TP splits the query heads first, then the U ranks of a Ulysses group split
+    # each TP rank's Hq / TP heads, so U must divide Hq / TP (K/V heads need no rule: Note [GQA under Ulysses]).
+    section = getattr(job_config, "cp_dtensor", None)
+    ulysses = 1 if section is None else section.ulysses_degree
+    if ulysses == 1:
+        return
+    if cp % ulysses != 0:
+        raise ValueError(
+            f"[cp_dtensor] ulysses_degree ({ulysses}) must divide context_parallel_degree ({cp}): CP runs as "
+            f"ulysses_degree x ring ranks. Set context_parallel_degree = a multiple of {ulysses} (e.g. "
+            f"{ulysses * max(1, cp // ulysses)}) or ulysses_degree = a divisor of {cp}."
+        )
+    name, flavor = job_config.model.name, job_config.model.flavor
+    if name not in FAMILIES:
+        return  # refused below with the families the plugin serves
+    _attn_type(name, flavor)  # raises for an unknown flavor
+    args = _flavor_args(name, flavor)
+    n_heads = getattr(args, "n_heads", None)
+    if n_heads is None or n_heads % tp != 0:
+        return  # torchtitan's TP refuses heads it cannot split
+    if (n_heads // tp) % ulysses != 0:
+        raise ValueError(
+            f"[cp_dtensor] ulysses_degree ({ulysses}) must divide the query heads each TP rank holds: "
+            f"{name} {flavor} has n_heads = {n_heads}, tensor_parallel_degree = {tp}, so {n_heads // tp} heads "
+            f"per TP rank. Use a ulysses_degree that divides {n_heads // tp}"
+            + (", or a smaller tensor_parallel_degree." if tp > 1 else ".")
+        )
+
+
+def _flavor_args(family: str, flavor: str):
+    import importlib
+
+    return importlib.import_module(f"torchtitan.models.{family}").get_train_spec().model_args[flavor]
+
+
+def _attn_type(family: str, flavor: str) -> str:
+    import importlib
+
+    flavors = importlib.import_module(f"torchtitan.models.{family}").get_train_spec().model_args
+    if flavor not in flavors:
+        raise ValueError(f'[model] flavor "{flavor}" is not a {family} flavor of torchtitan; pick one of '
+                         f'{", ".join(sorted(flavors))}.')
+    return getattr(flavors[flavor], "attn_type", "sdpa")

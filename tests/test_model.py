@@ -1,0 +1,184 @@
+"""apply_context_parallel on a small transformer: CP=2 and CP=4 training matches the CP=1 run."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.debug import CommDebugMode
+
+from cp_dtensor.core.batch import shard_batch, unshard_batch
+from cp_dtensor.dtensor.sdpa import install_sdpa_dispatch
+from cp_dtensor.model import apply_context_parallel, reduce_gradients
+from _dist import run_ranks
+from _ref import rel_err
+
+TOL = 1e-5  # fp32, relative to the largest magnitude
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [B, H, S, hd]; cos, sin: [B, 1, S, hd/2]
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int, kv_heads: int):
+        super().__init__()
+        self.heads, self.kv_heads, self.hd = heads, kv_heads, dim // heads
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.wq = nn.Linear(dim, heads * self.hd, bias=False)
+        self.wkv = nn.Linear(dim, 2 * kv_heads * self.hd, bias=False)
+        self.wo = nn.Linear(heads * self.hd, dim, bias=False)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x, cos, sin, mask=None, window=None):
+        b, s, _ = x.shape
+        h = self.norm1(x)
+        q = self.wq(h).view(b, s, self.heads, self.hd).transpose(1, 2)
+        k, v = self.wkv(h).view(b, s, 2 * self.kv_heads, self.hd).transpose(1, 2).chunk(2, dim=1)
+        o = F.scaled_dot_product_attention(rope(q, cos, sin), rope(k, cos, sin), v, attn_mask=mask,
+                                           is_causal=mask is None, enable_gqa=True)
+        x = x + self.wo(o.transpose(1, 2).reshape(b, s, -1))
+        return x + self.mlp(self.norm2(x))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab=32, dim=32, heads=4, kv_heads=2, layers=2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads, kv_heads) for _ in range(layers))
+        self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, dim // heads, 2) / (dim // heads)))
+
+    def forward(self, tokens, positions, mask=None):
+        # tokens, positions: [B, S] -- positions are global, so RoPE follows the layout
+        freqs = positions[:, None, :, None].float() * self.inv_freq  # [B, 1, S, hd/2]
+        cos, sin = freqs.cos(), freqs.sin()
+        x = self.embed(tokens)
+        for blk in self.blocks:
+            x = blk(x, cos, sin, mask)
+        return self.head(self.norm(x))
+
+
+def _loss(logits, labels, n_tokens):
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / n_tokens
+
+
+def _check_training(rank: int, world: int) -> None:
+    install_sdpa_dispatch()
+    torch.manual_seed(0)
+    base = TinyLM()
+    b, n, steps = 2, 16, 3
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 32, (b, n), generator=g), torch.randint(0, 32, (b, n), generator=g))
+               for _ in range(steps)]
+    positions = torch.arange(n).expand(b, n)
+
+    # CP=1: the plain model on the full sequence, on every rank alike
+    ref, ref_losses, ref_grads, ref_logits = copy.deepcopy(base), [], [], []
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for tokens, labels in batches:
+        logits = ref(tokens, positions)
+        loss = _loss(logits, labels, b * n)
+        opt.zero_grad()
+        loss.backward()
+        ref_losses.append(loss.item())
+        ref_grads.append([p.grad.clone() for p in ref.parameters()])
+        ref_logits.append(logits.detach())
+        opt.step()
+
+    meshes = {4: init_device_mesh("cpu", (4,)), 2: init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))["cp"]}
+    for cp, layout in ((cp, layout) for cp in (2, 4) for layout in ("striped", "headtail", "contiguous")):
+        cp_mesh = meshes[cp]
+        model = apply_context_parallel(copy.deepcopy(base), cp_mesh, layout=layout)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        for step, (tokens, labels) in enumerate(batches):
+            tok, lab, pos = shard_batch((tokens, labels, positions), cp_mesh, layout=layout)
+            logits = model(tok, pos)
+            loss = _loss(logits, lab, b * n)
+            opt.zero_grad()
+            loss.backward()
+            reduce_gradients(model, cp_mesh)
+            total = loss.detach().clone()
+            dist.all_reduce(total, group=cp_mesh.get_group())
+            where = f"cp={cp} {layout} step {step}"
+            assert abs(total.item() - ref_losses[step]) <= TOL * abs(ref_losses[step]), where
+            for (name, p), want in zip(model.named_parameters(), ref_grads[step]):
+                assert rel_err(p.grad, want) <= TOL, f"{where} grad {name}: {rel_err(p.grad, want):.2e}"
+            full = unshard_batch(logits.detach(), cp_mesh, layout=layout)
+            assert rel_err(full, ref_logits[step]) <= TOL, where
+            opt.step()
+
+    # attn_mask / dropout inside a CP model: a clear error before any communication
+    class Bad(nn.Module):
+        def forward(self, x, **kw):
+            return F.scaled_dot_product_attention(x, x, x, **kw)
+
+    bad = apply_context_parallel(Bad(), meshes[4], layout="striped")
+    x = torch.randn(1, 2, 4, 8)
+    # on every rank, or on one rank only (a mask built from one rank's local shapes): every rank raises,
+    # after the agreement check's all-gathers (fingerprints, then the error texts), before any K/V moves
+    for kw in (dict(dropout_p=0.1), dict(attn_mask=torch.ones(4, 4, dtype=torch.bool)),
+               dict(attn_mask=torch.ones(4, 4, dtype=torch.bool)) if rank == 1 else dict(is_causal=True)):
+        with CommDebugMode() as cm, pytest.raises(ValueError, match="no explicit attn_mask"):
+            bad(x, **kw)
+        counts = {str(k).split(".")[-1]: n for k, n in cm.get_comm_counts().items()}
+        assert "all_to_all_single" not in counts and counts["all_gather_into_tensor"] == 1, counts
+        assert not torch._C._is_torch_function_mode_enabled()  # the failed forward left no mode behind
+    with pytest.raises(ValueError, match="already applied"):
+        apply_context_parallel(bad, meshes[4])
+
+
+def test_transformer_training_matches_cp1():
+    run_ranks(4, _check_training)
+
+
+def _dense_mask(ids: torch.Tensor, window: tuple[int, int] | None) -> torch.Tensor:
+    """[B, 1, N, N] boolean: same document, causal, inside the window -- the CP=1 reference's mask."""
+    n = ids.shape[1]
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    keep = (j <= i) & ((j >= i - window[0]) if window else True)
+    return (ids[:, None, :, None] == ids[:, None, None, :]) & keep
+
+
+def _check_packed(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    base = TinyLM()
+    b, n = 2, 24
+    g = torch.Generator().manual_seed(3)
+    tokens, labels = torch.randint(0, 32, (b, n), generator=g), torch.randint(0, 32, (b, n), generator=g)
+    lengths = [[5, 1, 11, 7], [24]]  # packed documents per row (HF convention: positions restart at 0)
+    positions = torch.stack([torch.cat([torch.arange(x) for x in row]) for row in lengths])
+    ids = torch.stack([torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row)) for row in lengths])
+    mesh = init_device_mesh("cpu", (world,))
+    for window in (None, (3, 0)):
+        ref = copy.deepcopy(base)
+        ref_logits = ref(tokens, positions, _dense_mask(ids, window))
+        _loss(ref_logits, labels, b * n).backward()
+        for layout in ("striped", "headtail", "contiguous"):
+            for how in ("document_ids", "position_ids"):
+                model = apply_context_parallel(copy.deepcopy(base), mesh, layout=layout, window_size=window,
+                                               documents="position_ids" if how == "position_ids" else None)
+                tok, lab, pos, lid = shard_batch((tokens, labels, positions, ids), mesh, layout=layout)
+                # the hook reads keyword arguments: positions by keyword for the position_ids path
+                logits = model(tok, pos, document_ids=lid) if how == "document_ids" else model(tok, positions=pos)
+                _loss(logits, lab, b * n).backward()
+                reduce_gradients(model, mesh)
+                where = f"P={world} {layout} {how} window={window}"
+                full = unshard_batch(logits.detach(), mesh, layout=layout)
+                assert rel_err(full, ref_logits.detach()) <= TOL, where
+                for (name, p), want in zip(model.named_parameters(), ref.parameters()):
+                    assert rel_err(p.grad, want.grad) <= TOL, f"{where} grad {name}"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_packed_documents_and_windows_match_cp1_dense_mask(world):
+    """Packed sequences (ids, or position ids restarting at 0) and a sliding window through
+    apply_context_parallel: logits and gradients equal a CP=1 model given the dense mask."""
+    run_ranks(world, _check_packed)

@@ -1,0 +1,178 @@
+"""The public surface: ``cp_dtensor.__all__`` matches the lazy table and the ``TYPE_CHECKING`` imports (what
+IDEs and the API reference see), no module is named like a public function, and every old name -- module
+paths, renamed functions and keywords, the old argument orders -- still works and warns exactly once.
+
+The old names are checked in a fresh interpreter each (a name warns once per process), each result compared
+with the new name's on the same input (a formula, not the code under test: shard/unshard round trips)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+from _tiers import slow  # noqa: F401
+
+import cp_dtensor
+from cp_dtensor import _extras
+from cp_dtensor._deprecated import MOVED_MODULES
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PKG = ROOT / "cp_dtensor"
+
+
+def _type_checking_names() -> set[str]:
+    tree = ast.parse((PKG / "__init__.py").read_text())
+    names = set()
+    for node in tree.body:
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            for imp in ast.walk(node):
+                if isinstance(imp, ast.ImportFrom):
+                    names |= {a.asname or a.name for a in imp.names}
+    return names
+
+
+def test_all_is_the_lazy_table_and_type_checking_imports():
+    assert cp_dtensor.__all__ == sorted(["LAYOUTS", *cp_dtensor._EXPORTS])
+    assert _type_checking_names() == set(cp_dtensor._EXPORTS)
+    for name in cp_dtensor.__all__:  # each resolves to an object whose home is the module the table names
+        obj = getattr(cp_dtensor, name)
+        if name != "LAYOUTS":
+            assert obj.__module__ == f"cp_dtensor.{cp_dtensor._EXPORTS[name]}", name
+
+
+def test_no_module_shares_its_name_with_a_public_function():
+    public = set(cp_dtensor.__all__)
+    for pkg in ("hf", "checkpoint"):
+        if pkg == "hf" and not _extras.installed("hf"):
+            continue
+        public |= set(__import__(f"cp_dtensor.{pkg}", fromlist=["__all__"]).__all__)
+    modules = {p.stem for p in PKG.rglob("*.py") if "_legacy" not in p.parts} | {
+        p.name for p in PKG.rglob("*") if p.is_dir() and "_legacy" not in p.parts}
+    assert not (modules & public), sorted(modules & public)
+
+
+def test_package_root_holds_a_handful_of_modules():
+    root = sorted(p.name for p in PKG.glob("*.py"))
+    assert len(root) <= 6, root
+
+
+_CHECK = r"""
+import json, sys, warnings
+warnings.simplefilter("always")
+caught = []
+warnings.showwarning = lambda message, category, *a, **k: caught.append((category.__name__, str(message)))
+import torch
+import cp_dtensor
+out = {}
+def run(fn):
+    before = len(caught)
+    fn()
+    fn()  # a second use: no second warning
+    return [m for c, m in caught[before:] if c == "FutureWarning" and m.startswith("cp_dtensor")]
+"""
+
+
+def _fresh(code: str) -> dict:
+    done = subprocess.run([sys.executable, "-c", _CHECK + code + "\nprint(json.dumps(out))"], capture_output=True,
+                          text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_old_module_paths_warn_once_and_are_the_new_modules():
+    olds = [o for o in MOVED_MODULES if not o.startswith("cp_dtensor.titan.")]
+    code = "import importlib\nfor old, new in %r:\n" % [(o, MOVED_MODULES[o]) for o in olds] + """
+    warned = run(lambda: importlib.import_module(old))
+    same = importlib.import_module(old) is importlib.import_module(new) or old == "cp_dtensor.relayout"
+    out[old] = [len(warned), same, new in (warned or [""])[0]]
+import cp_dtensor.relayout as legacy
+from cp_dtensor.dtensor import sharding
+out["relayout"] = [legacy.layout_moves is sharding.layout_moves, callable(cp_dtensor.relayout)]
+"""
+    got = _fresh(code)
+    assert got.pop("relayout") == [True, True]
+    assert got == {o: [1, True, True] for o in olds}
+
+
+@pytest.mark.skipif(_extras.installed_version("titan")[:2] != (0, 2), reason="torchtitan 0.2.x paths")
+def test_old_titan_module_paths_warn_once():
+    olds = [o for o in MOVED_MODULES if o.startswith("cp_dtensor.titan.")]
+    code = "import importlib\nfor old, new in %r:\n" % [(o, MOVED_MODULES[o]) for o in olds] + """
+    warned = run(lambda: importlib.import_module(old))
+    out[old] = [len(warned), importlib.import_module(old) is importlib.import_module(new)]
+import cp_dtensor.titan as titan
+out["check_job_config"] = [len(run(lambda: titan.check_job_config)), titan.check_job_config is titan.check_config]
+import cp_dtensor.titan.config as cfg
+out["config"] = [hasattr(cfg, "JobConfig")]
+"""
+    got = _fresh(code)
+    assert got.pop("check_job_config") == [1, True]
+    assert got.pop("config") == [True]
+    assert got == {o: [1, True] for o in olds}
+
+
+def test_old_calls_warn_once_and_equal_the_new_ones():
+    """shard_batch(mesh, *tensors), unshard_sequence(local, mesh), shard_tensor/unshard_tensor/shard_sequence
+    with dim=, against the new calls and against the striped formula (local i of rank r is global i*P + r)."""
+    code = r"""
+import os, tempfile
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+dist.init_process_group("gloo", init_method="file://" + tempfile.mkdtemp() + "/rdv", rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+x = torch.arange(24.).view(2, 12)
+new = cp_dtensor.shard_batch((x, x + 1), mesh)
+old = []
+out["shard_batch"] = [len(run(lambda: old.append(cp_dtensor.shard_batch(mesh, x, x + 1)))),
+                      all(torch.equal(a, b) for a, b in zip(old[0], new)), isinstance(old[0], tuple)]
+local = []
+out["unshard_sequence"] = [len(run(lambda: local.append(cp_dtensor.unshard_sequence(x, mesh, layout="headtail", dim=1)))),
+                           torch.equal(local[0], cp_dtensor.unshard_batch(x, mesh, layout="headtail"))]
+s = []
+out["shard_tensor"] = [len(run(lambda: s.append(cp_dtensor.shard_tensor(x, dim=1, layout="striped", rank=1, world=3)))),
+                       torch.equal(s[0], x[:, 1::3])]
+u = []
+parts = [x[:, r::3] for r in range(3)]
+out["unshard_tensor"] = [len(run(lambda: u.append(cp_dtensor.unshard_tensor(parts, dim=1, layout="striped")))),
+                         torch.equal(u[0], x)]
+d = []
+out["shard_sequence"] = [len(run(lambda: d.append(cp_dtensor.shard_sequence(x, mesh, dim=1)))),
+                         torch.equal(d[0].full_tensor(), x), torch.equal(cp_dtensor.unshard_sequence(d[0]), x)]
+try:
+    cp_dtensor.shard_sequence(x, mesh, dim=1, seq_dim=1)
+    out["both"] = "no error"
+except TypeError as e:
+    out["both"] = str(e)
+dist.destroy_process_group()
+"""
+    got = _fresh(code)
+    assert got.pop("both").startswith("cp_dtensor.shard_sequence got both seq_dim= and its deprecated spelling dim=")
+    assert got == {"shard_batch": [1, True, True], "unshard_sequence": [1, True], "shard_tensor": [1, True],
+                   "unshard_tensor": [1, True], "shard_sequence": [1, True, True]}
+
+
+@pytest.mark.skipif(not _extras.installed("hf"), reason="transformers not installed")
+def test_apply_context_parallel_hf_warns_once_and_is_the_new_function():
+    code = """
+import cp_dtensor.hf as hf
+out["doc"] = "cp_dtensor.hf.apply_context_parallel" in hf.apply_context_parallel_hf.__doc__
+out["wrapped"] = hf.apply_context_parallel_hf.__wrapped__ is hf.apply_context_parallel
+try:  # a bad call reaches the new function's own check (not a transformers model)
+    run(lambda: hf.apply_context_parallel_hf(torch.nn.Linear(2, 2), None))
+except Exception as e:
+    out["error"] = type(e).__name__
+out["warned"] = sum(m.startswith("cp_dtensor.hf.apply_context_parallel_hf") for _, m in caught)
+"""
+    got = _fresh(code)
+    assert got["doc"] and got["wrapped"] and got["warned"] == 1 and got["error"] in ("ValueError", "TypeError")
+
+
+def test_every_deprecated_name_is_listed():
+    """The deprecations this file checks are the ones _deprecated.py declares (a new rename adds a test)."""
+    text = (PKG / "_deprecated.py").read_text()
+    assert json.loads(json.dumps(sorted(MOVED_MODULES))) == sorted(MOVED_MODULES)
+    assert "renamed_keyword" in text and "seq_dim_argument" in text
