@@ -108,6 +108,8 @@ CASES = {
     "llama-packed": ("llama", _documents(3), _documents(4, 14), DataCollatorWithFlattening(), "striped", {}),
     "llama-accumulate": ("llama", _documents(5), None, DataCollatorWithFlattening(), "headtail",
                          dict(gradient_accumulation_steps=2, per_device_train_batch_size=2)),
+    "llama-checkpointing": ("llama", _documents(18), None, DataCollatorWithFlattening(), "contiguous",
+                            dict(gradient_checkpointing=True)),
     "mistral-window-packed": ("mistral", _documents(6), _documents(7, 6), DataCollatorWithFlattening(), "striped", {}),
     "gpt-oss-sinks": ("gpt-oss", _rows(8), _rows(9, 5), default_data_collator, "striped", {}),
     "qwen3-next-hybrid": ("qwen3-next", _rows(10), _rows(11, 5), default_data_collator, "headtail", {}),
@@ -172,13 +174,14 @@ def _tokenizer():
                                    eos_token="<eos>")
 
 
-def _sft(out: str, cp: int | None, bf16: bool = False) -> dict:
-    """TRL's SFTTrainer with packing (bfd: padding-free rows, position ids restarting per document)."""
+def _sft(out: str, cp: int | None, bf16: bool = False, packing: bool = True) -> dict:
+    """TRL's SFTTrainer with packing (bfd: padding-free rows, position ids restarting per document), or without
+    (rows right-padded to the batch's longest, a 2-D attention mask)."""
     from datasets import Dataset
 
     args = SFTConfig(output_dir=out, per_device_train_batch_size=2, max_steps=3, logging_steps=1, report_to=[],
                      save_strategy="no", learning_rate=1e-2, use_cpu=True, disable_tqdm=True, seed=0, data_seed=0,
-                     packing=True, max_length=24, eval_packing=True, per_device_eval_batch_size=2, bf16=bf16)
+                     packing=packing, max_length=24, eval_packing=packing, per_device_eval_batch_size=2, bf16=bf16)
     data = Dataset.from_list([{"input_ids": d["input_ids"] + [1]} for d in _documents(12, 24)])
     evals = Dataset.from_list([{"input_ids": d["input_ids"] + [1]} for d in _documents(13, 12)])
     cls = SFTTrainer if cp is None else hf.with_context_parallel(SFTTrainer, cp_size=cp)
@@ -252,6 +255,7 @@ def _cp_ranks(rank: int, world: int, tmp: str) -> dict:
     results = {name: _train(name, out, world) for name in CASES}
     results["sft-packed"] = _sft(out, world)
     results["sft-bf16"] = _sft(out, world, bf16=True)  # TRL's default: bf16 autocast around fp32 weights
+    results["sft-padded"] = _sft(out, world, packing=False)
     results["generate"] = _generate(out, world)
     # a checkpoint at save_steps: resumed at CP=1 by the reference ranks
     ckpt = os.path.join(tmp, "ckpt")
@@ -269,6 +273,7 @@ def _reference_rank(rank: int, world: int, tmp: str) -> dict:
     results = {name: _train(name, out, None) for name in CASES}
     results["sft-packed"] = _sft(out, None)
     results["sft-bf16"] = _sft(out, None, bf16=True)
+    results["sft-padded"] = _sft(out, None, packing=False)
     results["generate"] = _generate(out, None)
     results["save"] = _train("llama-packed", out, None, max_steps=4)
     # resume the CP=2 run's checkpoint-2 at CP=1 (the CP class at cp_size=1: one process)
@@ -305,13 +310,14 @@ def test_trainer_cp2_logs_cp1_losses(runs, name):
                     _close([cp[rank][name]["eval"][key]], [ref[name]["eval"][key]], f"{name} {key}")
 
 
-def test_trl_sft_packing_cp2_matches_cp1(runs):
+@pytest.mark.parametrize("case", ["sft-packed", "sft-padded"])
+def test_trl_sft_cp2_matches_cp1(runs, case):
     cp, ref = runs
     for rank in (0, 1):
-        got, want = cp[rank]["sft-packed"], ref["sft-packed"]
-        _close(got["losses"], want["losses"], "SFTTrainer packing=True loss")
-        _close(got["accuracy"], want["accuracy"], "SFTTrainer mean_token_accuracy")
-        _close([got["eval"]["eval_loss"]], [want["eval"]["eval_loss"]], "SFTTrainer eval_loss")
+        got, want = cp[rank][case], ref[case]
+        _close(got["losses"], want["losses"], f"SFTTrainer {case} loss")
+        _close(got["accuracy"], want["accuracy"], f"SFTTrainer {case} mean_token_accuracy")
+        _close([got["eval"]["eval_loss"]], [want["eval"]["eval_loss"]], f"SFTTrainer {case} eval_loss")
 
 
 def test_trl_sft_bf16_autocast(runs):
