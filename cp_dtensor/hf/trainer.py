@@ -167,9 +167,24 @@ def _pad(x: Tensor, key: str, pad: int) -> Tensor:
     return torch.cat([x, tail], dim=1)
 
 
+def _causal_lm(model) -> bool:
+    """Whether ``model`` is a causal language model (transformers' ``...ForCausalLM`` classes): the heads whose
+    loss is a sum over tokens, each token's from its own hidden state -- what a rank's shard can compute."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    names = set()
+    for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        names |= set(v) if isinstance(v, (tuple, list)) else {v}
+    return any(c.__name__ in names or c.__name__.endswith("ForCausalLM") for c in type(model).__mro__)
+
+
 def _refusal(trainer, options: CPOptions) -> str | None:
     """What this trainer's configuration cannot run under CP: the same on every rank, no communication."""
     args, world = trainer.args, trainer.args.world_size
+    if not _causal_lm(trainer.model):
+        return (f"{type(trainer.model).__name__} is not a causal language model (...ForCausalLM): under CP a rank holds "
+                "a shard of each sequence, so heads that pool a sequence or read tokens the rank does not hold "
+                "(sequence classification, question answering) cannot run. Train a ...ForCausalLM model.")
     if world % options.cp_size:
         return (f"cp_size={options.cp_size} must divide the world size ({world} processes): each data-parallel "
                 f"replica is cp_size ranks. Launch a multiple of {options.cp_size} processes.")
@@ -351,6 +366,16 @@ def _all_tensors(data) -> bool:
     return False
 
 
+def _unserved_trl(trainer_cls: type) -> bool:
+    """A TRL trainer other than SFTTrainer (DPO, GRPO, KTO, RLOO, reward, distillation, ...)."""
+    trl_classes = [c for c in trainer_cls.__mro__ if c.__module__.split(".")[0] == "trl"]
+    if not trl_classes:
+        return False
+    from trl import SFTTrainer
+
+    return not issubclass(trainer_cls, SFTTrainer)
+
+
 def with_context_parallel(trainer_cls: type, *, cp_size: int, layout: str = "striped", **options) -> type:
     """A subclass of ``trainer_cls`` (transformers' ``Trainer`` or any subclass: TRL's ``SFTTrainer``, ...) that
     trains and evaluates the model under context parallelism, ``cp_size`` ranks per data-parallel replica.
@@ -369,6 +394,11 @@ def with_context_parallel(trainer_cls: type, *, cp_size: int, layout: str = "str
         raise TypeError(f"with_context_parallel takes transformers.Trainer or a subclass; got {trainer_cls!r}.")
     if issubclass(trainer_cls, _ContextParallel):
         raise ValueError(f"{trainer_cls.__name__} already runs under context parallelism.")
+    if _unserved_trl(trainer_cls):
+        raise ValueError(
+            f"TRL's {trainer_cls.__name__} computes its loss from per-sequence log-probabilities or rewards (sums over "
+            "each completion's tokens, the last token's score), of which a CP rank holds a shard only. Among TRL's "
+            "trainers, SFTTrainer (and its subclasses) is served.")
     unknown = sorted(set(options) - {"documents"})
     if unknown:
         raise TypeError(f"with_context_parallel got unknown options {unknown}; it takes cp_size, layout, documents.")

@@ -233,6 +233,14 @@ def _refusals(rank: int, world: int, out: str) -> list[str]:
     expect("striped layout makes every token a run", lambda: build(cp2, model="qwen3-next"))  # hybrids: headtail
     expect("different batches", lambda: build(cp2, collator=_OneRankCollator()).train())
     expect("dispatch_batches", lambda: build(cp2, data=_Stream(), max_steps=1).get_train_dataloader())
+    def classifier():
+        torch.manual_seed(0)
+        return transformers.LlamaForSequenceClassification(LlamaConfig(**TINY, num_labels=2, pad_token_id=0))
+
+    expect("not a causal language model", lambda: cp2(model=classifier(), args=_args(out), train_dataset=rows,
+                                                      data_collator=default_data_collator))
+    with pytest.raises(ValueError, match="SFTTrainer .and its subclasses. is served"):
+        hf.with_context_parallel(trl.DPOTrainer, cp_size=2)
     with pytest.raises(TypeError, match="unknown options"):
         hf.with_context_parallel(Trainer, cp_size=2, window=4)
     with pytest.raises(TypeError, match="Trainer or a subclass"):
@@ -263,6 +271,11 @@ def _cp_ranks(rank: int, world: int, tmp: str) -> dict:
     with open(os.path.join(ckpt, "checkpoint-2", "config.json")) as f:
         config = json.load(f)
     results["saved_attn"] = [config.get(k) for k in ("attn_implementation", "_attn_implementation")]
+    resumed = hf.with_context_parallel(Trainer, cp_size=world)(  # at CP=2 too: the replica's batches skipped
+        model=_model("llama"), args=_args(tempfile.mkdtemp(dir=tmp), max_steps=4), data_collator=DataCollatorWithFlattening(),
+        train_dataset=CASES["llama-packed"][1])
+    resumed.train(resume_from_checkpoint=os.path.join(ckpt, "checkpoint-2"))
+    results["resumed"] = _losses(resumed)
     results["refused"] = _refusals(rank, world, out)
     return results
 
@@ -342,18 +355,20 @@ def test_seq2seq_predict_with_generate(runs):
 
 
 def test_checkpoint_at_save_steps_resumes_at_another_cp_size(runs):
-    """Saved at CP=2 after 2 of 4 steps, resumed at CP=1: steps 3-4 log what the uninterrupted runs log."""
+    """Saved at CP=2 after 2 of 4 steps, resumed at CP=1 (and at CP=2): steps 3-4 log what the uninterrupted runs
+    log."""
     cp, ref = runs
     _close(cp[0]["save"]["losses"], ref["save"]["losses"], "CP=2 run with saves")
     resumed = ref["resumed"]  # the log history restored from the checkpoint (steps 1-2), then steps 3-4
     _close(resumed[:2], cp[0]["save"]["losses"][:2], "history restored from the CP=2 checkpoint")
     _close(resumed[2:], ref["save"]["losses"][2:], "resumed at CP=1")
+    _close(cp[0]["resumed"][2:], ref["save"]["losses"][2:], "resumed at CP=2")
     assert "cp_dtensor" not in cp[0]["saved_attn"], f"the saved config names the CP attention: {cp[0]['saved_attn']}"
 
 
 def test_refusals_raise_on_every_rank(runs):
     cp, _ = runs
-    assert cp[0]["refused"] == cp[1]["refused"] and len(cp[0]["refused"]) == 7, cp[0]["refused"]
+    assert cp[0]["refused"] == cp[1]["refused"] and len(cp[0]["refused"]) == 8, cp[0]["refused"]
 
 
 def _dp_cp(rank: int, world: int, tmp: str, cp: int) -> dict:
