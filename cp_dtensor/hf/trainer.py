@@ -15,7 +15,7 @@ copied, so TRL's and other subclasses keep their behaviour.
    while accelerate's device mesh names a ``"cp"`` dim (``_compat.replica_dataloaders``): accelerate's
    ``prepare_data_loader`` then shards the samples over the dp replicas only, as it does for its own
    CP and TP ranks (map-style datasets, ``datasets`` iterable datasets, ``IterableDatasetShard``). The
-   collator is wrapped (:class:`ShardingCollator`): it runs the user's collator on the replica's
+   collator is wrapped (:class:`ShardingCollator`, collator.py): it runs the user's collator on the replica's
    examples, shifts the labels on the *full* row (``shift_labels``: a token's label may live on
    another rank), pads the row to the layout's multiple (pad labels -100: the padding is causal
    future, so no real token sees it), and hands the Trainer this rank's shard of every [B, N] tensor
@@ -48,14 +48,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 from collections.abc import Mapping
-from typing import NamedTuple
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import init_device_mesh
 
 from .._extras import require
 
@@ -65,16 +62,13 @@ require("trainer", "cp_dtensor.hf.with_context_parallel (the transformers Traine
 from transformers import Trainer  # noqa: E402
 
 from .._compat import replica_dataloaders, seq2seq_pad  # noqa: E402
-from ..core.batch import shard_batch, unshard_batch  # noqa: E402
+from ..core.batch import unshard_batch  # noqa: E402
 from ..core.comm import all_gather_objects, host_group  # noqa: E402
-from ..core.layout import check_layout, layout_unit  # noqa: E402
-from .attention import apply_context_parallel, shift_labels  # noqa: E402
+from ..core.layout import check_layout  # noqa: E402
+from .attention import apply_context_parallel  # noqa: E402
+from .collator import META, CollatedBatch, ShardingCollator  # noqa: E402
 
 __all__ = ["ShardingCollator", "with_context_parallel"]
-
-_META = "_cp_dtensor_batch"  # the private batch key (a _Batch), popped by the hooks
-_VARLEN = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")  # dropped: see the Note
-_PAD = {"labels": -100, "shift_labels": -100}  # the pad value per key (else 0; position_ids continue)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,80 +85,6 @@ class CPOptions:
         check_layout(self.layout)
         if self.documents not in (None, "position_ids"):
             raise ValueError(f"documents must be None or 'position_ids'; got {self.documents!r}.")
-
-
-class _Batch(NamedTuple):
-    """What the collator tells the step hooks about the full batch."""
-
-    length: int  #: N, the rows' length before the layout's padding
-    fingerprint: int  #: a digest of the full batch, compared across the CP ranks
-    added: tuple[str, ...]  #: the keys the CP collator added (position_ids, shift_labels)
-
-
-def _fingerprint(batch: Mapping) -> int:
-    """A 64-bit digest of every tensor in the full batch (identical batches, identical digests)."""
-    h = hashlib.blake2b(digest_size=8)
-    for key in sorted(batch):
-        value = batch[key]
-        h.update(key.encode())
-        if isinstance(value, Tensor):
-            h.update(str((tuple(value.shape), value.dtype)).encode())
-            h.update(value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-        else:
-            h.update(repr(value).encode())
-    return int.from_bytes(h.digest(), "little", signed=True)
-
-
-class ShardingCollator:
-    """Wraps a collator: the user's collator on the replica's examples, then this rank's shard of every
-    [B, N] tensor, labels shifted on the full row. See Note [The Trainer under CP]."""
-
-    def __init__(self, collator, cp_mesh: DeviceMesh, layout: str):
-        self.collator, self.mesh, self.layout = collator, cp_mesh, layout
-
-    def __call__(self, features):
-        batch = self.collator(features)
-        if not isinstance(batch, Mapping):
-            raise ValueError(f"context parallelism needs the collator to return a dict of tensors; got "
-                             f"{type(batch).__name__}.")
-        batch = {k: v for k, v in batch.items() if k not in _VARLEN}
-        ids = batch.get("input_ids")
-        if not isinstance(ids, Tensor) or ids.dim() != 2:
-            raise ValueError("context parallelism shards batches by their input_ids [B, N]; the collator returned "
-                             f"input_ids={getattr(ids, 'shape', ids)!r} (inputs_embeds and multi-axis inputs are not "
-                             "served). Collate token ids.")
-        b, n = ids.shape
-        fingerprint = _fingerprint(batch)
-        added = tuple(k for k in ("position_ids", "shift_labels") if batch.get(k) is None)
-        if batch.get("position_ids") is None:  # what transformers uses without them: arange per row
-            batch["position_ids"] = torch.arange(n).expand(b, n)
-        if isinstance(batch["position_ids"], Tensor) and batch["position_ids"].shape == (1, n):
-            batch["position_ids"] = batch["position_ids"].expand(b, n)
-        if batch.get("labels") is not None and batch.get("shift_labels") is None:
-            batch["shift_labels"] = shift_labels(batch["labels"])  # on the full row: Note [The Trainer under CP]
-        keys = [k for k, v in batch.items() if isinstance(v, Tensor) and v.dim() >= 2 and tuple(v.shape[:2]) == (b, n)]
-        if any(k in batch and k not in keys for k in ("position_ids", "attention_mask", "labels")):
-            bad = {k: tuple(batch[k].shape) for k in ("position_ids", "attention_mask", "labels")
-                   if isinstance(batch.get(k), Tensor) and k not in keys}
-            raise ValueError(f"context parallelism shards every [B, N] = [{b}, {n}] tensor alike; the collator returned "
-                             f"{bad} (multi-axis positions and 4-D masks are not served).")
-        unit = layout_unit(self.layout, self.mesh.size())
-        pad = -n % unit
-        if pad:
-            for k in keys:
-                batch[k] = _pad(batch[k], k, pad)
-        out = shard_batch({k: batch[k] for k in keys}, self.mesh, layout=self.layout)
-        out.update({k: v for k, v in batch.items() if k not in out})
-        out[_META] = _Batch(n, fingerprint, added)
-        return out
-
-
-def _pad(x: Tensor, key: str, pad: int) -> Tensor:
-    """[B, N, ...] -> [B, N + pad, ...]: labels -100, positions continuing each row, the rest 0."""
-    if key == "position_ids":
-        return torch.cat([x, x[:, -1:] + torch.arange(1, pad + 1, dtype=x.dtype)], dim=1)
-    tail = torch.full((x.shape[0], pad, *x.shape[2:]), _PAD.get(key, 0), dtype=x.dtype, device=x.device)
-    return torch.cat([x, tail], dim=1)
 
 
 def _causal_lm(model) -> bool:
@@ -254,13 +174,13 @@ class _ContextParallel:
     def get_total_train_batch_size(self, args) -> int:
         return super().get_total_train_batch_size(args) // self._cp_options.cp_size  # samples, over replicas
 
-    def _cp_take(self, inputs: dict) -> tuple[dict, _Batch]:
+    def _cp_take(self, inputs: dict) -> tuple[dict, CollatedBatch]:
         """Pop the private key; check that every CP rank holds the same batch (one tiny all-gather)."""
-        if _META not in inputs:
+        if META not in inputs:
             raise ValueError("this batch did not come through the CP collator (ShardingCollator): the Trainer's "
                              "dataloaders wrap it; a custom get_*_dataloader must use self.data_collator.")
         inputs = dict(inputs)
-        meta = inputs.pop(_META)
+        meta = inputs.pop(META)
         cp = self.cp_mesh.size()
         if cp > 1:  # over the world, so that every replica raises, not only the one that differs
             every = all_gather_objects(meta.fingerprint, host_group(dist.group.WORLD))
@@ -306,14 +226,14 @@ class _ContextParallel:
             logits = full(logits)
         return loss, logits, full(labels)
 
-    def _cp_generate(self, model, inputs: dict, meta: _Batch, ignore_keys, gen_kwargs):
+    def _cp_generate(self, model, inputs: dict, meta: CollatedBatch, ignore_keys, gen_kwargs):
         """Seq2SeqTrainer's predict_with_generate: the loss under CP from the shards; the trainer's own generation
         step on the full batch (as the collator made it, labels aside), which every CP rank passes alike to the
         model's generate() -- a ring prefill, then decoding from a sequence-sharded cache (Note [generate() under
         CP] in hf/generate.py)."""
         loss = None
         if inputs.get("shift_labels") is not None:
-            loss, _, _ = self.prediction_step(model, {**inputs, _META: meta}, True, ignore_keys=ignore_keys)
+            loss, _, _ = self.prediction_step(model, {**inputs, META: meta}, True, ignore_keys=ignore_keys)
         s_local = inputs["input_ids"].shape[1]
         full = {k: self._cp_full(v, s_local, meta.length) for k, v in inputs.items() if k not in meta.added}
         labels = full.pop("labels", None)
