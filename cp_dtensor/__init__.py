@@ -51,6 +51,7 @@ _EXPORTS = {
     "apply_context_parallel": "model",
     "document_ids_from_positions": "core.batch",
     "reduce_gradients": "model",
+    "remove_context_parallel": "model",
     "shard_batch": "core.batch",
     "unshard_batch": "core.batch",
     # checkpoints
@@ -83,6 +84,7 @@ __all__ = [
     "local_positions",
     "reduce_gradients",
     "relayout",
+    "remove_context_parallel",
     "ring_attention",
     "save_checkpoint",
     "save_sequence_sharded",
@@ -118,7 +120,7 @@ if TYPE_CHECKING:  # what IDEs, type checkers and the API reference see; at run 
     from .dtensor.placements import HeadTail, Striped, sequence_placement
     from .dtensor.sdpa import install_sdpa_dispatch, uninstall_sdpa_dispatch
     from .dtensor.sharding import relayout, shard_sequence, to_mesh, unshard_sequence
-    from .model import apply_context_parallel, reduce_gradients
+    from .model import apply_context_parallel, reduce_gradients, remove_context_parallel
     from .tools.debug import CommBytes
 
 

@@ -47,9 +47,10 @@ torchtitan's plugin calls ``ring_attention`` on local shards: the first case.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -138,7 +139,7 @@ PRIVATE_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("torch.distributed.tensor", "DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding_non_cached",
      ("op_schema",)),
     ("torch.distributed.tensor._sharding_prop", "LocalLRUCache", ("user_function",)),
-    # checkpoint/dcp.py: DCP's box of a strided shard (Note [Checkpoint layouts])
+    # checkpoint/dcp.py: DCP's box of a strided shard (Note [Checkpointing layout shards])
     ("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset",
      ("global_shape", "mesh", "placements")),
     # comm.py, tools/debug.py: the raw functional collectives
@@ -212,6 +213,16 @@ TITAN03_QWEN35_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("torchtitan.models.qwen3_5.model", "Qwen35TransformerBlock.forward", ("self", "x_BLD", "attention_masks", "positions")),
     ("torchtitan.models.qwen3_5.parallelize", "parallelize_qwen3_5", ("model", "parallel_dims")),
 )
+
+# transformers (the [hf] extra), checked where it is installed: hf/generate.py's generate() under CP. Only
+# called here, never imported (the rest of _compat must not need transformers).
+TRANSFORMERS_VERSION = "5.24.0"  # what the rows below were written against
+TRANSFORMERS_PRIVATE_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
+    ("transformers.generation.utils", "GenerationMixin._prepare_generation_config", ("self", "generation_config")),
+    ("transformers.generation.utils", "GenerationMixin._get_stopping_criteria",
+     ("self", "generation_config", "stopping_criteria", "tokenizer")),
+)
+
 
 # accelerate and transformers (hf/trainer.py: Note [The Trainer under CP]): checked by tests/test_compat.py where
 # the [trainer] extra is installed. Written against accelerate 1.15.0 and transformers 5.24.0.
@@ -347,3 +358,22 @@ def mesh_concatenate(meshes: list[DeviceMesh]) -> DeviceMesh:
     """Sub-meshes of one root mesh stacked as the dims of one mesh, in the given order (a transpose when
     reordered); reuses their groups. torch 2.13's private ``DeviceMesh._concatenate``."""
     return DeviceMesh._concatenate(meshes)
+
+
+def prepare_generation_config(model, generation_config, **kwargs) -> tuple[Any, dict]:
+    """transformers' ``GenerationMixin._prepare_generation_config``: (the GenerationConfig a generate() call with
+    these arguments runs with, the model kwargs left over). Validates as generate() does."""
+    return model._prepare_generation_config(generation_config, **kwargs)
+
+
+@contextlib.contextmanager
+def generation_stopping_criteria(model, wrap: Callable[[Any], Any]) -> Iterator[None]:
+    """While open, the ``StoppingCriteriaList`` that ``model.generate()`` builds (transformers'
+    ``GenerationMixin._get_stopping_criteria``: max_length, max_time, stop strings, EOS, the caller's) is
+    replaced by ``wrap(it)``. An attribute of this instance only, removed on exit."""
+    build = type(model)._get_stopping_criteria
+    model.__dict__["_get_stopping_criteria"] = lambda *args, **kwargs: wrap(build(model, *args, **kwargs))
+    try:
+        yield
+    finally:
+        model.__dict__.pop("_get_stopping_criteria", None)

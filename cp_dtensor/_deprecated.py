@@ -21,7 +21,7 @@ from typing import Any
 
 __all__ = ["MOVED_MODULES", "RENAMED", "moved_module", "renamed", "renamed_keyword", "seq_dim_argument", "warn_once"]
 
-# old module path -> its new home (see README "Where things moved")
+# old module path -> its new home (docs/architecture.md, "Where things moved")
 MOVED_MODULES: dict[str, str] = {
     **{f"cp_dtensor.{m}": f"cp_dtensor.core.{m}" for m in (
         "layout", "masks", "wire", "payload", "kernels", "ops", "comm", "blocks", "ring", "allgather", "ulysses",

@@ -29,6 +29,8 @@ includes CP does this; standalone, call ``reduce_gradients``.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -36,6 +38,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
 
 from .core.attention import _ring_attention
 from .core.batch import document_ids_from_positions, shard_batch, unshard_batch
@@ -43,18 +46,32 @@ from .core.checks import check_cp_mesh
 from .core.layout import check_layout
 
 __all__ = [
-    "apply_context_parallel", "reduce_gradients",
+    "apply_context_parallel", "reduce_gradients", "remove_context_parallel",
     "document_ids_from_positions", "shard_batch", "unshard_batch",  # from core.batch, here for the old module path
 ]
 
 
 class _RingSDPA(TorchFunctionMode):
-    """Routes SDPA on local sequence shards to the ring. See Note [Module context parallel]."""
+    """Routes SDPA on local sequence shards to the ring, and is the model's CP state: stored as
+    ``_cp_dtensor_mode`` on the model and every submodule, read by hooks from the module they are called
+    with, so deepcopy / pickling carry it to a copy (Note [CP state on a model] in hf/state.py does the
+    same for transformers models). See Note [Module context parallel]."""
 
     def __init__(self, cp_mesh: DeviceMesh, layout: str, window_size, documents: str | None):
         super().__init__()
         self.mesh, self.layout, self.window, self.documents, self.depth = cp_mesh, layout, window_size, documents, 0
         self.ids: Tensor | None = None  # this forward's document ids [B, S_local]; kept for recomputation
+        self.handles: list[RemovableHandle] = []  # the hooks apply_context_parallel registered
+        self.root: nn.Module | None = None  # the module apply_context_parallel was applied to
+
+    def __deepcopy__(self, memo: dict) -> _RingSDPA:
+        new = _RingSDPA(self.mesh, self.layout, self.window, self.documents)  # the mesh shared; no forward running
+        memo[id(self)] = new
+        new.handles, new.root = copy.deepcopy(self.handles, memo), copy.deepcopy(self.root, memo)
+        return new
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "depth": 0, "ids": None}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -95,13 +112,23 @@ def _is_transformers_model(model: nn.Module) -> bool:
     return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.") for c in type(model).__mro__)
 
 
-def _enter(mode: _RingSDPA, *_) -> None:
+_ATTR = "_cp_dtensor_mode"  # the _RingSDPA on the model and every submodule
+
+
+def _take(model: nn.Module, args, kwargs):
+    getattr(model, _ATTR).take_documents(kwargs)
+    return args, kwargs
+
+
+def _enter(module: nn.Module, *_) -> None:
+    mode = getattr(module, _ATTR)
     if mode.depth == 0:
         mode.__enter__()
     mode.depth += 1
 
 
-def _exit(mode: _RingSDPA, *_) -> None:
+def _exit(module: nn.Module, *_) -> None:
+    mode = getattr(module, _ATTR)
     mode.depth -= 1
     if mode.depth == 0:
         mode.__exit__(None, None, None)
@@ -140,19 +167,41 @@ def apply_context_parallel(
     check_layout(layout)
     if documents not in (None, "position_ids"):
         raise ValueError(f"documents must be None or 'position_ids'; got {documents!r}.")
-    if getattr(model, "_cp_dtensor_mode", None) is not None:
-        raise ValueError("apply_context_parallel was already applied to this model.")
+    if getattr(model, _ATTR, None) is not None:
+        raise ValueError("apply_context_parallel was already applied to this model (or to a module holding it).")
     mode = _RingSDPA(cp_mesh, layout, window_size, documents)
-    model._cp_dtensor_mode = mode
-
-    def take(module, args, kwargs):
-        mode.take_documents(kwargs)
-        return args, kwargs
-
-    model.register_forward_pre_hook(take, with_kwargs=True)
+    mode.root = model
+    mode.handles.append(model.register_forward_pre_hook(_take, with_kwargs=True))
     for m in model.modules():
-        m.register_forward_pre_hook(lambda *a, mode=mode: _enter(mode))
-        m.register_forward_hook(lambda *a, mode=mode: _exit(mode), always_call=True)
+        setattr(m, _ATTR, mode)
+        mode.handles += [m.register_forward_pre_hook(_enter), m.register_forward_hook(_exit, always_call=True)]
+    return model
+
+
+def remove_context_parallel(model: nn.Module) -> nn.Module:
+    """Take context parallelism off ``model``, in place, and return the plain module: undoes
+    ``apply_context_parallel`` (its hooks and state) and, for a transformers model,
+    ``cp_dtensor.hf.apply_context_parallel`` (hooks, state, the generate() wrapper, and each config's
+    attention implementation as it was). Weights are untouched. For a plain copy that leaves the CP model
+    as it is: ``remove_context_parallel(copy.deepcopy(model))``."""
+    mode = getattr(model, _ATTR, None)
+    if mode is None:
+        if getattr(model, "_cp_dtensor_hf", None) is not None:
+            from .hf.state import remove_context_parallel as remove_hf
+
+            return remove_hf(model)
+        raise ValueError(f"{type(model).__name__} is not a model context parallelism was applied to "
+                         "(cp_dtensor.apply_context_parallel / cp_dtensor.hf.apply_context_parallel).")
+    if mode.depth:
+        raise ValueError("remove_context_parallel was called inside the model's forward; call it after.")
+    if mode.root is not model:
+        raise ValueError(f"remove_context_parallel takes the model apply_context_parallel was applied to; "
+                         f"{type(model).__name__} is a submodule of one.")
+    for handle in mode.handles:
+        handle.remove()
+    for m in model.modules():
+        if getattr(m, _ATTR, None) is mode:
+            delattr(m, _ATTR)
     return model
 
 

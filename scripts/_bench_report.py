@@ -1,4 +1,4 @@
-"""bench_ring.py's printed report and the Markdown tables for the README, both from one JSON record."""
+"""bench_ring.py's printed report and the Markdown tables for docs/performance.md, both from one JSON record."""
 
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def text(res: dict) -> str:
 
 
 def markdown(res: dict) -> str:
-    """The README's tables: every number from this one run."""
+    """docs/performance.md's tables: every number from this one run."""
     cfg, sh = res["config"], res["shape"]
     lays = cfg["layouts"]
     err = {(c["s_local"], c["layout"]): (c["error"], c["tile_error"]) for c in res.get("planner", {}).get("checks", [])}

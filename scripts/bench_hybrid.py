@@ -6,7 +6,7 @@
 The model: transformers' Qwen3-Next, small enough for a CPU: 4 layers (3 Gated DeltaNet, then 1 full
 attention, Qwen3-Next's 3:1 pattern), hidden 256, dense MLP 256 (no experts), vocab 256; linear layers Hk 2,
 Hv 4, dk = dv = 64, conv 4; attention Hq 4 / Hkv 2, D 64. fp32, B 1, random init (seed 0), one intra-op
-thread per rank. The step: the README's recipe, ``model(input_ids, position_ids, labels, shift_labels,
+thread per rank. The step: the recipe of docs/hybrids.md, ``model(input_ids, position_ids, labels, shift_labels,
 num_items_in_batch).loss`` forward + backward (transformers' torch kernels: ``torch_chunk_gated_delta_rule``,
 chunk 64; SDPA for the full layer).
 

@@ -1,18 +1,18 @@
-"""The README's hybrid recipe, runnable: Qwen3-Next and Kimi Linear (tiny, random init) under CP vs CP=1.
+"""The hybrid recipe of docs/hybrids.md, runnable: Qwen3-Next and Kimi Linear (tiny, random init) under CP vs CP=1.
 
     .venv/bin/torchrun --standalone --nproc_per_node 2 scripts/hybrid_demo.py
     .venv/bin/torchrun --standalone --nproc_per_node 3 scripts/hybrid_demo.py --model kimi_linear --seq-len 96
 
 Every rank builds the same model (3 linear-attention layers + 1 full-attention layer) and batch, runs it
 whole (CP=1, the reference), then applies ``apply_context_parallel(model, mesh, layout="headtail")``
-and runs the README's three lines on its shard: ``shard_batch`` of tokens, positions and the shifted
+and runs the recipe's three lines on its shard: ``shard_batch`` of tokens, positions and the shifted
 labels, then ``model(input_ids, position_ids, labels, shift_labels, num_items_in_batch).loss`` and its
 backward. Prints the loss (summed over ranks) against CP=1, max |logits - CP=1| and the largest gradient
 error (max |g - g_ref| / max |g_ref| over the parameters, gradients summed over the ranks). fp32, gloo.
 Measured at P = 2, N = 256: logits within 2.4e-7 of CP=1 for both; gradients within 4.4e-6 for Kimi Linear
 and 2.1e-4 for Qwen3-Next, whose worst is dt_bias / A_log: with transformers' default decay init (up to ~20
 per token) the fp32 kernel keeps ~3 digits of those at CP=1 itself, and CP is no further from float64
-(README, "Hybrid linear-attention models"; scripts/hybrid_precision.py).
+(docs/hybrids.md; scripts/hybrid_precision.py).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def main() -> None:
         out = ref(input_ids=tokens, position_ids=positions, labels=labels, use_cache=False)
         out.loss.backward()
 
-        # the README's recipe
+        # the recipe of docs/hybrids.md
         model = apply_context_parallel(copy.deepcopy(base), mesh, layout="headtail")
         shifted = shift_labels(labels)
         n = (shifted != -100).sum()

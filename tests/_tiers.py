@@ -1,4 +1,4 @@
-"""The test tiers (README "Tests").
+"""The test tiers (docs/testing.md, "Tiers").
 
 * default -- ``bash scripts/test.sh``: every feature at small shapes, under 15 minutes on 2 CPU cores;
 * ``CP_DTENSOR_SLOW=1`` -- the slow tier CI runs (``.ci/run``): one end-to-end run per composition

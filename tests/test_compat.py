@@ -100,10 +100,20 @@ def test_qwen3_5_symbol_still_there(module, qualname, params):
     assert tuple(inspect.signature(obj).parameters)[: len(params)] == params, f"{module}.{qualname}"
 
 
+@pytest.mark.parametrize(("module", "qualname", "params"), _compat.TRANSFORMERS_PRIVATE_SYMBOLS,
+                         ids=[f"{m}.{q}" for m, q, _ in _compat.TRANSFORMERS_PRIVATE_SYMBOLS])
+def test_transformers_symbol_still_there(module, qualname, params):
+    """transformers' generate() internals hf_generate.py relies on (through _compat), written against
+    _compat.TRANSFORMERS_VERSION."""
+    pytest.importorskip("transformers")
+    obj = _resolve(module, qualname)
+    assert tuple(inspect.signature(obj).parameters)[: len(params)] == params, f"{module}.{qualname}"
+
+
 @pytest.mark.parametrize(("module", "qualname", "params"), _compat.TRAINER_PRIVATE_SYMBOLS,
                          ids=[f"{m}.{q}" for m, q, _ in _compat.TRAINER_PRIVATE_SYMBOLS])
 def test_trainer_symbol_still_there(module, qualname, params):
-    """accelerate and transformers names hf_trainer.py relies on (Note [The Trainer under CP]); the [trainer] extra."""
+    """accelerate and transformers names hf/trainer.py relies on (Note [The Trainer under CP]); the [trainer] extra."""
     pytest.importorskip("accelerate")
     pytest.importorskip("transformers")
     try:

@@ -28,7 +28,7 @@ separate copy for the send. The chunks live inside one mutating custom op,
 ``cp_dtensor::block_attn_backward_into_`` (ops.py), so compiled graphs get them too: traced per chunk,
 functionalization would copy the accumulator for every chunk's slice update (measured: compiled peak
 1.23x eager), while the op writes in place and Inductor re-inplaces it (compiled peak as eager's; see
-the README's torch.compile section). CUDA kernels want every head at once: one chunk per block there.
+docs/compile.md). CUDA kernels want every head at once: one chunk per block there.
 Note [Masks in the ring]
 ~~~~~~~~~~~~~~~~~~~~~~~~
 Documents and windows (see Note [Masked ring steps] in masks.py) change what each step computes, not

@@ -81,6 +81,25 @@ one graph break per call); the kernels, the differentiable all-gather and the fo
 state is built fp32 and contiguous, every input is made contiguous, and no ``chunk_size`` is added (pass
 kernel options through ``**kernel_kwargs``; fla's ``scale`` passes through unchanged). The op owns
 ``initial_state``, ``output_final_state`` and ``cu_seqlens`` (documents go through ``document_ids``).
+
+Note [fp32 precision with the checkpoints' decays]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+With the decay init of the released checkpoints (transformers' default: A = exp(A_log) up to 16, so
+decays g up to ~20 per token) the fp32 torch chunk kernel keeps only ~3-4 digits of the gradients of
+A_log and dt_bias, at CP=1 itself: they are differences of large terms (exp(cum_i - cum_j) from
+cumulative sums ~1e3 inside a 64-token chunk). Measured against the same model in float64
+(scripts/hybrid_precision.py; two float64 kernels agree to 1e-10): CP=1 is off by rel 5e-3 (dt_bias) /
+2e-3 (A_log) at N = 48, CP=2 headtail by 1.5e-3 / 6e-4 -- its runs are shorter chunks, so less
+cancellation; at N = 256 (the same 64-token chunks) both by 5e-3, and CP differs from CP=1 by 3e-4.
+
+So under CP the sums are rounded differently, not less accurately: this module's summaries and fold
+reorder CP=1's sums without making them larger, and against float64 CP's error is 0.2 to 1.6 times
+CP=1's on every tensor (P = 2 and 3, headtail and contiguous); the logits stay within 4.4e-7 of float64
+either way. Hence the tests: with decays drawn from [0.05, 1] CP=1 is a reference to 1e-4; with the
+checkpoints' init (tests/hf/test_hf_linear.py, ``_check_default_init``) the reference is float64 and the
+bound is CP's error <= 4 x max(CP=1's error, 1e-5) relative to the largest magnitude -- 4 catches an
+error an order of magnitude worse than the measured ratio (<= 1.42 at P = 2, 1.61 at P = 3), and 1e-5
+is above fp32's rounding of the tensors without the cancellation (measured <= 4e-6).
 """
 
 from __future__ import annotations

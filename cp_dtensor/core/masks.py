@@ -56,7 +56,7 @@ derived once and every reader shares it: ``blocks.Mask`` (the steps a window nee
 the runs it passes to the op), and the ops' rectangles (``ops._batch_rects``), which the backward asks
 for again with the same arguments as the forward. The ops cut the rectangles themselves because they
 are the compile boundary: a compiled graph passes the ids as tensors and takes new document boundaries
-without recompiling. Measured (``scripts/bench_mask_plan.py``, in the README).
+without recompiling. Measured (``scripts/bench_mask_plan.py``, in docs/performance.md).
 """
 
 from __future__ import annotations

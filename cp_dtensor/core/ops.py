@@ -144,7 +144,10 @@ _SEGMENTS: dict[tuple, tuple] = {}  # (id(ids), row) -> (weakref to ids, version
 
 def _row_segments(ids: Tensor, row: int) -> tuple[tuple[int, int, int], ...]:
     """:func:`_segments` of ``ids[row]`` ([B, S] ids), once per tensor and row: the forward and the
-    backward of a call pass the same ids (blocks.Mask.args), every step the same query ids."""
+    backward of a call pass the same ids (blocks.Mask.args), every step the same query ids. An inference
+    tensor (torch.inference_mode) has no version counter to tell an in-place change: read every time."""
+    if ids.is_inference():
+        return _segments(ids[row])
     hit = _SEGMENTS.get((id(ids), row))
     if hit is not None and hit[0]() is ids and hit[1] == ids._version:
         return hit[2]

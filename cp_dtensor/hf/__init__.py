@@ -5,6 +5,7 @@
   and hybrid linear-attention layers (linear.py) follow the model.
 * ``model.generate(...)`` then runs under CP: a ring prefill into a sequence-sharded KV cache, then
   decoding from it (generate.py).
+* ``remove_context_parallel(model)``: the plain model back (state.py: the one owner of a model's CP state).
 * ``with_context_parallel(Trainer, cp_size=...)``: transformers' Trainer or any subclass (TRL's SFTTrainer, ...)
   under CP, one line in a script (trainer.py; ``pip install 'cp_dtensor[trainer]'``: accelerate, trl).
 """
@@ -16,10 +17,11 @@ from typing import TYPE_CHECKING
 from .._deprecated import renamed
 from .attention import NAME, apply_context_parallel, register, shift_labels
 from .generate import ShardedCache, ShardedCacheLayer, cache_bytes
+from .state import remove_context_parallel
 
 __all__ = [
     "NAME", "ShardedCache", "ShardedCacheLayer", "ShardingCollator", "apply_context_parallel", "cache_bytes", "register",
-    "shift_labels", "with_context_parallel",
+    "remove_context_parallel", "shift_labels", "with_context_parallel",
 ]
 _TRAINER = ("ShardingCollator", "with_context_parallel")  # need accelerate too: imported when first used
 

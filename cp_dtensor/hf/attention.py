@@ -34,6 +34,18 @@ blocks, chunks). Whatever cannot be expressed -- a 4-D mask, dropout, softcappin
 earlier tokens, padding inside a sequence, missing position ids, labels shifted locally -- raises on
 every rank before any K/V moves: the error goes through the ring's agreement check (Note [Agreeing
 before the ring] in checks.py), before the gather too.
+
+Note [Unsharded inputs]
+~~~~~~~~~~~~~~~~~~~~~~~
+A forward of a CP model takes each rank's shard of the batch. The generate() habit -- every rank
+passing the same full inputs -- applied to ``model(...)`` would run without any shape error: each rank's
+copy becomes a "shard", the global sequence P interleaved copies, and the logits silently wrong. The
+documents' gather tells: in a sharded batch the ranks hold different positions, except packed documents
+that each fill exactly one rank's shard. So when every rank holds the same positions and padding flags,
+the first layer also gathers two sums of its queries (or, in a hybrid's linear layer, hidden states):
+16 bytes a rank, only in that case. Equal sums on every rank mean the same inputs, and every rank raises
+the same error, naming ``shard_batch`` and ``generate()``. The one false alarm: P packed documents that
+are token for token the same, each filling one rank's shard.
 """
 
 from __future__ import annotations
@@ -55,10 +67,19 @@ from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
 from ..core.attention import _ring_attention  # noqa: E402
 from ..core.checks import check_cp_mesh, check_ring_args  # noqa: E402
 from ..core.layout import check_layout, in_global_order, shard_tensor  # noqa: E402
+from .generate import decode_attention, enable_generate, generate  # noqa: E402
+from .state import ATTR, CPGenerate, HFState, attach, implementations, remove_context_parallel  # noqa: E402
 
-__all__ = ["apply_context_parallel", "register", "shift_labels", "NAME"]
+__all__ = ["apply_context_parallel", "register", "remove_context_parallel", "shift_labels", "NAME"]
 
 NAME = "cp_dtensor"
+_UNSHARDED = (
+    "every rank of the CP group was given the same inputs ({s} tokens a row, the same positions and hidden states "
+    "on all {p} ranks): a model under context parallelism takes each rank's shard of the batch, and would run "
+    "them as {p} copies of one sequence. Shard the batch -- input_ids, position_ids (and labels, attention_mask) "
+    "= cp_dtensor.shard_batch((input_ids, position_ids, ...), cp_mesh, layout={layout!r}) -- and gather the "
+    "logits with cp_dtensor.unshard_batch(logits, cp_mesh, layout={layout!r}); to generate, call "
+    "model.generate(...) with the full prompt on every rank. See Note [Unsharded inputs] in cp_dtensor/hf/attention.py.")
 _UNSET = object()
 # the transformers.masking_utils rules the ring expresses itself (by global position, not local shapes)
 _KNOWN_RULES = {
@@ -73,16 +94,6 @@ class _Refused:
 
     def __init__(self, why: str):
         self.why = why
-
-
-class _Context:
-    """Per model: the CP mesh and layout, the pending top-level error, and the last documents."""
-
-    def __init__(self, cp_mesh: DeviceMesh, layout: str, documents: str | None):
-        self.mesh, self.layout, self.documents = cp_mesh, layout, documents
-        self.pending: str | None = None  # from the top-level call, raised by the next attention call
-        self.last: tuple | None = None  # ((positions, version, mask, use_cache, B), (ids, error))
-        self.id_range: tuple[int, int] | None = None  # the global (min, max) of the last documents derived
 
 
 def _unknown_rules(fn, seen=None) -> list[str]:
@@ -148,9 +159,9 @@ def _window(module: nn.Module, sliding_window, is_causal: bool) -> tuple[tuple[i
     return (w - 1, 0), None  # transformers keeps q - W < k <= q
 
 
-def _local_error(ctx, query, key, attention_mask, dropout, softcap, kwargs) -> str | None:
-    if ctx.pending is not None:
-        return ctx.pending
+def _local_error(state: HFState, query, key, attention_mask, dropout, softcap, kwargs) -> str | None:
+    if state.pending is not None:
+        return state.pending
     if isinstance(attention_mask, _Refused):
         return attention_mask.why
     if attention_mask is not None and not (isinstance(attention_mask, Tensor) and attention_mask.dim() == 2):
@@ -168,8 +179,11 @@ def _local_error(ctx, query, key, attention_mask, dropout, softcap, kwargs) -> s
                 "pass position_ids that restart at 0 per sequence, sharded like the tokens.")
     if key.shape[2] != query.shape[2]:
         return (f"context parallel attention is self-attention over this rank's shard only: got {query.shape[2]} "
-                f"queries and {key.shape[2]} keys (a KV cache holding earlier tokens, or cross-attention). "
-                "Generate without CP; use_cache=True is fine for a single forward.")
+                f"queries and {key.shape[2]} keys -- a KV cache holding earlier tokens (past_key_values= from an "
+                "earlier call: a hand-written decode loop) or cross-attention. To decode, call model.generate(...) "
+                "with the full prompt on every rank: it decodes from a sequence-sharded cache. To run a loop of "
+                "your own, use a plain copy: cp_dtensor.remove_context_parallel(copy.deepcopy(model)). "
+                "use_cache=True is fine for a single forward.")
     pos = kwargs.get("position_ids")
     if pos is None:
         return ("context parallel attention needs position_ids: call the model with position_ids= (the global "
@@ -187,19 +201,40 @@ def _same(a: tuple, b: tuple) -> bool:
     return all(x is y if isinstance(x, Tensor) or isinstance(y, Tensor) else x == y for x, y in zip(a, b))
 
 
-def _global(x: Tensor, ctx: _Context) -> Tensor:
-    """[..., S_local] on every rank -> [..., N] in global order (every rank gets the same)."""
-    cp = ctx.mesh.size()
-    every = funcol.wait_tensor(funcol.all_gather_single(x.contiguous(), 0, ctx.mesh.get_group()))  # [P*lead, S_local]
-    return in_global_order(every.view(cp, -1, x.shape[-1]), ctx.layout)
+def _version(t: Tensor) -> int:
+    """``t``'s version counter; -1 for an inference tensor (torch.inference_mode), which has none: it
+    cannot change between the layers of one forward, and the documents are derived afresh every forward."""
+    return -1 if t.is_inference() else t._version
 
 
-def _documents(ctx: _Context, positions: Tensor, mask: Tensor | None, use_cache: bool, b: int):
+def _gather(x: Tensor, state: HFState) -> Tensor:
+    """[R, S_local] on every rank -> [P, R, S_local] (every rank gets the same)."""
+    every = funcol.wait_tensor(funcol.all_gather_single(x.contiguous(), 0, state.mesh.get_group()))  # [P*R, S_local]
+    return every.view(state.mesh.size(), -1, x.shape[-1])
+
+
+def _unsharded(state: HFState, every: Tensor, probe: Tensor | None) -> bool:
+    """Whether every rank was given the same full inputs (see Note [Unsharded inputs]); ``every`` is
+    [P, 2B, S_local], the gathered positions and padding flags, the same on every rank."""
+    if state.mesh.size() == 1 or probe is None or not bool((every == every[0]).all()):
+        return False  # the ranks hold different positions: the common case decides here, without a collective
+    x = probe.detach().double()
+    sums = torch.stack([x.sum(), x.abs().sum()])  # the same bits on every rank iff (in practice) the same inputs
+    return bool((_gather(sums[None], state) == sums).all())
+
+
+def derive_documents(state: HFState, positions: Tensor, mask: Tensor | None, use_cache: bool, b: int,
+                     probe: Tensor | None = None):
     """(this rank's document ids [B, S_local] or None, error or None) from the global positions and padding,
-    by transformers' sdpa / eager rules; see Note [transformers under CP]. Identical on every rank."""
+    by transformers' sdpa / eager rules; see Note [transformers under CP]. Identical on every rank.
+    ``probe``: a tensor computed from this rank's inputs (the first layer's queries or hidden states), read
+    only to tell unsharded inputs from packed documents (Note [Unsharded inputs])."""
     pos = positions.expand(b, -1).long()
     flag = torch.full_like(pos, 2) if mask is None else mask.long()  # 1 real, 0 pad, 2 no mask on this rank
-    full = _global(torch.cat([pos, flag]), ctx)
+    every = _gather(torch.cat([pos, flag]), state)  # [P, 2B, S_local]
+    if _unsharded(state, every, probe):
+        return None, _UNSHARDED.format(p=state.mesh.size(), s=pos.shape[1], layout=state.layout)
+    full = in_global_order(every, state.layout)
     pos, flag = full[:b], full[b:]
     given = flag != 2
     if bool(given.any()) and not bool(given.all()):
@@ -216,16 +251,16 @@ def _documents(ctx: _Context, positions: Tensor, mask: Tensor | None, use_cache:
         if bool(real.all()):
             return None, None
         ids = (~real | ~prev).long().cumsum(1)  # each pad token a document of its own, the tokens one
-    elif use_cache and ctx.documents is None:
+    elif use_cache and state.documents is None:
         return None, None  # transformers looks for packed sequences only without a cache
     else:  # transformers' find_packed_sequence_indices on the global positions
         diff = torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1)
         ids = (diff != 1).long().cumsum(1)
         if not bool(ids[:, -1].any()):
             return None, None
-    rank, cp = ctx.mesh.get_local_rank(), ctx.mesh.size()
-    ctx.id_range = (int(ids.min()), int(ids.max()))  # global: every rank derived the same ids
-    return shard_tensor(ids, seq_dim=1, layout=ctx.layout, rank=rank, world=cp).contiguous(), None
+    rank, cp = state.mesh.get_local_rank(), state.mesh.size()
+    state.id_range = (int(ids.min()), int(ids.max()))  # global: every rank derived the same ids
+    return shard_tensor(ids, seq_dim=1, layout=state.layout, rank=rank, world=cp).contiguous(), None
 
 
 def cp_dtensor_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask,
@@ -233,8 +268,8 @@ def cp_dtensor_attention(module: nn.Module, query: Tensor, key: Tensor, value: T
                          sliding_window=_UNSET, softcap=None, s_aux=None, **kwargs):
     """transformers attention function ``"cp_dtensor"``: ring attention over this rank's shard.
     query: [B, Hq, S_local, D]; key, value: [B, Hkv, S_local, D(v)]. Returns ([B, S_local, Hq, Dv], None)."""
-    ctx: _Context | None = getattr(module, "_cp_dtensor_hf", None)
-    if ctx is None:  # the same on every rank: no collective is pending
+    state: HFState | None = getattr(module, ATTR, None)
+    if state is None:  # the same on every rank: no collective is pending
         raise ValueError("attn_implementation='cp_dtensor' needs the CP mesh: call "
                          "cp_dtensor.hf.apply_context_parallel(model, cp_mesh, layout=...) instead of setting it.")
     device = query.device.type
@@ -244,33 +279,34 @@ def cp_dtensor_attention(module: nn.Module, query: Tensor, key: Tensor, value: T
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     window, err = _window(module, sliding_window, causal)
     sinks = s_aux if s_aux is not None else getattr(module, "sinks", None)
-    if getattr(ctx, "step", None) is not None and ctx.step.kind == "decode":  # Note [generate() under CP]
+    call = state.generating
+    if call is not None and call.step is not None and call.step.kind == "decode":  # Note [generate() under CP]
         refused = attention_mask.why if isinstance(attention_mask, _Refused) else None
-        err = err or refused or _local_error(ctx, query, query, None, dropout, softcap, kwargs)
+        err = err or refused or _local_error(state, query, query, None, dropout, softcap, kwargs)
         if err is not None:  # the decode step's inputs are replicated: every rank raises alike
             raise ValueError(err)
-        return ctx.decode(module, query, key, value, scaling, window, sinks), None
-    err = err or _local_error(ctx, query, key, attention_mask, dropout, softcap, kwargs)
-    group = ctx.mesh.get_group()
+        return decode_attention(state, module, query, key, value, scaling, window, sinks), None
+    err = err or _local_error(state, query, key, attention_mask, dropout, softcap, kwargs)
+    group = state.mesh.get_group()
     ids, agreed = kwargs.get("document_ids"), None
     if err is None and ids is None:
         pos, use_cache = kwargs["position_ids"], bool(kwargs.get("use_cache"))
-        key_ = (pos, pos._version, attention_mask, use_cache, query.shape[0])  # what the documents depend on
-        if ctx.last is not None and _same(ctx.last[0], key_):  # the next layer, or a recomputation
-            ids, err = ctx.last[1]
+        key_ = (pos, _version(pos), attention_mask, use_cache, query.shape[0])  # what the documents depend on
+        if state.last is not None and _same(state.last[0], key_):  # the next layer, or a recomputation
+            ids, err = state.last[1]
         else:
             # agree on shapes and options before the gather: a bad call raises on every rank here; the
             # documents then come out the same on every rank, so the ring does not agree again (once a
             # call; compiled, the ring's op is the agreement: Note [Compiled agreement] in checks.py)
             compiling = torch.compiler.is_compiling()
             if not compiling:
-                check_ring_args(query, key, value, group=group, layout=ctx.layout, is_causal=causal,
+                check_ring_args(query, key, value, group=group, layout=state.layout, is_causal=causal,
                                 scale=scaling, window_size=window, sinks=sinks)
-            ctx.id_range = None
-            ids, err = _documents(ctx, pos, attention_mask, use_cache, query.shape[0])
-            ctx.last = (key_, (ids, err))
-            agreed = None if compiling else ctx.id_range or (0, 0)
-    out = _ring_attention(query, key, value, group=group, layout=ctx.layout, is_causal=causal, scale=scaling,
+            state.id_range = None
+            ids, err = derive_documents(state, pos, attention_mask, use_cache, query.shape[0], probe=query)
+            state.last = (key_, (ids, err))
+            agreed = None if compiling else state.id_range or (0, 0)
+    out = _ring_attention(query, key, value, group=group, layout=state.layout, is_causal=causal, scale=scaling,
                           document_ids=ids if err is None else None, window_size=window, sinks=sinks, error=err,
                           agreed=agreed)
     return out.transpose(1, 2).contiguous(), None
@@ -347,29 +383,43 @@ def apply_context_parallel(
 
         linear = linear_layers(model, layout)
     register()
+    before = implementations(model.config)
     model.set_attn_implementation(NAME)
     if model.config._attn_implementation != NAME:
+        model.set_attn_implementation(before)
         raise ValueError(f"{type(model).__name__} does not route its attention through transformers' "
                          "AttentionInterface, so it cannot run context parallel attention.")
-    ctx = _Context(cp_mesh, layout, documents)
-    for m in model.modules():
-        m._cp_dtensor_hf = ctx
-
-    def check(module, args, kwargs):
-        ctx.pending = _top_level_error(model, args, kwargs)
-        return args, kwargs
-
-    model.register_forward_pre_hook(check, with_kwargs=True)
-    model.register_forward_hook(lambda *_: setattr(ctx, "pending", None), always_call=True)  # this call's only
+    state = attach(model, cp_mesh, layout, documents, before)  # Note [CP state on a model] in hf/state.py
+    state.handles += [model.register_forward_pre_hook(_call_starts, with_kwargs=True),
+                      model.register_forward_hook(_call_ends, always_call=True),
+                      model.base_model.register_forward_pre_hook(_forward_starts)]
     if linear is not None:  # the linear layers' convolution and delta rule; no cache, no generate()
-        from .linear import enable_linear
+        from .linear import enable_linear, refuse_generate
 
-        enable_linear(model, ctx, linear, lambda pos, mask, use_cache, b: _documents(ctx, pos, mask, use_cache, b))
-        return model
-    from .generate import enable_generate  # generate(): ring prefill, then a sequence-sharded KV cache
-
-    enable_generate(model, ctx)
+        enable_linear(model, state, linear, derive_documents)
+        model.generate = CPGenerate(model, refuse_generate)
+    else:
+        enable_generate(model, state)  # generate(): ring prefill, then a sequence-sharded KV cache
+        model.generate = CPGenerate(model, generate)
     return model
+
+
+def _call_starts(model: nn.Module, args, kwargs):
+    """The top-level call: its refusal (raised by the first attention call, on every rank), its logits_to_keep."""
+    state: HFState = getattr(model, ATTR)
+    state.pending = _top_level_error(model, args, kwargs)
+    state.keep_logits = kwargs.get("logits_to_keep", 0)
+    return args, kwargs
+
+
+def _call_ends(model: nn.Module, args, output):
+    getattr(model, ATTR).pending = None  # the refusal was this call's only
+    return output
+
+
+def _forward_starts(base: nn.Module, args):
+    getattr(base, ATTR).last = None  # a new forward derives its documents afresh
+    register()  # idempotent: a model unpickled in a fresh process finds "cp_dtensor" registered
 
 
 def _configs(config) -> list:

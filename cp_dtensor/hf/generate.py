@@ -17,16 +17,57 @@ generate a :class:`ShardedCache` -- a transformers ``Cache`` whose layers hold o
 * decode (T new tokens, the same on every rank): the layers run replicated; ``cache.update`` keeps each
   new token on one rank only -- the one holding the fewest tokens, lowest first: column c mod P after a
   striped prefill (the striped layout, continued) -- and returns this rank's
-  share; the attention function runs :func:`cp_dtensor.sharded_cache_attention` (decode.py) over it --
+  share; the attention function runs :func:`cp_dtensor.sharded_cache_attention` (core/decode.py) over it --
   one all-gather of B * Hq * T * (Dv + 1) fp32 values per layer, bit-identical outputs on every rank,
-  hence identical logits, sampling (same seed) and EOS decisions: every rank stops at the same step.
+  hence identical logits on every rank; what the ranks decide from them is agreed as Note [Agreed
+  stopping and sampling] says, so every rank stops at the same step.
 
 Windows and sinks come from the layer as in Note [transformers under CP] (hf/attention.py); masks are by the
 positions generate computes (``cumsum(attention_mask) - 1``), which equal transformers' column rule for
 left padding. Keys outside a sliding window stay in the cache (masked, not dropped).
+
+The per-call state (the cache, the current step) is a :class:`GenerateCall` in the model's ``HFState``
+(Note [CP state on a model] in hf/state.py); the hooks are module-level functions that read it from the
+module they run on, so a deepcopy of the model generates with its own weights.
+
+Note [Agreed stopping and sampling]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Every rank runs transformers' decoding loop; a loop that ends on one rank and not on another leaves
+the other waiting in its next collective (gloo aborts: "Received data size doesn't match"). The
+prompt and every generation option but ``max_time`` are agreed before the first token (the call's
+fingerprint: the whole GenerationConfig), and the logits are bit-identical on every rank; so whatever
+generate() derives from options and logits alone -- greedy tokens, max_length, EOS per row, stop
+strings, penalties -- agrees by construction. Three things do not:
+
+* Sampling draws from each rank's own generator. So when ``do_sample`` is on, the call's agreement
+  gather also carries each rank's state of the default generator of the prompt's device (the one
+  ``torch.multinomial`` draws from) and every rank samples from rank 0's: after ``torch.manual_seed(s)``
+  on rank 0 the tokens are those of the model at CP=1 after ``torch.manual_seed(s)``, whatever the
+  other ranks' seeds (``seed + rank``). Rank 0's generator advances as at CP=1; every other rank gets
+  its own state back when generate() returns. Nothing per token.
+* ``max_time`` reads each rank's clock, and the caller's ``stopping_criteria`` and ``logits_processor``
+  are objects no fingerprint can compare. When any rank's call has one of them (so every rank knows,
+  from the same gather), the ``StoppingCriteriaList`` generate() builds is wrapped
+  (:class:`AgreedStopping`): every rank evaluates it, then one all-gather over the CP group of each
+  rank's [2, B] int64 -- per row, done or not and the token just chosen -- makes rank 0's per-row
+  decisions every rank's, and checks that every rank chose the same tokens; if not (a logits processor
+  that differs by rank), every rank raises the same error at that step. So ``max_time`` runs on rank
+  0's clock and a criterion that differs by rank follows rank 0's. Cost: one all-gather of 16 * B bytes
+  a rank per token (scripts/bench_generate_agree.py measures it).
+* ``synced_gpus=True``: transformers all-reduces "this rank finished" over the default group every
+  step; the ranks of a CP group agree on it by the above, and the option itself is in the fingerprint.
+
+Why this design and not the alternatives: a per-token broadcast of rank 0's token would make sampling
+independent of the generators, but the token would have to be replaced after transformers has appended
+(and streamed) it, and it would cost a collective on every token of every call; agreeing the generator
+once costs nothing per token. An all-reduce of the unfinished-rows flags on every step would cost the
+same collective on calls that provably need none; the per-step gather runs only where something the
+fingerprint cannot see could make the ranks differ, and there it also checks the tokens.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -36,12 +77,15 @@ from .._extras import require
 require("hf", "cp_dtensor.hf (transformers generate() under context parallelism)")
 
 from transformers.cache_utils import Cache, CacheLayerMixin  # noqa: E402
+from transformers.generation.stopping_criteria import StoppingCriteriaList  # noqa: E402
 
+from .._compat import generation_stopping_criteria, prepare_generation_config  # noqa: E402
 from ..core.comm import all_gather, all_gather_objects, host_group, wait  # noqa: E402
 from ..core.decode import attend, digest, local_error  # noqa: E402
 from ..core.layout import global_order, layout_unit, shard_tensor  # noqa: E402
+from .state import ATTR, HFState  # noqa: E402
 
-__all__ = ["ShardedCache", "ShardedCacheLayer", "cache_bytes", "enable_generate"]
+__all__ = ["GenerateCall", "ShardedCache", "ShardedCacheLayer", "cache_bytes", "enable_generate", "generate"]
 
 _GROW = 32  # columns added to a layer's buffer at a time while decoding
 
@@ -78,6 +122,16 @@ class _Step:
         self.q_positions = q_positions  # decode: [B, T] positions of the new tokens
 
 
+@dataclass(eq=False)
+class GenerateCall:
+    """One generate() call's state, in ``HFState.generating`` while it runs (Note [CP state on a model])."""
+
+    cache: ShardedCache | None = None  #: this rank's share of the KV cache
+    step: _Step | None = None  #: what the base model's pre-hook decided for the current forward
+    prompt: tuple[int, int] | None = None  #: (prompt length N, internal pad columns) of the prefill
+    held: list[int] | None = None  #: how many tokens each rank's cache holds
+
+
 class ShardedCacheLayer(CacheLayerMixin):
     """One layer's share of the KV cache on this rank: ``keys`` [B, Hkv, S_r, D], ``values`` [B, Hkv, S_r, Dv]
     and ``positions`` [B, S_r] (global positions; -1 an empty slot). ``get_seq_length`` is the global length."""
@@ -86,9 +140,9 @@ class ShardedCacheLayer(CacheLayerMixin):
     is_croppable = False
     is_sliding = False
 
-    def __init__(self, ctx, positions: _Positions | None = None):
+    def __init__(self, call: GenerateCall | None, positions: _Positions | None = None):
         super().__init__()
-        self._ctx = ctx
+        self._call = call
         self._k = self._v = None
         self._pos = _Positions() if positions is None else positions
         self.positions: Tensor | None = None
@@ -103,7 +157,7 @@ class ShardedCacheLayer(CacheLayerMixin):
     def _append(self, k: Tensor, v: Tensor, pos: Tensor) -> None:
         n, t = self.held, k.shape[2]
         if n + t > self._k.shape[2]:  # grow by whole blocks: amortised appends, a bounded overhang
-            cap = n + t + (_GROW if self._ctx.step.kind == "decode" else 0)
+            cap = n + t + (_GROW if self._call.step.kind == "decode" else 0)
             grow = lambda x: torch.cat([x[:, :, :n], x.new_empty(*x.shape[:2], cap - n, x.shape[3])], 2)  # noqa: E731
             self._k, self._v = grow(self._k), grow(self._v)
         self._k[:, :, n:n + t], self._v[:, :, n:n + t] = k, v
@@ -112,7 +166,7 @@ class ShardedCacheLayer(CacheLayerMixin):
         self.positions = self._pos.extend(n + t, pos, self._k.shape[2])
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        step = self._ctx.step
+        step = None if self._call is None else self._call.step
         if step is None:
             raise ValueError("a cp_dtensor ShardedCache is filled by model.generate() under CP only; pass no cache "
                              "to a plain forward, or call generate().")
@@ -151,9 +205,9 @@ class ShardedCacheLayer(CacheLayerMixin):
 class ShardedCache(Cache):
     """A transformers ``Cache`` of :class:`ShardedCacheLayer` s: each rank holds its own tokens only."""
 
-    def __init__(self, ctx, num_layers: int):
+    def __init__(self, call: GenerateCall | None, num_layers: int):
         positions = _Positions()  # shared: every layer holds the same slots
-        super().__init__(layers=[ShardedCacheLayer(ctx, positions) for _ in range(num_layers)])
+        super().__init__(layers=[ShardedCacheLayer(call, positions) for _ in range(num_layers)])
 
 
 def cache_bytes(cache: Cache) -> int:
@@ -170,30 +224,37 @@ def cache_bytes(cache: Cache) -> int:
 # -- the model hooks ----------------------------------------------------------------------------------
 
 
-def _base_pre_hook(ctx, module, args, kwargs):
+def _base_pre_hook(module, args, kwargs):
+    state: HFState = getattr(module, ATTR)
+    call = state.generating
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if not isinstance(cache, ShardedCache):
-        ctx.step = None
+        if call is not None:
+            call.step = None
         return args, kwargs
+    if call is None or cache is not call.cache:  # the same on every rank: no collective is pending
+        raise ValueError("a cp_dtensor ShardedCache is filled by the model.generate() call that made it; pass no "
+                         "cache to a forward (the cache generate() returns holds this rank's tokens only and cannot "
+                         "be continued).")
     ids, mask, pos = kwargs.get("input_ids"), kwargs.get("attention_mask"), kwargs.get("position_ids")
     if ids is None or args or pos is None or kwargs.get("inputs_embeds") is not None:
         raise ValueError("generate() under CP passes input_ids, position_ids and the cache by keyword; got another call.")
     b, n = ids.shape
     pos = pos.expand(b, n)
-    cp, rank = ctx.mesh.size(), ctx.mesh.get_local_rank()
+    cp, rank = state.mesh.size(), state.mesh.get_local_rank()
     real = torch.ones(b, n, dtype=torch.bool, device=ids.device) if mask is None else mask[:, -n:].bool()
     if cache.get_seq_length() == 0:  # prefill: this rank's layout shard of the padded prompt
-        unit = layout_unit(ctx.layout, cp)
+        unit = layout_unit(state.layout, cp)
         pad = -n % unit
         padded = lambda x, v: torch.nn.functional.pad(x, (0, pad), value=v)  # noqa: E731
-        shard = lambda x: shard_tensor(x, seq_dim=1, layout=ctx.layout, rank=rank, world=cp).contiguous()  # noqa: E731
+        shard = lambda x: shard_tensor(x, seq_dim=1, layout=state.layout, rank=rank, world=cp).contiguous()  # noqa: E731
         cols = shard(torch.arange(n + pad, device=ids.device)[None])[0]  # global columns held here
         keep = torch.nonzero(cols < n).flatten()
         kpos = shard(padded(pos.masked_fill(~real, -1), -1)).index_select(1, keep)
-        ctx.step = _Step("prefill", kpos, keep, n)
-        ctx.prompt = (n, pad)
-        every = global_order(ctx.layout, cp, n + pad).view(cp, -1)  # [P, S_local]: each rank's columns
-        ctx.held = (every < n).sum(1).tolist()  # the prompt tokens each rank keeps
+        call.step = _Step("prefill", kpos, keep, n)
+        call.prompt = (n, pad)
+        every = global_order(state.layout, cp, n + pad).view(cp, -1)  # [P, S_local]: each rank's columns
+        call.held = (every < n).sum(1).tolist()  # the prompt tokens each rank keeps
         kwargs["input_ids"], kwargs["position_ids"] = shard(padded(ids, 0)), shard(padded(pos, 0))
         if mask is not None or pad:
             kwargs["attention_mask"] = shard(padded(real.long(), 0))
@@ -202,31 +263,32 @@ def _base_pre_hook(ctx, module, args, kwargs):
     # striped layout exactly column mod P; after another layout's prefill it evens out the shares
     owners = []
     for _ in range(n):
-        owners.append(min(range(cp), key=lambda r: (ctx.held[r], r)))
-        ctx.held[owners[-1]] += 1
+        owners.append(min(range(cp), key=lambda r: (call.held[r], r)))
+        call.held[owners[-1]] += 1
     keep = torch.nonzero(torch.tensor(owners) == rank).flatten()
     kpos = pos.masked_fill(~real, -1).index_select(1, keep.to(ids.device))
-    ctx.step = _Step("decode", kpos, keep, n, q_positions=pos.contiguous())
+    call.step = _Step("decode", kpos, keep, n, q_positions=pos.contiguous())
     return args, kwargs
 
 
-def _base_post_hook(ctx, module, args, kwargs, output):
-    step = ctx.step
-    if step is None or step.kind != "prefill":
+def _base_post_hook(module, args, kwargs, output):
+    state: HFState = getattr(module, ATTR)
+    call = state.generating
+    if call is None or call.step is None or call.step.kind != "prefill":
         return output
-    n, pad = ctx.prompt
-    keep = ctx.keep_logits
+    n, pad = call.prompt
+    keep = state.keep_logits
     k = keep if isinstance(keep, int) and 0 < keep <= n else n
-    output.last_hidden_state = _gather_columns(ctx, output.last_hidden_state, n + pad, range(n - k, n))
+    output.last_hidden_state = _gather_columns(state, output.last_hidden_state, n + pad, range(n - k, n))
     return output
 
 
-def _gather_columns(ctx, h: Tensor, total: int, columns) -> Tensor:
+def _gather_columns(state: HFState, h: Tensor, total: int, columns) -> Tensor:
     """The rows ``columns`` of the global [B, total, H] from every rank's layout shard ``h`` [B, S_local, H]:
     one all-gather of [B, k, H] per rank, each filling the rows it holds. Exact; the same on every rank."""
-    cp, rank = ctx.mesh.size(), ctx.mesh.get_local_rank()
+    cp, rank = state.mesh.size(), state.mesh.get_local_rank()
     cols = torch.tensor(list(columns), dtype=torch.long)
-    where = torch.argsort(global_order(ctx.layout, cp, total))[cols]  # index into the rank-major concatenation
+    where = torch.argsort(global_order(state.layout, cp, total))[cols]  # index into the rank-major concatenation
     s = total // cp
     owner, local = where // s, where % s
     if cp == 1:
@@ -234,24 +296,74 @@ def _gather_columns(ctx, h: Tensor, total: int, columns) -> Tensor:
     mine = torch.nonzero(owner == rank).flatten()
     buf = h.new_zeros(h.shape[0], len(cols), h.shape[2])
     buf[:, mine.to(h.device)] = h.index_select(1, local[mine].to(h.device))
-    group = ctx.mesh.get_group()
+    group = state.mesh.get_group()
     every = wait(all_gather(buf.reshape(-1), group), group).view(cp, *buf.shape)  # [P, B, k, H]
     return every[owner.to(h.device), :, torch.arange(len(cols), device=h.device)].transpose(0, 1).contiguous()
 
 
-def decode_attention(ctx, module: nn.Module, query: Tensor, key: Tensor, value: Tensor, scaling, window, sinks):
+def decode_attention(state: HFState, module: nn.Module, query: Tensor, key: Tensor, value: Tensor, scaling, window,
+                     sinks):
     """The decode step's attention: the new queries against this rank's share of the layer's cache.
     query: [B, Hq, T, D]; key, value: this rank's [B, Hkv, S_r, D(v)]. Returns [B, T, Hq, Dv]."""
-    layer = ctx.cache.layers[module.layer_idx]
-    q_pos, k_pos = ctx.step.q_positions, layer.positions
+    call = state.generating
+    layer = call.cache.layers[module.layer_idx]
+    q_pos, k_pos = call.step.q_positions, layer.positions
     # every rank computed query, positions and options alike from the agreed call (the generate() wrapper):
     # only the local checks run here, no agreement round per layer
     err = local_error(query, key, value, q_pos, k_pos, scaling, window, sinks)
     if err is not None:
         raise ValueError(err)
-    out = attend(query, key, value, q_positions=q_pos, k_positions=k_pos, group=ctx.mesh.get_group(),
-                 world=ctx.mesh.size(), scale=scaling, window_size=window, sinks=sinks)
+    out = attend(query, key, value, q_positions=q_pos, k_positions=k_pos, group=state.mesh.get_group(),
+                 world=state.mesh.size(), scale=scaling, window_size=window, sinks=sinks)
     return out.transpose(1, 2).contiguous()
+
+
+def enable_generate(model: nn.Module, state: HFState) -> None:
+    """Install the generate() hooks on a model that ``cp_dtensor.hf.apply_context_parallel`` prepared (their handles
+    go to ``state``); ``model.generate`` is a state.CPGenerate, which calls :func:`generate`."""
+    base = model.base_model
+    state.handles += [base.register_forward_pre_hook(_base_pre_hook, with_kwargs=True),
+                      base.register_forward_hook(_base_post_hook, with_kwargs=True)]
+
+
+# -- agreed stopping and sampling ----------------------------------------------------------------------
+
+
+class AgreedStopping(StoppingCriteriaList):
+    """generate()'s stopping criteria under CP: every rank evaluates them, and rank 0's per-row decisions
+    are every rank's; the tokens just chosen are checked equal on every rank. See Note [Agreed stopping
+    and sampling]."""
+
+    def __init__(self, criteria: StoppingCriteriaList, mesh):
+        super().__init__(criteria)
+        self.mesh = mesh
+
+    def __call__(self, input_ids: Tensor, scores, **kwargs) -> Tensor:
+        done = super().__call__(input_ids, scores, **kwargs)  # [B]: this rank's decisions
+        b, cp = input_ids.shape[0], self.mesh.size()
+        mine = torch.stack([done.long(), input_ids[:, -1].long()])  # [2, B]: done, the token just chosen
+        group = self.mesh.get_group()
+        if mine.device.type == "cpu":
+            group = host_group(group)
+        every = wait(all_gather(mine.reshape(-1), group), group).view(cp, 2, b)  # [P, 2, B]
+        differ = (every[:, 1] != every[0, 1]).any(1)  # [P]
+        if bool(differ.any()):  # every rank sees the same gathered tokens: every rank raises here
+            r = int(torch.nonzero(differ)[0])
+            raise ValueError(
+                f"generate() under CP: the ranks chose different tokens at sequence length {input_ids.shape[1]} "
+                f"(rank 0: {every[0, 1].tolist()}, rank {r}: {every[r, 1].tolist()}), so they would decode different "
+                "sequences. Something the ranks do not share changed them: a logits_processor (or stopping "
+                "criterion) that differs between ranks, or a forward that draws random numbers on some ranks only "
+                "(dropout: call model.eval()). Pass every rank the same generate() arguments.")
+        return every[0, 0].bool()
+
+
+def _generator(device: torch.device):
+    """(get_state, set_state) of the default generator ``torch.multinomial`` draws from on ``device``."""
+    if device.type == "cpu":
+        return torch.get_rng_state, torch.set_rng_state
+    module = torch.get_device_module(device)
+    return (lambda: module.get_rng_state(device)), (lambda s: module.set_rng_state(s, device))
 
 
 # -- the generate() wrapper ----------------------------------------------------------------------------
@@ -260,44 +372,75 @@ _REFUSED_OPTIONS = {
     "output_attentions": "attention weights are never formed under CP",
     "output_hidden_states": "each rank holds its shard of the prompt's hidden states",
 }
+_CACHE_KINDS = {"static": "static", "offloaded_static": "static", "sliding_window": "static", "hybrid": "static",
+                "hybrid_chunked": "static", "offloaded_hybrid": "static", "offloaded_hybrid_chunked": "static",
+                "offloaded": "offloaded", "quantized": "quantized"}
 
 
-def _generate_error(model, args, kwargs) -> tuple[str | None, tuple]:
-    """(why this call cannot be served, or None; a fingerprint of the call that every rank must share)."""
+def _origin(model, kwargs: dict, name: str) -> tuple[str, str]:
+    """(where the call's generation option ``name`` came from, in words; which of 'kwarg' / 'config' / 'model')."""
+    if name in kwargs:
+        return f"generate() was passed {name}={kwargs[name]!r}", "kwarg"
+    given = kwargs.get("generation_config")
+    if given is not None and getattr(given, name, None) is not None:
+        return f"the generation_config passed to generate() sets {name}={getattr(given, name)!r}", "config"
+    return f"model.generation_config sets {name}={getattr(model.generation_config, name, None)!r}", "model"
+
+
+def _cache_errors(model, kwargs: dict, config) -> str | None:
+    if config.use_cache is False:
+        said, where = _origin(model, kwargs, "use_cache")
+        fix = {"kwarg": "Drop use_cache=False.", "config": "Set use_cache=True in that generation_config.",
+               "model": "Pass use_cache=True (or set model.generation_config.use_cache = True)."}[where]
+        return (f"generate() under CP decodes from a KV cache, but {said}: without one every step would re-run the "
+                f"whole sequence on each rank's shard. {fix}")
+    impl = config.cache_implementation
+    if impl is not None and impl != "dynamic":  # "dynamic" is the default kind: the sharded cache is one
+        said, where = _origin(model, kwargs, "cache_implementation")
+        kind = _CACHE_KINDS.get(impl, repr(impl))
+        fix = {"kwarg": "Drop cache_implementation= (or pass 'dynamic').",
+               "config": "Set cache_implementation=None (or 'dynamic') in that generation_config.",
+               "model": "Pass cache_implementation='dynamic' (or set model.generation_config.cache_implementation "
+                        "= None)."}[where]
+        return (f"generate() under CP keeps its own sequence-sharded cache, a dynamic cache like transformers' "
+                f"default, but {said}: a {kind} cache cannot be split across the ranks. {fix}")
+    return None
+
+
+def _generate_error(model, args, kwargs) -> tuple[str | None, tuple, object]:
+    """(why this call cannot be served, or None; a fingerprint of the call that every rank must share; the
+    resolved GenerationConfig, or None when the call is refused before it is resolved)."""
     ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
     if kwargs.get("inputs_embeds") is not None:
-        return "generate() under CP takes input_ids, not inputs_embeds.", ()
+        return "generate() under CP takes input_ids, not inputs_embeds.", (), None
     if not isinstance(ids, Tensor) or ids.dim() != 2 or ids.dtype != torch.long:
-        return f"generate() under CP needs input_ids as a [B, N] int64 tensor; got {type(ids).__name__}.", ()
+        return f"generate() under CP needs input_ids as a [B, N] int64 tensor; got {type(ids).__name__}.", (), None
     for name in ("cache", "past_key_values"):
         if kwargs.get(name) is not None:
             return (f"generate() under CP builds its own sequence-sharded cache; got {name}=. Pass no cache (the "
-                    "returned one, past_key_values, holds this rank's tokens only and cannot be continued).", ())
+                    "returned one holds this rank's tokens only and cannot be continued).", (), None)
     for name in ("assistant_model", "prefix_allowed_tokens_fn", "negative_prompt_ids", "custom_generate"):
         if kwargs.get(name) is not None:
-            return f"generate() under CP does not serve {name}= (assisted / constrained / guided decoding).", ()
+            return f"generate() under CP does not serve {name}= (assisted / constrained / guided decoding).", (), None
     try:
-        config, _ = model._prepare_generation_config(kwargs.get("generation_config"),
-                                                     **{k: v for k, v in kwargs.items() if k != "generation_config"})
+        config, _ = prepare_generation_config(model, kwargs.get("generation_config"),
+                                              **{k: v for k, v in kwargs.items() if k != "generation_config"})
     except Exception as e:  # noqa: BLE001 -- transformers' own validation: every rank fails alike
-        return f"generate() rejected its arguments: {e}", ()
+        return f"generate() rejected its arguments: {e}", (), None
     if config.num_beams != 1 or getattr(config, "num_beam_groups", 1) not in (None, 1):
         return (f"generate() under CP serves greedy decoding and sampling (num_beams=1); got num_beams="
-                f"{config.num_beams}. Beam search reorders the cache across beams, which a sharded cache does not.", ())
-    if config.use_cache is False:
-        return ("generate() under CP needs use_cache=True (the default): without a cache every step would re-run "
-                "the whole sequence on each rank's shard. Drop use_cache=False.", ())
-    if config.cache_implementation is not None:
-        return (f"generate() under CP uses its own sequence-sharded cache; cache_implementation="
-                f"{config.cache_implementation!r} (static / offloaded / quantized / paged) cannot be sharded. "
-                "Leave cache_implementation unset.", ())
+                f"{config.num_beams}. Beam search reorders the cache across beams, which a sharded cache does not.",
+                (), config)
+    err = _cache_errors(model, kwargs, config)
+    if err is not None:
+        return err, (), config
     if getattr(config, "prefill_chunk_size", None) is not None:
-        return "generate() under CP prefills the whole prompt with the ring; drop prefill_chunk_size.", ()
+        return "generate() under CP prefills the whole prompt with the ring; drop prefill_chunk_size.", (), config
     if getattr(config, "prompt_lookup_num_tokens", None) is not None or getattr(config, "penalty_alpha", None):
-        return "generate() under CP does not serve prompt lookup or contrastive search.", ()
+        return "generate() under CP does not serve prompt lookup or contrastive search.", (), config
     for name, why in _REFUSED_OPTIONS.items():
         if getattr(config, name, False):
-            return f"generate() under CP does not return {name}: {why}. Drop {name}=True.", ()
+            return f"generate() under CP does not return {name}: {why}. Drop {name}=True.", (), config
     mask = kwargs.get("attention_mask")
     pad, eos = config.pad_token_id, config.eos_token_id
     eos = set() if eos is None else set(eos if isinstance(eos, (list, tuple)) else [eos])
@@ -305,56 +448,75 @@ def _generate_error(model, args, kwargs) -> tuple[str | None, tuple]:
         mask = (ids != pad).long()  # the mask generate() infers from pad tokens
     if mask is not None:
         if not isinstance(mask, Tensor) or tuple(mask.shape) != tuple(ids.shape):
-            return f"attention_mask must be a 2-D [B, N] = {tuple(ids.shape)} padding mask under CP.", ()
+            return f"attention_mask must be a 2-D [B, N] = {tuple(ids.shape)} padding mask under CP.", (), config
         if not bool(mask[:, -1].bool().all()):
             return ("generate() under CP needs left padding: some row's last token is padding (right padding). "
-                    "Pad on the left (tokenizer.padding_side = 'left').", ())
+                    "Pad on the left (tokenizer.padding_side = 'left').", (), config)
     if kwargs.get("position_ids") is not None:
-        return "generate() under CP computes position_ids from the attention_mask; do not pass position_ids.", ()
-    settings = tuple(repr(getattr(config, a, None)) for a in (
-        "max_length", "max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p",
-        "eos_token_id", "pad_token_id", "num_return_sequences", "repetition_penalty", "return_dict_in_generate",
-        "output_logits", "output_scores"))
+        return ("generate() under CP computes position_ids from the attention_mask; do not pass position_ids.", (),
+                config)
+    # every option but max_time (whose decision is rank 0's: Note [Agreed stopping and sampling]); synced_gpus:
+    # transformers all-reduces over the default group each step when it is on -- on every rank or on none
+    settings = tuple(sorted((k, _plain_repr(v)) for k, v in config.to_dict().items() if k != "max_time"))
     given = kwargs.get("attention_mask")
-    return None, (tuple(ids.shape), digest(ids.cpu()), digest(None if given is None else given.cpu()), settings)
+    return None, (tuple(ids.shape), digest(ids.cpu()), digest(None if given is None else given.cpu()), settings,
+                  repr(kwargs.get("synced_gpus"))), config
 
 
-def enable_generate(model: nn.Module, ctx) -> None:
-    """Install the generate() support on a model that ``cp_dtensor.hf.apply_context_parallel`` has prepared."""
-    ctx.step, ctx.cache, ctx.prompt, ctx.held, ctx.keep_logits = None, None, None, None, 0
-    base = model.base_model
-    base.register_forward_pre_hook(lambda m, a, k: _base_pre_hook(ctx, m, a, k), with_kwargs=True)
-    base.register_forward_hook(lambda m, a, k, o: _base_post_hook(ctx, m, a, k, o), with_kwargs=True)
+def _plain_repr(value) -> str:
+    """``repr`` without memory addresses (an object's differs between ranks): its type name instead."""
+    text = repr(value)
+    return type(value).__name__ if " at 0x" in text else text
 
-    def keep_logits(m, a, k):
-        ctx.keep_logits = k.get("logits_to_keep", 0)
-        return a, k
 
-    model.register_forward_pre_hook(keep_logits, with_kwargs=True)
-    ctx.decode = lambda *a: decode_attention(ctx, *a)
-    original = model.generate  # the bound GenerationMixin.generate
+def _steps_to_agree(config, kwargs: dict) -> bool:
+    """Whether this rank's stopping decisions or tokens could differ from the other ranks' though the logits
+    are the same: a clock (max_time), or objects of the caller's (criteria, logits processors)."""
+    return config.max_time is not None or bool(kwargs.get("stopping_criteria")) or bool(kwargs.get("logits_processor"))
 
-    def generate(*args, **kwargs):
-        """``GenerationMixin.generate`` under CP: see Note [generate() under CP] in cp_dtensor/hf_generate.py."""
-        err, fingerprint = _generate_error(model, args, kwargs)
-        cp = ctx.mesh.size()
-        if cp > 1:  # Note [Agreeing before the ring] (checks.py): every rank raises, or none
-            every = all_gather_objects((err, fingerprint), host_group(ctx.mesh.get_group()))
-            bad = [(r, e) for r, (e, _) in enumerate(every) if e is not None]
-            if bad:
-                raise ValueError(f"generate() under CP refused the call on rank(s) {[r for r, _ in bad]}: {bad[0][1]}")
-            if any(f != every[0][1] for _, f in every):
-                raise ValueError(
-                    "generate() under CP needs the same call on every rank of the CP group -- the full, unsharded "
-                    "input_ids and attention_mask and the same generation options -- but the ranks differ (a "
-                    "sharded prompt?). Pass every rank the whole prompt.")
-        elif err is not None:
-            raise ValueError(err)
-        text = model.config.get_text_config(decoder=True)
-        ctx.cache = ShardedCache(ctx, text.num_hidden_layers)
-        try:
-            return original(*args, cache=ctx.cache, **kwargs)
-        finally:
-            ctx.step, ctx.cache = None, None
 
-    model.generate = generate
+def generate(model: nn.Module, *args, **kwargs):
+    """``GenerationMixin.generate`` under CP, installed as ``model.generate``: every rank passes the same full
+    prompt and options, and every rank returns the same tokens -- those of the model at CP=1 with rank 0's
+    generator state when sampling. See Note [generate() under CP] and Note [Agreed stopping and sampling]
+    in cp_dtensor/hf/generate.py."""
+    state: HFState = getattr(model, ATTR)
+    if state.generating is not None:
+        raise ValueError("generate() under CP is already running on this model; it cannot be re-entered (from a "
+                         "streamer or a stopping criterion).")
+    err, fingerprint, config = _generate_error(model, args, kwargs)
+    cp, rank = state.mesh.size(), state.mesh.get_local_rank()
+    ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+    sampling = err is None and cp > 1 and bool(config.do_sample)
+    get_rng, set_rng = _generator(ids.device) if sampling else (None, None)
+    own = get_rng() if sampling else None
+    steps = False
+    if cp > 1:  # Note [Agreeing before the ring] (core/checks.py): every rank raises, or none
+        mine = (err, fingerprint, own, err is None and _steps_to_agree(config, kwargs))
+        every = all_gather_objects(mine, host_group(state.mesh.get_group()))
+        bad = [(r, x[0]) for r, x in enumerate(every) if x[0] is not None]
+        if bad:
+            raise ValueError(f"generate() under CP refused the call on rank(s) {[r for r, _ in bad]}: {bad[0][1]}")
+        steps = any(x[3] for x in every)  # Note [Agreed stopping and sampling]: decided alike on every rank
+        if any(x[1] != every[0][1] for x in every):
+            raise ValueError(
+                "generate() under CP needs the same call on every rank of the CP group -- the full, unsharded "
+                "input_ids and attention_mask and the same generation options -- but the ranks differ (a "
+                "sharded prompt?). Pass every rank the whole prompt.")
+    elif err is not None:
+        raise ValueError(err)
+    if config.cache_implementation == "dynamic":  # what the sharded cache is: transformers must not build one
+        kwargs = {**kwargs, "cache_implementation": None}
+    call = GenerateCall()
+    call.cache = ShardedCache(call, model.config.get_text_config(decoder=True).num_hidden_layers)
+    state.generating = call
+    try:
+        if sampling:
+            set_rng(every[0][2])  # rank 0's generator: Note [Agreed stopping and sampling]
+        agreed = (lambda criteria: AgreedStopping(criteria, state.mesh)) if steps else (lambda criteria: criteria)
+        with generation_stopping_criteria(model, agreed):
+            return type(model).generate(model, *args, cache=call.cache, **kwargs)
+    finally:
+        state.generating, call.step = None, None
+        if sampling and rank != 0:
+            set_rng(own)  # the other ranks' generators as they were

@@ -53,6 +53,8 @@ import contextvars
 import functools
 import importlib
 import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from torch import Tensor, nn
@@ -64,8 +66,9 @@ require("hf", "cp_dtensor.hf (hybrid linear-attention transformers models under 
 from ..core.comm import all_gather_objects, host_group  # noqa: E402
 from ..core.layout import check_layout  # noqa: E402
 from ..core.linear_attention import _owner, _run_starts, check_linear_layout, sharded_causal_conv1d, sharded_delta_rule  # noqa: E402, I001
+from .state import ATTR, HFState  # noqa: E402
 
-__all__ = ["FAMILIES", "enable_linear", "linear_layers"]
+__all__ = ["FAMILIES", "LinearState", "enable_linear", "linear_layers", "refuse_generate"]
 
 
 class Family(NamedTuple):
@@ -136,18 +139,22 @@ def linear_layers(model: nn.Module, layout: str) -> list[tuple[nn.Module, Family
     return found
 
 
-class _Hybrid:
-    """Per model: the hf/attention.py context, this call's inputs, the error found at its start, its documents."""
+@dataclass(eq=False)
+class LinearState:
+    """A hybrid model's linear layers under CP: ``HFState.linear`` (Note [CP state on a model] in hf/state.py).
+    Every field but ``derive`` belongs to the current call (:meth:`fresh`: what a copy of the model starts with)."""
 
-    def __init__(self, ctx, derive):
-        self.ctx, self.derive = ctx, derive  # derive(positions, mask, use_cache, b) -> (ids, error): hf/attention.py's rule
-        self.call: dict | None = None  # position_ids, attention_mask, document_ids of the base model's call
-        self.pending: str | None = None
-        self.docs: tuple[Tensor | None] | None = None  # this call's documents, once derived
+    derive: Callable  #: hf/attention.py's document rule: derive(state, positions, mask, use_cache, b, probe=) -> (ids, error)
+    call: dict | None = None  #: position_ids, attention_mask, document_ids of the base model's call
+    pending: str | None = None  #: this call's cache refusal, raised by the first linear layer
+    docs: tuple[Tensor | None] | None = None  #: this call's documents, once derived
+
+    def fresh(self) -> LinearState:
+        return LinearState(self.derive)
 
 
 class _Running(NamedTuple):
-    hybrid: _Hybrid
+    state: HFState
     ids: Tensor | None  # this rank's document ids [B, S_local], or None
     calls: dict  # how many times the layer called each dispatcher
 
@@ -166,8 +173,14 @@ def _bound(module: nn.Module, args, kwargs) -> tuple[dict, dict]:
     return bound, extra
 
 
-def _take_call(hybrid: _Hybrid, module: nn.Module, args, kwargs):
+def refuse_generate(model: nn.Module, *args, **kwargs):
+    """``model.generate`` of a hybrid model under CP (state.CPGenerate): refused, the same on every rank."""
+    raise ValueError(_NO_CACHE)
+
+
+def _take_call(module: nn.Module, args, kwargs):
     """Base-model pre-hook: keep the call's inputs for the documents; no cache under CP."""
+    hybrid: LinearState = getattr(module, ATTR).linear
     bound, extra = _bound(module, args, kwargs)
     get = lambda name: bound.get(name, extra.get(name))  # noqa: E731
     cache = next((get(n) for n in ("cache", "past_key_values", "cache_params") if get(n) is not None), None)
@@ -180,10 +193,11 @@ def _take_call(hybrid: _Hybrid, module: nn.Module, args, kwargs):
     return args, kwargs
 
 
-def _call_error(hybrid: _Hybrid, hidden, kwargs) -> str | None:
+def _call_error(state: HFState, hidden, kwargs) -> str | None:
     """What this rank cannot run, from the call kept by the base model and the first layer's inputs."""
-    if hybrid.ctx.pending is not None or hybrid.pending is not None:
-        return hybrid.ctx.pending or hybrid.pending
+    hybrid = state.linear
+    if state.pending is not None or hybrid.pending is not None:
+        return state.pending or hybrid.pending
     if kwargs.get("cache") is not None:
         return _NO_CACHE
     if hybrid.call is None:
@@ -258,11 +272,11 @@ def _one_document(summaries: list, layout: str, world: int) -> bool:
     return True
 
 
-def _start(hybrid: _Hybrid, hidden, kwargs) -> None:
+def _start(state: HFState, hidden, kwargs) -> None:
     """The first linear layer of a call: agree across ranks (Note [Agreeing before the ring] in checks.py,
     as generate() does: one gather of (error, fingerprint, runs summary)), then derive the documents."""
-    ctx = hybrid.ctx
-    err = _call_error(hybrid, hidden, kwargs)
+    ctx, hybrid = state, state.linear
+    err = _call_error(state, hidden, kwargs)
     call = hybrid.call or {}
     world = ctx.mesh.size()
     # (a mask on some ranks only is found by the documents' gather, which every rank joins)
@@ -281,25 +295,30 @@ def _start(hybrid: _Hybrid, hidden, kwargs) -> None:
                               for r, (_, f, _) in enumerate(every))
             raise ValueError(f"a hybrid model under CP needs the same call on every rank of the CP group; got {table}. "
                              "Every rank must hold an equal-length shard of one batch and pass the same options.")
-        one_document = _one_document([x for _, _, x in every], ctx.layout, world)
+        summaries = [x for _, _, x in every]
+        # the same summary on every rank: maybe the full inputs on every rank -- the O(N) derivation below
+        # tells (Note [Unsharded inputs] in hf/attention.py)
+        one_document = _one_document(summaries, ctx.layout, world) and any(x != summaries[0] for x in summaries)
     elif err is not None:
         raise ValueError(err)
     ids = call["document_ids"]
     if ids is None and not one_document:  # the global view: O(N) ids gathered (hf/attention.py's rule)
         pos = call["position_ids"]
-        ids, err = hybrid.derive(pos[0] if pos.dim() == 3 else pos, call["attention_mask"], False, hidden.shape[0])
+        ids, err = hybrid.derive(state, pos[0] if pos.dim() == 3 else pos, call["attention_mask"], False,
+                                 hidden.shape[0], probe=hidden)
         if err is not None:  # derived from the global view: the same on every rank
             raise ValueError(err)
     hybrid.docs = (ids,)
 
 
-def _layer_pre(hybrid: _Hybrid, layer: nn.Module, args, kwargs):
+def _layer_pre(layer: nn.Module, args, kwargs):
+    state: HFState = getattr(layer, ATTR)
     hidden = kwargs.get("hidden_states", args[0] if args else None)
-    if hybrid.docs is None:
-        _start(hybrid, hidden, kwargs)
+    if state.linear.docs is None:
+        _start(state, hidden, kwargs)
     elif kwargs.get("cache") is not None:  # the same on every rank
         raise ValueError(_NO_CACHE)
-    layer._cp_dtensor_token = _RUNNING.set(_Running(hybrid, hybrid.docs[0], {"conv": 0, "rule": 0}))
+    layer._cp_dtensor_token = _RUNNING.set(_Running(state, state.linear.docs[0], {"conv": 0, "rule": 0}))
     return args, kwargs
 
 
@@ -328,7 +347,7 @@ def _conv_dispatcher(original):
             return original(*args, **kwargs)
         a = signature.bind(*args, **kwargs).arguments  # (hidden_states [B, C, S_local], weight [C, K], bias, activation)
         run.calls["conv"] += 1
-        ctx = run.hybrid.ctx
+        ctx = run.state
         return sharded_causal_conv1d(a["hidden_states"], a["weight"], a.get("bias"), a.get("activation"),
                                      group=ctx.mesh.get_group(), layout=ctx.layout, document_ids=run.ids)
 
@@ -348,7 +367,7 @@ def _rule_dispatcher(original):
         if a.get("initial_state") is not None or a.get("output_final_state"):
             raise ValueError(_NO_CACHE)  # the call's cache check refused this already, on every rank
         run.calls["rule"] += 1
-        ctx = run.hybrid.ctx
+        ctx = run.state
         extra = {"chunk_size": a["chunk_size"]} if "chunk_size" in a else {}  # the rest: the model's call kwargs
         out = sharded_delta_rule(original, a["query"], a["key"], a["value"], a["g"], a["beta"],
                                  group=ctx.mesh.get_group(), layout=ctx.layout, document_ids=run.ids,
@@ -368,22 +387,15 @@ def _install(fam: Family) -> None:
             setattr(module, name, make(current))
 
 
-def enable_linear(model: nn.Module, ctx, layers: list[tuple[nn.Module, Family]], derive) -> None:
-    """Serve the linear layers found by :func:`linear_layers` under CP (model changed in place);
-    ``derive(positions, mask, use_cache, b)`` is hf/attention.py's document rule. See Note [Linear attention in
-    transformers under CP]."""
-    hybrid = _Hybrid(ctx, derive)
+def enable_linear(model: nn.Module, state: HFState, layers: list[tuple[nn.Module, Family]], derive: Callable) -> None:
+    """Serve the linear layers found by :func:`linear_layers` under CP (model changed in place; the hooks'
+    handles go to ``state``); ``derive``: hf/attention.py's document rule, a module-level function. See Note [Linear
+    attention in transformers under CP]."""
+    state.linear = LinearState(derive)
     for fam in {fam for _, fam in layers}:
         _install(fam)
-    model.base_model.register_forward_pre_hook(lambda m, a, k: _take_call(hybrid, m, a, k), with_kwargs=True)
+    state.handles.append(model.base_model.register_forward_pre_hook(_take_call, with_kwargs=True))
     for layer, _ in layers:
         layer._cp_dtensor_token = None
-        layer.register_forward_pre_hook(lambda m, a, k: _layer_pre(hybrid, m, a, k), with_kwargs=True)
-        layer.register_forward_hook(_layer_post, with_kwargs=True, always_call=True)
-
-    def generate(*args, **kwargs):  # the same on every rank: nothing to agree on
-        raise ValueError(_NO_CACHE)
-
-    model.generate = generate
-    model._cp_dtensor_linear = hybrid
-
+        state.handles += [layer.register_forward_pre_hook(_layer_pre, with_kwargs=True),
+                          layer.register_forward_hook(_layer_post, with_kwargs=True, always_call=True)]

@@ -13,7 +13,7 @@ from cp_dtensor.core import wire
 from cp_dtensor.tools import plan as P
 from cp_dtensor.tools.cli import main
 
-# exercise 1's model (hidden 8192, 64 heads, 8 KV heads, bf16) on 4 nodes x 8 GPUs
+# the 128k example's model (hidden 8192, 64 heads, 8 KV heads, bf16) on 4 nodes x 8 GPUs
 BIG = dict(seq_len=128 * 1024, cp=32, head_dim=128, q_heads=64, kv_heads=8, dtype="bf16", tflops=400.0)
 LINKS = dict(island=8, intra_gbps=450.0, inter_gbps=50.0)
 

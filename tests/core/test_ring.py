@@ -72,7 +72,7 @@ def _bytes(rank, world):
             out = cp_dtensor.ring_attention(ql, kl, vl, layout=layout, is_causal=True)
         with CommBytes() as bwd:
             out.backward(torch.ones_like(out))
-        # The seed's formula: (P - 1) steps of 2 * S_local * D * Hkv * itemsize (per batch element).
+        # The formula: (P - 1) steps of 2 * S_local * D * Hkv * itemsize (per batch element).
         formula = (world - 1) * 2 * b * s_local * d * hkv * dtype.itemsize
         assert fwd.by_op["all_to_all_single"] == formula, (layout, hq, hkv, dtype, fwd.by_op, formula)
         # Backward: K/V again plus the dK/dV accumulators, each P - 1 hops.

@@ -115,7 +115,7 @@ def _check(name, world, mesh, layouts, batch, weights, keep=None, *, how="hf", c
         model = copy.deepcopy(base)
         if how == "hf":
             hf.apply_context_parallel(model, mesh, layout=layout)
-        else:  # the README's module path hands transformers models to the same integration
+        else:  # cp_dtensor.apply_context_parallel hands transformers models to the same integration
             apply_context_parallel(model, mesh, layout=layout, documents="position_ids" if how == "module-docs" else None)
         if checkpointing:
             model.activation_checkpointing_enable()

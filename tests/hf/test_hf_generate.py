@@ -166,7 +166,7 @@ def _check_refusals(rank: int, world: int) -> None:
     ids, mask = _prompt(0, 2, 9)
     gen = lambda **kw: _generate(model, ids, mask, **kw)  # noqa: E731
     _expect("num_beams", lambda: gen(num_beams=2))
-    _expect("use_cache=True", lambda: gen(use_cache=False))
+    _expect("passed use_cache=False.*Drop use_cache=False", lambda: gen(use_cache=False))
     _expect("cache_implementation", lambda: gen(cache_implementation="static"))
     _expect("assistant_model", lambda: gen(assistant_model=base))
     _expect("output_hidden_states", lambda: gen(output_hidden_states=True))

@@ -121,16 +121,9 @@ def _check(name, world, mesh, layouts, batch, weights, keep=None, *, how="hf", c
         _compare(where, _run(model, batch, weights, keep, mesh=mesh, layout=layout, **options), ref, keep)
 
 
-# Note [fp32 precision with the checkpoints' decays]: with transformers' default init (A = exp(A_log) up to
-# 16, decays up to ~20 per token) the fp32 torch kernel's gradients of A_log and dt_bias keep only ~3-4 digits
-# at CP=1 itself: they are differences of large terms (exp(cum_i - cum_j) from cumulative sums ~1e3 in a
-# 64-token chunk). Measured against the float64 model (scripts/hybrid_precision.py; two float64 kernels agree to
-# 1e-10): CP=1 rel 5e-3 (dt_bias) / 2e-3 (A_log) at N = 48, CP=2 headtail 1.5e-3 / 6e-4 -- its runs are
-# shorter chunks, less cancellation; at N = 256 (the same 64-token chunks) both 5e-3, CP - CP=1 3e-4. So CP
-# is rounded differently, not less accurately: the test bounds CP's error by CP=1's own. C: CP's sums are a
-# reordering of CP=1's, of the same size (measured ratio <= 1.42 at P = 2, 1.61 at P = 3, over every tensor);
-# 4 catches an error an order of magnitude worse. FLOOR: fp32 rounding of the tensors without the
-# cancellation (measured <= 4e-6).
+# See Note [fp32 precision with the checkpoints' decays] in cp_dtensor's linear_attention.py: C bounds CP's
+# error by CP=1's own (CP's sums reorder CP=1's: measured ratio <= 1.42 at P = 2, 1.61 at P = 3; 4 catches an
+# error an order of magnitude worse); FLOOR is fp32 rounding without the cancellation (measured <= 4e-6).
 PRECISION_C, PRECISION_FLOOR = 4.0, 1e-5
 
 

@@ -107,7 +107,7 @@ def test_tile_pairs_counts_whole_kv_tiles():
 
 
 def test_mask_balance_counts_the_kept_pairs():
-    """bench_masks.py's per-rank work (the README's balance table) against a brute-force count over
+    """bench_masks.py's per-rank work (docs/performance.md's balance table) against a brute-force count over
     global positions: the pairs each rank's queries keep, causal within packed documents."""
     import bench_masks
 

@@ -16,7 +16,7 @@ from cp_dtensor.tools.cli import main
 
 MiB, GiB = 1 << 20, 1 << 30
 
-# Exercise 1 of the seed: N = 128k, P = 8, hidden 8192 over 64 q-heads (D = 128), 8 KV heads, bf16.
+# The 128k example (docs/planner.md): N = 128k, P = 8, hidden 8192 over 64 q-heads (D = 128), 8 KV heads, bf16.
 EX1 = dict(seq_len=131072, cp=8, head_dim=128, q_heads=64, kv_heads=8, dtype="bf16")
 EX1_ARGS = ["plan", "--seq-len", "128k", "--cp", "8", "--hidden", "8192", "--heads", "64", "--kv-heads", "8",
             "--dtype", "bf16"]

@@ -39,7 +39,7 @@ only the key strings, and a pickle states every string literally in its opcode s
 import, no call, no object built), so we collect the strings that look like ``dataloader.dp_rank_<b>``.
 This works for any torchtitan checkpoint, including those saved by stock torchtitan, with no hook at
 save time. A crafted file can at worst make it report a wrong degree (a refused resume or a skipped
-check); torchtitan's own load will unpickle the file anyway -- see the README's security note.
+check); torchtitan's own load will unpickle the file anyway -- see docs/checkpoints.md, "Security: what unpickles".
 """
 
 from __future__ import annotations

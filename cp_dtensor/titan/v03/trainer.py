@@ -58,7 +58,7 @@ from .linear import HYBRID, apply_hybrid, check_hybrid, hybrid_masks, is_hybrid,
 __all__ = ["FAMILIES", "CPTrainer", "as_cp_config", "check_config"]
 
 FAMILIES = ("llama3", "qwen3", "deepseek_v3", "gpt_oss", "qwen3_5")  # torchtitan 0.3 model names the plugin serves
-TP_FAMILIES = ("llama3", "qwen3")  # served with TP too: the MoE families' TP = 2 gradients differ from TP = 1 (README)
+TP_FAMILIES = ("llama3", "qwen3")  # served with TP too: the MoE families' TP = 2 gradients differ from TP = 1 (docs/torchtitan03.md)
 BACKEND = "partial_dtensor"  # the spmd_backend the ring runs under
 SEED = 42  # the plugin's --debug.seed where a config sets none (torchtitan's default rolls a new one per run)
 _BATCH_HOLDERS = ("torchtitan.trainer", "torchtitan.components.validate")  # call prepare_context_parallel_input

@@ -7,7 +7,7 @@ the printed 5 decimals for every family at CP = 2, striped. On flex flavors the 
 plugin too (torch's FlexAttention has no CPU backward); its masks are checked against dense float64
 attention under torchtitan's own mask_mods in test_titan_flex.py.
 
-Runs take the form the README gives for each family: its own TOML, or ``titan_configs/llama3_debug.toml``
+Runs take the form docs/torchtitan.md gives for each family: its own TOML, or ``titan_configs/llama3_debug.toml``
 with ``--model.name <family> --model.flavor <flavor>``. Default suite: llama4 iRoPE (MoE, chunks and
 documents), ~60 s on a quiet machine. CI's slow tier (CP_DTENSOR_SLOW=1) adds qwen3 (tied-embedding
 FSDP) and gpt_oss (windows + sinks, its TOML) at CP = 2, llama4 iRoPE at CP = 4 and qwen3
@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parents[3]
 CONFIGS = REPO / "titan_configs"
 STEPS, RTOL = 3, 2e-5
 
-RUNS = {  # id -> (TOML, overrides), as the README names them
+RUNS = {  # id -> (TOML, overrides), as docs/torchtitan.md names them
     "qwen3": ("llama3_debug.toml", ["--model.name", "qwen3", "--model.flavor", "debugmodel"]),
     "deepseek_v3_flex": ("deepseek_v3_debug.toml", []),
     "llama4_irope": ("llama4_debug.toml", []),

@@ -696,7 +696,7 @@ def test_compiled_cp2_matches_eager_cp1(family, tmp_path, tmp_path_factory):
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss"])
 def test_tp_refused_for_moe_families(family):
-    # measured on CPU (README): their TP = 2 gradients differ from TP = 1 at CP = 1 as well (CP x TP = TP exactly)
+    # measured on CPU (docs/torchtitan03.md): their TP = 2 gradients differ from TP = 1 at CP = 1 as well (CP x TP = TP exactly)
     from cp_dtensor.titan.v03 import check_config
 
     flags = ["--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2"]
