@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import types
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -151,6 +152,8 @@ PRIVATE_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("torch.ops._c10d_functional", "wait_tensor", None),
     ("torch.distributed.distributed_c10d", "_resolve_process_group", None),  # a pybind builtin: no signature
     ("torch.utils._python_dispatch", "TorchDispatchMode.__torch_dispatch__", ("self", "func", "types", "args", "kwargs")),
+    # model.py: nn.MultiheadAttention's SDPA under context parallelism (Note [SDPA inside multi_head_attention_forward])
+    ("torch.nn.functional", "multi_head_attention_forward", ("query", "key", "value")),
     # titan/v02/spec.py: Note [How the plugin hooks torchtitan]
     (TITAN_CP, TITAN_CP_INPUT, ("inputs", "labels", "extra_kwargs", "cp_mesh", "device", "load_balancer_type")),
     ("torchtitan.models.llama3.infra.parallelize", TITAN_CP_STEP, ("attention_modules", "cp_mesh", "attention_type")),
@@ -377,3 +380,31 @@ def generation_stopping_criteria(model, wrap: Callable[[Any], Any]) -> Iterator[
         yield
     finally:
         model.__dict__.pop("_get_stopping_criteria", None)
+
+
+# Note [SDPA inside multi_head_attention_forward]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A TorchFunctionMode runs its handler with itself popped from the mode stack, so a Python-level torch
+# function the mode passes on runs its body without the mode: ``F.multi_head_attention_forward`` (every
+# ``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer``) calls ``scaled_dot_product_attention``
+# inside, where model.py's ``RingSDPA`` would never see it -- attention within this rank's shard only,
+# silently. The function looks SDPA up by its global name in torch.nn.functional (torch 2.13-2.15;
+# tests/test_compat.py checks it), so ``with_sdpa`` runs the same code object with that one name bound
+# to the ring, in a copy of the globals: torch's module is not touched, other threads see nothing.
+
+
+def with_sdpa(fn: Callable, sdpa: Callable) -> Callable:
+    """``fn`` (a torch Python function calling ``scaled_dot_product_attention`` by its global name) with
+    that name bound to ``sdpa``. See Note [SDPA inside multi_head_attention_forward]."""
+    scope = dict(fn.__globals__, scaled_dot_product_attention=sdpa)
+    out = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+    out.__kwdefaults__ = fn.__kwdefaults__
+    return out
+
+
+def flex_attention_op() -> object | None:
+    """The flex_attention higher-order op as a TorchFunctionMode sees it (``func``), or None: model.py
+    refuses it under context parallelism (it would attend within one rank's shard)."""
+    import torch.nn.attention.flex_attention  # noqa: F401  (registers the op)
+
+    return getattr(torch.ops.higher_order, "flex_attention", None)

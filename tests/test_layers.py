@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, set[str]]] = [
      | {f"titan.v02.{m}" for m in _V02} | {"titan.v02"}
      | {f"titan.v03.{m}" for m in _V03} | {"titan.v03"} | {"titan", "titan.config", "titan.config_registry",
                                                           "titan.train"}),
-    ("whole models (hands transformers models to hf/)", {"model"}),
+    ("whole models (hands transformers models to hf/); torch's context-parallel API", {"model", "torch_api"}),
     ("the package and the CLI", {"", "tools.cli", "tools"}),
 ]
 
