@@ -54,6 +54,9 @@ _EXPORTS = {
     "remove_context_parallel": "model",
     "shard_batch": "core.batch",
     "unshard_batch": "core.batch",
+    # torch's context-parallel API
+    "context_parallel": "torch_api",
+    "context_parallel_unshard": "torch_api",
     # checkpoints
     "CheckpointError": "checkpoint.manifest",
     "CheckpointExistsError": "checkpoint.manifest",
@@ -75,6 +78,8 @@ __all__ = [
     "LAYOUTS",
     "Striped",
     "apply_context_parallel",
+    "context_parallel",
+    "context_parallel_unshard",
     "document_ids_from_positions",
     "export_hf_safetensors",
     "install_sdpa_dispatch",
@@ -122,6 +127,7 @@ if TYPE_CHECKING:  # what IDEs, type checkers and the API reference see; at run 
     from .dtensor.sharding import relayout, shard_sequence, to_mesh, unshard_sequence
     from .model import apply_context_parallel, reduce_gradients, remove_context_parallel
     from .tools.debug import CommBytes
+    from .torch_api import context_parallel, context_parallel_unshard
 
 
 def __getattr__(name: str):

@@ -30,6 +30,9 @@ includes CP does this; standalone, call ``reduce_gradients``.
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
+import sys
 
 import torch
 import torch.distributed as dist
@@ -40,60 +43,117 @@ from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
+from ._compat import flex_attention_op, with_sdpa
+from .core.agreement import agree_on_call
 from .core.attention import _ring_attention
 from .core.batch import document_ids_from_positions, shard_batch, unshard_batch
 from .core.checks import check_cp_mesh
 from .core.layout import check_layout
 
 __all__ = [
-    "apply_context_parallel", "reduce_gradients", "remove_context_parallel",
+    "RingSDPA", "apply_context_parallel", "reduce_gradients", "remove_context_parallel",
     "document_ids_from_positions", "shard_batch", "unshard_batch",  # from core.batch, here for the old module path
 ]
 
 
-class _RingSDPA(TorchFunctionMode):
-    """Routes SDPA on local sequence shards to the ring, and is the model's CP state: stored as
-    ``_cp_dtensor_mode`` on the model and every submodule, read by hooks from the module they are called
-    with, so deepcopy / pickling carry it to a copy (Note [CP state on a model] in hf/state.py does the
-    same for transformers models). See Note [Module context parallel]."""
+_MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
 
-    def __init__(self, cp_mesh: DeviceMesh, layout: str, window_size, documents: str | None):
+
+class RingSDPA(TorchFunctionMode):
+    """Routes SDPA on local sequence shards to the ring while active (``apply_context_parallel``: during
+    the model's forward; ``torch_api.context_parallel``: while its context is open), and is a model's CP
+    state: stored as ``_cp_dtensor_mode`` on the model and every submodule, read by hooks from the module
+    they are called with, so deepcopy / pickling carry it to a copy (Note [CP state on a model] in
+    hf/state.py does the same for transformers models). See Note [Module context parallel]. ``ids``: this
+    rank's document ids [B | 1, S_local], or None."""
+
+    def __init__(self, cp_mesh: DeviceMesh, layout: str, window_size, documents: str | None, *,
+                 comm_dtype: torch.dtype | None = None, kv_exchange: str = "ring"):
         super().__init__()
         self.mesh, self.layout, self.window, self.documents, self.depth = cp_mesh, layout, window_size, documents, 0
+        self.comm_dtype, self.kv_exchange = comm_dtype, kv_exchange
+        self.flex = flex_attention_op()  # refused: it would run on the local shard only
         self.ids: Tensor | None = None  # this forward's document ids [B, S_local]; kept for recomputation
         self.handles: list[RemovableHandle] = []  # the hooks apply_context_parallel registered
         self.root: nn.Module | None = None  # the module apply_context_parallel was applied to
 
-    def __deepcopy__(self, memo: dict) -> _RingSDPA:
-        new = _RingSDPA(self.mesh, self.layout, self.window, self.documents)  # the mesh shared; no forward running
+    def __deepcopy__(self, memo: dict) -> RingSDPA:
+        new = RingSDPA(self.mesh, self.layout, self.window, self.documents, comm_dtype=self.comm_dtype,
+                       kv_exchange=self.kv_exchange)  # the mesh shared; no forward running
         memo[id(self)] = new
         new.handles, new.root = copy.deepcopy(self.handles, memo), copy.deepcopy(self.root, memo)
         return new
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "depth": 0, "ids": None}
+        return {**self.__dict__, "depth": 0, "ids": None, "flex": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, flex=flex_attention_op())
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             q = args[0] if args else kwargs.get("query")
             if isinstance(q, Tensor) and not isinstance(q, DTensor):
-                return self._sdpa(*args, **kwargs)
+                # eager only: who called (a compiled graph has no Python caller to ask)
+                caller = "" if torch.compiler.is_compiling() else sys._getframe(1).f_globals.get("__name__", "")
+                return self._sdpa(*args, caller=caller, **kwargs)
+        if func is self.flex and func is not None:
+            error = ("flex_attention inside a context-parallel region attends within this rank's shard only; "
+                     "cp_dtensor runs SDPA calls (is_causal, documents, windows). Call "
+                     "F.scaled_dot_product_attention, or run flex_attention without CP.")
+            if torch.compiler.is_compiling():  # flex_attention always compiles: every rank traces this alike
+                raise ValueError(error)
+            agree_on_call(error, {}, self.mesh.get_group(), what="context parallel attention")
+        if func is F.multi_head_attention_forward:  # See Note [SDPA inside multi_head_attention_forward] in _compat.py
+            q = args[0] if args else kwargs.get("query")
+            if isinstance(q, Tensor) and not isinstance(q, DTensor):
+                return self._mha(args, kwargs)
         return func(*args, **kwargs)
 
-    def _sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    def _mha(self, args, kwargs):
+        """``F.multi_head_attention_forward`` with its SDPA call on the ring; its ``need_weights=True``
+        branch (softmax weights by matmul, no SDPA) refused on every rank."""
+        call = _MHA_SIGNATURE.bind(*args, **kwargs)
+        call.apply_defaults()
+        if call.arguments["need_weights"]:
+            agree_on_call(
+                "nn.MultiheadAttention with need_weights=True computes the attention weights of this rank's shard "
+                "only (no SDPA call the ring could run); pass need_weights=False.", {}, self.mesh.get_group(),
+                what="context parallel attention")
+        ring = functools.partial(self._sdpa, caller="torch.nn.functional")
+        return with_sdpa(F.multi_head_attention_forward, ring)(*args, **kwargs)
+
+    def _sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
+              *, caller: str = ""):
         # query: [B, Hq, S_local, D]; key, value: [B, Hkv, S_local, D] -- this rank's tokens
         error = None  # raised on every rank by the ring's agreement check, before any K/V moves
-        if attn_mask is not None or dropout_p > 0.0:
+        if caller.startswith("transformers."):  # See Note [transformers under CP] in hf/attention.py
+            error = (
+                f"context parallel attention got an SDPA call from transformers ({caller}), whose mask was built "
+                "from this rank's local shapes. Call cp_dtensor.hf.apply_context_parallel(model, cp_mesh, "
+                "layout=...) on the model first: its attention then runs on the ring with the global masks."
+            )
+        elif attn_mask is not None or dropout_p > 0.0:
             error = (
                 "context parallel attention takes no explicit attn_mask and no dropout_p > 0; got attn_mask="
                 f"{'a tensor' if attn_mask is not None else None}, dropout_p={dropout_p}. Masks come from "
-                "is_causal, document ids (apply_context_parallel(..., documents=...)) and window_size; set the "
-                "attention dropout to 0."
+                "is_causal and the documents and window of apply_context_parallel(..., documents=, window_size=) "
+                "or context_parallel(..., document_ids= | position_ids=, window_size=); set the attention "
+                "dropout to 0."
             )
+        elif not enable_gqa and _heads(query) != _heads(key):
+            error = (
+                f"scaled_dot_product_attention got {_heads(query)} query heads and {_heads(key)} key/value heads "
+                "with enable_gqa=False, which SDPA refuses; pass enable_gqa=True (grouped-query attention)."
+            )
+        ids = self.ids
+        if ids is not None and ids.shape[0] == 1 and isinstance(query, Tensor) and query.dim() == 4:
+            ids = ids.expand(query.shape[0], -1)  # one row of ids for every batch row
         return _ring_attention(
             query, key, value, group=self.mesh.get_group(), layout=self.layout, is_causal=bool(is_causal),
-            scale=scale, document_ids=self.ids, window_size=self.window, error=error,
+            scale=scale, comm_dtype=self.comm_dtype, document_ids=ids, window_size=self.window,
+            kv_exchange=self.kv_exchange, error=error,
         )
 
     def take_documents(self, kwargs: dict) -> None:
@@ -108,11 +168,15 @@ class _RingSDPA(TorchFunctionMode):
         self.ids = ids
 
 
+def _heads(x) -> int | None:
+    return x.shape[1] if isinstance(x, Tensor) and x.dim() == 4 else None
+
+
 def _is_transformers_model(model: nn.Module) -> bool:
     return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.") for c in type(model).__mro__)
 
 
-_ATTR = "_cp_dtensor_mode"  # the _RingSDPA on the model and every submodule
+_ATTR = "_cp_dtensor_mode"  # the RingSDPA on the model and every submodule
 
 
 def _take(model: nn.Module, args, kwargs):
@@ -169,7 +233,7 @@ def apply_context_parallel(
         raise ValueError(f"documents must be None or 'position_ids'; got {documents!r}.")
     if getattr(model, _ATTR, None) is not None:
         raise ValueError("apply_context_parallel was already applied to this model (or to a module holding it).")
-    mode = _RingSDPA(cp_mesh, layout, window_size, documents)
+    mode = RingSDPA(cp_mesh, layout, window_size, documents)
     mode.root = model
     mode.handles.append(model.register_forward_pre_hook(_take, with_kwargs=True))
     for m in model.modules():

@@ -12,7 +12,7 @@ fi
 stamp=$venv/.cp_dtensor-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ requirements/newest.txt -nt "$stamp" ]; then
   PIP_CONFIG_FILE=/dev/null "$venv/bin/python" -m pip install -q --disable-pip-version-check \
-    -c requirements/newest.txt -e '.[titan,float8,hf,test,bench]'
+    -c requirements/newest.txt -e '.[titan,float8,hf,trainer,test,bench]'
   touch "$stamp"
 fi
 if [ "${CP_DTENSOR_FLA:-0}" = 1 ]; then

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .comm import all_gather_host, all_gather_objects, host_group
+
 
 def rank_world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -67,3 +69,28 @@ def agreed(fn: Callable[[], Any], doing: str, payload: Callable[[Any], str] = la
             cls = kinds.get(kind, kinds.get("", RuntimeError))
             raise cls(f"{msg} [rank {r} of {world}]")
     return [t[1:] for t in texts]
+
+
+def agree_on_call(error: str | None, fingerprint: dict[str, int], group: dist.ProcessGroup, *, what: str) -> None:
+    """Raise the same ``ValueError`` on every rank of ``group`` -- before the caller's first collective --
+    when any rank's local checks failed (``error``: this rank's text, or None) or the ranks' ``fingerprint``
+    (host ints, the same keys on every rank: lengths, options) differ. One all-gather of P small int64
+    vectors over the group's host twin (``comm.host_group``: no device sync); the error texts travel
+    only when some rank failed. The entry checks of ``torch_api.context_parallel`` and
+    ``context_parallel_unshard``; the ring's own check is Note [Agreeing before the ring] in checks.py."""
+    hosts = host_group(group)
+    world = dist.get_world_size(hosts)
+    if world > 1:
+        mine = torch.tensor([int(error is None), *fingerprint.values()], dtype=torch.int64)
+        every = all_gather_host(mine, hosts)  # [P, 1 + len(fingerprint)]
+        if not bool((every[:, 0] == 1).all()):
+            bad = [(r, e) for r, e in enumerate(all_gather_objects(error, hosts)) if e is not None]
+            raise ValueError(f"{what} rejected the arguments of rank(s) {', '.join(str(r) for r, _ in bad)}: {bad[0][1]}")
+        differ = [name for i, name in enumerate(fingerprint, 1) if bool((every[:, i] != every[0, i]).any())]
+        if differ:
+            table = "; ".join(f"rank {r}: " + ", ".join(f"{n}={every[r, 1 + list(fingerprint).index(n)].item()}"
+                                                        for n in differ) for r in range(world))
+            raise ValueError(f"{what} needs the same {', '.join(differ)} on every rank of the CP group; got {table}. "
+                             "Every rank must pass the same arguments, with tensors of the same shapes.")
+    if error is not None:
+        raise ValueError(error)

@@ -272,6 +272,10 @@ def cp_dtensor_attention(module: nn.Module, query: Tensor, key: Tensor, value: T
     if state is None:  # the same on every rank: no collective is pending
         raise ValueError("attn_implementation='cp_dtensor' needs the CP mesh: call "
                          "cp_dtensor.hf.apply_context_parallel(model, cp_mesh, layout=...) instead of setting it.")
+    device = query.device.type
+    if torch.is_autocast_enabled(device):  # as SDPA under autocast: q, k, v in the autocast dtype (bf16 Trainer runs)
+        dtype = torch.get_autocast_dtype(device)
+        query, key, value = (x.to(dtype) for x in (query, key, value))
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     window, err = _window(module, sliding_window, causal)
     sinks = s_aux if s_aux is not None else getattr(module, "sinks", None)
@@ -432,3 +436,4 @@ def shift_labels(labels: Tensor, ignore_index: int = -100) -> Tensor:
     """transformers' causal-LM label shift on the *full* [B, N] labels (label of token i is token i + 1),
     to shard like the tokens and pass as ``shift_labels=``."""
     return torch.nn.functional.pad(labels[..., 1:], (0, 1), value=ignore_index)
+
