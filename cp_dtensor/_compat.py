@@ -81,6 +81,8 @@ __all__ = [
     "mesh_concatenate",
     "mesh_unflatten",
     "redistribute_local_tensor",
+    "replica_dataloaders",
+    "seq2seq_pad",
     "resolve_process_group",
     "restore_cache_key",
     "wrap_sharding_propagation",
@@ -223,6 +225,67 @@ TRANSFORMERS_PRIVATE_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...
     ("transformers.generation.utils", "GenerationMixin._get_stopping_criteria",
      ("self", "generation_config", "stopping_criteria", "tokenizer")),
 )
+
+
+# accelerate and transformers (hf/trainer.py: Note [The Trainer under CP]): checked by tests/test_compat.py where
+# the [trainer] extra is installed. Written against accelerate 1.15.0 and transformers 5.24.0.
+ACCELERATE_VERSION = "1.15.0"
+TRAINER_PRIVATE_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
+    # replica_dataloaders: accelerate shards a dataloader over the mesh dims other than "cp" (and "tp")
+    ("accelerate.accelerator", "Accelerator.torch_device_mesh", None),  # reads AcceleratorState.device_mesh
+    ("accelerate.accelerator", "Accelerator.prepare_data_loader", ("self", "data_loader", "device_placement")),
+    ("accelerate.data_loader", "prepare_data_loader",
+     ("dataloader", "device", "num_processes", "process_index", "split_batches", "put_on_device", "rng_types",
+      "dispatch_batches", "even_batches", "slice_fn_for_dispatch", "use_seedable_sampler", "data_seed",
+      "non_blocking", "use_stateful_dataloader", "torch_device_mesh")),
+    # the Trainer hooks hf/trainer.py overrides (documented; their signatures are what it relies on)
+    ("transformers.trainer", "Trainer.get_train_dataloader", ("self",)),
+    ("transformers.trainer", "Trainer.get_eval_dataloader", ("self", "eval_dataset")),
+    ("transformers.trainer", "Trainer.get_test_dataloader", ("self", "test_dataset")),
+    ("transformers.trainer", "Trainer.get_total_train_batch_size", ("self", "args")),
+    ("transformers.trainer", "Trainer.training_step", ("self", "model", "inputs", "num_items_in_batch")),
+    ("transformers.trainer", "Trainer.compute_loss", ("self", "model", "inputs", "return_outputs", "num_items_in_batch")),
+    ("transformers.trainer", "Trainer.prediction_step", ("self", "model", "inputs", "prediction_loss_only", "ignore_keys")),
+    ("transformers.trainer", "Trainer.evaluation_loop",
+     ("self", "dataloader", "description", "prediction_loss_only", "ignore_keys", "metric_key_prefix")),
+    # seq2seq_pad: Seq2SeqTrainer pads the labels it returns with predict_with_generate to the generated width
+    ("transformers.trainer_seq2seq", "Seq2SeqTrainer._pad_tensors_to_max_len", ("self", "tensor", "max_length")),
+)
+
+
+def seq2seq_pad(trainer, tensor: torch.Tensor, length: int) -> torch.Tensor:
+    """``tensor`` [B, n] padded to [B, length] the way a Seq2SeqTrainer pads the labels it returns with
+    ``predict_with_generate`` (its private ``_pad_tensors_to_max_len``); unchanged for other trainers."""
+    pad = getattr(trainer, "_pad_tensors_to_max_len", None)
+    return tensor if pad is None else pad(tensor, length)
+
+
+class replica_dataloaders:  # noqa: N801  (a context manager used as a function)
+    """While active, ``accelerator.prepare`` shards dataloaders over the data-parallel replicas of ``mesh``
+    (dims ``("dp_replicate", "cp")``), not over ranks: the CP ranks of a replica get the same batches.
+
+    accelerate's ``prepare_data_loader`` divides the process index by the ``"cp"`` dim of the device mesh it
+    reads from ``AcceleratorState.device_mesh`` (how its own CP and TP ranks share batches); the mesh is set
+    there for the call and restored after. Raises for what accelerate would still hand out per rank: an
+    iterable dataset that rank 0 dispatches (``dispatch_batches``), and DeepSpeed (its own rule)."""
+
+    def __init__(self, accelerator, mesh: DeviceMesh, dataset):
+        self.accelerator, self.mesh = accelerator, mesh
+        if isinstance(dataset, torch.utils.data.IterableDataset) and accelerator.dispatch_batches is not False:
+            raise ValueError(
+                "an iterable dataset is dispatched by rank 0 to every rank (accelerate's dispatch_batches), which "
+                "would give the CP ranks of one replica different batches. Pass TrainingArguments("
+                "accelerator_config={'dispatch_batches': False}) or a map-style dataset.")
+
+    def __enter__(self):
+        self.saved = self.accelerator.state.device_mesh
+        self.accelerator.state.device_mesh = self.mesh
+        return self
+
+    def __exit__(self, *exc):
+        self.accelerator.state.device_mesh = self.saved
+        return False
+
 
 c10d_functional = torch.ops._c10d_functional  # the raw functional collectives (comm.py, tools/debug.py)
 

@@ -1,7 +1,7 @@
 """The optional extras: which feature needs which package, and the error that names the extra to install.
 
 torch (and safetensors) are cp_dtensor's only core dependencies: the ring, masks, 2-D CP, the DTensor
-rule, the module path, checkpoints and the planner need nothing else. Three features need a package a
+rule, the module path, checkpoints and the planner need nothing else. Four features need a package a
 user may not have (``pyproject.toml`` ``[project.optional-dependencies]``):
 
 =========  ================  ===============================================================
@@ -10,6 +10,7 @@ extra      package           feature
 titan      torchtitan 0.2/0.3 ``cp_dtensor.titan``: the torchtitan plugin (0.2.2 TOML jobs; 0.3 config registry)
 float8     torchao           ``comm_dtype=torch.float8_*`` K/V payloads; float8 training in torchtitan
 hf         transformers      ``cp_dtensor.hf``: transformers models under CP
+trainer    accelerate, trl   ``cp_dtensor.hf.with_context_parallel``: the Trainer (TRL's trainers too) under CP
 =========  ================  ===============================================================
 
 Using a feature whose package is missing raises :class:`ImportError` naming the extra
@@ -26,7 +27,7 @@ import importlib.util
 
 __all__ = ["EXTRAS", "installed", "installed_version", "require"]
 
-EXTRAS = {"titan": "torchtitan", "float8": "torchao", "hf": "transformers"}
+EXTRAS = {"titan": "torchtitan", "float8": "torchao", "hf": "transformers", "trainer": "accelerate"}
 # the versions each extra's glue was written for: (lowest, first not served)
 _SERVED = {"titan": ((0, 2), (0, 4))}  # 0.2.x: titan/*.py (TOML); 0.3.x: titan/v03/ (config registry)
 

@@ -1,30 +1,13 @@
 #!/usr/bin/env bash
 # CI's second leg: the default suite on the newest torch release, in its own venv (.venv-newest/, created or
-# reused). The stack is requirements/newest.txt: torch 2.15.0 (PyPI's CUDA build, ~5 GB; it runs on CPU),
-# transformers, torchao and torchtitan 0.3.0 (tests/titan/v03/test_titan03.py runs; the 0.2.2 TOML plugin's tests skip). pip's machine-wide configuration here caps
-# torch at the releases stored locally; PIP_CONFIG_FILE=/dev/null lifts that for this venv only.
+# reused by scripts/setup_newest.sh: torch 2.15.0, torchtitan 0.3.0 -- tests/titan/v03/test_titan03.py runs,
+# the 0.2.2 TOML plugin's tests skip). Arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+bash scripts/setup_newest.sh
 venv=.venv-newest
-if [ ! -x "$venv/bin/python" ]; then
-  python3 -m venv "$venv"
-fi
-stamp=$venv/.cp_dtensor-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ requirements/newest.txt -nt "$stamp" ]; then
-  PIP_CONFIG_FILE=/dev/null "$venv/bin/python" -m pip install -q --disable-pip-version-check \
-    -c requirements/newest.txt -e '.[titan,float8,hf,test,bench]'
-  touch "$stamp"
-fi
-if [ "${CP_DTENSOR_FLA:-0}" = 1 ]; then
-  # fla (flash-linear-attention), which torchtitan 0.3's qwen3_5 imports, beside the venv rather than in it:
-  # with fla importable, transformers 5.24 sends its own CPU Gated DeltaNet/KDA to fla's Triton kernels, which
-  # cannot run on CPU. So only the torchtitan 0.3 tests see it (.ci/run), through PYTHONPATH.
-  fla=$venv/fla-side
-  if [ ! -d "$fla/fla" ]; then
-    PIP_CONFIG_FILE=/dev/null "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps \
-      --target "$fla" flash-linear-attention==0.6.0 fla-core==0.6.0
-  fi
-  export PYTHONPATH="$PWD/$fla${PYTHONPATH:+:$PYTHONPATH}"
+if [ "${CP_DTENSOR_FLA:-0}" = 1 ]; then  # fla beside the venv (scripts/setup_newest.sh): only these tests see it
+  export PYTHONPATH="$PWD/$venv/fla-side${PYTHONPATH:+:$PYTHONPATH}"
 fi
 "$venv/bin/python" -c 'import torch; print(f"newest leg: torch {torch.__version__}")'
 exec "$venv/bin/python" -m pytest -q "$@"  # no path given: pyproject's testpaths (tests/)

@@ -125,3 +125,25 @@ def test_multi_head_attention_forward_calls_sdpa_by_global_name():
     got = _compat.with_sdpa(fn, lambda *a, **k: seen.append(1) or F.scaled_dot_product_attention(*a, **k))(
         *args, need_weights=False)
     assert seen == [1] and torch.equal(got[0], want[0])
+
+
+@pytest.mark.parametrize(("module", "qualname", "params"), _compat.TRAINER_PRIVATE_SYMBOLS,
+                         ids=[f"{m}.{q}" for m, q, _ in _compat.TRAINER_PRIVATE_SYMBOLS])
+def test_trainer_symbol_still_there(module, qualname, params):
+    """accelerate and transformers names hf/trainer.py relies on (Note [The Trainer under CP]); the [trainer] extra."""
+    pytest.importorskip("accelerate")
+    pytest.importorskip("transformers")
+    try:
+        obj = _resolve(module, qualname)
+    except (ImportError, AttributeError) as e:
+        pytest.fail(f"{module}.{qualname} is gone: {e}")
+    if params is not None:
+        got = tuple(inspect.signature(obj).parameters)
+        assert got[: len(params)] == params, f"{module}.{qualname}{got}: cp_dtensor relies on {params}"
+
+
+def test_accelerate_state_holds_the_device_mesh():
+    """replica_dataloaders sets AcceleratorState.device_mesh, which Accelerator.torch_device_mesh reads."""
+    accelerate = pytest.importorskip("accelerate")
+    assert "self.device_mesh" in inspect.getsource(accelerate.state.AcceleratorState.__init__)
+    assert "self.state.device_mesh" in inspect.getsource(accelerate.Accelerator.torch_device_mesh.fget)

@@ -25,7 +25,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("the front door; a batch's shards; the SDPA-on-DTensor rule; decoding against a sharded cache",
      {"core.attention", "core.batch", "dtensor.sdpa", "core.decode", "core"}),
     ("DTensor entry points", {"dtensor.sharding", "dtensor"}),
-    ("integrations", {"hf.attention", "hf.generate", "hf.linear", "hf.state", "hf", "checkpoint.dcp", "checkpoint"}
+    ("integrations", {"hf.attention", "hf.generate", "hf.linear", "hf.state", "hf.trainer", "hf.collator", "hf",
+                      "checkpoint.dcp", "checkpoint"}
      | {f"titan.shared.{m}" for m in ("options", "cpu", "data", "float8", "heads")} | {"titan.shared"}
      | {f"titan.v02.{m}" for m in _V02} | {"titan.v02"}
      | {f"titan.v03.{m}" for m in _V03} | {"titan.v03"} | {"titan", "titan.config", "titan.config_registry",

@@ -76,11 +76,45 @@ one all-gather of a small int64 fingerprint over the CP group's host twin, then 
 one graph break per call); the kernels, the differentiable all-gather and the fold are traced
 (tests/core/test_linear_attention.py, exhaustive tier: CP_DTENSOR_SLOW=all). Documents read host values: more breaks (not tested compiled).
 
+Note [Prefill for decoding]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Decoding continues a linear layer from two fixed-size summaries of the whole prompt: its recurrent state S
+[B, Hv, dk, dv] after the last token, and its conv state, the last K inputs of the conv [B, C, K] (K - 1 of
+them feed the next token's taps; the K-th is kept because transformers' cache and fla keep K). Under CP no
+rank holds the prompt, but both come out of what the prefill already moves, with no extra collective:
+
+* ``sharded_delta_rule(..., output_final_state=True)``: every rank holds every run's summary (A_j, B_j)
+  after the one all-gather, so every rank folds *all* of them in global order (S = A_j S + B_j; 2P small
+  products for headtail) instead of stopping at its own runs. The fold reads the same gathered bits in the
+  same order on every rank: S is bit-identical across ranks. Per row, documents are respected as in the
+  outputs: a run holding a document start has A = 0, so the final state is that of the last document
+  alone (a left-padded row: each pad token is a document of its own, the prompt's tokens one).
+* ``sharded_causal_conv1d(..., output_final_state=True)``: the halo's all-gather carries each run's last
+  min(L, K) tokens instead of min(L, K - 1) (one column more per run, ``conv_halo_bytes(final_state=True)``),
+  and every rank cuts the sequence's last K inputs from them (zeros before its start, raw: as transformers
+  and fla keep them, whatever the documents).
+
+For the state to be the prompt's, the prompt's last token must be the sequence's last: a caller that pads
+the sequence to the layout's unit pads on the *left* (masked; each pad a document of its own), as
+transformers' generate() under CP does (Note [generate() under CP] in hf/generate.py).
+
+Decoding then needs no communication for these layers: the new tokens are the same on every rank, so
+every rank steps the full state alike (:func:`delta_rule_step`, :func:`causal_conv1d_step`, or the model's
+own kernels, e.g. fla's ``fused_recurrent``) and gets the same bits. The alternative -- one rank steps and
+broadcasts the layer's output -- puts the step *and* a broadcast on every token's critical path (the other
+ranks wait for both), to save only the other ranks' copy of a step of O(B * Hv * dk * dv) work and the
+state's memory, which is fixed (Qwen3-Next: 2 MiB fp32 per layer and row, against the attention layers'
+shares that grow with the context). scripts/bench_hybrid_generate.py measures both sides: a linear
+layer's replicated step and one gloo broadcast of its output and of its state; the replicated step sends 0
+bytes, and the full-attention layers alone send their (P - 1) * B * Hq * T * (Dv + 1) * 4 bytes per token
+(Note [Decoding from a sharded cache] in decode.py).
+
 *fla's kernels* (``fla.ops.gated_delta_rule.chunk_gated_delta_rule``, ``fla.ops.kda.chunk_kda``) take
 [B, T, H, D], ``initial_state`` [B, H, dk, dv] and return the final state in fp32: the identity initial
 state is built fp32 and contiguous, every input is made contiguous, and no ``chunk_size`` is added (pass
 kernel options through ``**kernel_kwargs``; fla's ``scale`` passes through unchanged). The op owns
-``initial_state``, ``output_final_state`` and ``cu_seqlens`` (documents go through ``document_ids``).
+``initial_state``, ``output_final_state`` (its own keyword: Note [Prefill for decoding]) and ``cu_seqlens``
+(documents go through ``document_ids``).
 
 Note [fp32 precision with the checkpoints' decays]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -116,8 +150,8 @@ from .comm import all_gather, all_gather_host, host_group, reduce_scatter, wait
 from .layout import LAYOUTS
 
 __all__ = [
-    "LINEAR_LAYOUTS", "check_bytes", "check_linear_layout", "conv_halo_bytes", "linear_state_bytes", "run_owner",
-    "run_starts", "sharded_causal_conv1d", "sharded_delta_rule",
+    "LINEAR_LAYOUTS", "causal_conv1d_step", "check_bytes", "check_linear_layout", "conv_halo_bytes", "delta_rule_step",
+    "linear_state_bytes", "run_owner", "run_starts", "sharded_causal_conv1d", "sharded_delta_rule",
 ]
 
 LINEAR_LAYOUTS = ("contiguous", "headtail")
@@ -156,11 +190,13 @@ def linear_state_bytes(*, batch: int, heads: int, dk: int, dv: int, world: int, 
 
 
 def conv_halo_bytes(*, batch: int, channels: int, kernel_size: int, world: int, layout: str, itemsize: int,
-                    s_local: int | None = None) -> int:
+                    s_local: int | None = None, final_state: bool = False) -> int:
     """Bytes one rank sends per conv per forward for the halos (the backward sends as many): every run's
-    last min(run length, K - 1) tokens, in x's dtype. ``s_local`` None: runs at least K - 1 long."""
+    last min(run length, K - 1) tokens, in x's dtype; min(run length, K) with ``final_state`` (the conv state
+    for decoding). ``s_local`` None: runs at least K long."""
     runs = _runs(check_linear_layout(layout))
-    tail = kernel_size - 1 if s_local is None else min(s_local // runs, kernel_size - 1)
+    width = kernel_size if final_state else kernel_size - 1
+    tail = width if s_local is None else min(s_local // runs, width)
     return (world - 1) * runs * batch * channels * tail * itemsize
 
 
@@ -389,15 +425,19 @@ def _run(kernel, xs, fresh: list[bool], cuts: list[list[int]], state_dtype, kw):
 
 def sharded_delta_rule(
     kernel, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, group, layout: str,
-    document_ids: Tensor | None = None, use_qk_l2norm_in_kernel: bool = False, **kernel_kwargs,
-) -> Tensor:
+    document_ids: Tensor | None = None, use_qk_l2norm_in_kernel: bool = False, output_final_state: bool = False,
+    **kernel_kwargs,
+) -> Tensor | tuple[Tensor, Tensor]:
     """The gated delta rule over the global sequence, on this rank's shard: exactly what ``kernel`` gives
     unsharded (forward and backward). See Note [Linear attention under CP].
 
     q, k: [B, S_local, Hk, dk]; v: [B, S_local, Hv, dv]; g: [B, S_local, Hv] or [B, S_local, Hv, dk];
     beta: [B, S_local, Hv]; ``document_ids``: [B, S_local] global ids, sharded like the tokens. ``kernel``
     has transformers' signature (``torch_chunk_gated_delta_rule``, ``chunk_kimi_delta_attention``, fla's).
-    Returns o [B, S_local, Hv, dv] in q's dtype."""
+    Returns o [B, S_local, Hv, dv] in q's dtype; with ``output_final_state=True`` also the state after the
+    sequence's last token, S [B, Hv, dk, dv] in fp32 (fp64 for fp64 inputs), the same on every rank (the fold
+    of every run's summary: no extra communication) -- what decoding continues from (Note [Prefill for
+    decoding])."""
     group, rank, world = _group(group)
     _check_delta(kernel, q, k, v, g, beta, layout, document_ids, use_qk_l2norm_in_kernel, kernel_kwargs, group, world)
     b, s, hk, dk = q.shape
@@ -428,7 +468,7 @@ def sharded_delta_rule(
     every = _gather(summaries.flatten(), group, world).view(world, len(starts), b, hv, dk, dk + dv)
     entries, state = {}, summaries.new_zeros(b, hv, dk, dv)
     mine = {j for _, j in starts}
-    for j in range(max(mine) + 1):
+    for j in range(world * len(starts) if output_final_state else max(mine) + 1):  # the final state: every run
         if j in mine:
             entries[j] = state
         r, i = _owner(layout, world, j)
@@ -438,7 +478,8 @@ def sharded_delta_rule(
         o = o0 if u is None else o0.to(state_dtype) + torch.einsum("blhk,bhkv->blhv", u.to(state_dtype), entries[j])
         result.append(o.to(q.dtype))
     out = result[0] if len(result) == 1 else torch.cat(result, 1)
-    return _Tie.apply(out, every) if world > 1 and all(u is None for _, u, _, _ in outs) else out
+    out = _Tie.apply(out, every) if world > 1 and all(u is None for _, u, _, _ in outs) else out
+    return (out, state) if output_final_state else out
 
 
 # -- the short causal conv -----------------------------------------------------------------------------
@@ -473,13 +514,18 @@ def _check_conv(x, weight, bias, activation, layout, ids, group, world: int) -> 
 
 def sharded_causal_conv1d(
     x: Tensor, weight: Tensor, bias: Tensor | None = None, activation: str | None = None, *, group, layout: str,
-    document_ids: Tensor | None = None,
-) -> Tensor:
+    document_ids: Tensor | None = None, output_final_state: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """The depthwise causal conv (then ``activation``) over the global sequence, on this rank's shard
     x [B, C, S_local]; weight [C, K]; bias [C] or None. Each run takes a halo of the K - 1 tokens before
     it in global order (zeros at the sequence start); with ``document_ids`` no tap crosses a document
     boundary. Computes in weight's dtype, returns x's (as transformers' causal_conv1d_fn). See Note
-    [Linear attention under CP]."""
+    [Linear attention under CP].
+
+    ``output_final_state=True`` also returns the conv state decoding continues from: the sequence's last K
+    inputs x [B, C, K] in x's dtype (zeros before the sequence start; raw, as transformers' cache and fla keep
+    them), the same on every rank -- from the halo's all-gather, one column more per run (Note [Prefill for
+    decoding])."""
     group, rank, world = _group(group)
     _check_conv(x, weight, bias, activation, layout, document_ids, group, world)
 
@@ -487,14 +533,15 @@ def sharded_causal_conv1d(
     kk = weight.shape[1]
     starts = _run_starts(layout, rank, world, s)
     run_len = s // len(starts)
-    t = min(run_len, kk - 1)
+    t = min(run_len, kk - 1)  # the halo's width
+    tg = min(run_len, kk) if output_final_state else t  # the gathered tails' width
     runs = [x[..., s0:s0 + run_len] for s0, _ in starts]
     n = world * len(starts)
     order = [_owner(layout, world, j) for j in range(n)]
-    if t:  # every run's last t tokens, in global order: [B, C, n * t]
-        tails = torch.stack([r[..., run_len - t:] for r in runs])
-        every = _gather(tails.flatten(), group, world).view(world, len(starts), b, c, t)
-        halo_src = torch.cat([every[r, i] for r, i in order], -1)
+    if tg:  # every run's last tg tokens, in global order: [B, C, n * t] (the halo) and [B, C, n * tg]
+        tails = torch.stack([r[..., run_len - tg:] for r in runs])
+        every = _gather(tails.flatten(), group, world).view(world, len(starts), b, c, tg)
+        halo_src = torch.cat([every[r, i, ..., tg - t:] for r, i in order], -1)
     if document_ids is not None:
         ids = document_ids.to("cpu", torch.int64)
     if document_ids is not None and t:
@@ -524,4 +571,62 @@ def sharded_causal_conv1d(
             out = F.silu(out)
         outs.append(out.to(x.dtype))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, -1)
-    return _Tie.apply(out, every) if t and world > 1 and all(j == 0 for _, j in starts) else out
+    if tg and world > 1 and (not t or all(j == 0 for _, j in starts)):  # the output reads no halo: see _Tie
+        out = _Tie.apply(out, every)
+    if not output_final_state:
+        return out
+    # the last K inputs: the last run's tail when it holds K, else every run whole (tg = run_len)
+    need = -(-kk // tg)  # ceil(K / tg) runs hold the last K inputs
+    last = torch.cat([every[r, i] for r, i in order[-need:]], -1)[..., -kk:]
+    return out, F.pad(last, (kk - last.shape[-1], 0))
+
+
+# -- decoding: one step on the full state, on every rank alike -------------------------------------------
+
+
+def causal_conv1d_step(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor | None = None,
+                       activation: str | None = None) -> Tensor:
+    """The causal conv for T new tokens x [B, C, T] continuing from ``conv_state`` [B, C, W] (the last W >= K - 1
+    inputs, as :func:`sharded_causal_conv1d` returns with ``output_final_state=True``); weight [C, K]. Updates
+    ``conv_state`` in place (its last W inputs) and returns [B, C, T] in x's dtype. Local: every rank runs it
+    on the same inputs and gets the same bits (Note [Prefill for decoding])."""
+    c, kk = weight.shape
+    if x.dim() != 3 or conv_state.dim() != 3 or conv_state.shape[:2] != x.shape[:2] or conv_state.shape[2] < kk - 1:
+        raise ValueError(f"causal_conv1d_step: x must be [B, C, T] and conv_state [B, C, W >= K - 1 = {kk - 1}] with "
+                         f"C = {c}; got x {tuple(x.shape)}, conv_state {tuple(conv_state.shape)}.")
+    full = torch.cat([conv_state.to(x.dtype), x], -1)  # [B, C, W + T]
+    conv_state.copy_(full[..., -conv_state.shape[2]:])
+    out = F.conv1d(full[..., -(x.shape[2] + kk - 1):].to(weight.dtype), weight.unsqueeze(1), bias, groups=c)
+    return (out if activation is None else F.silu(out)).to(x.dtype)
+
+
+def delta_rule_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, *,
+                    use_qk_l2norm: bool = False, scale: float | None = None) -> Tensor:
+    """The gated delta rule for T new tokens, token by token, from ``state`` [B, Hv, dk, dv] (as
+    :func:`sharded_delta_rule` returns with ``output_final_state=True``), updated in place. q, k [B, T, Hk, dk];
+    v [B, T, Hv, dv]; g [B, T, Hv] (GDN) or [B, T, Hv, dk] (KDA); beta [B, T, Hv]. Computes in the state's dtype
+    (fp32 or fp64); returns o [B, T, Hv, dv] in q's dtype. Local: every rank runs it on the same inputs and gets
+    the same bits (Note [Prefill for decoding]). The math of Note [Linear attention under CP]."""
+    b, t, hk, dk = q.shape
+    hv, dv = v.shape[2:]
+    if state.shape != (b, hv, dk, dv) or hv % hk or k.shape != q.shape or tuple(beta.shape) != (b, t, hv):
+        raise ValueError(f"delta_rule_step: q, k [B, T, Hk, dk], v [B, T, Hv, dv], beta [B, T, Hv], state [B, Hv, dk, "
+                         f"dv] with Hk dividing Hv; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, beta "
+                         f"{tuple(beta.shape)}, state {tuple(state.shape)}.")
+    dtype, out_dtype = state.dtype, q.dtype
+    q, k = (x.to(dtype).repeat_interleave(hv // hk, 2) for x in (q, k))  # each key head serves Hv / Hk value heads
+    if use_qk_l2norm:
+        q, k = (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
+    q = q * (dk ** -0.5 if scale is None else scale)
+    v, g, beta = v.to(dtype), g.to(dtype), beta.to(dtype)
+    s = state
+    outs = []
+    for i in range(t):
+        gate = g[:, i].exp()
+        s = s * (gate[..., None, None] if g.dim() == 3 else gate[..., None])  # S <- diag(exp g) S
+        kt = k[:, i]
+        delta = (v[:, i] - (s * kt[..., None]).sum(-2)) * beta[:, i, :, None]  # beta (v - S^T k)
+        s = s + kt[..., :, None] * delta[..., None, :]
+        outs.append((s * q[:, i][..., None]).sum(-2))  # o = S^T q
+    state.copy_(s)
+    return torch.stack(outs, 1).to(out_dtype)

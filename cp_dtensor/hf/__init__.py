@@ -4,21 +4,37 @@
   transformers' attention and mask interfaces (attention.py); windows, sinks, padding, packed sequences
   and hybrid linear-attention layers (linear.py) follow the model.
 * ``model.generate(...)`` then runs under CP: a ring prefill into a sequence-sharded KV cache, then
-  decoding from it (generate.py).
+  decoding from it (generate.py); hybrids keep their linear layers' full states (``ReplicatedLinearLayer``).
 * ``remove_context_parallel(model)``: the plain model back (state.py: the one owner of a model's CP state).
+* ``with_context_parallel(Trainer, cp_size=...)``: transformers' Trainer or any subclass (TRL's SFTTrainer, ...)
+  under CP, one line in a script (trainer.py; ``pip install 'cp_dtensor[trainer]'``: accelerate, trl).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from .._deprecated import renamed
 from .attention import NAME, apply_context_parallel, register, shift_labels
-from .generate import ShardedCache, ShardedCacheLayer, cache_bytes
+from .generate import ReplicatedLinearLayer, ShardedCache, ShardedCacheLayer, cache_bytes
 from .state import remove_context_parallel
 
 __all__ = [
-    "NAME", "ShardedCache", "ShardedCacheLayer", "apply_context_parallel", "cache_bytes", "register",
-    "remove_context_parallel", "shift_labels",
+    "NAME", "ReplicatedLinearLayer", "ShardedCache", "ShardedCacheLayer", "ShardingCollator", "apply_context_parallel",
+    "cache_bytes", "register", "remove_context_parallel", "shift_labels", "with_context_parallel",
 ]
+_TRAINER = ("ShardingCollator", "with_context_parallel")  # need accelerate too: imported when first used
+
+if TYPE_CHECKING:
+    from .trainer import ShardingCollator, with_context_parallel  # noqa: F401
 
 apply_context_parallel_hf = renamed(apply_context_parallel, "cp_dtensor.hf.apply_context_parallel_hf",
                                     "cp_dtensor.hf.apply_context_parallel")
+
+
+def __getattr__(name: str):
+    if name in _TRAINER:
+        from . import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(f"module 'cp_dtensor.hf' has no attribute {name!r}")

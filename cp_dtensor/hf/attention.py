@@ -272,6 +272,10 @@ def cp_dtensor_attention(module: nn.Module, query: Tensor, key: Tensor, value: T
     if state is None:  # the same on every rank: no collective is pending
         raise ValueError("attn_implementation='cp_dtensor' needs the CP mesh: call "
                          "cp_dtensor.hf.apply_context_parallel(model, cp_mesh, layout=...) instead of setting it.")
+    device = query.device.type
+    if torch.is_autocast_enabled(device):  # as SDPA under autocast: q, k, v in the autocast dtype (bf16 Trainer runs)
+        dtype = torch.get_autocast_dtype(device)
+        query, key, value = (x.to(dtype) for x in (query, key, value))
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     window, err = _window(module, sliding_window, causal)
     sinks = s_aux if s_aux is not None else getattr(module, "sinks", None)
@@ -349,10 +353,12 @@ def apply_context_parallel(
     a ring prefill into a sequence-sharded KV cache, then decoding from it (Note [generate() under CP] in
     hf/generate.py).
 
-    Hybrid linear-attention models (Qwen3-Next, Qwen3.5, Kimi Linear: ``"linear_attention"`` in
-    ``config.layer_types``) take ``layout="headtail"`` or ``"contiguous"`` (striped raises), run without a
-    cache (``use_cache`` defaults to False; a cache or ``generate()`` raises), and keep packed documents apart
-    in their linear layers too: Note [Linear attention in transformers under CP] in hf/linear.py.
+    Hybrid linear-attention models (Qwen3-Next, Qwen3.5, Kimi Linear, OLMo-Hybrid, Lara-Mini, Bailing-Hybrid:
+    ``"linear_attention"`` in ``config.layer_types``) take ``layout="headtail"`` or ``"contiguous"`` (striped
+    raises), run forward calls without a cache (``use_cache`` defaults to False; a cache raises), and keep
+    packed documents apart in their linear layers too: Note [Linear attention in transformers under CP] in
+    hf/linear.py. Their ``generate()`` prefills by state passing and decodes from replicated linear states and
+    sharded attention caches: Note [Hybrid generate() under CP] there.
     """
     check_cp_mesh(cp_mesh)
     check_layout(layout)
@@ -370,7 +376,7 @@ def apply_context_parallel(
     if other:
         raise ValueError(f"{type(model).__name__} has {', '.join(other)} layers (config.layer_types); context "
                          "parallelism runs full and sliding-window attention and the linear_attention layers of "
-                         "Qwen3-Next, Qwen3.5 and Kimi Linear only. Run it without CP.")
+                         "cp_dtensor.hf.linear.FAMILIES (Gated DeltaNet, Kimi Delta Attention) only. Run it without CP.")
     linear = None
     if "linear_attention" in types:  # Note [Linear attention in transformers under CP] in hf/linear.py
         from .linear import linear_layers  # checks only: a refused model stays unchanged
@@ -387,14 +393,12 @@ def apply_context_parallel(
     state.handles += [model.register_forward_pre_hook(_call_starts, with_kwargs=True),
                       model.register_forward_hook(_call_ends, always_call=True),
                       model.base_model.register_forward_pre_hook(_forward_starts)]
-    if linear is not None:  # the linear layers' convolution and delta rule; no cache, no generate()
-        from .linear import enable_linear, refuse_generate
+    enable_generate(model, state)  # generate(): ring prefill, then a sequence-sharded KV cache
+    model.generate = CPGenerate(model, generate)
+    if linear is not None:  # the linear layers' convolution and delta rule (state passing; generate()'s states):
+        from .linear import enable_linear  # after enable_generate, whose base-model hook hands them the shards
 
         enable_linear(model, state, linear, derive_documents)
-        model.generate = CPGenerate(model, refuse_generate)
-    else:
-        enable_generate(model, state)  # generate(): ring prefill, then a sequence-sharded KV cache
-        model.generate = CPGenerate(model, generate)
     return model
 
 
@@ -430,3 +434,4 @@ def shift_labels(labels: Tensor, ignore_index: int = -100) -> Tensor:
     """transformers' causal-LM label shift on the *full* [B, N] labels (label of token i is token i + 1),
     to shard like the tokens and pass as ``shift_labels=``."""
     return torch.nn.functional.pad(labels[..., 1:], (0, 1), value=ignore_index)
+

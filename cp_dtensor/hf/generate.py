@@ -7,8 +7,10 @@ with the same full inputs. The wrapper installed here checks the call on every r
 serve raises on every rank before the first token, as do inputs that differ between ranks) and hands
 generate a :class:`ShardedCache` -- a transformers ``Cache`` whose layers hold only this rank's tokens:
 
-* prefill (the cache is empty): a pre-hook on the base model pads the prompt to a multiple of the
-  layout unit (pad tokens masked: each its own document) and passes each rank its layout shard of
+* prefill (the cache is empty): a pre-hook on the base model pads the prompt on the left to a multiple
+  of the layout unit (pad tokens masked: each its own document; on the left so that the prompt's last
+  token ends the sequence, where a hybrid's linear layers take their final states: Note [Hybrid
+  generate() under CP] in hf/linear.py) and passes each rank its layout shard of
   input_ids, position_ids and the padding mask. The layers run on the shard; ``cache.update`` stores
   the shard's K/V (minus the internal pad columns) with their global positions (-1 for left padding)
   and returns them for the ring (hf/attention.py's attention function, no K/V all-gather). A hook after the base
@@ -76,7 +78,7 @@ from .._extras import require
 
 require("hf", "cp_dtensor.hf (transformers generate() under context parallelism)")
 
-from transformers.cache_utils import Cache, CacheLayerMixin  # noqa: E402
+from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLayer  # noqa: E402
 from transformers.generation.stopping_criteria import StoppingCriteriaList  # noqa: E402
 
 from .._compat import generation_stopping_criteria, prepare_generation_config  # noqa: E402
@@ -86,7 +88,8 @@ from ..core.decode import attend, digest, local_error  # noqa: E402
 from ..core.layout import global_order, layout_unit, shard_tensor  # noqa: E402
 from .state import ATTR, HFState  # noqa: E402
 
-__all__ = ["GenerateCall", "ShardedCache", "ShardedCacheLayer", "cache_bytes", "enable_generate", "generate"]
+__all__ = ["GenerateCall", "ReplicatedLinearLayer", "ShardedCache", "ShardedCacheLayer", "cache_bytes",
+           "enable_generate", "generate"]
 
 _GROW = 32  # columns added to a layer's buffer at a time while decoding
 
@@ -197,18 +200,58 @@ class ShardedCacheLayer(CacheLayerMixin):
         self.is_initialized = False
 
     def _refuse(self, *_args, **_kwargs):
-        raise ValueError("a cp_dtensor ShardedCache cannot be cropped, reordered or re-batched (beam search, "
-                         "assisted decoding, contrastive search); generate greedily or by sampling under CP.")
+        raise ValueError(_REFUSED)
 
     crop = reorder_cache = batch_repeat_interleave = batch_select_indices = _refuse
 
 
-class ShardedCache(Cache):
-    """A transformers ``Cache`` of :class:`ShardedCacheLayer` s: each rank holds its own tokens only."""
+_REFUSED = ("a cp_dtensor ShardedCache cannot be cropped, reordered or re-batched (beam search, assisted decoding, "
+            "contrastive search); generate greedily or by sampling under CP.")
 
-    def __init__(self, call: GenerateCall | None, num_layers: int):
+
+class ReplicatedLinearLayer(LinearAttentionLayer):
+    """A linear-attention layer's cache under CP: the *full* recurrent state [B, Hv, dk, dv] and conv state
+    [B, C, K] -- the same bits on every rank. The CP prefill stores them (the fold of every rank's summary and
+    the prompt's last K conv inputs, Note [Prefill for decoding] in core/linear_attention.py); each decode step
+    then runs transformers' own recurrent step on them, on every rank alike. Cropping, reordering, re-batching
+    and past recording are refused on every rank, as for the attention layers' shares
+    (:class:`ShardedCacheLayer`)."""
+
+    def __init__(self, call: GenerateCall | None):
+        super().__init__(number_of_states=1)
+        self._call = call
+
+    def update_conv_state(self, conv_states: Tensor, state_idx: int = 0, conv_kernel_size: int | None = None,
+                          **kwargs) -> Tensor:
+        step = None if self._call is None else self._call.step
+        if step is None:
+            raise ValueError("a cp_dtensor ShardedCache is filled by model.generate() under CP only; pass no cache "
+                             "to a plain forward, or call generate().")
+        if step.kind == "prefill":  # x [B, C, S_local]: the conv runs sharded and stores the state (store_conv)
+            return conv_states
+        return super().update_conv_state(conv_states, state_idx, conv_kernel_size=conv_kernel_size, **kwargs)
+
+    def store_conv(self, state: Tensor, state_idx: int = 0) -> None:
+        """The prefill's conv state: the prompt's last K inputs [B, C, K], the same on every rank."""
+        self.lazy_initialization(conv_states=state, state_idx=state_idx)
+        self.conv_states[state_idx].copy_(state)
+        self.has_previous_state[state_idx] = True
+
+    def _refuse(self, *_args, **_kwargs):
+        raise ValueError(_REFUSED)
+
+    crop = reorder_cache = batch_repeat_interleave = batch_select_indices = activate_past_recording = _refuse
+
+
+class ShardedCache(Cache):
+    """A transformers ``Cache`` under CP: :class:`ShardedCacheLayer` s holding this rank's tokens only, and for
+    the layers in ``linear`` (a hybrid model's linear-attention layers) :class:`ReplicatedLinearLayer` s
+    holding the full states."""
+
+    def __init__(self, call: GenerateCall | None, num_layers: int, linear=()):
         positions = _Positions()  # shared: every layer holds the same slots
-        super().__init__(layers=[ShardedCacheLayer(call, positions) for _ in range(num_layers)])
+        super().__init__(layers=[ReplicatedLinearLayer(call) if i in set(linear) else ShardedCacheLayer(call, positions)
+                                 for i in range(num_layers)])
 
 
 def cache_bytes(cache: Cache) -> int:
@@ -244,18 +287,18 @@ def _base_pre_hook(module, args, kwargs):
     pos = pos.expand(b, n)
     cp, rank = state.mesh.size(), state.mesh.get_local_rank()
     real = torch.ones(b, n, dtype=torch.bool, device=ids.device) if mask is None else mask[:, -n:].bool()
-    if cache.get_seq_length() == 0:  # prefill: this rank's layout shard of the padded prompt
+    if cache.get_seq_length() == 0:  # prefill: this rank's layout shard of the prompt, padded on the left
         unit = layout_unit(state.layout, cp)
-        pad = -n % unit
-        padded = lambda x, v: torch.nn.functional.pad(x, (0, pad), value=v)  # noqa: E731
+        pad = -n % unit  # masked columns before the prompt: its last token ends the sequence (the final states)
+        padded = lambda x, v: torch.nn.functional.pad(x, (pad, 0), value=v)  # noqa: E731
         shard = lambda x: shard_tensor(x, seq_dim=1, layout=state.layout, rank=rank, world=cp).contiguous()  # noqa: E731
         cols = shard(torch.arange(n + pad, device=ids.device)[None])[0]  # global columns held here
-        keep = torch.nonzero(cols < n).flatten()
+        keep = torch.nonzero(cols >= pad).flatten()
         kpos = shard(padded(pos.masked_fill(~real, -1), -1)).index_select(1, keep)
         call.step = _Step("prefill", kpos, keep, n)
         call.prompt = (n, pad)
         every = global_order(state.layout, cp, n + pad).view(cp, -1)  # [P, S_local]: each rank's columns
-        call.held = (every < n).sum(1).tolist()  # the prompt tokens each rank keeps
+        call.held = (every >= pad).sum(1).tolist()  # the prompt tokens each rank keeps
         kwargs["input_ids"], kwargs["position_ids"] = shard(padded(ids, 0)), shard(padded(pos, 0))
         if mask is not None or pad:
             kwargs["attention_mask"] = shard(padded(real.long(), 0))
@@ -280,7 +323,7 @@ def _base_post_hook(module, args, kwargs, output):
     n, pad = call.prompt
     keep = state.keep_logits
     k = keep if isinstance(keep, int) and 0 < keep <= n else n
-    output.last_hidden_state = _gather_columns(state, output.last_hidden_state, n + pad, range(n - k, n))
+    output.last_hidden_state = _gather_columns(state, output.last_hidden_state, n + pad, range(pad + n - k, pad + n))
     return output
 
 
@@ -509,7 +552,9 @@ def generate(model: nn.Module, *args, **kwargs):
     if config.cache_implementation == "dynamic":  # what the sharded cache is: transformers must not build one
         kwargs = {**kwargs, "cache_implementation": None}
     call = GenerateCall()
-    call.cache = ShardedCache(call, model.config.get_text_config(decoder=True).num_hidden_layers)
+    text = model.config.get_text_config(decoder=True)
+    linear = [i for i, t in enumerate(getattr(text, "layer_types", None) or ()) if t == "linear_attention"]
+    call.cache = ShardedCache(call, text.num_hidden_layers, linear)
     state.generating = call
     try:
         if sampling:

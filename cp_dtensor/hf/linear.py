@@ -1,4 +1,5 @@
-"""transformers' hybrid linear-attention models under CP: Qwen3-Next, Qwen3.5 (dense, MoE), Kimi Linear.
+"""transformers' hybrid linear-attention models under CP: Qwen3-Next, Qwen3.5 (dense, MoE), Kimi Linear, and
+the same Gated DeltaNet / KDA layers in OLMo-Hybrid, Lara-Mini and Bailing-Hybrid.
 
 Every touch of transformers' linear-attention internals is here, in ``FAMILIES`` (tests/hf/test_hf_linear.py
 checks that each symbol still exists). hf/attention.py calls :func:`linear_layers` (checks only) before it changes
@@ -37,10 +38,35 @@ sequence (it cannot keep them apart); under CP they are kept apart. Padding: tra
 (``apply_mask_to_padding_states``) with this rank's shard of the mask, and each pad token is a document
 of its own, so the real tokens see exactly what they see at CP=1.
 
-Caches. A recurrent state and a conv state are summaries of the whole prefix: a sequence-sharded cache
-of them would need the global fold. So a hybrid model under CP runs without a cache: the base model's
-``use_cache`` defaults to False, and ``use_cache=True``, a cache object or ``generate()`` raise, on every
-rank before any state moves.
+Caches. A recurrent state and a conv state summarise the whole prefix, so a *forward* call of a hybrid
+model under CP runs without a cache: the base model's ``use_cache`` defaults to False, and
+``use_cache=True`` or a cache object raise, on every rank before any state moves. ``generate()`` builds
+and fills its own cache: Note [Hybrid generate() under CP].
+
+Note [Hybrid generate() under CP]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``model.generate()`` runs generate.py's wrapper for hybrids too (Note [generate() under CP]): the same
+checks and refusals on every rank before the first token, the same agreement, a ``ShardedCache`` -- whose
+linear-attention layers are ``ReplicatedLinearLayer`` s holding the *full* states (transformers'
+``LinearAttentionLayer``), the attention layers this rank's share of the K/V.
+
+* Prefill (the base model's call with generate()'s cache and its ``prefill`` step): the prompt, padded on
+  the left to the layout's unit, arrives sharded; the linear layers run under CP as in training (the
+  documents agreed and derived once per call; left padding makes each pad token a document of its own),
+  with two differences: the conv dispatcher asks ``sharded_causal_conv1d`` for the conv state and stores
+  it in the layer's cache (the layer's own ``update_conv_state`` hands the shard back unchanged), and the
+  delta-rule dispatcher answers the layer's ``output_final_state=True`` with ``sharded_delta_rule``'s final
+  state, which the layer itself then stores (``update_recurrent_state``) -- Note [Prefill for decoding] in
+  core/linear_attention.py. The attention layers write their shares and run the ring.
+* Decode (the ``decode`` step): the new token is the same on every rank and the linear layers' hooks stand
+  aside: transformers' own single-token path (``causal_conv1d_update``, the recurrent kernel) steps the full
+  states, alike on every rank, with no communication; the attention layers run ``sharded_cache_attention``.
+  Every rank computes the same logits, hence the same tokens and the same stopping step.
+
+So ``out.past_key_values`` holds this rank's share of every attention layer and every linear layer's full
+states; its length (``get_seq_length``) is the global one; cropping, reordering, re-batching and past
+recording raise on every rank (nothing rank-dependent decides them). A forward call with that cache, or
+any other, is refused as above.
 
 Layouts. The sharded ops summarise each contiguous run of tokens a rank holds by one affine map of the
 state; headtail (two runs a rank, the causal ring's balance) and contiguous work, striped (one run per
@@ -74,7 +100,7 @@ from ..core.linear_attention import (  # noqa: E402, I001
 )
 from .state import ATTR, HFState  # noqa: E402
 
-__all__ = ["FAMILIES", "LinearState", "enable_linear", "linear_layers", "refuse_generate"]
+__all__ = ["FAMILIES", "LinearState", "enable_linear", "linear_layers"]
 
 
 class Family(NamedTuple):
@@ -95,6 +121,13 @@ FAMILIES = (
            "torch_chunk_gated_delta_rule"),
     Family("transformers.models.kimi_linear.modeling_kimi_linear", "KimiLinearDeltaAttention", "causal_conv1d_fn",
            "chunk_kimi_delta_attention"),
+    # the same layers in other transformers models
+    Family("transformers.models.olmo_hybrid.modeling_olmo_hybrid", "OlmoHybridGatedDeltaNet", "causal_conv1d_fn",
+           "torch_chunk_gated_delta_rule"),
+    Family("transformers.models.lara_mini.modeling_lara_mini", "LaraMiniGatedDeltaNet", "causal_conv1d_fn",
+           "torch_chunk_gated_delta_rule"),
+    Family("transformers.models.bailing_hybrid.modeling_bailing_hybrid", "BailingHybridDeltaAttention",
+           "causal_conv1d_fn", "chunk_kimi_delta_attention"),
 )
 # the layers' forward keywords read by the hooks (checked by the symbol test, with the table)
 LAYER_KWARGS = ("hidden_states", "cache", "attention_mask")
@@ -154,6 +187,7 @@ class LinearState:
     call: dict | None = None  #: position_ids, attention_mask, document_ids of the base model's call
     pending: str | None = None  #: this call's cache refusal, raised by the first linear layer
     docs: tuple[Tensor | None] | None = None  #: this call's documents, once derived
+    generating: str | None = None  #: "prefill" / "decode": a forward of generate() under CP, else None
 
     def fresh(self) -> LinearState:
         return LinearState(self.derive)
@@ -163,11 +197,20 @@ class _Running(NamedTuple):
     state: HFState
     ids: Tensor | None  # this rank's document ids [B, S_local], or None
     calls: dict  # how many times the layer called each dispatcher
+    cache: object | None  # generate()'s prefill: the layer's generate.ReplicatedLinearLayer, which keeps the states
 
 
-_NO_CACHE = ("a hybrid linear-attention model under context parallelism runs without a cache: its recurrent and conv "
-             "states summarise the whole prefix, which no rank holds. Call it with use_cache=False (the default under "
-             "CP) and no cache; generate() is not supported -- generate with the model without CP.")
+_NO_CACHE = ("a hybrid linear-attention model under context parallelism runs without a cache in a forward call: its "
+             "recurrent and conv states summarise the whole prefix, which no rank holds. Call it with use_cache=False "
+             "(the default under CP) and no cache; model.generate() under CP builds and fills its own cache.")
+
+
+def _generating(state: HFState, cache) -> str | None:
+    """"prefill" / "decode" when this forward is generate()'s under CP (its own cache), else None."""
+    call = state.generating
+    if cache is None or call is None or call.step is None or cache is not call.cache:
+        return None
+    return call.step.kind
 
 
 def _bound(module: nn.Module, args, kwargs) -> tuple[dict, dict]:
@@ -179,18 +222,14 @@ def _bound(module: nn.Module, args, kwargs) -> tuple[dict, dict]:
     return bound, extra
 
 
-def refuse_generate(model: nn.Module, *args, **kwargs):
-    """``model.generate`` of a hybrid model under CP (state.CPGenerate): refused, the same on every rank."""
-    raise ValueError(_NO_CACHE)
-
-
 def _take_call(module: nn.Module, args, kwargs):
-    """Base-model pre-hook: keep the call's inputs for the documents; no cache under CP."""
+    """Base-model pre-hook: keep the call's inputs for the documents; no cache under CP but generate()'s own."""
     hybrid: LinearState = getattr(module, ATTR).linear
     bound, extra = _bound(module, args, kwargs)
     get = lambda name: bound.get(name, extra.get(name))  # noqa: E731
     cache = next((get(n) for n in ("cache", "past_key_values", "cache_params") if get(n) is not None), None)
-    hybrid.pending = _NO_CACHE if cache is not None or get("use_cache") else None
+    hybrid.generating = _generating(getattr(module, ATTR), cache)  # Note [Hybrid generate() under CP]
+    hybrid.pending = _NO_CACHE if hybrid.generating is None and (cache is not None or get("use_cache")) else None
     if get("use_cache") is None and "use_cache" not in bound or "use_cache" in kwargs and kwargs["use_cache"] is None:
         kwargs = {**kwargs, "use_cache": False}  # merge_with_config_defaults would take config.use_cache (True)
     hybrid.call = dict(position_ids=get("position_ids"), attention_mask=get("attention_mask"),
@@ -204,7 +243,7 @@ def _call_error(state: HFState, hidden, kwargs) -> str | None:
     hybrid = state.linear
     if state.pending is not None or hybrid.pending is not None:
         return state.pending or hybrid.pending
-    if kwargs.get("cache") is not None:
+    if kwargs.get("cache") is not None and hybrid.generating is None:
         return _NO_CACHE
     if hybrid.call is None:
         return ("a linear-attention layer under CP ran outside its model's forward: call the model (or its base "
@@ -316,12 +355,17 @@ def _start(state: HFState, hidden, kwargs) -> None:
 
 def _layer_pre(layer: nn.Module, args, kwargs):
     state: HFState = getattr(layer, ATTR)
+    generating = state.linear.generating
+    if generating == "decode":  # transformers' own step on the full states, alike on every rank
+        return args, kwargs
     hidden = kwargs.get("hidden_states", args[0] if args else None)
     if state.linear.docs is None:
         _start(state, hidden, kwargs)
-    elif kwargs.get("cache") is not None:  # the same on every rank
+    elif kwargs.get("cache") is not None and generating is None:  # the same on every rank
         raise ValueError(_NO_CACHE)
-    layer._cp_dtensor_token = _RUNNING.set(_Running(state, state.linear.docs[0], {"conv": 0, "rule": 0}))
+    cache = kwargs.get("cache") if generating == "prefill" else None
+    keep = cache.layers[layer.layer_idx] if cache is not None else None
+    layer._cp_dtensor_token = _RUNNING.set(_Running(state, state.linear.docs[0], {"conv": 0, "rule": 0}, keep))
     return args, kwargs
 
 
@@ -351,8 +395,14 @@ def _conv_dispatcher(original):
         a = signature.bind(*args, **kwargs).arguments  # (hidden_states [B, C, S_local], weight [C, K], bias, activation)
         run.calls["conv"] += 1
         ctx = run.state
-        return sharded_causal_conv1d(a["hidden_states"], a["weight"], a.get("bias"), a.get("activation"),
-                                     group=ctx.mesh.get_group(), layout=ctx.layout, document_ids=run.ids)
+        out = sharded_causal_conv1d(a["hidden_states"], a["weight"], a.get("bias"), a.get("activation"),
+                                    group=ctx.mesh.get_group(), layout=ctx.layout, document_ids=run.ids,
+                                    output_final_state=run.cache is not None)
+        if run.cache is None:
+            return out
+        out, state = out  # generate()'s prefill: keep the prompt's last K inputs for decoding
+        run.cache.store_conv(state)
+        return out
 
     conv._cp_dtensor_original = original
     return conv
@@ -367,15 +417,17 @@ def _rule_dispatcher(original):
         if run is None:
             return original(*args, **kwargs)
         a = signature.bind(*args, **kwargs).arguments  # q, k [B, S_local, Hk, dk]; v [B, S_local, Hv, dv]; g; beta
-        if a.get("initial_state") is not None or a.get("output_final_state"):
+        final = bool(a.get("output_final_state"))
+        if a.get("initial_state") is not None or final and run.cache is None:
             raise ValueError(_NO_CACHE)  # the call's cache check refused this already, on every rank
         run.calls["rule"] += 1
         ctx = run.state
         extra = {"chunk_size": a["chunk_size"]} if "chunk_size" in a else {}  # the rest: the model's call kwargs
         out = sharded_delta_rule(original, a["query"], a["key"], a["value"], a["g"], a["beta"],
                                  group=ctx.mesh.get_group(), layout=ctx.layout, document_ids=run.ids,
-                                 use_qk_l2norm_in_kernel=bool(a.get("use_qk_l2norm_in_kernel", False)), **extra)
-        return out, None
+                                 use_qk_l2norm_in_kernel=bool(a.get("use_qk_l2norm_in_kernel", False)),
+                                 output_final_state=final, **extra)
+        return out if final else (out, None)  # final: (o, the state after the prompt), which the layer caches
 
     rule._cp_dtensor_original = original
     return rule

@@ -17,9 +17,11 @@ from _tiers import exhaustive
 
 from cp_dtensor.core.layout import shard_tensor
 from cp_dtensor.core.linear_attention import (
+    causal_conv1d_step,
     check_bytes,
     check_linear_layout,
     conv_halo_bytes,
+    delta_rule_step,
     linear_state_bytes,
     sharded_causal_conv1d,
     sharded_delta_rule,
@@ -85,9 +87,9 @@ def reference(q, k, v, g, beta, do, ids):
     if ids is not None:
         reset = torch.ones_like(ids, dtype=torch.bool)
         reset[:, 1:] = ids[:, 1:] != ids[:, :-1]
-    o, _ = recurrence(*xs, reset=reset)
+    o, state = recurrence(*xs, reset=reset)
     o.backward(do)
-    return [o.detach()] + [x.grad for x in xs]
+    return [o.detach()] + [x.grad for x in xs] + [state.detach()]
 
 
 def _delta_cases(rank, world):
@@ -107,8 +109,18 @@ def _delta_cases(rank, world):
         want = reference(*xs, do, ids)
         shard = lambda x: shard_tensor(x, seq_dim=1, layout=layout, rank=rank, world=world)
         local = [shard(x).to(dtype).requires_grad_() for x in xs]
-        o = sharded_delta_rule(kernel, *local, group=None, layout=layout,
+        final = ci % 2 == 0  # every other case also returns the state after the last token (for decoding)
+        o = sharded_delta_rule(kernel, *local, group=None, layout=layout, output_final_state=final,
                                document_ids=None if ids is None else shard(ids), use_qk_l2norm_in_kernel=True, **kw)
+        if final:
+            o, state = o
+            want_state = want[-1]
+            assert state.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+            err = abs_rel_err(state, want_state)
+            assert err < tol, f"{name} {layout} docs={docs} P={world} rank {rank}: final state error {err:.3g}"
+            every = [torch.empty_like(state) for _ in range(world)]
+            dist.all_gather(every, state)
+            assert all(torch.equal(e, state) for e in every), "the final state differs between ranks"
         assert o.dtype == dtype and o.shape == (2, s_local, hv, 8)
         o.backward(shard(do).to(dtype))
         got = [o] + [x.grad for x in local]
@@ -147,8 +159,10 @@ def _conv_cases(rank, world):
         ref.backward(do)
         shard = lambda t: shard_tensor(t, seq_dim=-1, layout=layout, rank=rank, world=world)
         xl, wl, bl = shard(x).clone().requires_grad_(), w.clone().requires_grad_(), bias.clone().requires_grad_()
-        out = sharded_causal_conv1d(xl, wl, bl, act, group=None, layout=layout,
+        out = sharded_causal_conv1d(xl, wl, bl, act, group=None, layout=layout, output_final_state=True,
                                     document_ids=None if ids is None else shard(ids))
+        out, state = out  # the conv state for decoding: the sequence's last K inputs, raw
+        assert torch.equal(state, x[..., -kk:]), f"conv {layout} K={kk} P={world}: final state"
         out.backward(shard(do))
         for t in (wl.grad, bl.grad):  # replicated parameters: each rank holds its tokens' share
             dist.all_reduce(t)
@@ -185,6 +199,12 @@ def _bytes_cases(rank, world):
             halo = conv_halo_bytes(batch=b, channels=6, kernel_size=4, world=world, layout=layout, itemsize=4,
                                    s_local=s_local)
             assert cf.sent == halo + check_bytes(world=world, conv=True) and cb.sent == halo, (cf.by_op, cb.by_op)
+            with CommBytes() as cs, torch.no_grad():  # with the conv state for decoding: one column more per run
+                sharded_causal_conv1d(x, torch.randn(6, 4), None, "silu", group=None, layout=layout,
+                                      output_final_state=True)
+            assert cs.sent == check_bytes(world=world, conv=True) + conv_halo_bytes(
+                batch=b, channels=6, kernel_size=4, world=world, layout=layout, itemsize=4, s_local=s_local,
+                final_state=True), cs.by_op
             out.append((layout, s_local, fwd.sent, bwd.sent))
     return out
 
@@ -249,6 +269,31 @@ def test_single_rank_is_the_kernel():
     o = sharded_delta_rule(torch_chunk_gated_delta_rule, *xs, group=None, layout="contiguous", chunk_size=8)
     want, _ = torch_chunk_gated_delta_rule(*xs, chunk_size=8)
     assert torch.equal(o, want)
+
+
+def test_decode_steps_continue_the_prefill():
+    """Prefill (CP = 1: the op's fold path) with output_final_state, then delta_rule_step / causal_conv1d_step
+    token by token: outputs and states equal the float64 recurrence / F.conv1d over the whole sequence (GDN with
+    GVA, KDA; prompts shorter than the conv kernel)."""
+    for per_channel, hk in ((False, 2), (True, 4)):
+        *xs, _, _ = make_case(3, b=2, n=12, hk=hk, hv=4, d=8, per_channel=per_channel, docs=None, run_len=12)
+        want_o, want_s = recurrence(*xs)
+        o, state = sharded_delta_rule(f64_kernel, *(x[:, :9] for x in xs), group=None, layout="contiguous",
+                                      use_qk_l2norm_in_kernel=True, output_final_state=True)
+        steps = [delta_rule_step(*(x[:, t:t + 1] for x in xs), state, use_qk_l2norm=True) for t in (9, 10)]
+        steps.append(delta_rule_step(*(x[:, 11:] for x in xs), state, use_qk_l2norm=True))
+        got = torch.cat([o, *steps], 1)
+        assert abs_rel_err(got, want_o) < 1e-12 and abs_rel_err(state, want_s) < 1e-12, per_channel
+    gen = torch.Generator().manual_seed(1)
+    for m, kk in ((7, 4), (2, 4), (5, 1)):
+        x, w, bias = (torch.randn(*s, generator=gen, dtype=torch.float64) for s in ((2, 3, 9), (3, kk), (3,)))
+        want = F.silu(F.conv1d(x, w.unsqueeze(1), bias, padding=kk - 1, groups=3)[..., :9])
+        out, conv_state = sharded_causal_conv1d(x[..., :m], w, bias, "silu", group=None, layout="contiguous",
+                                                output_final_state=True)
+        assert conv_state.shape == (2, 3, kk)
+        steps = [causal_conv1d_step(x[..., t:t + 1], conv_state, w, bias, "silu") for t in range(m, 9)]
+        assert abs_rel_err(torch.cat([out, *steps], -1), want) < 1e-12, (m, kk)
+        assert torch.equal(conv_state, x[..., 9 - kk:])
 
 
 def _compiled(rank, world):

@@ -337,13 +337,7 @@ def _messages(rank: int, world: int, base, model, mesh) -> None:
         nxt = out.logits[:, -1:].argmax(-1)
         _expect("call model.generate", lambda: model(input_ids=nxt, position_ids=torch.full_like(nxt, 12),
                                                      past_key_values=out.past_key_values))
-        _expect("runs without a cache.*generate\\(\\) is not supported", lambda: model_hybrid_generate(mesh, ids))
         assert torch.equal(gen(), want)  # still in step
-
-
-def model_hybrid_generate(mesh, ids):
-    hybrid = hf.apply_context_parallel(_hybrid(), mesh, layout="headtail")
-    return hybrid.generate(input_ids=ids, max_new_tokens=2)
 
 
 def _check_habits(rank: int, world: int) -> None:

@@ -208,10 +208,12 @@ def _model_like(model):
     return model
 
 
-def _originals() -> list:
+def _originals(models=None) -> list:
+    """The module functions FAMILIES names (of the modeling modules of ``models`` only, if given)."""
     import importlib
 
-    return [getattr(importlib.import_module(f.module), fn) for f in hf_linear.FAMILIES for fn in (f.conv, f.rule)]
+    return [getattr(importlib.import_module(f.module), fn) for f in hf_linear.FAMILIES for fn in (f.conv, f.rule)
+            if models is None or f.module.rsplit(".", 1)[-1].removeprefix("modeling_") in models]
 
 
 def _check_models(rank: int, world: int, slow: bool) -> None:
@@ -224,7 +226,7 @@ def _check_models(rank: int, world: int, slow: bool) -> None:
     before = outside(**batch, use_cache=False).logits.detach()
     for name in MODELS:  # use_cache left unset: under CP it defaults to False for hybrids
         _check(name, world, mesh, LAYOUTS if slow or name != "qwen3_5_moe" else ["headtail"], batch, weights)
-    assert all(hasattr(f, "_cp_dtensor_original") for f in _originals())
+    assert all(hasattr(f, "_cp_dtensor_original") for f in _originals(MODELS))
     assert torch.equal(outside(**batch, use_cache=False).logits.detach(), before)  # the dispatchers pass through
     _check_default_init(world, mesh)
     _check_all_linear_bytes(world, mesh)
@@ -301,7 +303,7 @@ def _check_errors(rank: int, world: int) -> None:
 
     _expect_error(lambda: call(use_cache=True), "without a cache")
     _expect_error(lambda: call(use_cache=rank == 0), "without a cache")  # on rank 0 only
-    _expect_error(lambda: model.generate(tokens, max_new_tokens=2), "generate")
+    _expect_error(lambda: model.generate(tokens, max_new_tokens=2, num_beams=2), "num_beams")  # generate()'s own
     _expect_error(lambda: call(position_ids=None if rank == world - 1 else pos), "needs position_ids")
     _expect_error(lambda: call(position_ids=pos[:, :1] if rank == 0 else pos), "position_ids must be")
     _expect_error(lambda: call(labels=tok), "shift_labels")

@@ -17,7 +17,7 @@ from torchtitan.hf_datasets.text_datasets import DATASETS
 __all__ = ["DATASET_NAME", "register_dataset"]
 
 DATASET_NAME = "cp_dtensor_tiny"
-_DEFAULT_PATH = Path(__file__).resolve().parents[2] / "assets" / "tiny_text"
+_DEFAULT_PATH = Path(__file__).resolve().parents[3] / "assets" / "tiny_text"  # the repository's assets/
 
 
 def _load_jsonl(path: str) -> Dataset:

@@ -1,0 +1,98 @@
+"""The CP collator of the Trainer integration (trainer.py): the user's collator on a replica's examples, then
+this rank's shard of every [B, N] tensor, labels shifted on the full row. See Note [The Trainer under CP] in
+trainer.py (point 1).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..core.batch import shard_batch
+from ..core.layout import layout_unit
+from .attention import shift_labels
+
+__all__ = ["META", "CollatedBatch", "ShardingCollator"]
+
+META = "_cp_dtensor_batch"  # the private batch key (a CollatedBatch), popped by the trainer's step hooks
+_VARLEN = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")  # dropped: see the Note
+_PAD = {"labels": -100, "shift_labels": -100}  # the pad value per key (else 0; position_ids continue)
+
+
+class CollatedBatch(NamedTuple):
+    """What the collator tells the step hooks about the full batch."""
+
+    length: int  #: N, the rows' length before the layout's padding
+    fingerprint: int  #: a digest of the full batch, compared across the CP ranks
+    added: tuple[str, ...]  #: the keys the CP collator added (position_ids, shift_labels)
+
+
+def _fingerprint(batch: Mapping) -> int:
+    """A 64-bit digest of every tensor in the full batch (identical batches, identical digests)."""
+    h = hashlib.blake2b(digest_size=8)
+    for key in sorted(batch):
+        value = batch[key]
+        h.update(key.encode())
+        if isinstance(value, Tensor):
+            h.update(str((tuple(value.shape), value.dtype)).encode())
+            h.update(value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        else:
+            h.update(repr(value).encode())
+    return int.from_bytes(h.digest(), "little", signed=True)
+
+
+class ShardingCollator:
+    """Wraps a collator: the user's collator on the replica's examples, then this rank's shard of every
+    [B, N] tensor, labels shifted on the full row. See Note [The Trainer under CP] in trainer.py."""
+
+    def __init__(self, collator, cp_mesh: DeviceMesh, layout: str):
+        self.collator, self.mesh, self.layout = collator, cp_mesh, layout
+
+    def __call__(self, features):
+        batch = self.collator(features)
+        if not isinstance(batch, Mapping):
+            raise ValueError(f"context parallelism needs the collator to return a dict of tensors; got "
+                             f"{type(batch).__name__}.")
+        batch = {k: v for k, v in batch.items() if k not in _VARLEN}
+        ids = batch.get("input_ids")
+        if not isinstance(ids, Tensor) or ids.dim() != 2:
+            raise ValueError("context parallelism shards batches by their input_ids [B, N]; the collator returned "
+                             f"input_ids={getattr(ids, 'shape', ids)!r} (inputs_embeds and multi-axis inputs are not "
+                             "served). Collate token ids.")
+        b, n = ids.shape
+        fingerprint = _fingerprint(batch)
+        added = tuple(k for k in ("position_ids", "shift_labels") if batch.get(k) is None)
+        if batch.get("position_ids") is None:  # what transformers uses without them: arange per row
+            batch["position_ids"] = torch.arange(n).expand(b, n)
+        if isinstance(batch["position_ids"], Tensor) and batch["position_ids"].shape == (1, n):
+            batch["position_ids"] = batch["position_ids"].expand(b, n)
+        if batch.get("labels") is not None and batch.get("shift_labels") is None:
+            batch["shift_labels"] = shift_labels(batch["labels"])  # on the full row: Note [The Trainer under CP]
+        keys = [k for k, v in batch.items() if isinstance(v, Tensor) and v.dim() >= 2 and tuple(v.shape[:2]) == (b, n)]
+        if any(k in batch and k not in keys for k in ("position_ids", "attention_mask", "labels")):
+            bad = {k: tuple(batch[k].shape) for k in ("position_ids", "attention_mask", "labels")
+                   if isinstance(batch.get(k), Tensor) and k not in keys}
+            raise ValueError(f"context parallelism shards every [B, N] = [{b}, {n}] tensor alike; the collator returned "
+                             f"{bad} (multi-axis positions and 4-D masks are not served).")
+        unit = layout_unit(self.layout, self.mesh.size())
+        pad = -n % unit
+        if pad:
+            for k in keys:
+                batch[k] = _pad(batch[k], k, pad)
+        out = shard_batch({k: batch[k] for k in keys}, self.mesh, layout=self.layout)
+        out.update({k: v for k, v in batch.items() if k not in out})
+        out[META] = CollatedBatch(n, fingerprint, added)
+        return out
+
+
+def _pad(x: Tensor, key: str, pad: int) -> Tensor:
+    """[B, N, ...] -> [B, N + pad, ...]: labels -100, positions continuing each row, the rest 0."""
+    if key == "position_ids":
+        return torch.cat([x, x[:, -1:] + torch.arange(1, pad + 1, dtype=x.dtype)], dim=1)
+    tail = torch.full((x.shape[0], pad, *x.shape[2:]), _PAD.get(key, 0), dtype=x.dtype, device=x.device)
+    return torch.cat([x, tail], dim=1)

@@ -1,0 +1,328 @@
+"""The transformers Trainer (and its subclasses: TRL's SFTTrainer, ...) under context parallelism, one line.
+
+    Trainer = cp_dtensor.hf.with_context_parallel(transformers.Trainer, cp_size=2)   # was: transformers.Trainer
+
+transformers, accelerate (and TRL for its trainers) are optional extras; only this module imports them.
+
+Note [The Trainer under CP]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``with_context_parallel(trainer_cls, cp_size=P)`` returns a subclass of ``trainer_cls`` whose
+overrides of the Trainer's documented hooks do four things; nothing of the Trainer's own code is
+copied, so TRL's and other subclasses keep their behaviour.
+
+1. The data. The world is a (dp, cp) mesh, cp the inner dim (rank = dp_index * P + cp_index). The
+   CP ranks of one data-parallel replica must see the same batches, so the dataloaders are prepared
+   while accelerate's device mesh names a ``"cp"`` dim (``_compat.replica_dataloaders``): accelerate's
+   ``prepare_data_loader`` then shards the samples over the dp replicas only, as it does for its own
+   CP and TP ranks (map-style datasets, ``datasets`` iterable datasets, ``IterableDatasetShard``). The
+   collator is wrapped (:class:`ShardingCollator`, collator.py): it runs the user's collator on the replica's
+   examples, shifts the labels on the *full* row (``shift_labels``: a token's label may live on
+   another rank), pads the row to the layout's multiple (pad labels -100: the padding is causal
+   future, so no real token sees it), and hands the Trainer this rank's shard of every [B, N] tensor
+   (input_ids, position_ids -- the global positions, arange when the collator gives none -- the 2-D
+   padding mask, labels, shift_labels). Flash-attention varlen keys (``cu_seq_lens_*``,
+   ``max_length_*``, ``seq_idx``: TRL's padding-free collator) are dropped: the documents come from
+   the position ids (Note [transformers under CP] in hf/attention.py). A fingerprint of the full batch rides
+   along, and the first hook of each step compares it across the CP group: CP ranks that were handed
+   different batches (a rank-aware sampler, a collator drawing random numbers) raise on every rank.
+2. The model: ``cp_dtensor.hf.apply_context_parallel`` (``documents="position_ids"`` by default, so packed rows
+   are kept apart as flash-attention keeps them, whatever ``use_cache`` says).
+3. The loss. The Trainer counts ``num_items_in_batch`` over its batches' ``shift_labels`` -- here each
+   rank's shard, so the count gathered over the world is every replica's label count once -- and,
+   with ``average_tokens_across_devices`` (required), scales each rank's sum by the world size before
+   DDP / FSDP average the gradients over the world. So the gradient is that of sum(loss) / count over
+   the global batch, and the logged loss (the mean over ranks) is CP=1's. ``compute_loss`` fills in
+   the count where a subclass calls it without one (TRL's evaluation) and passes it to the model.
+4. Evaluation. ``prediction_step`` sums the CP ranks' losses into the replica's (what the Trainer
+   computes on dp ranks without CP) and unshards logits and labels into the full rows; the gather
+   the evaluation loop calls keeps each replica's rows once (the ranks with cp_index 0), then drops
+   accelerate's even-batches padding as ``gather_for_metrics`` does. So ``evaluate()`` = CP=1.
+
+Gradient reduction needs nothing: DDP and FSDP2 already reduce over every rank, CP ranks included
+(FSDP2 over ``ParallelismConfig(dp_shard_size=world)`` is torchtitan's dp_shard_cp). Checkpoints
+hold the full model (DDP) and the optimizer as the Trainer saves them: nothing in them depends on P,
+so a run resumes at another CP size (same dp, same batches).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.device_mesh import init_device_mesh
+
+from .._extras import require
+
+require("hf", "cp_dtensor.hf.with_context_parallel (the transformers Trainer under context parallelism)")
+require("trainer", "cp_dtensor.hf.with_context_parallel (the transformers Trainer under context parallelism)")
+
+from transformers import Trainer  # noqa: E402
+
+from .._compat import replica_dataloaders, seq2seq_pad  # noqa: E402
+from ..core.batch import unshard_batch  # noqa: E402
+from ..core.comm import all_gather_objects, host_group  # noqa: E402
+from ..core.layout import check_layout  # noqa: E402
+from .attention import apply_context_parallel  # noqa: E402
+from .collator import META, CollatedBatch, ShardingCollator  # noqa: E402
+
+__all__ = ["ShardingCollator", "with_context_parallel"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CPOptions:
+    """What ``with_context_parallel`` was called with (one frozen bundle per subclass)."""
+
+    cp_size: int  #: CP ranks per data-parallel replica; the world size must be a multiple
+    layout: str = "striped"  #: the sequence layout (striped / headtail / contiguous); hybrids need headtail or contiguous
+    documents: str | None = "position_ids"  #: apply_context_parallel's documents= (None: transformers' own rule)
+
+    def __post_init__(self):
+        if isinstance(self.cp_size, bool) or not isinstance(self.cp_size, int) or self.cp_size < 1:
+            raise ValueError(f"cp_size must be a positive int; got {self.cp_size!r}.")
+        check_layout(self.layout)
+        if self.documents not in (None, "position_ids"):
+            raise ValueError(f"documents must be None or 'position_ids'; got {self.documents!r}.")
+
+
+def _causal_lm(model) -> bool:
+    """Whether ``model`` is a causal language model (transformers' ``...ForCausalLM`` classes): the heads whose
+    loss is a sum over tokens, each token's from its own hidden state -- what a rank's shard can compute."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    names = set()
+    for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        names |= set(v) if isinstance(v, (tuple, list)) else {v}
+    return any(c.__name__ in names or c.__name__.endswith("ForCausalLM") for c in type(model).__mro__)
+
+
+def _refusal(trainer, options: CPOptions) -> str | None:
+    """What this trainer's configuration cannot run under CP: the same on every rank, no communication."""
+    args, world = trainer.args, trainer.args.world_size
+    if not _causal_lm(trainer.model):
+        return (f"{type(trainer.model).__name__} is not a causal language model (...ForCausalLM): under CP a rank holds "
+                "a shard of each sequence, so heads that pool a sequence or read tokens the rank does not hold "
+                "(sequence classification, question answering) cannot run. Train a ...ForCausalLM model.")
+    if world % options.cp_size:
+        return (f"cp_size={options.cp_size} must divide the world size ({world} processes): each data-parallel "
+                f"replica is cp_size ranks. Launch a multiple of {options.cp_size} processes.")
+    if trainer.is_deepspeed_enabled:
+        return "DeepSpeed is not supported under cp_dtensor's context parallelism; use DDP or FSDP2."
+    pc = getattr(trainer.accelerator, "parallelism_config", None)
+    if pc is not None and (pc.cp_size > 1 or pc.tp_size > 1 or getattr(pc, "sp_size", 1) > 1):
+        return (f"accelerate's ParallelismConfig asks for cp_size={pc.cp_size}, tp_size={pc.tp_size}, "
+                f"sp_size={getattr(pc, 'sp_size', 1)}; with_context_parallel runs CP itself. Keep only dp_shard_size "
+                "/ dp_replicate_size (FSDP2 over every rank, CP ranks included) and set cp_size in with_context_parallel.")
+    if args.n_gpu > 1:
+        return f"torch.nn.DataParallel ({args.n_gpu} GPUs in one process) is not supported; launch one process per GPU."
+    if not args.average_tokens_across_devices:
+        return ("average_tokens_across_devices=False normalises each rank's loss by its own tokens; under CP a rank "
+                "holds a shard of each sequence, so the loss must be normalised by the global token count. Set "
+                "average_tokens_across_devices=True.")
+    if trainer.compute_loss_func is not None or trainer.label_smoother is not None:
+        return ("compute_loss_func and label_smoothing_factor compute the loss from this rank's logits with labels "
+                "shifted inside its shard; under CP the model computes the loss from shift_labels shifted on the full "
+                "row. Drop them (or write the loss in a compute_loss override that uses inputs['shift_labels']).")
+    if not trainer.model_accepts_loss_kwargs:
+        return (f"{type(trainer.model).__name__}.forward takes no loss keyword arguments (num_items_in_batch), so "
+                "the loss cannot be normalised by the global token count. Use a transformers model whose forward "
+                "accepts **kwargs.")
+    if args.train_sampling_strategy == "batch_rebalance":
+        return "train_sampling_strategy='batch_rebalance' counts ranks, not replicas; use 'random' or 'group_by_length'."
+    if "inputs" in (args.include_for_metrics or ()):
+        return "include_for_metrics=['inputs'] would gather each rank's shard of the inputs; drop 'inputs'."
+    return None
+
+
+class _ContextParallel:
+    """The overrides; ``with_context_parallel`` puts this class before the trainer class in the MRO."""
+
+    _cp_options: CPOptions
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        options = self._cp_options
+        error = _refusal(self, options)
+        if error is not None:  # configuration only: every rank raises alike, before any collective
+            raise ValueError(error)
+        cp, world = options.cp_size, self.args.world_size
+        device = self.args.device.type
+        if world > 1 and not dist.is_initialized():
+            raise ValueError("context parallelism needs torch.distributed; launch with torchrun.")
+        if world == 1 and not dist.is_initialized():  # one process (cp_size=1): a group of one for the mesh
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        self.cp_mesh_2d = init_device_mesh(device, (world // cp, cp), mesh_dim_names=("dp_replicate", "cp"))
+        self.cp_mesh = self.cp_mesh_2d["cp"]
+        apply_context_parallel(self.model, self.cp_mesh, layout=options.layout, documents=options.documents)
+        self.data_collator = ShardingCollator(self.data_collator, self.cp_mesh, options.layout)
+
+    # -- data: replicas, not ranks ------------------------------------------------------------------
+    def get_train_dataloader(self):
+        with replica_dataloaders(self.accelerator, self.cp_mesh_2d, self.train_dataset):
+            return super().get_train_dataloader()
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        with replica_dataloaders(self.accelerator, self.cp_mesh_2d, eval_dataset or self.eval_dataset):
+            return super().get_eval_dataloader(eval_dataset)
+
+    def get_test_dataloader(self, test_dataset):
+        with replica_dataloaders(self.accelerator, self.cp_mesh_2d, test_dataset):
+            return super().get_test_dataloader(test_dataset)
+
+    def get_total_train_batch_size(self, args) -> int:
+        return super().get_total_train_batch_size(args) // self._cp_options.cp_size  # samples, over replicas
+
+    def _cp_take(self, inputs: dict) -> tuple[dict, CollatedBatch]:
+        """Pop the private key; check that every CP rank holds the same batch (one tiny all-gather)."""
+        if META not in inputs:
+            raise ValueError("this batch did not come through the CP collator (ShardingCollator): the Trainer's "
+                             "dataloaders wrap it; a custom get_*_dataloader must use self.data_collator.")
+        inputs = dict(inputs)
+        meta = inputs.pop(META)
+        cp = self.cp_mesh.size()
+        if cp > 1:  # over the world, so that every replica raises, not only the one that differs
+            every = all_gather_objects(meta.fingerprint, host_group(dist.group.WORLD))
+            bad = [r // cp for r in range(0, len(every), cp) if len(set(every[r:r + cp])) > 1]
+            if bad:
+                raise ValueError(
+                    f"the CP ranks of data-parallel replica(s) {bad} were handed different batches (fingerprints "
+                    f"{every}): a sampler that counts ranks instead of replicas, a dataloader not built by the "
+                    "Trainer's get_*_dataloader, or a collator that draws random numbers. Every CP rank must collate "
+                    "the same examples alike.")
+        return inputs, meta
+
+    # -- training ----------------------------------------------------------------------------------
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        inputs, _ = self._cp_take(inputs)
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if inputs.get("shift_labels") is not None:
+            if num_items_in_batch is None:  # the global count, as the Trainer counts it for training
+                num_items_in_batch = (inputs["shift_labels"] != -100).sum()
+                if self.args.world_size > 1:
+                    num_items_in_batch = self.accelerator.gather(num_items_in_batch.reshape(1)).sum()
+            inputs = {**inputs, "num_items_in_batch": num_items_in_batch}
+        return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+
+    # -- evaluation --------------------------------------------------------------------------------
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **gen_kwargs):
+        inputs, meta = self._cp_take(inputs)
+        if getattr(self.args, "predict_with_generate", False) and not prediction_loss_only:
+            return self._cp_generate(model, inputs, meta, ignore_keys, gen_kwargs)
+        loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        cp = self.cp_mesh.size()
+        if loss is not None and cp > 1:  # the replica's loss: what the Trainer computes on dp ranks without CP
+            loss = loss.detach().clone()
+            dist.all_reduce(loss, group=self.cp_mesh.get_group())
+            loss = loss / cp
+        s_local = inputs["input_ids"].shape[1]
+        full = lambda x: self._cp_full(x, s_local, meta.length)  # noqa: E731
+        if isinstance(logits, (tuple, list)):
+            logits = type(logits)(full(x) for x in logits)
+        else:
+            logits = full(logits)
+        return loss, logits, full(labels)
+
+    def _cp_generate(self, model, inputs: dict, meta: CollatedBatch, ignore_keys, gen_kwargs):
+        """Seq2SeqTrainer's predict_with_generate: the loss under CP from the shards; the trainer's own generation
+        step on the full batch (as the collator made it, labels aside), which every CP rank passes alike to the
+        model's generate() -- a ring prefill, then decoding from a sequence-sharded cache (Note [generate() under
+        CP] in hf/generate.py)."""
+        loss = None
+        if inputs.get("shift_labels") is not None:
+            loss, _, _ = self.prediction_step(model, {**inputs, META: meta}, True, ignore_keys=ignore_keys)
+        s_local = inputs["input_ids"].shape[1]
+        full = {k: self._cp_full(v, s_local, meta.length) for k, v in inputs.items() if k not in meta.added}
+        labels = full.pop("labels", None)
+        _, generated, _ = super().prediction_step(model, full, False, ignore_keys=ignore_keys, **gen_kwargs)
+        if labels is not None and generated is not None and labels.shape[-1] < generated.shape[-1]:
+            labels = seq2seq_pad(self, labels, generated.shape[-1])  # the trainer's own padding of labels
+        return loss, generated, labels
+
+    def _cp_full(self, x, s_local: int, n: int):
+        if not isinstance(x, Tensor) or x.dim() < 2 or x.shape[1] != s_local:
+            return x
+        return unshard_batch(x, self.cp_mesh, layout=self._cp_options.layout)[:, :n]
+
+    def evaluation_loop(self, *args, **kwargs):
+        # the Trainer resets gather_function to gather_for_metrics when the loop ends; a subclass may have chosen
+        # another (Seq2SeqTrainer: accelerator.gather, which keeps the even-batches padding)
+        self.gather_function = functools.partial(self._cp_gather, chosen=self.gather_function)
+        return super().evaluation_loop(*args, **kwargs)
+
+    def _cp_gather(self, data, use_gather_object: bool = False, *, chosen=None):
+        """The trainer's gather (accelerate's gather_for_metrics or gather) over the dp replicas: each replica's
+        rows once. See Note [The Trainer under CP] 4."""
+        from accelerate.utils import gather_object, recursively_apply
+
+        plain = chosen == self.accelerator.gather  # no even-batches truncation
+        use_gather_object = (use_gather_object or getattr(chosen, "keywords", {}).get("use_gather_object", False)
+                             or not _all_tensors(data))
+        cp, world = self.cp_mesh.size(), self.args.world_size
+        if use_gather_object:
+            every = gather_object(data)
+            k = len(every) // world
+            data = [x for r in range(0, world, cp) for x in every[r * k:(r + 1) * k]]
+        else:
+            keep = lambda x: x.reshape(world // cp, cp, -1, *x.shape[1:])[:, 0].reshape(-1, *x.shape[1:])  # noqa: E731
+            data = recursively_apply(keep, self.accelerator.gather(data))
+        state = self.accelerator.gradient_state
+        if not plain and state.end_of_dataloader and state.remainder > 0:  # as gather_for_metrics drops the padding
+            cut = lambda x: x[: state.remainder]  # noqa: E731
+            data = cut(data) if isinstance(data, list) else recursively_apply(cut, data)
+        return data
+
+
+def _all_tensors(data) -> bool:
+    if isinstance(data, Tensor):
+        return True
+    if isinstance(data, Mapping):
+        return all(_all_tensors(v) for v in data.values())
+    if isinstance(data, (tuple, list)):
+        return all(_all_tensors(v) for v in data)
+    return False
+
+
+def _unserved_trl(trainer_cls: type) -> bool:
+    """A TRL trainer other than SFTTrainer (DPO, GRPO, KTO, RLOO, reward, distillation, ...)."""
+    trl_classes = [c for c in trainer_cls.__mro__ if c.__module__.split(".")[0] == "trl"]
+    if not trl_classes:
+        return False
+    from trl import SFTTrainer
+
+    return not issubclass(trainer_cls, SFTTrainer)
+
+
+def with_context_parallel(trainer_cls: type, *, cp_size: int, layout: str = "striped", **options) -> type:
+    """A subclass of ``trainer_cls`` (transformers' ``Trainer`` or any subclass: TRL's ``SFTTrainer``, ...) that
+    trains and evaluates the model under context parallelism, ``cp_size`` ranks per data-parallel replica.
+
+    Replace the class in the script and launch with torchrun (a multiple of ``cp_size`` processes)::
+
+        trainer = with_context_parallel(Trainer, cp_size=2)(model=model, args=args, train_dataset=ds, ...)
+
+    Serves what ``cp_dtensor.hf`` serves -- packed rows (``DataCollatorWithFlattening``, TRL's ``packing`` /
+    ``padding_free``: documents from ``position_ids``), padding masks, sliding windows, sinks, hybrid
+    linear-attention models (``layout="headtail"``) -- on CPU (gloo) and GPU, with DDP or FSDP2. ``options``:
+    ``documents`` (``"position_ids"``, the default, or ``None``: transformers' own packed-sequence rule). See
+    Note [The Trainer under CP]; what cannot be served raises on every rank when the trainer is built.
+    """
+    if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, Trainer)):
+        raise TypeError(f"with_context_parallel takes transformers.Trainer or a subclass; got {trainer_cls!r}.")
+    if issubclass(trainer_cls, _ContextParallel):
+        raise ValueError(f"{trainer_cls.__name__} already runs under context parallelism.")
+    if _unserved_trl(trainer_cls):
+        raise ValueError(
+            f"TRL's {trainer_cls.__name__} computes its loss from per-sequence log-probabilities or rewards (sums over "
+            "each completion's tokens, the last token's score), of which a CP rank holds a shard only. Among TRL's "
+            "trainers, SFTTrainer (and its subclasses) is served.")
+    unknown = sorted(set(options) - {"documents"})
+    if unknown:
+        raise TypeError(f"with_context_parallel got unknown options {unknown}; it takes cp_size, layout, documents.")
+    bundle = CPOptions(cp_size=cp_size, layout=layout, **options)
+    name = f"ContextParallel{trainer_cls.__name__}"
+    return type(name, (_ContextParallel, trainer_cls), {"_cp_options": bundle, "__module__": trainer_cls.__module__,
+                                                        "__qualname__": name, "__doc__": trainer_cls.__doc__})

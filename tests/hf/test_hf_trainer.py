@@ -1,0 +1,450 @@
+"""cp_dtensor.hf.with_context_parallel: transformers' Trainer and TRL's SFTTrainer at CP=2 log the losses of the
+unchanged Trainer class at CP=1 (one process), train and eval, for Llama, Mistral with a window below the shard,
+packed rows (DataCollatorWithFlattening, TRL packing), gpt-oss sinks and a Qwen3-Next hybrid; gradient
+accumulation; a checkpoint saved at CP=2 resumes at CP=1; what cannot be served raises on every rank.
+
+One spawn of 2 ranks runs every CP case, then one of 1 rank every reference (and the resume): Trainer start-up
+is the cost, so the models, data and steps are tiny.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+from _tiers import exhaustive, slow
+
+from _dist import run_ranks
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+trl = pytest.importorskip("trl")
+transformers.logging.set_verbosity_error()
+
+from transformers import (  # noqa: E402
+    DataCollatorWithFlattening,
+    GptOssConfig,
+    GptOssForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
+    Trainer,
+    TrainingArguments,
+    default_data_collator,
+)
+from trl import SFTConfig, SFTTrainer  # noqa: E402
+
+from cp_dtensor import hf  # noqa: E402
+
+V, N = 64, 16  # vocabulary; the row length of the unpacked datasets (S_local = 8 at CP=2)
+TOL = 2e-5  # relative, fp32: the ring sums in another order
+TINY = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, attn_implementation="sdpa", use_cache=False)
+
+
+def _model(name: str):
+    """A tiny random-init fp32 model, the same in every process. use_cache=False: then transformers' sdpa keeps
+    packed documents apart at CP=1 too (with a cache it attends across them; CP keeps them apart always)."""
+    torch.manual_seed(0)
+    if name == "llama":
+        return LlamaForCausalLM(LlamaConfig(**TINY))
+    if name == "mistral":  # a window of 4 < S_local = 8
+        return MistralForCausalLM(MistralConfig(**TINY, sliding_window=4))
+    if name == "gpt-oss":  # sinks on every layer, layer 0 windowed (3), MoE; transformers runs it with eager
+        model = GptOssForCausalLM(GptOssConfig(**{**TINY, "attn_implementation": "eager", "intermediate_size": 32},
+                                               head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=3))
+        with torch.no_grad():  # sinks large enough to matter (initialised near 0)
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_(0.0, 2.0)
+        return model
+    if name == "qwen3-next":  # linear, full attention; decays in [0.05, 1] (see tests/hf/test_hf_linear.py _model)
+        cfg = Qwen3NextConfig(**{**TINY, "num_hidden_layers": 2}, layer_types=["linear_attention", "full_attention"],
+                              head_dim=8, linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                              linear_num_key_heads=2, linear_num_value_heads=4, num_experts=0)
+        model = Qwen3NextForCausalLM(cfg).float()
+        g = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for m in model.modules():
+                if hasattr(m, "A_log"):
+                    m.A_log.copy_(torch.empty(m.A_log.shape).uniform_(0.05, 1.0, generator=g).log())
+        return model
+    raise KeyError(name)
+
+
+def _rows(seed: int, count: int = 12) -> list[dict]:
+    """Fixed-length rows (labels = tokens; the model shifts them)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        ids = torch.randint(0, V, (N,), generator=g).tolist()
+        out.append({"input_ids": ids, "labels": list(ids)})
+    return out
+
+
+def _documents(seed: int, count: int = 16) -> list[dict]:
+    """Documents of 2..9 tokens: 4 of them packed into one row of a length that is often odd (CP pads it)."""
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(2, V, (int(torch.randint(2, 10, (1,), generator=g)),), generator=g).tolist()}
+            for _ in range(count)]
+
+
+def _args(out: str, **kw) -> TrainingArguments:
+    base = dict(output_dir=out, per_device_train_batch_size=4, per_device_eval_batch_size=4, max_steps=3,
+                logging_steps=1, report_to=[], save_strategy="no", learning_rate=1e-2, use_cpu=True, disable_tqdm=True,
+                seed=0, data_seed=0, dataloader_drop_last=False)
+    return TrainingArguments(**{**base, **kw})
+
+
+# name -> (model, train data, eval data, collator, layout, TrainingArguments overrides)
+CASES = {
+    "llama-rows": ("llama", _rows(1), _rows(2, 6), default_data_collator, "striped", {}),
+    "llama-packed": ("llama", _documents(3), _documents(4, 14), DataCollatorWithFlattening(), "striped", {}),
+    "llama-accumulate": ("llama", _documents(5), None, DataCollatorWithFlattening(), "headtail",
+                         dict(gradient_accumulation_steps=2, per_device_train_batch_size=2)),
+    "llama-checkpointing": ("llama", _documents(18), None, DataCollatorWithFlattening(), "contiguous",
+                            dict(gradient_checkpointing=True)),
+    "mistral-window-packed": ("mistral", _documents(6), _documents(7, 6), DataCollatorWithFlattening(), "striped", {}),
+    "gpt-oss-sinks": ("gpt-oss", _rows(8), _rows(9, 5), default_data_collator, "striped", {}),
+    "qwen3-next-hybrid": ("qwen3-next", _rows(10), _rows(11, 5), default_data_collator, "headtail", {}),
+}
+
+
+def _metrics(pred) -> dict:
+    """From the full logits and labels the evaluation loop gathers: the mean logit of each next token (order- and
+    shard-sensitive) and the row count."""
+    logits, labels = pred.predictions[:, :-1], pred.label_ids[:, 1:]
+    valid = labels != -100
+    picked = np.take_along_axis(logits, np.where(valid, labels, 0)[..., None], axis=-1)[..., 0]
+    return {"target_logit": float(picked[valid].mean()), "rows": float(labels.shape[0])}
+
+
+def _losses(trainer) -> list[float]:
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def _train(name: str, out: str, cp: int | None, **extra) -> dict:
+    model, train, evals, collator, layout, kw = CASES[name]
+    cls = Trainer if cp is None else hf.with_context_parallel(Trainer, cp_size=cp, layout=layout)
+    trainer = cls(model=_model(model), args=_args(out, **{**kw, **extra}), train_dataset=train, eval_dataset=evals,
+                  data_collator=collator, compute_metrics=_metrics if name == "llama-packed" else None)
+    trainer.train()
+    result = {"losses": _losses(trainer)}
+    if evals is not None:
+        result["eval"] = trainer.evaluate()
+    return result
+
+
+def _generate(out: str, cp: int | None) -> dict:
+    """Seq2SeqTrainer's predict_with_generate on a decoder-only model: eval loss and greedy tokens (4 new)."""
+    from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
+
+    model = _model("llama")
+    model.config.pad_token_id = model.generation_config.pad_token_id = 0
+    model.generation_config.max_new_tokens = 4
+    model.config.use_cache = model.generation_config.use_cache = True  # generate() under CP decodes from a cache
+    args = Seq2SeqTrainingArguments(output_dir=out, predict_with_generate=True, per_device_eval_batch_size=2,
+                                    report_to=[], use_cpu=True, disable_tqdm=True, seed=0)
+    cls = Seq2SeqTrainer if cp is None else hf.with_context_parallel(Seq2SeqTrainer, cp_size=cp)
+    got = {}
+
+    def metrics(pred):
+        got["predictions"], got["labels"] = pred.predictions.tolist(), pred.label_ids.tolist()
+        return {}
+
+    trainer = cls(model=model, args=args, eval_dataset=_rows(17, 3), data_collator=default_data_collator,
+                  compute_metrics=metrics)
+    got["eval_loss"] = trainer.evaluate()["eval_loss"]
+    return got
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, **{f"t{i}": i for i in range(2, V)}}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="<pad>")), pad_token="<pad>",
+                                   eos_token="<eos>")
+
+
+def _sft(out: str, cp: int | None, bf16: bool = False, packing: bool = True) -> dict:
+    """TRL's SFTTrainer with packing (bfd: padding-free rows, position ids restarting per document), or without
+    (rows right-padded to the batch's longest, a 2-D attention mask)."""
+    from datasets import Dataset
+
+    args = SFTConfig(output_dir=out, per_device_train_batch_size=2, max_steps=3, logging_steps=1, report_to=[],
+                     save_strategy="no", learning_rate=1e-2, use_cpu=True, disable_tqdm=True, seed=0, data_seed=0,
+                     packing=packing, max_length=24, eval_packing=packing, per_device_eval_batch_size=2, bf16=bf16)
+    data = Dataset.from_list([{"input_ids": d["input_ids"] + [1]} for d in _documents(12, 24)])
+    evals = Dataset.from_list([{"input_ids": d["input_ids"] + [1]} for d in _documents(13, 12)])
+    cls = SFTTrainer if cp is None else hf.with_context_parallel(SFTTrainer, cp_size=cp)
+    trainer = cls(model=_model("llama"), args=args, train_dataset=data, eval_dataset=evals,
+                  processing_class=_tokenizer())
+    trainer.train()
+    accuracy = [h["mean_token_accuracy"] for h in trainer.state.log_history if "mean_token_accuracy" in h]
+    return {"losses": _losses(trainer), "accuracy": accuracy, "eval": trainer.evaluate()}
+
+
+def _env(rank: int, world: int) -> None:
+    """What torchrun sets; accelerate reads it (the process group is up already)."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+
+
+class _OneRankCollator:
+    """Collates differently on rank 1: what the fingerprint check catches."""
+
+    def __call__(self, features):
+        batch = default_data_collator(features)
+        if torch.distributed.get_rank() == 1:
+            batch["input_ids"] = batch["input_ids"].flip(1)
+        return batch
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(_rows(16, 4))
+
+
+def _refusals(rank: int, world: int, out: str) -> list[str]:
+    """Each case must raise ValueError on every rank (the caller checks both ranks' lists) and leave them in step."""
+    raised = []
+
+    def expect(match: str, fn) -> None:
+        with pytest.raises(ValueError, match=match):
+            fn()
+        raised.append(match)
+
+    rows = _rows(14, 4)
+    build = lambda cls=Trainer, model="llama", data=rows, collator=default_data_collator, **kw: cls(  # noqa: E731
+        model=_model(model), args=_args(out, **kw), train_dataset=data, data_collator=collator)
+    cp2 = hf.with_context_parallel(Trainer, cp_size=2)
+    expect("must divide the world size", lambda: build(hf.with_context_parallel(Trainer, cp_size=3)))
+    expect("average_tokens_across_devices", lambda: build(cp2, average_tokens_across_devices=False))
+    expect("label_smoothing_factor", lambda: build(cp2, label_smoothing_factor=0.1))
+    expect("batch_rebalance", lambda: build(cp2, train_sampling_strategy="batch_rebalance"))
+    expect("striped layout makes every token a run", lambda: build(cp2, model="qwen3-next"))  # hybrids: headtail
+    expect("different batches", lambda: build(cp2, collator=_OneRankCollator()).train())
+    expect("dispatch_batches", lambda: build(cp2, data=_Stream(), max_steps=1).get_train_dataloader())
+    def classifier():
+        torch.manual_seed(0)
+        return transformers.LlamaForSequenceClassification(LlamaConfig(**TINY, num_labels=2, pad_token_id=0))
+
+    expect("not a causal language model", lambda: cp2(model=classifier(), args=_args(out), train_dataset=rows,
+                                                      data_collator=default_data_collator))
+    with pytest.raises(ValueError, match="SFTTrainer .and its subclasses. is served"):
+        hf.with_context_parallel(trl.DPOTrainer, cp_size=2)
+    with pytest.raises(TypeError, match="unknown options"):
+        hf.with_context_parallel(Trainer, cp_size=2, window=4)
+    with pytest.raises(TypeError, match="Trainer or a subclass"):
+        hf.with_context_parallel(object, cp_size=2)
+    # still in step: a good run after the refusals trains
+    assert len(_losses(_run_once(out))) == 1
+    return raised
+
+
+def _run_once(out: str):
+    trainer = hf.with_context_parallel(Trainer, cp_size=2)(model=_model("llama"), args=_args(out, max_steps=1),
+                                                          train_dataset=_rows(15, 4), data_collator=default_data_collator)
+    trainer.train()
+    return trainer
+
+
+def _cp_ranks(rank: int, world: int, tmp: str) -> dict:
+    _env(rank, world)
+    out = tempfile.mkdtemp(dir=tmp)
+    results = {name: _train(name, out, world) for name in CASES}
+    results["sft-packed"] = _sft(out, world)
+    results["sft-bf16"] = _sft(out, world, bf16=True)  # TRL's default: bf16 autocast around fp32 weights
+    results["sft-padded"] = _sft(out, world, packing=False)
+    results["generate"] = _generate(out, world)
+    # a checkpoint at save_steps: resumed at CP=1 by the reference ranks
+    ckpt = os.path.join(tmp, "ckpt")
+    results["save"] = _train("llama-packed", ckpt, world, max_steps=4, save_strategy="steps", save_steps=2)
+    with open(os.path.join(ckpt, "checkpoint-2", "config.json")) as f:
+        config = json.load(f)
+    results["saved_attn"] = [config.get(k) for k in ("attn_implementation", "_attn_implementation")]
+    resumed = hf.with_context_parallel(Trainer, cp_size=world)(  # at CP=2 too: the replica's batches skipped
+        model=_model("llama"), args=_args(tempfile.mkdtemp(dir=tmp), max_steps=4), data_collator=DataCollatorWithFlattening(),
+        train_dataset=CASES["llama-packed"][1])
+    resumed.train(resume_from_checkpoint=os.path.join(ckpt, "checkpoint-2"))
+    results["resumed"] = _losses(resumed)
+    results["refused"] = _refusals(rank, world, out)
+    return results
+
+
+def _reference_rank(rank: int, world: int, tmp: str) -> dict:
+    _env(rank, world)
+    out = tempfile.mkdtemp(dir=tmp)
+    results = {name: _train(name, out, None) for name in CASES}
+    results["sft-packed"] = _sft(out, None)
+    results["sft-bf16"] = _sft(out, None, bf16=True)
+    results["sft-padded"] = _sft(out, None, packing=False)
+    results["generate"] = _generate(out, None)
+    results["save"] = _train("llama-packed", out, None, max_steps=4)
+    # resume the CP=2 run's checkpoint-2 at CP=1 (the CP class at cp_size=1: one process)
+    resumed = hf.with_context_parallel(Trainer, cp_size=1)(
+        model=_model("llama"), args=_args(os.path.join(tmp, "ckpt"), max_steps=4, save_strategy="no"),
+        train_dataset=CASES["llama-packed"][1], data_collator=DataCollatorWithFlattening())
+    resumed.train(resume_from_checkpoint=os.path.join(tmp, "ckpt", "checkpoint-2"))
+    results["resumed"] = _losses(resumed)
+    return results
+
+
+@pytest.fixture(scope="module")
+def runs():
+    with tempfile.TemporaryDirectory() as tmp:
+        cp = run_ranks(2, _cp_ranks, tmp, timeout=600)
+        ref = run_ranks(1, _reference_rank, tmp, timeout=600)[0]
+    return cp, ref
+
+
+def _close(a: list[float], b: list[float], what: str) -> None:
+    assert len(a) == len(b) and len(a) > 0, (what, a, b)
+    for x, y in zip(a, b):
+        assert abs(x - y) <= TOL * max(1.0, abs(y)), f"{what}: CP {a} vs CP=1 {b}"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_trainer_cp2_logs_cp1_losses(runs, name):
+    cp, ref = runs
+    for rank in (0, 1):  # every rank logs the same (the mean over ranks)
+        _close(cp[rank][name]["losses"], ref[name]["losses"], f"{name} rank {rank}")
+        if "eval" in ref[name]:
+            for key in ("eval_loss", "eval_target_logit", "eval_rows"):
+                if key in ref[name]["eval"]:
+                    _close([cp[rank][name]["eval"][key]], [ref[name]["eval"][key]], f"{name} {key}")
+
+
+@pytest.mark.parametrize("case", ["sft-packed", "sft-padded"])
+def test_trl_sft_cp2_matches_cp1(runs, case):
+    cp, ref = runs
+    for rank in (0, 1):
+        got, want = cp[rank][case], ref[case]
+        _close(got["losses"], want["losses"], f"SFTTrainer {case} loss")
+        _close(got["accuracy"], want["accuracy"], f"SFTTrainer {case} mean_token_accuracy")
+        _close([got["eval"]["eval_loss"]], [want["eval"]["eval_loss"]], f"SFTTrainer {case} eval_loss")
+
+
+def test_trl_sft_bf16_autocast(runs):
+    """bf16 autocast (TRL's default): the attention runs in bf16 as SDPA does under autocast; bf16's 3 digits."""
+    cp, ref = runs
+    for rank in (0, 1):
+        got, want = cp[rank]["sft-bf16"]["losses"], ref["sft-bf16"]["losses"]
+        assert len(got) == len(want) == 3
+        for x, y in zip(got, want):
+            assert abs(x - y) <= 1e-2 * abs(y), (got, want)
+
+
+def test_seq2seq_predict_with_generate(runs):
+    """Seq2SeqTrainer(predict_with_generate=True): the eval loss from the shards, the greedy tokens generated under
+    CP (ring prefill, sharded cache) and the padded labels equal CP=1's."""
+    cp, ref = runs
+    for rank in (0, 1):
+        got, want = cp[rank]["generate"], ref["generate"]
+        assert got["predictions"] == want["predictions"] and got["labels"] == want["labels"], rank
+        assert len(want["predictions"]) == 3 and len(want["predictions"][0]) > N  # the prompts and new tokens
+        _close([got["eval_loss"]], [want["eval_loss"]], "Seq2SeqTrainer eval_loss")
+
+
+def test_checkpoint_at_save_steps_resumes_at_another_cp_size(runs):
+    """Saved at CP=2 after 2 of 4 steps, resumed at CP=1 (and at CP=2): steps 3-4 log what the uninterrupted runs
+    log."""
+    cp, ref = runs
+    _close(cp[0]["save"]["losses"], ref["save"]["losses"], "CP=2 run with saves")
+    resumed = ref["resumed"]  # the log history restored from the checkpoint (steps 1-2), then steps 3-4
+    _close(resumed[:2], cp[0]["save"]["losses"][:2], "history restored from the CP=2 checkpoint")
+    _close(resumed[2:], ref["save"]["losses"][2:], "resumed at CP=1")
+    _close(cp[0]["resumed"][2:], ref["save"]["losses"][2:], "resumed at CP=2")
+    assert "cp_dtensor" not in cp[0]["saved_attn"], f"the saved config names the CP attention: {cp[0]['saved_attn']}"
+
+
+def test_refusals_raise_on_every_rank(runs):
+    cp, _ = runs
+    assert cp[0]["refused"] == cp[1]["refused"] and len(cp[0]["refused"]) == 8, cp[0]["refused"]
+
+
+def _dp_cp(rank: int, world: int, tmp: str, cp: int) -> dict:
+    _env(rank, world)
+    return {name: _train(name, tempfile.mkdtemp(dir=tmp), cp if cp > 1 else None)
+            for name in ("llama-packed", "llama-accumulate")}
+
+
+def test_data_parallel_replicas_of_cp_ranks():
+    """dp=2 x cp=2 on 4 ranks logs what dp=2 without CP (the unchanged Trainer on 2 ranks) logs: the samplers
+    count replicas, not ranks; the evaluation gathers each replica's rows once (14 eval rows, 8 a step: the last
+    step's remainder, 6, is more than one replica's batch)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        got = run_ranks(4, _dp_cp, tmp, 2, timeout=900)
+        want = run_ranks(2, _dp_cp, tmp, 1, timeout=900)
+    for name in want[0]:
+        for rank in range(4):
+            _close(got[rank][name]["losses"], want[0][name]["losses"], f"dp x cp {name} rank {rank}")
+            for key in ("eval_loss", "eval_target_logit", "eval_rows"):
+                if key in want[0][name].get("eval", {}):
+                    _close([got[rank][name]["eval"][key]], [want[0][name]["eval"][key]], f"dp x cp {name} {key}")
+
+
+def _cp3(rank: int, world: int, tmp: str) -> dict:
+    _env(rank, world)
+    return {name: _train(name, tempfile.mkdtemp(dir=tmp), world)
+            for name in ("llama-packed", "llama-accumulate", "mistral-window-packed", "qwen3-next-hybrid")}
+
+
+@slow("CP=3: 3 ranks")
+def test_trainer_cp3_logs_cp1_losses(runs):
+    """P = 3: rows padded to multiples of 3 (striped) and 6 (headtail)."""
+    _, ref = runs
+    with tempfile.TemporaryDirectory() as tmp:
+        got = run_ranks(3, _cp3, tmp, timeout=900)
+    for name in got[0]:
+        for rank in range(3):
+            _close(got[rank][name]["losses"], ref[name]["losses"], f"CP=3 {name} rank {rank}")
+            if "eval" in ref[name]:
+                _close([got[rank][name]["eval"]["eval_loss"]], [ref[name]["eval"]["eval_loss"]], f"CP=3 {name} eval")
+
+
+SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts")
+
+
+def _torchrun(nproc: int, script: str, *args: str) -> list[float]:
+    import re
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           os.path.join(SCRIPTS, script), *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return [float(x) for x in re.findall(r"^step \d+: (?:eval_)?loss ([0-9.]+)", r.stdout, re.M)]
+
+
+@exhaustive("the examples under torchrun: ~50 s")
+@pytest.mark.parametrize("script", ["trainer_example.py", "trl_sft_example.py"])
+def test_examples_under_torchrun(script, tmp_path):
+    """The scripts as documented: CP=2 on 2 processes prints the losses the unchanged class prints on 1."""
+    got = _torchrun(2, script, "--steps", "2", "--out", str(tmp_path / "cp2"))
+    want = _torchrun(1, script, "--steps", "2", "--cp", "1", "--out", str(tmp_path / "cp1"))
+    _close(got, want, script)
+
+
+@exhaustive("scripts/bench_trainer.py at a tiny length: ~17 s")
+def test_bench_trainer_runs(tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "trainer.json"
+    r = subprocess.run([sys.executable, os.path.join(SCRIPTS, "bench_trainer.py"), "--seq-len", "256", "--steps", "1",
+                        "--out", str(out)], capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    row = json.loads(out.read_text())["rows"][0]
+    _close(row["cp2"]["losses"], row["cp1"]["losses"], "bench_trainer CP=2 vs CP=1")
