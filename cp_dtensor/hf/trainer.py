@@ -42,6 +42,12 @@ Gradient reduction needs nothing: DDP and FSDP2 already reduce over every rank, 
 (FSDP2 over ``ParallelismConfig(dp_shard_size=world)`` is torchtitan's dp_shard_cp). Checkpoints
 hold the full model (DDP) and the optimizer as the Trainer saves them: nothing in them depends on P,
 so a run resumes at another CP size (same dp, same batches).
+
+5. Errors. What the trainer cannot serve raises on every rank when it is built. An error that depends on a
+   batch (padding inside a row, an unsupported mask) is agreed by the ring's check within the CP group
+   (Note [Agreeing before the ring] in core/checks.py); with several data-parallel replicas each forward
+   (``compute_loss``, ``prediction_step``) is then followed by one all-gather over the world of whether it
+   raised, so the other replicas raise too instead of waiting in the gradient all-reduce.
 """
 
 from __future__ import annotations
@@ -193,6 +199,31 @@ class _ContextParallel:
                     "the same examples alike.")
         return inputs, meta
 
+    def _cp_agreed(self, forward):
+        """``forward()``, and with several data-parallel replicas one all-gather over the world of whether it
+        raised: an error that depends on one replica's data (padding inside a row, say) is agreed by that
+        replica's CP ranks only (the ring's check), and the other replicas would wait in the gradient all-reduce
+        until the process group's timeout. So every rank raises, before any backward. See Note [The Trainer
+        under CP] 5."""
+        cp, world = self.cp_mesh.size(), self.args.world_size
+        if world == cp:  # one replica: the ring's agreement already raises on every rank
+            return forward()
+        error = None
+        try:
+            out = forward()
+        except Exception as e:  # noqa: BLE001 -- handed to every rank below
+            error = e
+        every = all_gather_objects(None if error is None else f"{type(error).__name__}: {error}",
+                                   host_group(dist.group.WORLD))
+        if error is not None:
+            raise error
+        failed = [(r, e) for r, e in enumerate(every) if e is not None]
+        if failed:
+            r, e = failed[0]
+            raise RuntimeError(f"data-parallel replica {r // cp} (rank {r}) failed this step, so every rank stops "
+                               f"before the gradient all-reduce: {e}")
+        return out
+
     # -- training ----------------------------------------------------------------------------------
     def training_step(self, model, inputs, num_items_in_batch=None):
         inputs, _ = self._cp_take(inputs)
@@ -205,11 +236,16 @@ class _ContextParallel:
                 if self.args.world_size > 1:
                     num_items_in_batch = self.accelerator.gather(num_items_in_batch.reshape(1)).sum()
             inputs = {**inputs, "num_items_in_batch": num_items_in_batch}
-        return super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        return self._cp_agreed(lambda: super(_ContextParallel, self).compute_loss(
+            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch))
 
     # -- evaluation --------------------------------------------------------------------------------
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **gen_kwargs):
         inputs, meta = self._cp_take(inputs)
+        return self._cp_agreed(lambda: self._cp_predict(model, inputs, meta, prediction_loss_only, ignore_keys,
+                                                        gen_kwargs))
+
+    def _cp_predict(self, model, inputs: dict, meta: CollatedBatch, prediction_loss_only, ignore_keys, gen_kwargs):
         if getattr(self.args, "predict_with_generate", False) and not prediction_loss_only:
             return self._cp_generate(model, inputs, meta, ignore_keys, gen_kwargs)
         loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)

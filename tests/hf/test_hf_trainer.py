@@ -371,10 +371,33 @@ def test_refusals_raise_on_every_rank(runs):
     assert cp[0]["refused"] == cp[1]["refused"] and len(cp[0]["refused"]) == 8, cp[0]["refused"]
 
 
+class _HoleOnReplica1:
+    """A padding mask with a hole inside a row, on data-parallel replica 1 only (ranks 2 and 3 of dp=2 x cp=2):
+    an error that depends on one replica's data."""
+
+    def __call__(self, features):
+        batch = default_data_collator(features)
+        mask = torch.ones_like(batch["input_ids"])
+        if torch.distributed.get_rank() // 2 == 1:
+            mask[0, 5] = 0
+        batch["attention_mask"] = mask
+        return batch
+
+
 def _dp_cp(rank: int, world: int, tmp: str, cp: int) -> dict:
     _env(rank, world)
-    return {name: _train(name, tempfile.mkdtemp(dir=tmp), cp if cp > 1 else None)
-            for name in ("llama-packed", "llama-accumulate")}
+    out = {name: _train(name, tempfile.mkdtemp(dir=tmp), cp if cp > 1 else None)
+           for name in ("llama-packed", "llama-accumulate")}
+    if cp > 1:  # every rank raises, none waits in the gradient all-reduce (the harness's timeout bounds a hang)
+        trainer = hf.with_context_parallel(Trainer, cp_size=cp)(
+            model=_model("llama"), args=_args(tempfile.mkdtemp(dir=tmp), max_steps=1), train_dataset=_rows(17, 8),
+            data_collator=_HoleOnReplica1())
+        try:
+            trainer.train()
+            out["error"] = None
+        except (ValueError, RuntimeError) as e:
+            out["error"] = [type(e).__name__, str(e)]
+    return out
 
 
 def test_data_parallel_replicas_of_cp_ranks():
@@ -384,6 +407,13 @@ def test_data_parallel_replicas_of_cp_ranks():
     with tempfile.TemporaryDirectory() as tmp:
         got = run_ranks(4, _dp_cp, tmp, 2, timeout=900)
         want = run_ranks(2, _dp_cp, tmp, 1, timeout=900)
+    for rank in range(4):  # one replica's data error: its ranks raise it, the other replica's ranks name it
+        kind, message = got[rank].pop("error")
+        if rank // 2 == 1:
+            assert kind == "ValueError" and "padding inside" in message, (rank, message)
+        else:
+            assert kind == "RuntimeError" and "data-parallel replica 1" in message and "padding inside" in message, (
+                rank, message)
     for name in want[0]:
         for rank in range(4):
             _close(got[rank][name]["losses"], want[0][name]["losses"], f"dp x cp {name} rank {rank}")
