@@ -430,11 +430,12 @@ def test_latest_checkpoint_skips_malformed_steps(tmp_path):
 # ---- HF safetensors export of llama3 weights, loaded back at CP=1 and through the ring at CP=2 ----
 
 def _llama(seed: int):
+    # isort: off
+    import cp_dtensor.titan  # noqa: F401  first: torchtitan without triton (Note [torchtitan on CPU])
     from torchtitan.models.llama3.model.args import TransformerModelArgs
     from torchtitan.models.llama3.model.model import Transformer
     from torchtitan.models.llama3.model.state_dict_adapter import Llama3StateDictAdapter
-
-    import cp_dtensor.titan  # noqa: F401  (torchtitan without triton; see Note [torchtitan on CPU])
+    # isort: on
 
     args = TransformerModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, max_seq_len=64,
                                 rope_theta=500000)
