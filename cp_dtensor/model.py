@@ -49,6 +49,7 @@ from .core.attention import ring_spec, run_ring_attention
 from .core.batch import document_ids_from_positions, shard_batch, unshard_batch
 from .core.checks import check_cp_mesh
 from .core.layout import check_layout
+from .dtensor.sharding import unshard_sequence  # noqa: F401  (the old path cp_dtensor.module's name)
 
 __all__ = [
     "RingSDPA", "apply_context_parallel", "reduce_gradients", "remove_context_parallel",

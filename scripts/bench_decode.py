@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # this checkout's cp_dtensor
 sys.path.insert(0, os.path.dirname(__file__))
-from cp_dtensor.hf.generate import cache_bytes  # noqa: E402  (each buffer once: K, V, the shared positions)
+from cp_dtensor.hf import cache_bytes  # noqa: E402  (each buffer once: K, V, the shared positions)
 from _bench_dist import run_ranks  # noqa: E402
 from _bench_mem import _libc_live_memory, peak_since, reset_peak  # noqa: E402
 

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # this checko
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_decode import build_model  # noqa: E402
 
-from cp_dtensor.hf.generate import cache_bytes  # noqa: E402
+from cp_dtensor.hf import cache_bytes  # noqa: E402
 from _bench_dist import run_ranks  # noqa: E402  (the scripts' forked-gloo launcher)
 
 

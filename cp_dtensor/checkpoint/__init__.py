@@ -4,6 +4,7 @@ storage (dcp.py), a manifest with checksums (manifest.py). See Note [Checkpointi
 
 from __future__ import annotations
 
+from ..dtensor.sharding import relayout  # noqa: F401  (a name this module has always had)
 from .dcp import (
     export_hf_safetensors,
     latest_checkpoint,

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from .._deprecated import renamed
 from .attention import NAME, apply_context_parallel, register, shift_labels
-from .generate import ReplicatedLinearLayer, ShardedCache, ShardedCacheLayer, cache_bytes
+from .cache import ReplicatedLinearLayer, ShardedCache, ShardedCacheLayer, cache_bytes
 from .state import remove_context_parallel
 
 __all__ = [

@@ -6,3 +6,12 @@ its own. The section's fields are ``CPDTensor``'s (shared/options.py); the check
 from .v02.config import COMM_DTYPES, FAMILIES, CPDTensor, JobConfig, check_config, cp_section
 
 __all__ = ["COMM_DTYPES", "FAMILIES", "CPDTensor", "JobConfig", "check_config", "cp_section"]
+
+
+def __getattr__(name: str):
+    if name == "check_job_config":  # its old name
+        from .._deprecated import warn_once
+
+        warn_once("cp_dtensor.titan.config.check_job_config", "cp_dtensor.titan.check_config")
+        return check_config
+    raise AttributeError(f"module 'cp_dtensor.titan.config' has no attribute {name!r}")

@@ -28,7 +28,7 @@ from transformers import (  # noqa: E402
 )
 
 from cp_dtensor.hf import attention as hf  # noqa: E402
-from cp_dtensor.hf.generate import ShardedCache  # noqa: E402
+from cp_dtensor.hf.cache import ShardedCache  # noqa: E402
 
 TOL = 1e-4  # fp32 logits, relative to the largest magnitude (the bound)
 V = 96

@@ -29,7 +29,11 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ...core.attention import ring_attention
 from ...core.layout import check_seq_len, local_positions, shard_tensor
-from ..shared.heads import tp_head_sharding, ulysses_shard_index
+from ..shared.heads import (
+    tp_head_sharding,
+    ulysses_mesh,  # noqa: F401  (the old path cp_dtensor.titan.attention's name)
+    ulysses_shard_index,
+)
 from .flex import RingMask, shard_masks
 
 __all__ = ["RingAttention", "shard_cp_batch"]

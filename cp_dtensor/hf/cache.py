@@ -1,0 +1,194 @@
+"""The KV cache of generate() under CP (transformers' cache interface): each rank's share of the attention
+layers' K/V (``ShardedCacheLayer``, in the layout's order of global positions, grown by ``_GROW`` columns at a
+time while decoding) and the full recurrent / conv states of a hybrid's linear-attention layers
+(``ReplicatedLinearLayer``, the same on every rank). See Note [generate() under CP] in generate.py and Note
+[Hybrid generate() under CP] in linear.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .._extras import require
+
+require("hf", "cp_dtensor.hf (transformers generate() under context parallelism)")
+
+from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLayer  # noqa: E402
+
+__all__ = ["GenerateCall", "ReplicatedLinearLayer", "ShardedCache", "ShardedCacheLayer", "cache_bytes"]
+
+_GROW = 32  # columns added to a layer's buffer at a time while decoding
+
+
+class _Positions:
+    """The global positions of this rank's cache slots, [B, S_r]: the same for every layer, stored once."""
+
+    def __init__(self):
+        self.buf: Tensor | None = None
+        self.held = 0
+
+    def extend(self, held: int, pos: Tensor, cap: int) -> Tensor:
+        """Slots ``held - t .. held`` hold ``pos`` [B, t] (written by the first layer to get there)."""
+        if self.buf is None or self.held < held:
+            n = held - pos.shape[1]
+            if self.buf is None or held > self.buf.shape[1]:
+                grown = pos.new_empty(pos.shape[0], cap)
+                if n:
+                    grown[:, :n] = self.buf[:, :n]
+                self.buf = grown
+            self.buf[:, n:held] = pos
+            self.held = held
+        return self.buf[:, :held]
+
+
+class _Step:
+    """What the base model's pre-hook decided for this forward, read by the cache layers and attention."""
+
+    def __init__(self, kind: str, positions: Tensor, keep: Tensor, columns: int, q_positions: Tensor | None = None):
+        self.kind = kind  # "prefill" or "decode"
+        self.positions = positions  # [B, n]: global positions of the columns this rank keeps (-1: padding)
+        self.keep = keep  # [n]: which of this forward's (local) columns this rank keeps
+        self.columns = columns  # columns this forward adds to the global sequence
+        self.q_positions = q_positions  # decode: [B, T] positions of the new tokens
+
+
+@dataclass(eq=False)
+class GenerateCall:
+    """One generate() call's state, in ``HFState.generating`` while it runs (Note [CP state on a model])."""
+
+    cache: ShardedCache | None = None  #: this rank's share of the KV cache
+    step: _Step | None = None  #: what the base model's pre-hook decided for the current forward
+    prompt: tuple[int, int] | None = None  #: (prompt length N, internal pad columns) of the prefill
+    held: list[int] | None = None  #: how many tokens each rank's cache holds
+
+
+class ShardedCacheLayer(CacheLayerMixin):
+    """One layer's share of the KV cache on this rank: ``keys`` [B, Hkv, S_r, D], ``values`` [B, Hkv, S_r, Dv]
+    and ``positions`` [B, S_r] (global positions; -1 an empty slot). ``get_seq_length`` is the global length."""
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+
+    def __init__(self, call: GenerateCall | None, positions: _Positions | None = None):
+        super().__init__()
+        self._call = call
+        self._k = self._v = None
+        self._pos = _Positions() if positions is None else positions
+        self.positions: Tensor | None = None
+        self.held = 0  # S_r
+        self.columns = 0  # the global sequence length seen
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        self._k, self._v = key_states[:, :, :0].clone(), value_states[:, :, :0].clone()
+        self.keys, self.values = self._k, self._v
+        self.is_initialized = True
+
+    def _append(self, k: Tensor, v: Tensor, pos: Tensor) -> None:
+        n, t = self.held, k.shape[2]
+        if n + t > self._k.shape[2]:  # grow by whole blocks: amortised appends, a bounded overhang
+            cap = n + t + (_GROW if self._call.step.kind == "decode" else 0)
+            grow = lambda x: torch.cat([x[:, :, :n], x.new_empty(*x.shape[:2], cap - n, x.shape[3])], 2)  # noqa: E731
+            self._k, self._v = grow(self._k), grow(self._v)
+        self._k[:, :, n:n + t], self._v[:, :, n:n + t] = k, v
+        self.held = n + t
+        self.keys, self.values = self._k[:, :, :n + t], self._v[:, :, :n + t]
+        self.positions = self._pos.extend(n + t, pos, self._k.shape[2])
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        step = None if self._call is None else self._call.step
+        if step is None:
+            raise ValueError("a cp_dtensor ShardedCache is filled by model.generate() under CP only; pass no cache "
+                             "to a plain forward, or call generate().")
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        keep = step.keep.to(key_states.device)
+        self._append(key_states.index_select(2, keep), value_states.index_select(2, keep),
+                     step.positions.to(key_states.device))
+        self.columns += step.columns
+        if step.kind == "prefill":  # the ring runs on this rank's shard as it came (pads included)
+            return key_states, value_states
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return (self.columns + query_length if self.columns else query_length), 0
+
+    def get_seq_length(self) -> int:
+        return self.columns
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self._k = self._v = self.positions = self.keys = self.values = None
+        self._pos = _Positions()
+        self.held = self.columns = 0
+        self.is_initialized = False
+
+    def _refuse(self, *_args, **_kwargs):
+        raise ValueError(_REFUSED)
+
+    crop = reorder_cache = batch_repeat_interleave = batch_select_indices = _refuse
+
+
+_REFUSED = ("a cp_dtensor ShardedCache cannot be cropped, reordered or re-batched (beam search, assisted decoding, "
+            "contrastive search); generate greedily or by sampling under CP.")
+
+
+class ReplicatedLinearLayer(LinearAttentionLayer):
+    """A linear-attention layer's cache under CP: the *full* recurrent state [B, Hv, dk, dv] and conv state
+    [B, C, K] -- the same bits on every rank. The CP prefill stores them (the fold of every rank's summary and
+    the prompt's last K conv inputs, Note [Prefill for decoding] in core/linear_attention.py); each decode step
+    then runs transformers' own recurrent step on them, on every rank alike. Cropping, reordering, re-batching
+    and past recording are refused on every rank, as for the attention layers' shares
+    (:class:`ShardedCacheLayer`)."""
+
+    def __init__(self, call: GenerateCall | None):
+        super().__init__(number_of_states=1)
+        self._call = call
+
+    def update_conv_state(self, conv_states: Tensor, state_idx: int = 0, conv_kernel_size: int | None = None,
+                          **kwargs) -> Tensor:
+        step = None if self._call is None else self._call.step
+        if step is None:
+            raise ValueError("a cp_dtensor ShardedCache is filled by model.generate() under CP only; pass no cache "
+                             "to a plain forward, or call generate().")
+        if step.kind == "prefill":  # x [B, C, S_local]: the conv runs sharded and stores the state (store_conv)
+            return conv_states
+        return super().update_conv_state(conv_states, state_idx, conv_kernel_size=conv_kernel_size, **kwargs)
+
+    def store_conv(self, state: Tensor, state_idx: int = 0) -> None:
+        """The prefill's conv state: the prompt's last K inputs [B, C, K], the same on every rank."""
+        self.lazy_initialization(conv_states=state, state_idx=state_idx)
+        self.conv_states[state_idx].copy_(state)
+        self.has_previous_state[state_idx] = True
+
+    def _refuse(self, *_args, **_kwargs):
+        raise ValueError(_REFUSED)
+
+    crop = reorder_cache = batch_repeat_interleave = batch_select_indices = activate_past_recording = _refuse
+
+
+class ShardedCache(Cache):
+    """A transformers ``Cache`` under CP: :class:`ShardedCacheLayer` s holding this rank's tokens only, and for
+    the layers in ``linear`` (a hybrid model's linear-attention layers) :class:`ReplicatedLinearLayer` s
+    holding the full states."""
+
+    def __init__(self, call: GenerateCall | None, num_layers: int, linear=()):
+        positions = _Positions()  # shared: every layer holds the same slots
+        super().__init__(layers=[ReplicatedLinearLayer(call) if i in set(linear) else ShardedCacheLayer(call, positions)
+                                 for i in range(num_layers)])
+
+
+def cache_bytes(cache: Cache) -> int:
+    """Bytes of the K/V (and positions) storage this rank's cache allocates, each buffer once."""
+    seen, total = set(), 0
+    for layer in cache.layers:
+        for x in (layer.keys, layer.values, getattr(layer, "positions", None)):
+            if x is not None and x.untyped_storage().data_ptr() not in seen:
+                seen.add(x.untyped_storage().data_ptr())
+                total += x.untyped_storage().nbytes()
+    return total
