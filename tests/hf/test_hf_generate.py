@@ -57,9 +57,11 @@ def _model(name: str):
     return model
 
 
-def _prompt(seed: int, b: int, n: int, left_pad: list[int] | None = None):
+def _prompt(seed: int, b: int, n: int, left_pad: list[int] | None = None, *, low: int = 1, vocab: int = V):
+    """Token ids [B, n] in [low, vocab) and the 2-D mask of ``left_pad`` pad tokens (id 0) per row, or None.
+    Shared with test_hf_hybrid_generate.py."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, V, (b, n), generator=g)
+    ids = torch.randint(low, vocab, (b, n), generator=g)
     mask = None
     if left_pad is not None:
         mask = torch.ones(b, n, dtype=torch.long)

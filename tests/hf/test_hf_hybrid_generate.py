@@ -14,6 +14,7 @@ import math
 
 import pytest
 import torch
+from test_hf_generate import _compare, _generate, _prompt  # one prompt, generate and comparison for both files
 from torch.distributed.device_mesh import init_device_mesh
 
 from _dist import run_ranks
@@ -71,33 +72,6 @@ CASES = [  # (model, layout, batch, prompt length -- not a multiple of 2P --, le
 ]
 
 
-def _prompt(seed: int, b: int, n: int, left_pad: list[int] | None):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, V, (b, n), generator=g)
-    mask = None
-    if left_pad is not None:
-        mask = torch.ones(b, n, dtype=torch.long)
-        for row, p in enumerate(left_pad):
-            mask[row, :p] = 0
-            ids[row, :p] = 0
-    return ids, mask
-
-
-def _generate(model, ids, mask, **options):
-    kw = dict(max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
-              eos_token_id=None)
-    with torch.no_grad():
-        return model.generate(input_ids=ids, attention_mask=mask, **{**kw, **options})
-
-
-def _compare(out, ref, where: str) -> None:
-    assert torch.equal(out.sequences, ref.sequences), f"{where}: tokens\n{out.sequences}\n{ref.sequences}"
-    assert len(out.logits) == len(ref.logits), where
-    for step, (a, b) in enumerate(zip(out.logits, ref.logits)):
-        err = rel_err(a, b)
-        assert err <= TOL, f"{where}: step {step} logits {err:.2e}"
-
-
 def _every(x, world: int) -> list:
     every = [None] * world
     torch.distributed.all_gather_object(every, x)
@@ -149,7 +123,7 @@ def _check_generate(rank: int, world: int) -> dict:
             continue
         first = name not in models
         base = models.setdefault(name, _model(name).eval())
-        ids, mask = _prompt(i, b, n, pad)
+        ids, mask = _prompt(i, b, n, pad, low=3, vocab=V)
         ref = _generate(copy.deepcopy(base), ids, mask, max_new_tokens=new)
         model = apply_context_parallel(copy.deepcopy(base), mesh, layout=layout)
         out = _generate(model, ids, mask, max_new_tokens=new)
