@@ -46,19 +46,31 @@ def _modules() -> dict[str, pathlib.Path]:
     return out
 
 
+def _package(module: str, path: pathlib.Path) -> str:
+    """The subpackage a module belongs to ('' for the package root's modules)."""
+    return module if path.name == "__init__.py" else module.rpartition(".")[0]
+
+
+def _import_target(node: ast.ImportFrom, package: str) -> str | None:
+    """The package module a ``from X import ...`` names ('' the package itself), resolved from the importing
+    module's ``package``; None for an import from outside cp_dtensor."""
+    if node.level:
+        base = package.split(".") if package else []
+        base = base[: len(base) - (node.level - 1)]
+        return ".".join(base + ([node.module] if node.module else []))
+    if node.module and (node.module == "cp_dtensor" or node.module.startswith("cp_dtensor.")):
+        return node.module.removeprefix("cp_dtensor").removeprefix(".")
+    return None
+
+
 def _imports(name: str, path: pathlib.Path, modules: dict[str, pathlib.Path]) -> set[str]:
     """The package modules ``name`` imports anywhere in its file ('' is the package itself)."""
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    package = _package(name, path)
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".") if package else []
-                base = base[: len(base) - (node.level - 1)]
-                target = ".".join(base + ([node.module] if node.module else []))
-            elif node.module and (node.module == "cp_dtensor" or node.module.startswith("cp_dtensor.")):
-                target = node.module.removeprefix("cp_dtensor").removeprefix(".")
-            else:
+            target = _import_target(node, package)
+            if target is None:
                 continue
             subs = [f"{target}.{a.name}".lstrip(".") for a in node.names]
             named = [s for s in subs if s in modules]
@@ -113,11 +125,6 @@ def test_imports_point_down():
 SHARED = {"_compat", "_deprecated", "_extras"}
 
 
-def _package(module: str, path: pathlib.Path) -> str:
-    """The subpackage a module belongs to ('' for the package root's modules)."""
-    return module if path.name == "__init__.py" else module.rpartition(".")[0]
-
-
 def _private_uses(name: str, path: pathlib.Path, modules: dict[str, pathlib.Path]) -> list[str]:
     """``from X import _y`` and ``m._y`` (m a module bound by an import) where X / m is a module of
     another subpackage than ``name``'s, outside ``SHARED``."""
@@ -130,13 +137,8 @@ def _private_uses(name: str, path: pathlib.Path, modules: dict[str, pathlib.Path
 
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".") if package else []
-                base = base[: len(base) - (node.level - 1)]
-                target = ".".join(base + ([node.module] if node.module else []))
-            elif node.module and (node.module == "cp_dtensor" or node.module.startswith("cp_dtensor.")):
-                target = node.module.removeprefix("cp_dtensor").removeprefix(".")
-            else:
+            target = _import_target(node, package)
+            if target is None:
                 continue
             for a in node.names:
                 sub = f"{target}.{a.name}".lstrip(".")
