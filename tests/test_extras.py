@@ -79,3 +79,22 @@ def test_missing_extras_name_themselves():
         print("ok")
     """)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr[-3000:]
+
+
+def test_trainer_extra_missing_leaves_the_rest_of_hf():
+    """transformers installed, accelerate and trl not: cp_dtensor.hf imports and serves models; only the Trainer
+    names raise, naming the trainer extra."""
+    code = textwrap.dedent("""
+        import sys
+        for _m in ("accelerate", "trl"):
+            sys.modules[_m] = None
+        import cp_dtensor.hf as hf
+        assert callable(hf.apply_context_parallel) and callable(hf.remove_context_parallel)
+        try:
+            hf.with_context_parallel
+        except ImportError as e:
+            assert "pip install 'cp_dtensor[trainer]'" in str(e), e
+            print("ok")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr[-3000:]
