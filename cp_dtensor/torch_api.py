@@ -12,12 +12,14 @@ those shards becomes its ring over DTensor: flash / efficient / cuDNN kernels, s
 no mask, head-tail only. ``context_parallel_unshard(mesh, buffers, seq_dims)`` all-gathers shards and
 puts them back in order. Both run under ``no_grad``.
 
-``context_parallel`` here keeps (1) exactly and replaces (2):
+``context_parallel`` here keeps (1)'s semantics and replaces (2):
 
-* Buffers: the same in-place sharding and restoring, in ``layout`` ("striped" by default, "headtail"
-  is torch's order, "contiguous"). Every buffer is one sequence of N tokens along its seq dim (N the
-  same for all: a RoPE table is sliced to N first). A leaf that requires grad is sharded and restored
-  too (torch's ``resize_`` refuses it): requires_grad is switched off around the resize. Its ``.grad``
+* Buffers: the same tensor objects hold this rank's shard while the context is open and the full tensor
+  again on exit, in ``layout`` ("striped" by default, "headtail" is torch's order, "contiguous"). Each
+  buffer swaps its memory rather than writing into it (Note [Buffers swap their storage]): overlapping
+  views of one tensor (q, k, v of a packed qkv) are exact and their base never changes. Every buffer is
+  one sequence of N tokens along its seq dim (N the same for all: a RoPE table is sliced to N first). A
+  leaf that requires grad is sharded and restored too (torch's ``resize_`` refuses it). Its ``.grad``
   is left as is on exit -- after a backward inside the context, the gradient of this rank's shard,
   which ``context_parallel_unshard`` turns into the full gradient (torch's own tests do exactly this).
 * SDPA: while the context is open a ``TorchFunctionMode`` (model.py's ``RingSDPA``, Note [Module
@@ -46,7 +48,6 @@ puts them back in order. Both run under ``no_grad``.
 from __future__ import annotations
 
 import contextlib
-import zlib
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -55,7 +56,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from .core.agreement import agree_on_call
-from .core.batch import unshard_batch
+from .core.batch import agree_local_shapes, gather_shards
 from .core.checks import check_cp_mesh, local_error
 from .core.layout import LAYOUTS, layout_unit, shard_tensor
 from .model import RingSDPA
@@ -114,27 +115,38 @@ def context_parallel(
                     comm_dtype=comm_dtype, kv_exchange=kv_exchange)
     mode.ids = _local_documents(document_ids, position_ids, layout, rank, world)
     with torch.no_grad():
-        kept = [None if any(b is x for x in no_restore) else b.clone() for b in buffers]
+        # See Note [Buffers swap their storage]: every shard is cut before any buffer changes
+        kept = [None if any(b is x for x in no_restore) else _memory(b) for b in buffers]
         shards = [shard_tensor(b, seq_dim=d, layout=layout, rank=rank, world=world).clone() for b, d in zip(buffers, dims)]
         for b, shard in zip(buffers, shards):
-            _set(b, shard)
+            b.set_(shard)
     try:
         with mode:
             yield
     finally:
         with torch.no_grad():
-            for b, full in zip(buffers, kept):
-                if full is not None:
-                    _set(b, full)
+            for b, memory in zip(buffers, kept):
+                if memory is not None:
+                    b.set_(*memory)
 
 
-def _set(buffer: Tensor, value: Tensor) -> None:
-    """``buffer`` holds ``value`` (its shape and data), in place -- torch's ``resize_`` + ``copy_``."""
-    grad = buffer.requires_grad  # a leaf (checked at entry): resize_ refuses a tensor that requires grad
-    buffer.requires_grad_(False)
-    buffer.resize_(value.shape)
-    buffer.copy_(value)
-    buffer.requires_grad_(grad)
+# Note [Buffers swap their storage]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# torch shards a buffer with ``resize_`` + ``copy_`` into its own storage and restores it from a clone. That
+# is wrong for views: q, k, v = qkv[:, :, i].transpose(1, 2) of one [B, N, 3, H, D] tensor, or q, k =
+# x[..., :D], x[..., D:], share one storage, so writing q's shard (contiguous, from q's storage offset) lands
+# on k's elements and on the base tensor's, and restoring q copies back q's elements only. Here a buffer
+# keeps its Python object but swaps its memory: ``set_`` points it at a fresh tensor holding this rank's
+# shard (cut from every buffer's full values before any buffer changes), and on exit ``set_`` points it back
+# at its own storage, offset, sizes and strides -- untouched meanwhile. So overlapping views are exact, the
+# base tensor never changes (a buffer in ``no_restore_buffers`` keeps its shard in its own memory), and no
+# full clone is taken. Under no_grad ``set_`` is allowed on a leaf that requires grad; its ``.grad`` after a
+# backward inside the context is the shard's gradient, kept as is on exit (torch's behaviour).
+
+
+def _memory(buffer: Tensor) -> tuple:
+    """What ``set_`` needs to point ``buffer`` back at its own memory: storage, offset, sizes, strides."""
+    return buffer.untyped_storage(), buffer.storage_offset(), buffer.shape, buffer.stride()
 
 
 def _entry_error(mesh, buffers, dims, no_restore, layout, document_ids, position_ids, window_size, comm_dtype,
@@ -240,10 +252,9 @@ def context_parallel_unshard(
             if error:
                 break
     # the same shapes, dtypes and dims on every rank, or the all-gathers below would not match
-    shapes = repr([(tuple(b.shape), str(b.dtype), d) for b, d in zip(buffers, dims)]) if error is None else ""
-    agree_on_call(error, {"number of buffers": len(buffers), "shapes (crc32)": zlib.crc32(shapes.encode())},
-                  mesh.get_group(), what="context_parallel_unshard")
-    return [unshard_batch(b, mesh, seq_dim=d, layout=layout) for b, d in zip(buffers, dims)]
+    agree_local_shapes(buffers if error is None else None, mesh, error, what="context_parallel_unshard",
+                       also={"seq dims": dims, "layout": layout}, name="buffers")
+    return [gather_shards(b, mesh, seq_dim=d, layout=layout) for b, d in zip(buffers, dims)]
 
 
 def set_rotate_method(rotate_method: str) -> None:

@@ -17,7 +17,7 @@ from _tiers import exhaustive
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from cp_dtensor import context_parallel, context_parallel_unshard, reduce_gradients
+from cp_dtensor import context_parallel, context_parallel_unshard, reduce_gradients, unshard_batch
 from cp_dtensor.core.layout import shard_tensor
 from cp_dtensor.torch_api import set_rotate_method
 from _dist import run_ranks
@@ -231,6 +231,35 @@ def _torch_modules(mesh) -> None:
     assert torch.equal(x, seq)
 
 
+def _overlapping_buffers(mesh) -> None:
+    """Buffers that are overlapping views of one tensor -- q, k, v of a packed qkv; q and k as halves of the
+    last dim -- are exact against float64 attention on the full tensors, and their base never changes,
+    inside the context or after it, restored or kept sharded (issue 40)."""
+    rank, world = mesh.get_local_rank(), mesh.size()
+    n, h, d = 8 * world, 2, 8
+    g = torch.Generator().manual_seed(11)
+    for case in ("qkv[:, :, i]", "x[..., :D], x[..., D:]", "qkv[:, :, i], k kept sharded"):
+        if case.startswith("qkv"):
+            base = torch.randn(2, n, 3, h, d, generator=g)  # [B, N, 3, H, D]
+            q, k, v = (base[:, :, i].transpose(1, 2) for i in range(3))  # each [B, H, N, D], one storage
+        else:
+            base = torch.randn(2, h, n, 2 * d, generator=g)  # [B, H, N, 2D]
+            q, k, v = base[..., :d], base[..., d:], torch.randn(2, h, n, d, generator=g)
+        keep = {k} if "kept" in case else set()
+        base0, full = base.clone(), [t.clone() for t in (q, k, v)]
+        want = reference(q, k, v, torch.zeros_like(q), is_causal=True)[0]
+        with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2], no_restore_buffers=keep):
+            assert torch.equal(base, base0), f"{case}: the base changed inside the context"
+            assert torch.equal(k, shard_tensor(full[1], seq_dim=2, layout="striped", rank=rank, world=world)), case
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        (got,) = context_parallel_unshard(mesh, [out], [2])
+        assert rel_err(got, want) <= TOL, f"{case}: {rel_err(got, want):.2e}"
+        assert torch.equal(base, base0), f"{case}: the base tensor changed"
+        assert torch.equal(q, full[0]) and torch.equal(v, full[2]), f"{case}: a buffer was not restored"
+        assert torch.equal(k, shard_tensor(full[1], seq_dim=2, layout="striped", rank=rank, world=world) if keep
+                           else full[1]), case
+
+
 def _refusals(mesh) -> None:
     """What the ring cannot serve raises the same error on every rank, with the buffers restored."""
     rank, world = mesh.get_local_rank(), mesh.size()
@@ -279,6 +308,20 @@ def _refusals(mesh) -> None:
         assert torch.equal(x, x0) and torch.equal(y, y0)
     with pytest.raises(ValueError, match="layout="):
         context_parallel_unshard(mesh, [x], [2], object())
+    # unequal local shards (issue 40): a ValueError on every rank naming each rank's shape -- not gloo's abort
+    z = torch.arange(4.0 + rank)[None] + 10 * rank  # [1, 4 + rank]
+    shapes = r"rank 0: local shapes={}\(1, 4\) float32; rank 1: local shapes={}\(1, 5\) float32"
+    with pytest.raises(ValueError, match="unshard_batch needs the same local shapes .*" + shapes.format("", "")):
+        unshard_batch(z, mesh)
+    with pytest.raises(ValueError, match=shapes.format(*[r"batch\['labels'\] "] * 2)):
+        unshard_batch({"labels": z}, mesh)
+    with pytest.raises(ValueError, match="context_parallel_unshard needs the same local shapes.*"
+                       + shapes.format(*[r"buffers\[0\] "] * 2)):
+        context_parallel_unshard(mesh, [z], [1])
+    with pytest.raises(ValueError, match=r"rejected the inputs of rank\(s\) 0: .*seq_dim=2 is out of range"):
+        unshard_batch(z, mesh, seq_dim=2 if rank == 0 else 1)
+    got = unshard_batch(z[:, :4], mesh, layout="contiguous")  # and the group still works
+    assert torch.equal(got, torch.cat([torch.arange(4.0)[None] + 10 * r for r in range(world)], 1))
     with pytest.raises(NotImplementedError):
         set_rotate_method("ring")
 
@@ -290,6 +333,7 @@ def _cases(rank: int, world: int, base: TinyLM, batches, ref_losses, ref_params)
         for is_causal, (hq, hkv) in ((True, (4, 2)), (False, (2, 2)), (True, (2, 2))):
             _torch_pattern(mesh, layout=layout, is_causal=is_causal, hq=hq, hkv=hkv, compiled=False)
     _buffers(mesh)
+    _overlapping_buffers(mesh)
     _documents(mesh)
     _training(mesh, base, batches, ref_losses, ref_params)
     _torch_modules(mesh)

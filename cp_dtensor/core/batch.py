@@ -18,6 +18,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from .._deprecated import warn_once
+from .agreement import Rules, agree_objects
 from .checks import check_cp_mesh
 from .layout import check_layout, check_seq_len, global_order, layout_unit, shard_tensor, unshard_tensor, wrap_dim
 
@@ -98,8 +99,47 @@ def shard_batch(batch: Batch, mesh: DeviceMesh | None = None, *more: Tensor, seq
 
 def unshard_batch(batch: Batch, mesh: DeviceMesh, *, seq_dim: int = 1, layout: str = "striped") -> Batch:
     """The full tensors, in original order, from every rank's shard (the inverse of ``shard_batch``; one
-    all-gather per tensor, differentiable). Same structure out as in."""
-    _check(batch, mesh, seq_dim, layout, "unshard_batch", local=True)
+    all-gather per tensor, differentiable). Same structure out as in.
+
+    Every rank's shards must have the same shapes and dtypes: the ranks compare them first (one small
+    host all-gather; skipped while ``torch.compile`` traces) and every rank raises a ``ValueError`` naming
+    each rank's shapes otherwise -- never a collective of mismatched sizes."""
+    check_cp_mesh(mesh)
+    error = None
+    try:
+        _check(batch, mesh, seq_dim, layout, "unshard_batch", local=True)
+    except (TypeError, ValueError) as e:  # raised below on every rank, alike
+        error = str(e)
+    agree_local_shapes(batch if error is None else None, mesh, error, what="unshard_batch")
+    return gather_shards(batch, mesh, seq_dim=seq_dim, layout=layout)
+
+
+def _shapes(batch: Batch | None, name: str) -> str:
+    if batch is None:
+        return "?"
+    return ", ".join(f"{name + key + ' ' if key else ''}{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+                     for key, t in _leaves(batch, "unshard_batch"))
+
+
+def agree_local_shapes(batch: Batch | None, mesh: DeviceMesh, error: str | None, *, what: str,
+                       also: dict[str, Any] | None = None, name: str = "batch") -> None:
+    """Every rank raises alike -- this rank's ``error``, or unequal shard shapes / dtypes, each rank's
+    named -- before the all-gathers of :func:`gather_shards` (whose mismatched sizes would abort gloo or
+    hang NCCL); ``also``: more fields that must be equal (the caller's options). Nothing to compare while
+    Dynamo traces: compiled code holds one rank's static shapes."""
+    if torch.compiler.is_compiling():
+        if error is not None:
+            raise ValueError(error)
+        return
+    also = also or {}
+    rules = Rules(what, ("local shapes", *also), advice="Every rank must pass its shard of the same full tensors "
+                  "(equal local lengths: shard them with cp_dtensor.shard_batch(batch, cp_mesh) or "
+                  "context_parallel, in the same layout).")
+    agree_objects(rules, (_shapes(batch, name), *also.values()), error, mesh.get_group())
+
+
+def gather_shards(batch: Batch, mesh: DeviceMesh, *, seq_dim: int = 1, layout: str = "striped") -> Batch:
+    """:func:`unshard_batch` once the ranks agreed on the shapes (:func:`agree_local_shapes`)."""
     cp = mesh.size()
 
     def gather(x: Tensor) -> Tensor:
