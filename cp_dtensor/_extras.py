@@ -22,10 +22,12 @@ any communication.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
+import logging
 
-__all__ = ["EXTRAS", "installed", "installed_version", "require"]
+__all__ = ["EXTRAS", "torchao_import_quiet", "installed", "installed_version", "require"]
 
 EXTRAS = {"titan": "torchtitan", "float8": "torchao", "hf": "transformers", "trainer": "accelerate"}
 # the versions each extra's glue was written for: (lowest, first not served)
@@ -70,3 +72,31 @@ def require(extra: str, feature: str) -> None:
 def installed_version(extra: str) -> tuple[int, ...]:
     """(major, minor, patch) of ``extra``'s installed package, read from its metadata (nothing is imported)."""
     return _version(importlib.metadata.version(EXTRAS[extra]))
+
+
+# Note [torchao's import noise]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# ``import torchao`` (0.18, and transformers' quantizers import it whenever the Trainer is imported) loads
+# every bundled ``_C_*.so`` and logs "Failed to load .../_C_mxfp8...so" for each CUDA-only one on a machine
+# without those libraries, then registers Enums as pytree constants, which torch 2.13+ logs as
+# deprecated. Neither concerns a cp_dtensor user. Where cp_dtensor imports torchao (the float8 payload)
+# or code that imports it (the Trainer glue), the first import runs with those two loggers raised to
+# ERROR -- torchao's only without CUDA, where its CUDA kernels cannot load anyway -- and restored after:
+# nothing changes for the rest of the process.
+
+
+@contextlib.contextmanager
+def torchao_import_quiet():
+    """Run the imports inside without torchao's import-time noise (Note [torchao's import noise])."""
+    import torch
+
+    names = ["torch.utils._pytree"] + ([] if torch.cuda.is_available() else ["torchao"])
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)

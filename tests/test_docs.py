@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import pathlib
 import re
 import shlex
@@ -236,6 +237,9 @@ def _run_blocks(rank: int, world: int, blocks: list[tuple[str, str]]) -> list[st
     from cp_dtensor import _deprecated
 
     joined = lambda *a, **k: None  # the launcher joined the ranks; the block's own init/destroy are no-ops
+    # and set what torchrun sets (accelerate's Trainer reads it; the process group is up already)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
     dist.init_process_group, dist.destroy_process_group = joined, joined
     _deprecated._warned.clear()  # warn (here: raise) even if the parent process has warned already
     warnings.filterwarnings("error", message=DEPRECATED, category=FutureWarning)

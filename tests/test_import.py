@@ -169,3 +169,25 @@ def test_non_sequence_dtensors_get_torch_own_sdpa(placements, world=2):
     math backends: with the dispatch installed, the placements and values torch gives without it."""
     ok = run_ranks(world, _non_sequence, [_PLACEMENTS[p] for p in placements])
     assert ok[0] > 0  # torch runs some of them (others it refuses alike)
+
+
+def test_no_torchao_import_noise():
+    """cp_dtensor's imports of torchao (the float8 payload; transformers' quantizers under cp_dtensor.hf and
+    the Trainer glue) print none of torchao's "Failed to load ..._C_*.so" or torch's pytree-Enum lines on a
+    CPU machine, and leave the loggers' levels as they were (Note [torchao's import noise])."""
+    pytest.importorskip("torchao")
+    pytest.importorskip("trl")
+    code = """
+import logging
+import torch
+import cp_dtensor.hf
+from cp_dtensor.hf import with_context_parallel
+from cp_dtensor.core.payload import encode_kv
+k = torch.randn(1, 1, 4, 8)
+encode_kv(k, k, torch.float8_e4m3fn)
+print(logging.getLogger("torchao").level, logging.getLogger("torch.utils._pytree").level)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["0", "0"]
+    assert "Failed to load" not in done.stderr and "register_constant" not in done.stderr, done.stderr[-3000:]

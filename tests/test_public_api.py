@@ -206,3 +206,17 @@ def test_every_name_released_before_the_subpackages_still_resolves():
 """
     assert _fresh(code) == {}
     assert len(wanted) >= 30
+
+
+def test_messages_show_the_current_calls():
+    """No error message or docstring outside _legacy/ tells users to call the deprecated
+    ``shard_batch(mesh, tokens, ...)`` order: they show ``shard_batch((tokens, ...), cp_mesh)`` (issue 40)."""
+    import re
+
+    old_order = re.compile(r"shard_batch\((cp_)?mesh, (tokens|input|t1|\*?tensors\b(?!\)))")
+    package = pathlib.Path(cp_dtensor.__file__).parent
+    found = [f"{path.relative_to(package)}:{i}: {line.strip()}"
+             for path in package.rglob("*.py") if "_legacy" not in path.parts
+             for i, line in enumerate(path.read_text().splitlines(), 1)
+             if old_order.search(line) and "old" not in line]
+    assert not found, "\n".join(found)

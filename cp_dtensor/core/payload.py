@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .._extras import torchao_import_quiet
 from .comm import pack, unpack
 from .layout import FP8_SCALE_BYTES, payload_bytes  # the message size, stated once (torch-free, for tools/plan.py)
 
@@ -33,8 +34,9 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 def _quantize_rows(x: Tensor, fp8: torch.dtype) -> tuple[Tensor, Tensor]:
     # x: [B, H, S, D] -> data: [B, H, S, D] float8 (as uint8), exponent: [B, H, S, 1] int8 (as uint8)
-    from torchao.float8.config import ScalingGranularity
-    from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
+    with torchao_import_quiet():  # See Note [torchao's import noise]
+        from torchao.float8.config import ScalingGranularity
+        from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
 
     scale = tensor_to_scale(
         x, fp8, scaling_granularity=ScalingGranularity.AXISWISE, axiswise_dim=-1, round_scales_to_power_of_2=True

@@ -15,9 +15,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .._deprecated import renamed
-from .attention import NAME, apply_context_parallel, register, shift_labels
-from .cache import ReplicatedLinearLayer, ShardedCache, ShardedCacheLayer, cache_bytes
-from .state import remove_context_parallel
+from .._extras import torchao_import_quiet
+
+with torchao_import_quiet():  # transformers' quantizers import torchao: See Note [torchao's import noise]
+    from .attention import NAME, apply_context_parallel, register, shift_labels
+    from .cache import ReplicatedLinearLayer, ShardedCache, ShardedCacheLayer, cache_bytes
+    from .state import remove_context_parallel
 
 __all__ = [
     "NAME", "ReplicatedLinearLayer", "ShardedCache", "ShardedCacheLayer", "ShardingCollator", "apply_context_parallel",

@@ -319,7 +319,7 @@ def _top_level_error(model: nn.Module, args, kwargs) -> str | None:
     get = lambda name: bound.get(name, extra.get(name))  # noqa: E731
     if get("position_ids") is None:
         return ("a model under context parallelism needs position_ids=: the global positions of this rank's tokens, "
-                "sharded like them (cp_dtensor.shard_batch(mesh, tokens, positions, layout=...)); transformers "
+                "sharded like them (cp_dtensor.shard_batch((tokens, positions), cp_mesh, layout=...)); transformers "
                 "would number the local shard 0..S_local-1.")
     if get("labels") is not None and get("shift_labels") is None:
         return ("labels= alone would be shifted inside this rank's shard, pairing tokens with the labels of other "

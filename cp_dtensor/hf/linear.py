@@ -257,7 +257,7 @@ def _call_error(state: HFState, hidden, kwargs) -> str | None:
     pos, mask, ids = (hybrid.call[k] for k in ("position_ids", "attention_mask", "document_ids"))
     if pos is None:
         return ("a model under context parallelism needs position_ids=: the global positions of this rank's tokens, "
-                "sharded like them (cp_dtensor.shard_batch(mesh, tokens, positions, layout=...)).")
+                "sharded like them (cp_dtensor.shard_batch((tokens, positions), cp_mesh, layout=...)).")
     if pos.dim() == 3 and pos.shape[0] == 4:  # Qwen3.5: the text row, then three multimodal rows
         pos = pos[0]
     if pos.dim() != 2 or pos.shape[-1] != s or pos.shape[0] not in (1, b):

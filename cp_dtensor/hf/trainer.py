@@ -60,12 +60,13 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import init_device_mesh
 
-from .._extras import require
+from .._extras import require, torchao_import_quiet
 
 require("hf", "cp_dtensor.hf.with_context_parallel (the transformers Trainer under context parallelism)")
 require("trainer", "cp_dtensor.hf.with_context_parallel (the transformers Trainer under context parallelism)")
 
-from transformers import Trainer  # noqa: E402
+with torchao_import_quiet():  # its quantizers import torchao: See Note [torchao's import noise] in _extras.py
+    from transformers import Trainer
 
 from .._compat import replica_dataloaders, seq2seq_pad  # noqa: E402
 from ..core.batch import unshard_batch  # noqa: E402
