@@ -42,6 +42,7 @@ _EXPORTS = {
     "Striped": "dtensor.placements",
     "sequence_placement": "dtensor.placements",
     "install_sdpa_dispatch": "dtensor.sdpa",
+    "sdpa_options": "dtensor.sdpa",
     "uninstall_sdpa_dispatch": "dtensor.sdpa",
     "relayout": "dtensor.sharding",
     "shard_sequence": "dtensor.sharding",
@@ -93,6 +94,7 @@ __all__ = [
     "ring_attention",
     "save_checkpoint",
     "save_sequence_sharded",
+    "sdpa_options",
     "sequence_placement",
     "shard_batch",
     "shard_sequence",
@@ -123,7 +125,7 @@ if TYPE_CHECKING:  # what IDEs, type checkers and the API reference see; at run 
     from .core.layout import local_positions, shard_tensor, unshard_tensor
     from .core.linear_attention import sharded_causal_conv1d, sharded_delta_rule
     from .dtensor.placements import HeadTail, Striped, sequence_placement
-    from .dtensor.sdpa import install_sdpa_dispatch, uninstall_sdpa_dispatch
+    from .dtensor.sdpa import install_sdpa_dispatch, sdpa_options, uninstall_sdpa_dispatch
     from .dtensor.sharding import relayout, shard_sequence, to_mesh, unshard_sequence
     from .model import apply_context_parallel, reduce_gradients, remove_context_parallel
     from .tools.debug import CommBytes

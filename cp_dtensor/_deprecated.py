@@ -19,7 +19,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["MOVED_MODULES", "RENAMED", "moved_module", "renamed", "renamed_keyword", "seq_dim_argument", "warn_once"]
+__all__ = ["MOVED_MODULES", "RENAMED", "moved_module", "old_keywords", "renamed", "renamed_keyword", "seq_dim_argument",
+           "warn_once"]
 
 # old module path -> its new home (docs/architecture.md, "Where things moved")
 MOVED_MODULES: dict[str, str] = {
@@ -103,6 +104,39 @@ def renamed_keyword(kwargs: dict, old: str, new: str, where: str) -> dict:
         kwargs = dict(kwargs)
         kwargs[new] = kwargs.pop(old)
     return kwargs
+
+
+def old_keywords(where: str, *, positional: tuple[str, ...] = (), npos: int = 0, **renames: str) -> Callable:
+    """Decorator for a public function whose keywords were renamed (``renames``: old -> new, e.g. the CP
+    group's ``group=`` / ``cp_mesh=`` -> ``mesh=``) or whose parameters ``positional`` became keyword-only
+    after its first ``npos`` positional ones (``layout``): the old spellings keep working, each warning
+    once, and stay out of the signature (``inspect.signature`` shows the new one)."""
+
+    def wrap(fn: Callable) -> Callable:
+        for old, new in renames.items():
+            RENAMED[f"{where}({old}=)"] = f"{where}({new}=)"
+
+        @functools.wraps(fn)
+        def inner(*args, **kwargs):
+            if len(args) > npos and positional:
+                extra = args[npos:]
+                if len(extra) > len(positional):
+                    raise TypeError(f"{where}() takes {npos} positional arguments but {len(args)} were given")
+                names = positional[: len(extra)]
+                warn_once(f"{where}() with {', '.join(names)} passed by position",
+                          f"{where}({', '.join(n + '=...' for n in names)})")
+                for name, value in zip(names, extra):
+                    if name in kwargs:
+                        raise TypeError(f"{where}() got multiple values for argument {name!r}")
+                    kwargs[name] = value
+                args = args[:npos]
+            for old, new in renames.items():
+                kwargs = renamed_keyword(kwargs, old, new, where)
+            return fn(*args, **kwargs)
+
+        return inner
+
+    return wrap
 
 
 def seq_dim_argument(seq_dim: int | None, deprecated: dict, where: str) -> int:

@@ -44,10 +44,11 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from ._compat import flex_attention_op, with_sdpa
+from ._deprecated import old_keywords
 from .core.agreement import agree_on_call
 from .core.attention import ring_spec, run_ring_attention
 from .core.batch import document_ids_from_positions, shard_batch, unshard_batch
-from .core.checks import check_cp_mesh
+from .core.checks import check_cp_mesh, options_error
 from .core.layout import check_layout
 from .dtensor.sharding import unshard_sequence  # noqa: F401  (the old path cp_dtensor.module's name)
 
@@ -197,11 +198,13 @@ def _exit(module: nn.Module, *_) -> None:
         mode.__exit__(None, None, None)
 
 
+@old_keywords("cp_dtensor.apply_context_parallel", cp_mesh="mesh")
 def apply_context_parallel(
-    model: nn.Module, cp_mesh: DeviceMesh, *, layout: str = "striped", window_size: tuple[int, int] | None = None,
-    documents: str | None = None,
+    model: nn.Module, mesh: DeviceMesh, *, layout: str = "striped", window_size: tuple[int, int] | None = None,
+    documents: str | None = None, comm_dtype: torch.dtype | None = None, kv_exchange: str = "ring",
 ) -> nn.Module:
-    """Run ``model``'s ``F.scaled_dot_product_attention`` calls as ring attention over ``cp_mesh``.
+    """Run ``model``'s ``F.scaled_dot_product_attention`` calls as ring attention over ``mesh`` (the 1-D
+    CP mesh).
 
     Feed the model its local shard of each batch (``shard_batch``), including positions for RoPE;
     ``layout`` must match. Attention calls use ``is_causal`` and no dropout; masks come from:
@@ -212,7 +215,7 @@ def apply_context_parallel(
       that restart at 0 for every document, the Hugging Face packed-sequence convention;
     * ``window_size=(left, right)``: a sliding window on every attention call.
 
-    An SDPA call with an explicit ``attn_mask`` or dropout raises on every rank before any K/V moves.
+    ``comm_dtype`` and ``kv_exchange`` are ``ring_attention``'s, for every attention call. An SDPA call with an explicit ``attn_mask`` or dropout raises on every rank before any K/V moves.
     See Note [Module context parallel]. Returns ``model``, changed in place (forward hooks only).
 
     A Hugging Face transformers model goes to ``cp_dtensor.hf.apply_context_parallel`` instead: its
@@ -225,14 +228,19 @@ def apply_context_parallel(
                              f"got window_size={window_size!r}. Drop window_size.")
         from .hf import apply_context_parallel as apply_hf  # transformers is installed: the model is one of its
 
-        return apply_hf(model, cp_mesh, layout=layout, documents=documents)
-    check_cp_mesh(cp_mesh)
+        return apply_hf(model, mesh, layout=layout, documents=documents, comm_dtype=comm_dtype,
+                        kv_exchange=kv_exchange)
+    check_cp_mesh(mesh)
     check_layout(layout)
     if documents not in (None, "position_ids"):
         raise ValueError(f"documents must be None or 'position_ids'; got {documents!r}.")
+    error = options_error("apply_context_parallel", comm_dtype=comm_dtype, kv_exchange=kv_exchange,
+                          window_size=window_size)
+    if error is not None:  # the same arguments on every rank: every rank raises here, before any communication
+        raise ValueError(error)
     if getattr(model, _ATTR, None) is not None:
         raise ValueError("apply_context_parallel was already applied to this model (or to a module holding it).")
-    mode = RingSDPA(cp_mesh, layout, window_size, documents)
+    mode = RingSDPA(mesh, layout, window_size, documents, comm_dtype=comm_dtype, kv_exchange=kv_exchange)
     mode.root = model
     mode.handles.append(model.register_forward_pre_hook(_take, with_kwargs=True))
     for m in model.modules():
@@ -268,12 +276,13 @@ def remove_context_parallel(model: nn.Module) -> nn.Module:
     return model
 
 
+@old_keywords("cp_dtensor.reduce_gradients", cp_mesh="mesh")
 @torch.no_grad()
-def reduce_gradients(model: nn.Module, cp_mesh: DeviceMesh) -> None:
+def reduce_gradients(model: nn.Module, mesh: DeviceMesh) -> None:
     """Sum every parameter gradient over the CP group (each rank's covers only its own tokens).
     Not needed when FSDP / DDP already reduce over a mesh dim that includes CP."""
-    check_cp_mesh(cp_mesh)
-    group = cp_mesh.get_group()
+    check_cp_mesh(mesh)
+    group = mesh.get_group()
     for p in model.parameters():
         if p.grad is not None:
             g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad

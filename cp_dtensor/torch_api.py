@@ -117,7 +117,7 @@ def context_parallel(
     with torch.no_grad():
         # See Note [Buffers swap their storage]: every shard is cut before any buffer changes
         kept = [None if any(b is x for x in no_restore) else _memory(b) for b in buffers]
-        shards = [shard_tensor(b, seq_dim=d, layout=layout, rank=rank, world=world).clone() for b, d in zip(buffers, dims)]
+        shards = [shard_tensor(b, seq_dim=d, layout=layout, rank=rank, cp_size=world).clone() for b, d in zip(buffers, dims)]
         for b, shard in zip(buffers, shards):
             b.set_(shard)
     try:
@@ -213,7 +213,7 @@ def _local_documents(document_ids, position_ids, layout: str, rank: int, world: 
         return None
     ids = document_ids.reshape(-1, document_ids.shape[-1]).long()  # [B | 1, N]
     # on the host once: the ring reads document ids there (a device copy would cost a sync per call)
-    return shard_tensor(ids, seq_dim=1, layout=layout, rank=rank, world=world).cpu().contiguous()
+    return shard_tensor(ids, seq_dim=1, layout=layout, rank=rank, cp_size=world).cpu().contiguous()
 
 
 @torch.no_grad()

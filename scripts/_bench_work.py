@@ -33,7 +33,7 @@ def work_table(layout: str, world: int, s_local: int) -> list[list[int]]:
 def brute_force_table(layout: str, world: int, s_local: int) -> list[list[int]]:
     """The same table counted over global positions: pairs (i, j) with pos_k[j] <= pos_q[i]."""
     n = world * s_local
-    pos = [local_positions(layout, r, world, n) for r in range(world)]
+    pos = [local_positions(layout=layout, rank=r, cp_size=world, seq_len=n) for r in range(world)]
     return [
         [int((pos[(r - t) % world][None, :] <= pos[r][:, None]).sum()) for t in range(world)]
         for r in range(world)

@@ -52,7 +52,7 @@ def _bench(rank, world, s_local, iters, layout):
     modes = _modes(world)
 
     def call(group, exchange):
-        out = cp_dtensor.ring_attention(q, k, v, group=group, layout=layout, is_causal=True, kv_exchange=exchange)
+        out = cp_dtensor.ring_attention(q, k, v, mesh=group, layout=layout, is_causal=True, kv_exchange=exchange)
         out.backward(torch.ones_like(out))
 
     result = {}

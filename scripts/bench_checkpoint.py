@@ -46,7 +46,7 @@ def _bench(rank: int, world: int, root: str, n: int, reps: int, modes: list[str 
     mesh = init_device_mesh("cpu", (world,))
     shape = torch.Size((1, H, n, D))
     stride = torch.empty(shape, device="meta").stride()
-    placement = sequence_placement("striped", 2, seq_len=n, cp=world)
+    placement = sequence_placement(2, layout="striped", seq_len=n, cp_size=world)
     local = torch.randn(1, H, n // world, D, generator=torch.Generator().manual_seed(rank))
     x = DTensor.from_local(local, mesh, [placement], run_check=False, shape=shape, stride=stride)
     like = {"x": DTensor.from_local(torch.empty(1, H, n // world, D, device="meta"), mesh, [placement],

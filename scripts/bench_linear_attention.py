@@ -57,7 +57,7 @@ def _rank(rank: int, world: int, args, layout: str):
 
     torch.set_num_threads(1)
     *xs, do = _make(0, args.batch, args.seq_len, args.hk, args.hv, args.d)
-    shard = lambda x: shard_tensor(x, seq_dim=1, layout=layout, rank=rank, world=world) if world > 1 else x
+    shard = lambda x: shard_tensor(x, seq_dim=1, layout=layout, rank=rank, cp_size=world) if world > 1 else x
     xs, do = [shard(x).contiguous() for x in xs], shard(do).contiguous()
     times, sent = [], None
     for it in range(args.repeats + 1):
@@ -66,7 +66,7 @@ def _rank(rank: int, world: int, args, layout: str):
             dist.barrier()
         t0 = time.perf_counter()
         with CommBytes() as fwd:
-            o = sharded_delta_rule(torch_chunk_gated_delta_rule, *local, group=None, layout=layout,
+            o = sharded_delta_rule(torch_chunk_gated_delta_rule, *local, mesh=None, layout=layout,
                                    use_qk_l2norm_in_kernel=True)
         with CommBytes() as bwd:
             o.backward(do)

@@ -33,7 +33,7 @@ def _ids(world: int, s_local: int, docs: int, layout: str, seed: int = 0) -> tor
     ids = torch.zeros(n, dtype=torch.int64)
     ids[cuts] = 1
     ids = ids.cumsum(0).view(1, n)
-    return torch.stack([shard_tensor(ids, seq_dim=1, layout=layout, rank=r, world=world) for r in range(world)])
+    return torch.stack([shard_tensor(ids, seq_dim=1, layout=layout, rank=r, cp_size=world) for r in range(world)])
 
 
 def plan_call(world: int, s_local: int, ids: torch.Tensor, layout: str, rank: int = 0) -> int:

@@ -84,7 +84,7 @@ def kept(layout: str, world: int, n: int, ids: torch.Tensor | None, window, *, a
     """Per-rank kept pairs (or computed rectangle area) of a causal ring over every step."""
     lo, hi = mask_bounds(True, window)
     s = n // world
-    shards = [None if ids is None else shard_tensor(ids, seq_dim=1, layout=layout, rank=r, world=world)[0].tolist()
+    shards = [None if ids is None else shard_tensor(ids, seq_dim=1, layout=layout, rank=r, cp_size=world)[0].tolist()
               for r in range(world)]
     work = []
     for r in range(world):
@@ -120,15 +120,15 @@ def _rank(rank, world, s_local, iters, shape):
 
     def fwd_bwd(q, k, v, layout, ids, window, group):
         q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
-        out = cp_dtensor.ring_attention(q, k, v, group=group, layout=layout, is_causal=True, document_ids=ids,
+        out = cp_dtensor.ring_attention(q, k, v, mesh=group, layout=layout, is_causal=True, document_ids=ids,
                                         window_size=window)
         out.backward(torch.ones_like(out))
 
     for it in range(iters + 1):  # the first iteration warms up
         for name, layout, length, window in CASES:
             ids = doc_ids(n, length)
-            local = [shard_tensor(x, seq_dim=2, layout=layout, rank=rank, world=world) for x in full]
-            lids = None if ids is None else shard_tensor(ids, seq_dim=1, layout=layout, rank=rank, world=world)
+            local = [shard_tensor(x, seq_dim=2, layout=layout, rank=rank, cp_size=world) for x in full]
+            lids = None if ids is None else shard_tensor(ids, seq_dim=1, layout=layout, rank=rank, cp_size=world)
             dist.barrier()
             t0 = time.perf_counter()
             with CommBytes() as cb, _no_transfers(name.endswith(PROBE)):

@@ -39,10 +39,10 @@ def main() -> None:
     if rank == 0:
         print(f"CP={world} ranks, N={n}, Hq={args.q_heads}, Hkv={args.kv_heads}, D={d}, causal, fp32")
     for layout in cp_dtensor.LAYOUTS:
-        ql, kl, vl = (shard_tensor(x, seq_dim=2, layout=layout, rank=rank, world=world).float() for x in (q, k, v))
+        ql, kl, vl = (shard_tensor(x, seq_dim=2, layout=layout, rank=rank, cp_size=world).float() for x in (q, k, v))
         with CommBytes() as sent:
             out = cp_dtensor.ring_attention(ql, kl, vl, layout=layout, is_causal=True)
-        want = shard_tensor(ref, seq_dim=2, layout=layout, rank=rank, world=world)
+        want = shard_tensor(ref, seq_dim=2, layout=layout, rank=rank, cp_size=world)
         err = torch.tensor([((out.double() - want).abs().max() / want.abs().max()).item()])
         dist.all_reduce(err, op=dist.ReduceOp.MAX)
         formula = (world - 1) * 2 * (n // world) * d * args.kv_heads * 4

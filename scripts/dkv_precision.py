@@ -27,7 +27,7 @@ from _ref import make_qkv, reference, rel_err  # noqa: E402
 
 def _grads(rank, world, n, seed):
     q, k, v, do = make_qkv(seed, 1, 4, 2, n, 64)
-    sh = lambda x: shard_tensor(x, seq_dim=2, layout="striped", rank=rank, world=world).bfloat16()  # noqa: E731
+    sh = lambda x: shard_tensor(x, seq_dim=2, layout="striped", rank=rank, cp_size=world).bfloat16()  # noqa: E731
     ql, kl, vl = (sh(x).requires_grad_() for x in (q, k, v))
     out = cp_dtensor.ring_attention(ql, kl, vl, layout="striped", is_causal=True)
     out.backward(sh(do))

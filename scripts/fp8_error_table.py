@@ -41,9 +41,9 @@ def _rank(rank: int, world: int, s_local: int, heads: int, d: int, dtype_name: s
     n, dtype = world * s_local, DTYPES[dtype_name]
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, heads, n, d, generator=g).to(dtype) for _ in range(3))  # rounded inputs are the truth
-    sh = lambda x: shard_tensor(x, seq_dim=2, layout="striped", rank=rank, world=world)  # noqa: E731
+    sh = lambda x: shard_tensor(x, seq_dim=2, layout="striped", rank=rank, cp_size=world)  # noqa: E731
     ql, kl, vl = sh(q), sh(k), sh(v)
-    pos = local_positions("striped", rank, world, n)  # [S_local] global position of each local row
+    pos = local_positions(layout="striped", rank=rank, cp_size=world, seq_len=n)  # [S_local] global position of each local row
     pick = torch.linspace(0, s_local - 1, min(rows, s_local)).round().long()
     ref = _reference_rows(ql[0][:, pick], k[0], v[0], pos[pick])  # [H, R, D]
     result = {}

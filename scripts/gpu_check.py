@@ -154,14 +154,14 @@ def _ring_case(rank, world, device, layout, seed, bsz, n, d, dtype, hq, hkv, dv,
         ids[1] = ids[1] * 2  # rows differ: per-row document runs
         sinks = torch.randn(hq, generator=g, dtype=torch.float64).to(device)
         opts = dict(document_ids=ids, window=(n // 5, 0), sinks=sinks)
-        kw = dict(document_ids=shard_tensor(ids, seq_dim=1, layout=layout, rank=rank, world=world),  # host ids
+        kw = dict(document_ids=shard_tensor(ids, seq_dim=1, layout=layout, rank=rank, cp_size=world),  # host ids
                   window_size=(n // 5, 0), sinks=sinks.float().requires_grad_())
         if masked == "docs":  # documents alone: every rectangle in the varlen calls (Note [Varlen rectangles])
             opts, kw = dict(document_ids=ids), dict(document_ids=kw["document_ids"])
         if masked == "window":  # a window alone: one band per step, in flash's own window if the build has it
             opts, kw = dict(window=(n // 5, 0)), dict(window_size=(n // 5, 0))
     want = reference(q, k, v, do, is_causal=causal, **opts)
-    shard = lambda x: shard_tensor(x, seq_dim=2, layout=layout, rank=rank, world=world)  # noqa: E731
+    shard = lambda x: shard_tensor(x, seq_dim=2, layout=layout, rank=rank, cp_size=world)  # noqa: E731
     ql, kl, vl = (shard(x).to(dtype).contiguous().requires_grad_() for x in (q, k, v))
     out = cp_dtensor.ring_attention(ql, kl, vl, layout=layout, is_causal=causal, **kw)
     out.backward(shard(do).to(dtype))
@@ -231,7 +231,7 @@ def _sdpa_cases(cfg, rank, world, device):
         except Exception as e:  # noqa: BLE001 -- the same on every rank: report, go on
             rows.append(dict(row, status="error", detail=_last_line(e), ok=False))
             continue
-        shard = lambda x: shard_tensor(x, seq_dim=2, layout="striped", rank=rank, world=world)  # noqa: E731
+        shard = lambda x: shard_tensor(x, seq_dim=2, layout="striped", rank=rank, cp_size=world)  # noqa: E731
         got = (out.to_local(), *(x.grad.to_local() for x in xs))
         worst = max(abs_rel_err(a, shard(b)) for a, b in zip(got, want))
         comm = dict(forward=_comm_counts(fwd), backward=_comm_counts(bwd))
@@ -271,7 +271,7 @@ def _sync_check(cfg, rank, world, device):
     ids = torch.arange(n).div(n // 3, rounding_mode="floor").unsqueeze(0)  # three documents, on the host
 
     # inputs sharded up front: the watched region holds the ring calls and nothing else
-    shard = lambda x, layout, dim=2: shard_tensor(x, seq_dim=dim, layout=layout, rank=rank, world=world)  # noqa: E731
+    shard = lambda x, layout, dim=2: shard_tensor(x, seq_dim=dim, layout=layout, rank=rank, cp_size=world)  # noqa: E731
     local = [(layout, [shard(x, layout).contiguous().requires_grad_() for x in (q, k, v)], shard(do, layout),
               shard(ids, layout, 1)) for layout in LAYOUTS]
     xs = [shard_sequence(x, mesh, seq_dim=2).requires_grad_() for x in (q, k, v)]
@@ -453,7 +453,7 @@ def ring_backward_sim(dos, qs, ks, vs, outs, lses, *, layout: str, scale: float)
 
 
 def _shards(xs, layout, world):
-    return [[shard_tensor(x, seq_dim=2, layout=layout, rank=r, world=world).contiguous() for r in range(world)] for x in xs]
+    return [[shard_tensor(x, seq_dim=2, layout=layout, rank=r, cp_size=world).contiguous() for r in range(world)] for x in xs]
 
 
 def simulate(q, k, v, do, *, layout: str, world: int, scale: float):

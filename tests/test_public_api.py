@@ -133,7 +133,7 @@ local = []
 out["unshard_sequence"] = [len(run(lambda: local.append(cp_dtensor.unshard_sequence(x, mesh, layout="headtail", dim=1)))),
                            torch.equal(local[0], cp_dtensor.unshard_batch(x, mesh, layout="headtail"))]
 s = []
-out["shard_tensor"] = [len(run(lambda: s.append(cp_dtensor.shard_tensor(x, dim=1, layout="striped", rank=1, world=3)))),
+out["shard_tensor"] = [len(run(lambda: s.append(cp_dtensor.shard_tensor(x, dim=1, layout="striped", rank=1, cp_size=3)))),
                        torch.equal(s[0], x[:, 1::3])]
 u = []
 parts = [x[:, r::3] for r in range(3)]
@@ -153,6 +153,73 @@ dist.destroy_process_group()
     assert got.pop("both").startswith("cp_dtensor.shard_sequence got both seq_dim= and its deprecated spelling dim=")
     assert got == {"shard_batch": [1, True, True], "unshard_sequence": [1, True], "shard_tensor": [1, True],
                    "unshard_tensor": [1, True], "shard_sequence": [1, True, True]}
+
+
+def test_one_vocabulary_old_keywords_warn_once_and_equal_the_new_ones():
+    """One name for the CP group (``mesh``) and one for its size (``cp_size``) across the public API;
+    ``layout`` keyword-only. The old spellings (``group=``, ``cp_mesh=``, ``world=``, ``cp=``, a positional
+    ``layout``) warn once each and give what the new call gives; they are not in the signatures (issue 41)."""
+    code = r"""
+import inspect, tempfile
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+dist.init_process_group("gloo", init_method="file://" + tempfile.mkdtemp() + "/rdv", rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+x = torch.arange(24.).view(2, 12)
+q = torch.randn(1, 2, 8, 4)
+def same(old, new):
+    got = []
+    if isinstance(new(), torch.Tensor):  # float results to rounding: another kernel computes the reference
+        return [len(run(lambda: got.append(old()))), torch.allclose(got[0].double(), new().double(), atol=1e-6)]
+    return [len(run(lambda: got.append(old()))), got[0] == new()]
+out["ring_attention(group=)"] = same(lambda: cp_dtensor.ring_attention(q, q, q, group=mesh, is_causal=True),
+                                     lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True))
+out["shard_tensor(world=)"] = same(lambda: cp_dtensor.shard_tensor(x, seq_dim=1, layout="striped", rank=1, world=3),
+                                   lambda: x[:, 1::3])
+out["local_positions(positional)"] = same(lambda: cp_dtensor.local_positions("striped", 1, 3, 12),
+                                          lambda: torch.arange(1, 12, 3))
+out["local_positions(world=)"] = same(lambda: cp_dtensor.local_positions(layout="headtail", rank=0, world=2, seq_len=8),
+                                      lambda: torch.tensor([0, 1, 6, 7]))
+out["Striped(cp=)"] = same(lambda: cp_dtensor.Striped(1, seq_len=12, cp=3), lambda: cp_dtensor.Striped(1, seq_len=12, cp_size=3))
+out["sequence_placement(layout, dim)"] = same(lambda: cp_dtensor.sequence_placement("striped", 1, seq_len=12, cp_size=3),
+                                              lambda: cp_dtensor.Striped(1, seq_len=12, cp_size=3))
+out["sequence_placement(cp=)"] = same(lambda: cp_dtensor.sequence_placement(1, layout="headtail", seq_len=12, cp=3),
+                                      lambda: cp_dtensor.HeadTail(1))
+pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2]])
+out["document_ids_from_positions(cp_mesh=)"] = same(
+    lambda: cp_dtensor.document_ids_from_positions(pos, cp_mesh=mesh),
+    lambda: torch.tensor([[1, 1, 1, 2, 2, 3, 3, 3]]))
+model = nn.Linear(2, 2)
+model.weight.grad = torch.ones(2, 2)
+out["reduce_gradients(cp_mesh=)"] = same(lambda: cp_dtensor.reduce_gradients(model, cp_mesh=mesh), lambda: None)
+out["apply_context_parallel(cp_mesh=)"] = [len(run(lambda: cp_dtensor.apply_context_parallel(nn.Linear(2, 2), cp_mesh=mesh))), True]
+kp = torch.arange(8)[None]
+out["sharded_cache_attention(group=)"] = same(
+    lambda: cp_dtensor.sharded_cache_attention(q[:, :, -1:], q, q, q_positions=kp[:, -1:], k_positions=kp, group=mesh),
+    lambda: F.scaled_dot_product_attention(q[:, :, -1:], q, q))
+try:
+    cp_dtensor.ring_attention(q, q, q, group=mesh, mesh=mesh)
+    out["both"] = "no error"
+except TypeError as e:
+    out["both"] = str(e)
+old_names = {"group", "cp_mesh", "world", "cp"}
+sigs = {}
+for name in cp_dtensor.__all__:
+    obj = getattr(cp_dtensor, name)
+    if callable(obj) and not isinstance(obj, type):
+        params = inspect.signature(obj).parameters
+        sigs[name] = sorted(n for n in params if n in old_names)
+        if "layout" in params and params["layout"].kind is not inspect.Parameter.KEYWORD_ONLY:
+            sigs[name].append("layout not keyword-only")
+out["signatures"] = {k: v for k, v in sigs.items() if v}
+dist.destroy_process_group()
+"""
+    got = _fresh(code)
+    assert got.pop("both").startswith("cp_dtensor.ring_attention got both mesh= and its deprecated spelling group=")
+    assert got.pop("signatures") == {}
+    assert got == {k: [1, True] for k in got} and len(got) == 11, got
 
 
 @pytest.mark.skipif(not _extras.installed("hf"), reason="transformers not installed")

@@ -62,9 +62,9 @@ def _buffers(mesh) -> None:
     a, b = torch.arange(2 * n).view(2, n), torch.randn(n, 3)
     a0, b0 = a.clone(), b.clone()
     with context_parallel(mesh, buffers=[a, b], buffer_seq_dims=[1, 0], no_restore_buffers={a}, layout="headtail"):
-        assert torch.equal(a, shard_tensor(a0, seq_dim=1, layout="headtail", rank=rank, world=world))
-        assert torch.equal(b, shard_tensor(b0, seq_dim=0, layout="headtail", rank=rank, world=world))
-    assert torch.equal(a, shard_tensor(a0, seq_dim=1, layout="headtail", rank=rank, world=world))  # kept sharded
+        assert torch.equal(a, shard_tensor(a0, seq_dim=1, layout="headtail", rank=rank, cp_size=world))
+        assert torch.equal(b, shard_tensor(b0, seq_dim=0, layout="headtail", rank=rank, cp_size=world))
+    assert torch.equal(a, shard_tensor(a0, seq_dim=1, layout="headtail", rank=rank, cp_size=world))  # kept sharded
     assert torch.equal(b, b0)
     a = a0.clone()
     with pytest.raises(KeyError, match="inside"):
@@ -250,13 +250,13 @@ def _overlapping_buffers(mesh) -> None:
         want = reference(q, k, v, torch.zeros_like(q), is_causal=True)[0]
         with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2], no_restore_buffers=keep):
             assert torch.equal(base, base0), f"{case}: the base changed inside the context"
-            assert torch.equal(k, shard_tensor(full[1], seq_dim=2, layout="striped", rank=rank, world=world)), case
+            assert torch.equal(k, shard_tensor(full[1], seq_dim=2, layout="striped", rank=rank, cp_size=world)), case
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         (got,) = context_parallel_unshard(mesh, [out], [2])
         assert rel_err(got, want) <= TOL, f"{case}: {rel_err(got, want):.2e}"
         assert torch.equal(base, base0), f"{case}: the base tensor changed"
         assert torch.equal(q, full[0]) and torch.equal(v, full[2]), f"{case}: a buffer was not restored"
-        assert torch.equal(k, shard_tensor(full[1], seq_dim=2, layout="striped", rank=rank, world=world) if keep
+        assert torch.equal(k, shard_tensor(full[1], seq_dim=2, layout="striped", rank=rank, cp_size=world) if keep
                            else full[1]), case
 
 

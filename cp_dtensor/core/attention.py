@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
+from .._deprecated import old_keywords
 from .allgather import allgather_backward, allgather_forward
 from .blocks import Mask, sinks_grad
 from .checks import agree
@@ -55,12 +56,13 @@ class _RingAttention(torch.autograd.Function):
         return dq, dk, dv, dsinks, None, None, None
 
 
+@old_keywords("cp_dtensor.ring_attention", group="mesh")
 def ring_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
     *,
-    group: dist.ProcessGroup | DeviceMesh | None = None,
+    mesh: DeviceMesh | dist.ProcessGroup | None = None,
     layout: str = "striped",
     is_causal: bool = False,
     scale: float | None = None,
@@ -70,7 +72,8 @@ def ring_attention(
     sinks: Tensor | None = None,
     kv_exchange: str = "ring",
 ) -> Tensor:
-    """Exact attention over a sequence sharded across the ranks of ``group`` (default: world).
+    """Exact attention over a sequence sharded across the ranks of ``mesh`` (the CP group: a 1-D DeviceMesh
+    or a ProcessGroup; default: the world).
 
     q, k: [B, Hq | Hkv, S_local, Dqk]; v: [B, Hkv, S_local, Dv] with Hq % Hkv == 0 -- this rank's shards
     in ``layout`` ("striped", "headtail" or "contiguous"; see Note [Sequence layouts] in layout.py).
@@ -101,12 +104,12 @@ def ring_attention(
     * itemsize bytes each, and this layer's whole-sequence K/V in memory -- see Note [All-gather K/V]
     in allgather.py.
 
-    ``group`` may also be a 2-D ``DeviceMesh`` of shape (U, R): heads all-to-all (Ulysses) over the
+    ``mesh`` may also be a 2-D ``DeviceMesh`` of shape (U, R): heads all-to-all (Ulysses) over the
     first dim, the ring (or the all-gather) over the second. Each rank still passes and gets back its
     shard of 1-D CP over all P = U * R ranks, its rank being its row-major index in the mesh; Hq must
     be a multiple of U. See Note [Ulysses x ring] in ulysses.py.
     """
-    spec = ring_spec(group, layout=layout, is_causal=is_causal, scale=scale, comm_dtype=comm_dtype,
+    spec = ring_spec(mesh, layout=layout, is_causal=is_causal, scale=scale, comm_dtype=comm_dtype,
                      window_size=window_size, kv_exchange=kv_exchange)
     return run_ring_attention(q, k, v, spec, document_ids=document_ids, sinks=sinks)
 

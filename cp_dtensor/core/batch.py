@@ -17,7 +17,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
-from .._deprecated import warn_once
+from .._deprecated import old_keywords, warn_once
 from .agreement import Rules, agree_objects
 from .checks import check_cp_mesh
 from .layout import check_layout, check_seq_len, global_order, layout_unit, shard_tensor, unshard_tensor, wrap_dim
@@ -94,7 +94,7 @@ def shard_batch(batch: Batch, mesh: DeviceMesh | None = None, *more: Tensor, seq
         raise TypeError("shard_batch() missing the CP mesh: shard_batch(batch, cp_mesh).")
     _check(batch, mesh, seq_dim, layout, "shard_batch", local=False)
     cp, rank = mesh.size(), mesh.get_local_rank()
-    return _rebuild(batch, lambda t: shard_tensor(t, seq_dim=seq_dim, layout=layout, rank=rank, world=cp).contiguous())
+    return _rebuild(batch, lambda t: shard_tensor(t, seq_dim=seq_dim, layout=layout, rank=rank, cp_size=cp).contiguous())
 
 
 def unshard_batch(batch: Batch, mesh: DeviceMesh, *, seq_dim: int = 1, layout: str = "striped") -> Batch:
@@ -150,16 +150,17 @@ def gather_shards(batch: Batch, mesh: DeviceMesh, *, seq_dim: int = 1, layout: s
     return _rebuild(batch, gather)
 
 
-def document_ids_from_positions(positions: Tensor, cp_mesh: DeviceMesh, *, layout: str = "striped") -> Tensor:
+@old_keywords("cp_dtensor.document_ids_from_positions", cp_mesh="mesh")
+def document_ids_from_positions(positions: Tensor, mesh: DeviceMesh, *, layout: str = "striped") -> Tensor:
     """Document ids [B, S_local] of this rank's tokens from their position ids [B, S_local] (or [1, S_local])
     that restart at 0 for every document: a document starts at every position 0 of the *global* sequence,
     so one all-gather of the start flags (one byte per token) gives every rank the global count."""
-    check_cp_mesh(cp_mesh)
-    cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
+    check_cp_mesh(mesh)
+    cp, rank = mesh.size(), mesh.get_local_rank()
     starts = (positions == 0).to(torch.uint8).contiguous()  # [B, S_local]
-    every = funcol.all_gather_single(starts, gather_dim=0, group=cp_mesh).view(cp, *starts.shape)
+    every = funcol.all_gather_single(starts, gather_dim=0, group=mesh).view(cp, *starts.shape)
     b, s = starts.shape
     full = torch.empty(b, cp * s, dtype=torch.int64, device=positions.device)
     full[:, global_order(layout, cp, cp * s).to(positions.device)] = every.permute(1, 0, 2).reshape(b, cp * s).long()
     ids = full.cumsum(1)
-    return shard_tensor(ids, seq_dim=1, layout=layout, rank=rank, world=cp).contiguous()
+    return shard_tensor(ids, seq_dim=1, layout=layout, rank=rank, cp_size=cp).contiguous()

@@ -68,7 +68,7 @@ from .wire import FINGERPRINT_INTS, KV_EXCHANGES
 
 __all__ = [
     "Agreed", "Fingerprint", "agree", "call_error", "check_call", "check_cp_mesh", "check_documents", "check_ring_args",
-    "local_error",
+    "local_error", "options_error",
 ]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -87,6 +87,16 @@ def check_cp_mesh(cp_mesh) -> None:
     if cp_mesh.ndim != 1:
         raise ValueError(f"the CP mesh must be 1-D; got a {cp_mesh.ndim}-D mesh {cp_mesh.mesh_dim_names}. "
                          'Pass the CP dimension of a larger mesh, e.g. world_mesh["cp"].')
+
+
+def options_error(where: str, *, comm_dtype=None, kv_exchange="ring", window_size=None) -> str | None:
+    """The ring's own checks of the per-call options a front door fixes once (``comm_dtype``,
+    ``kv_exchange``, ``window_size``), on a stand-in call: what ``ring_attention`` would raise for them,
+    said at the door, with no tensors and no communication."""
+    probe = torch.empty(1, 1, 2, 1)
+    error = local_error(probe, probe, probe, "contiguous", False, None, comm_dtype, None, window_size,
+                        kv_exchange=kv_exchange)
+    return None if error is None else f"{where}: {error.removeprefix('ring_attention: ')}"
 
 
 def local_error(

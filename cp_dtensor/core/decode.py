@@ -31,7 +31,9 @@ import struct
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
 
+from .._deprecated import old_keywords
 from .agreement import Rules, agree
 from .comm import all_gather, wait
 
@@ -182,12 +184,14 @@ def _merge(outs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
     return out, m + torch.log(den)
 
 
+@old_keywords("cp_dtensor.sharded_cache_attention", group="mesh")
 def sharded_cache_attention(
     q: Tensor, k: Tensor, v: Tensor, *, q_positions: Tensor, k_positions: Tensor,
-    group: dist.ProcessGroup | None = None, scale: float | None = None,
+    mesh: DeviceMesh | dist.ProcessGroup | None = None, scale: float | None = None,
     window_size: tuple[int, int] | None = None, sinks: Tensor | None = None,
 ) -> Tensor:
-    """Attention of replicated new queries to a KV cache sharded over ``group`` by sequence position.
+    """Attention of replicated new queries to a KV cache sharded over ``mesh`` (the CP group: a 1-D
+    DeviceMesh or a ProcessGroup; default: the world) by sequence position.
 
     q: [B, Hq, T, Dqk], the same on every rank, at global positions ``q_positions`` int64 [B, T];
     k: [B, Hkv, S_r, Dqk], v: [B, Hkv, S_r, Dv]: this rank's share of the cache, at ``k_positions`` int64
@@ -197,6 +201,7 @@ def sharded_cache_attention(
     (bit-identical) on every rank: one all-gather of B * Hq * T * (Dv + 1) fp32 values per rank. Forward
     only. See Note [Decoding from a sharded cache].
     """
+    group = mesh.get_group() if isinstance(mesh, DeviceMesh) else mesh
     if group is None and dist.is_initialized():
         group = dist.group.WORLD
     world = dist.get_world_size(group) if group is not None else 1

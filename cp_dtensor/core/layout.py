@@ -50,7 +50,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .._deprecated import seq_dim_argument
+from .._deprecated import old_keywords, seq_dim_argument
 
 if TYPE_CHECKING:
     import torch
@@ -102,10 +102,13 @@ def check_seq_len(layout: str, world: int, seq_len: int, *, fix: str | None = No
     return seq_len // world
 
 
-def local_positions(layout: str, rank: int, world: int, seq_len: int) -> torch.Tensor:
-    """Global positions held by ``rank``, in local order. ``seq_len`` is the global length N."""
+@old_keywords("cp_dtensor.local_positions", positional=("layout", "rank", "cp_size", "seq_len"), world="cp_size")
+def local_positions(*, layout: str, rank: int, cp_size: int, seq_len: int) -> torch.Tensor:
+    """Global positions held by ``rank`` of ``cp_size`` CP ranks, in local order. ``seq_len`` is the global
+    length N."""
     import torch
 
+    world = cp_size
     s_local = check_seq_len(layout, world, seq_len)
     if layout == "contiguous":
         return torch.arange(rank * s_local, (rank + 1) * s_local)
@@ -121,7 +124,7 @@ def global_order(layout: str, world: int, seq_len: int) -> torch.Tensor:
     full tensor so that chunk r of P is rank r's shard; ``argsort(order)`` undoes it."""
     import torch
 
-    return torch.cat([local_positions(layout, r, world, seq_len) for r in range(world)])
+    return torch.cat([local_positions(layout=layout, rank=r, cp_size=world, seq_len=seq_len) for r in range(world)])
 
 
 def wrap_dim(dim: int, ndim: int) -> int:
@@ -141,11 +144,14 @@ def in_global_order(every: torch.Tensor, layout: str) -> torch.Tensor:
     return full
 
 
-def shard_tensor(x: torch.Tensor, *, seq_dim: int | None = None, layout: str, rank: int, world: int,
+@old_keywords("cp_dtensor.shard_tensor", world="cp_size")
+def shard_tensor(x: torch.Tensor, *, seq_dim: int | None = None, layout: str, rank: int, cp_size: int,
                  **deprecated) -> torch.Tensor:
-    """Rank ``rank``'s shard of the full tensor ``x`` along ``seq_dim`` (a copy for striped/headtail)."""
+    """Rank ``rank``'s shard (of ``cp_size`` CP ranks) of the full tensor ``x`` along ``seq_dim`` (a copy
+    for striped/headtail)."""
     import torch
 
+    world = cp_size
     dim = wrap_dim(seq_dim_argument(seq_dim, deprecated, "cp_dtensor.shard_tensor"), x.dim())
     seq_len = x.shape[dim]
     s_local = check_seq_len(layout, world, seq_len)

@@ -145,6 +145,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from .._deprecated import old_keywords
 from .agreement import Rules, agree
 from .comm import all_gather, all_gather_host, host_group, reduce_scatter, wait
 from .layout import LAYOUTS
@@ -423,8 +424,9 @@ def _run(kernel, xs, fresh: list[bool], cuts: list[list[int]], state_dtype, kw):
     return o0, u, a, torch.cat([r[4] for r in rows])
 
 
+@old_keywords("cp_dtensor.sharded_delta_rule", group="mesh")
 def sharded_delta_rule(
-    kernel, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, group, layout: str,
+    kernel, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, mesh, layout: str,
     document_ids: Tensor | None = None, use_qk_l2norm_in_kernel: bool = False, output_final_state: bool = False,
     **kernel_kwargs,
 ) -> Tensor | tuple[Tensor, Tensor]:
@@ -438,7 +440,7 @@ def sharded_delta_rule(
     sequence's last token, S [B, Hv, dk, dv] in fp32 (fp64 for fp64 inputs), the same on every rank (the fold
     of every run's summary: no extra communication) -- what decoding continues from (Note [Prefill for
     decoding])."""
-    group, rank, world = _group(group)
+    group, rank, world = _group(mesh)
     _check_delta(kernel, q, k, v, g, beta, layout, document_ids, use_qk_l2norm_in_kernel, kernel_kwargs, group, world)
     b, s, hk, dk = q.shape
     hv, dv = v.shape[2:]
@@ -512,8 +514,9 @@ def _check_conv(x, weight, bias, activation, layout, ids, group, world: int) -> 
     agree(_CONV_RULES, fp, err, group)
 
 
+@old_keywords("cp_dtensor.sharded_causal_conv1d", group="mesh")
 def sharded_causal_conv1d(
-    x: Tensor, weight: Tensor, bias: Tensor | None = None, activation: str | None = None, *, group, layout: str,
+    x: Tensor, weight: Tensor, bias: Tensor | None = None, activation: str | None = None, *, mesh, layout: str,
     document_ids: Tensor | None = None, output_final_state: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """The depthwise causal conv (then ``activation``) over the global sequence, on this rank's shard
@@ -526,7 +529,7 @@ def sharded_causal_conv1d(
     inputs x [B, C, K] in x's dtype (zeros before the sequence start; raw, as transformers' cache and fla keep
     them), the same on every rank -- from the halo's all-gather, one column more per run (Note [Prefill for
     decoding])."""
-    group, rank, world = _group(group)
+    group, rank, world = _group(mesh)
     _check_conv(x, weight, bias, activation, layout, document_ids, group, world)
 
     b, c, s = x.shape

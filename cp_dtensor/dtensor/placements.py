@@ -9,7 +9,7 @@ Each layout of layout.py is one DTensor placement on the CP mesh dimension:
   N / P groups of P consecutive positions and give rank r the r-th of every group, i.e. positions
   r, r + P, r + 2P, ... -- exactly the striped layout. Because it *is* torch's placement, DTensor
   knows it everywhere: elementwise ops keep it, transposes and views renumber it, reductions and
-  sequence-mixing ops redistribute it correctly. ``Striped(dim, seq_len=N, cp=P)`` builds it; the
+  sequence-mixing ops redistribute it correctly. ``Striped(dim, seq_len=N, cp_size=P)`` builds it; the
   split factor depends on N, so a striped placement belongs to one sequence length.
 * ``headtail`` (rank r holds chunks r and 2P-1-r) is no ``_StridedShard`` of any split factor, so it
   needs a placement of its own: ``HeadTail(dim)``. See Note [HeadTail placement].
@@ -48,6 +48,7 @@ So head-tail is never silently wrong; where torch cannot carry it, it raises.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -56,6 +57,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from .._compat import DTensorSpec, _StridedShard, _StridedShardOffsetMode, wrap_sharding_propagation
+from .._deprecated import old_keywords, warn_once
 from ..core.layout import check_seq_len, global_order, local_positions, shard_tensor
 
 __all__ = [
@@ -89,14 +91,14 @@ class HeadTail(_StridedShard):
         return f"HT({self.dim})"
 
     def _split_tensor(self, tensor, num_chunks, *, with_padding=True, contiguous=True):
-        shards = [shard_tensor(tensor, seq_dim=self.dim, layout="headtail", rank=r, world=num_chunks)
+        shards = [shard_tensor(tensor, seq_dim=self.dim, layout="headtail", rank=r, cp_size=num_chunks)
                   for r in range(num_chunks)]
         if contiguous:
             shards = [s.contiguous() for s in shards]
         return shards, ([0] * num_chunks if with_padding else [])
 
     def _select_split_tensor(self, tensor, num_chunks, index, *, with_padding=True, contiguous=True, clone=True):
-        return shard_tensor(tensor, seq_dim=self.dim, layout="headtail", rank=int(index), world=num_chunks).contiguous()
+        return shard_tensor(tensor, seq_dim=self.dim, layout="headtail", rank=int(index), cp_size=num_chunks).contiguous()
 
     def _replicate_to_strided_shard(self, local_tensor, mesh, mesh_dim, shard_index):
         return self._select_split_tensor(local_tensor, mesh.size(mesh_dim), shard_index)
@@ -111,7 +113,7 @@ class HeadTail(_StridedShard):
         return gathered.index_select(self.dim, undo)
 
     def local_shard_size_and_offset(self, curr_local_size, num_chunks, rank, offset_mode=_StridedShardOffsetMode.FIRST):
-        positions = local_positions("headtail", int(rank), num_chunks, int(curr_local_size))
+        positions = local_positions(layout="headtail", rank=int(rank), cp_size=num_chunks, seq_len=int(curr_local_size))
         mode = _StridedShardOffsetMode(offset_mode)
         if mode is _StridedShardOffsetMode.NONE:
             return len(positions), None
@@ -122,18 +124,36 @@ class HeadTail(_StridedShard):
         return self.local_shard_size_and_offset(curr_local_size, num_chunks, rank, offset_mode)
 
 
-def Striped(dim: int, *, seq_len: int, cp: int) -> _StridedShard:  # noqa: N802 -- reads as a placement
-    """The striped layout of a length-``seq_len`` tensor dim ``dim`` over ``cp`` ranks: torch's
-    ``_StridedShard(dim, split_factor=seq_len // cp)``. See Note [Layout placements]."""
-    return _StridedShard(dim, split_factor=check_seq_len("striped", cp, seq_len))
+@old_keywords("cp_dtensor.Striped", cp="cp_size")
+def Striped(dim: int, *, seq_len: int, cp_size: int) -> _StridedShard:  # noqa: N802 -- reads as a placement
+    """The striped layout of a length-``seq_len`` tensor dim ``dim`` over ``cp_size`` ranks: torch's
+    ``_StridedShard(dim, split_factor=seq_len // cp_size)``. See Note [Layout placements]."""
+    return _StridedShard(dim, split_factor=check_seq_len("striped", cp_size, seq_len))
 
 
-def sequence_placement(layout: str, dim: int, *, seq_len: int, cp: int) -> Placement:
-    """The placement of ``layout`` for tensor dim ``dim`` (non-negative) of length ``seq_len`` on ``cp`` ranks."""
-    check_seq_len(layout, cp, seq_len)
+def _layout_first(fn):
+    """``sequence_placement``'s old order ``(layout, dim, ...)`` still works, warning once."""
+
+    @functools.wraps(fn)
+    def inner(*args, **kwargs):
+        if args and isinstance(args[0], str):
+            warn_once("cp_dtensor.sequence_placement(layout, dim, ...)", "cp_dtensor.sequence_placement(dim, layout=...)")
+            kwargs = {**kwargs, "layout": args[0]}
+            args = args[1:]
+        return fn(*args, **kwargs)
+
+    return inner
+
+
+@_layout_first
+@old_keywords("cp_dtensor.sequence_placement", cp="cp_size")
+def sequence_placement(dim: int, *, layout: str, seq_len: int, cp_size: int) -> Placement:
+    """The placement of ``layout`` for tensor dim ``dim`` (non-negative) of length ``seq_len`` on ``cp_size``
+    ranks."""
+    check_seq_len(layout, cp_size, seq_len)
     if layout == "contiguous":
         return Shard(dim)
-    return Striped(dim, seq_len=seq_len, cp=cp) if layout == "striped" else HeadTail(dim)
+    return Striped(dim, seq_len=seq_len, cp_size=cp_size) if layout == "striped" else HeadTail(dim)
 
 
 def placement_layout(p: Placement, *, seq_len: int, cp: int) -> str | None:

@@ -63,7 +63,10 @@ CUDA backend choice).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -80,13 +83,14 @@ from .._compat import (
     redistribute_local_tensor,
     restore_cache_key,
 )
-from ..core.checks import call_error
+from ..core.allgather import allgather_backward, allgather_forward
+from ..core.checks import call_error, options_error
 from ..core.layout import check_seq_len
 from ..core.ring import ring_backward, ring_forward
 from ..core.spec import RingSpec
 from .placements import as_layout_placements, install_headtail_propagation, placement_layout
 
-__all__ = ["install_sdpa_dispatch", "uninstall_sdpa_dispatch"]
+__all__ = ["install_sdpa_dispatch", "sdpa_options", "uninstall_sdpa_dispatch"]
 
 aten = torch.ops.aten
 _SEQ_DIM = 2  # q, k, v: [B, H, S, D]
@@ -106,6 +110,27 @@ _BACKWARD_OPS = (
 
 
 _previous: dict[torch._ops.OpOverload, Any] = {}  # handlers ours replaced, restored by uninstall
+_EXCHANGES = {"ring": (ring_forward, ring_backward), "allgather": (allgather_forward, allgather_backward)}
+# the ring options of the innermost open sdpa_options context: (comm_dtype, kv_exchange)
+_options: contextvars.ContextVar[tuple[torch.dtype | None, str]] = contextvars.ContextVar(
+    "cp_dtensor_sdpa_options", default=(None, "ring"))
+
+
+@contextlib.contextmanager
+def sdpa_options(*, comm_dtype: torch.dtype | None = None, kv_exchange: str = "ring") -> Iterator[None]:
+    """``ring_attention``'s ``comm_dtype`` and ``kv_exchange`` for ``F.scaled_dot_product_attention`` on
+    sequence-sharded DTensors while the context is open (a placement cannot carry them); the defaults
+    outside. Checked here, on every rank alike (the same arguments), before any communication. Compiled
+    code keeps the options that were open when it was traced: open the context around the compiled
+    call's first run (and every later one), as around the eager calls."""
+    error = options_error("cp_dtensor.sdpa_options", comm_dtype=comm_dtype, kv_exchange=kv_exchange)
+    if error is not None:
+        raise ValueError(error)
+    token = _options.set((comm_dtype, kv_exchange))
+    try:
+        yield
+    finally:
+        _options.reset(token)
 
 
 def _bind(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -213,17 +238,20 @@ def _sdpa_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> objec
         return _ordinary(op, args, kwargs)
     q, k, v = a["query"], a["key"], a["value"]
     # the call's spec, built once (Note [One spec per ring call] in core/spec.py)
-    spec = RingSpec(ring.group, ring.layout, is_causal=bool(a["is_causal"]), scale=_scale(a, q))
+    comm_dtype, kv_exchange = _options.get()  # See sdpa_options
+    spec = RingSpec(ring.group, ring.layout, is_causal=bool(a["is_causal"]), scale=_scale(a, q), comm_dtype=comm_dtype,
+                    kv_exchange=kv_exchange)
+    forward, backward = _EXCHANGES[kv_exchange]
     ql, kl, vl = ring.local(q), ring.local(k), ring.local(v)  # same placements: no communication
     err = call_error(ql, kl, vl, spec)  # the shards are alike on every rank: every rank raises alike
     if err is not None:
         raise ValueError(err)
     if op in _FORWARD_OPS:
         # out: [B, Hq, S, D]; lse: [B, Hq, S] fp32
-        out, lse = ring_forward(ql, kl, vl, spec)
+        out, lse = forward(ql, kl, vl, spec)
         res = [ring.wrap(out, (*q.shape[:3], v.shape[3])), ring.wrap(lse, tuple(q.shape[:3]))]
         return tuple(res + _empty(op, ring, ql, 2))
-    dq, dk, dv = ring_backward(ring.local(a["grad_out"]), ql, kl, vl, ring.local(a["out"]),
+    dq, dk, dv = backward(ring.local(a["grad_out"]), ql, kl, vl, ring.local(a["out"]),
                                ring.local(a["logsumexp"]), spec)
     res = [ring.wrap(dq, q.shape), ring.wrap(dk, k.shape), ring.wrap(dv, v.shape)]
     return tuple(res + [None] * (len(op._schema.returns) - 3))  # efficient's attn_bias grad

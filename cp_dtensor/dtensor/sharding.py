@@ -54,14 +54,14 @@ def shard_sequence(
     install_sdpa_dispatch()  # SDPA on what this returns runs the ring (idempotent); Note [SDPA dispatch]
     dim, md = wrap_dim(seq_dim, x.dim()), _cp_mesh_dim(mesh, mesh_dim)
     cp = mesh.size(md)
-    placement = sequence_placement(layout, dim, seq_len=x.shape[dim], cp=cp)
+    placement = sequence_placement(dim, layout=layout, seq_len=x.shape[dim], cp_size=cp)
     placements = [Replicate()] * mesh.ndim
     placements[md] = placement
     coord = mesh.get_coordinate()
     if coord is None:  # this rank is outside the mesh: an empty local shard, as DTensor does
         local = x.new_empty(0)
     else:
-        local = shard_tensor(x, seq_dim=dim, layout=layout, rank=coord[md], world=cp).contiguous()
+        local = shard_tensor(x, seq_dim=dim, layout=layout, rank=coord[md], cp_size=cp).contiguous()
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=x.shape, stride=x.stride())
 
 
@@ -103,9 +103,9 @@ def _exchange(local: Tensor, *, dim: int, seq_len: int, src: str, dst: str, grou
     if src == dst or world == 1:
         return local
     # local: [.., S_local (src order), ..] -> send: [S_local, ..] grouped by receiving rank
-    to = _owners(dst, world, seq_len, local_positions(src, rank, world, seq_len))
+    to = _owners(dst, world, seq_len, local_positions(layout=src, rank=rank, cp_size=world, seq_len=seq_len))
     send = local.movedim(dim, 0).index_select(0, torch.argsort(to, stable=True).to(local.device))
-    wanted = local_positions(dst, rank, world, seq_len)
+    wanted = local_positions(layout=dst, rank=rank, cp_size=world, seq_len=seq_len)
     frm = _owners(src, world, seq_len, wanted)
     recv = funcol.all_to_all_single(
         send, torch.bincount(frm, minlength=world).tolist(), torch.bincount(to, minlength=world).tolist(),

@@ -57,6 +57,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .._deprecated import old_keywords
 from .._extras import require
 
 require("hf", "cp_dtensor.hf (transformers models under context parallelism)")
@@ -65,7 +66,7 @@ from transformers import AttentionInterface  # noqa: E402
 from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
 
 from ..core.attention import ring_spec, run_ring_attention  # noqa: E402
-from ..core.checks import check_call, check_cp_mesh  # noqa: E402
+from ..core.checks import check_call, check_cp_mesh, options_error  # noqa: E402
 from ..core.layout import check_layout, in_global_order, shard_tensor  # noqa: E402
 from .generate import decode_attention, enable_generate, generate  # noqa: E402
 from .state import ATTR, CPGenerate, HFState, attach, implementations, remove_context_parallel  # noqa: E402
@@ -260,7 +261,7 @@ def derive_documents(state: HFState, positions: Tensor, mask: Tensor | None, use
             return None, None
     rank, cp = state.mesh.get_local_rank(), state.mesh.size()
     state.id_range = (int(ids.min()), int(ids.max()))  # global: every rank derived the same ids
-    return shard_tensor(ids, seq_dim=1, layout=state.layout, rank=rank, world=cp).contiguous(), None
+    return shard_tensor(ids, seq_dim=1, layout=state.layout, rank=rank, cp_size=cp).contiguous(), None
 
 
 def cp_dtensor_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask,
@@ -287,7 +288,8 @@ def cp_dtensor_attention(module: nn.Module, query: Tensor, key: Tensor, value: T
             raise ValueError(err)
         return decode_attention(state, module, query, key, value, scaling, window, sinks), None
     err = err or _local_error(state, query, key, attention_mask, dropout, softcap, kwargs)
-    spec = ring_spec(state.mesh.get_group(), layout=state.layout, is_causal=causal, scale=scaling, window_size=window)
+    spec = ring_spec(state.mesh.get_group(), layout=state.layout, is_causal=causal, scale=scaling, window_size=window,
+                     comm_dtype=state.comm_dtype, kv_exchange=state.kv_exchange)
     ids, agreed = kwargs.get("document_ids"), None
     if err is None and ids is None:
         pos, use_cache = kwargs["position_ids"], bool(kwargs.get("use_cache"))
@@ -332,10 +334,13 @@ def _top_level_error(model: nn.Module, args, kwargs) -> str | None:
     return None
 
 
+@old_keywords("cp_dtensor.hf.apply_context_parallel", cp_mesh="mesh")
 def apply_context_parallel(
-    model: nn.Module, cp_mesh: DeviceMesh, *, layout: str = "striped", documents: str | None = None,
+    model: nn.Module, mesh: DeviceMesh, *, layout: str = "striped", documents: str | None = None,
+    comm_dtype: torch.dtype | None = None, kv_exchange: str = "ring",
 ) -> nn.Module:
-    """Run a transformers model's attention as ring attention over ``cp_mesh`` (changes ``model`` in place).
+    """Run a transformers model's attention as ring attention over ``mesh`` (the 1-D CP mesh; changes
+    ``model`` in place).
 
     Switches the model (and its sub-models) to ``attn_implementation="cp_dtensor"``. Call it with this
     rank's shard of every sequence tensor (``cp_dtensor.shard_batch(..., layout=layout)``): input_ids,
@@ -349,6 +354,9 @@ def apply_context_parallel(
     not advance by 1 start a sequence when the call has no attention_mask and use_cache is off);
     ``documents="position_ids"`` applies them with use_cache on too.
 
+    ``comm_dtype`` and ``kv_exchange`` are ``ring_attention``'s, for every ring call of the model
+    (training, evaluation and generate()'s prefill).
+
     ``model.generate(...)`` then runs under CP as well, every rank passing the same full, unsharded inputs:
     a ring prefill into a sequence-sharded KV cache, then decoding from it (Note [generate() under CP] in
     hf/generate.py).
@@ -360,10 +368,13 @@ def apply_context_parallel(
     hf/linear.py. Their ``generate()`` prefills by state passing and decodes from replicated linear states and
     sharded attention caches: Note [Hybrid generate() under CP] there.
     """
-    check_cp_mesh(cp_mesh)
+    check_cp_mesh(mesh)
     check_layout(layout)
     if documents not in (None, "position_ids"):
         raise ValueError(f"documents must be None or 'position_ids'; got {documents!r}.")
+    error = options_error("cp_dtensor.hf.apply_context_parallel", comm_dtype=comm_dtype, kv_exchange=kv_exchange)
+    if error is not None:  # the same arguments on every rank: every rank raises here, before any communication
+        raise ValueError(error)
     if getattr(model, "_cp_dtensor_hf", None) is not None or getattr(model, "_cp_dtensor_mode", None) is not None:
         raise ValueError("context parallelism was already applied to this model.")
     if not hasattr(model, "set_attn_implementation"):
@@ -389,7 +400,8 @@ def apply_context_parallel(
         model.set_attn_implementation(before)
         raise ValueError(f"{type(model).__name__} does not route its attention through transformers' "
                          "AttentionInterface, so it cannot run context parallel attention.")
-    state = attach(model, cp_mesh, layout, documents, before)  # Note [CP state on a model] in hf/state.py
+    state = attach(model, mesh, layout, documents, before)
+    state.comm_dtype, state.kv_exchange = comm_dtype, kv_exchange  # Note [CP state on a model] in hf/state.py
     state.handles += [model.register_forward_pre_hook(_call_starts, with_kwargs=True),
                       model.register_forward_hook(_call_ends, always_call=True),
                       model.base_model.register_forward_pre_hook(_forward_starts)]

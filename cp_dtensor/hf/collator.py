@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
+from .._deprecated import old_keywords
 from ..core.batch import shard_batch
 from ..core.layout import layout_unit
 from .attention import shift_labels
@@ -50,8 +51,9 @@ class ShardingCollator:
     """Wraps a collator: the user's collator on the replica's examples, then this rank's shard of every
     [B, N] tensor, labels shifted on the full row. See Note [The Trainer under CP] in trainer.py."""
 
-    def __init__(self, collator, cp_mesh: DeviceMesh, layout: str):
-        self.collator, self.mesh, self.layout = collator, cp_mesh, layout
+    @old_keywords("cp_dtensor.hf.ShardingCollator", positional=("layout",), npos=3, cp_mesh="mesh")
+    def __init__(self, collator, mesh: DeviceMesh, *, layout: str):
+        self.collator, self.mesh, self.layout = collator, mesh, layout
 
     def __call__(self, features):
         batch = self.collator(features)

@@ -116,7 +116,7 @@ def _base_pre_hook(module, args, kwargs):
         unit = layout_unit(state.layout, cp)
         pad = -n % unit  # masked columns before the prompt: its last token ends the sequence (the final states)
         padded = lambda x, v: torch.nn.functional.pad(x, (pad, 0), value=v)  # noqa: E731
-        shard = lambda x: shard_tensor(x, seq_dim=1, layout=state.layout, rank=rank, world=cp).contiguous()  # noqa: E731
+        shard = lambda x: shard_tensor(x, seq_dim=1, layout=state.layout, rank=rank, cp_size=cp).contiguous()  # noqa: E731
         cols = shard(torch.arange(n + pad, device=ids.device)[None])[0]  # global columns held here
         keep = torch.nonzero(cols >= pad).flatten()
         kpos = shard(padded(pos.masked_fill(~real, -1), -1)).index_select(1, keep)

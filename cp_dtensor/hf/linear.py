@@ -396,7 +396,7 @@ def _conv_dispatcher(original):
         run.calls["conv"] += 1
         ctx = run.state
         out = sharded_causal_conv1d(a["hidden_states"], a["weight"], a.get("bias"), a.get("activation"),
-                                    group=ctx.mesh.get_group(), layout=ctx.layout, document_ids=run.ids,
+                                    mesh=ctx.mesh.get_group(), layout=ctx.layout, document_ids=run.ids,
                                     output_final_state=run.cache is not None)
         if run.cache is None:
             return out
@@ -424,7 +424,7 @@ def _rule_dispatcher(original):
         ctx = run.state
         extra = {"chunk_size": a["chunk_size"]} if "chunk_size" in a else {}  # the rest: the model's call kwargs
         out = sharded_delta_rule(original, a["query"], a["key"], a["value"], a["g"], a["beta"],
-                                 group=ctx.mesh.get_group(), layout=ctx.layout, document_ids=run.ids,
+                                 mesh=ctx.mesh.get_group(), layout=ctx.layout, document_ids=run.ids,
                                  use_qk_l2norm_in_kernel=bool(a.get("use_qk_l2norm_in_kernel", False)),
                                  output_final_state=final, **extra)
         return out if final else (out, None)  # final: (o, the state after the prompt), which the layer caches

@@ -70,6 +70,8 @@ class HFState:
     keep_logits: Any = 0  #: the top-level call's ``logits_to_keep`` (generate's prefill gathers those rows)
     generating: Any = None  #: generate.GenerateCall while a generate() call runs
     linear: Any = None  #: linear.LinearState for a hybrid linear-attention model
+    comm_dtype: Any = None  #: ring_attention's comm_dtype for every ring call (None: K/V as they are)
+    kv_exchange: str = "ring"  #: ring_attention's kv_exchange for every ring call
 
     def _fresh(self, copied: dict) -> None:
         for f in fields(self):

@@ -67,7 +67,7 @@ def expected_local(x: torch.Tensor, layout: str, rank: int, world: int, dim: int
 
 def like(mesh, layout: str, dim: int = SEQ_DIM) -> DTensor:
     """A meta-device DTensor that only describes the target: mesh, layout, shape, dtype."""
-    p = sequence_placement(layout, dim, seq_len=SHAPE[dim], cp=mesh.size())
+    p = sequence_placement(dim, layout=layout, seq_len=SHAPE[dim], cp_size=mesh.size())
     local = expected_local(torch.empty(SHAPE, device="meta"), "contiguous", 0, mesh.size())
     return DTensor.from_local(local, mesh, [p], run_check=False, shape=torch.Size(SHAPE),
                               stride=torch.empty(SHAPE, device="meta").stride())
@@ -95,7 +95,7 @@ def _save_at_4(rank: int, world: int, path: str) -> None:
              for i, layout in enumerate(LAYOUTS)}
     state["bias"] = torch.arange(8.0)  # a plain tensor, replicated
     mesh2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
-    striped2d = sequence_placement("striped", SEQ_DIM, seq_len=SHAPE[SEQ_DIM], cp=2)
+    striped2d = sequence_placement(SEQ_DIM, layout="striped", seq_len=SHAPE[SEQ_DIM], cp_size=2)
     local2d = expected_local(expected_local(data(9), "contiguous", mesh2d.get_local_rank("dp"), 2, dim=0),
                              "striped", mesh2d.get_local_rank("cp"), 2)
     state["kv.2d"] = DTensor.from_local(local2d, mesh2d, [Shard(0), striped2d], run_check=False,
@@ -104,7 +104,7 @@ def _save_at_4(rank: int, world: int, path: str) -> None:
     # every layout to every other on the same mesh, against the formulas
     for i, src in enumerate(LAYOUTS):
         for dst in LAYOUTS:
-            moved = relayout(state[f"kv.{src}"], [sequence_placement(dst, SEQ_DIM, seq_len=32, cp=world)])
+            moved = relayout(state[f"kv.{src}"], [sequence_placement(SEQ_DIM, layout=dst, seq_len=32, cp_size=world)])
             assert torch.equal(moved.to_local(), expected_local(data(i), dst, rank, world)), (src, dst)
     with pytest.raises(ValueError, match="changes sequence layouts only"):
         relayout(state["kv.striped"], [Shard(1)])
@@ -137,7 +137,7 @@ def _load_at_2(rank: int, world: int, path: str) -> None:
     for i, saved in enumerate(LAYOUTS):
         for layout in LAYOUTS:  # the saved layout, and a layout change on load
             got = load_sequence_sharded(path, {f"kv.{saved}": like(mesh, layout)})[f"kv.{saved}"]
-            assert got.placements == (sequence_placement(layout, SEQ_DIM, seq_len=32, cp=world),)
+            assert got.placements == (sequence_placement(SEQ_DIM, layout=layout, seq_len=32, cp_size=world),)
             assert torch.equal(got.to_local(), expected_local(data(i), layout, rank, world)), (saved, layout)
     got = load_sequence_sharded(path, {"kv.2d": like(mesh, "headtail"), "bias": torch.empty(8)})
     assert torch.equal(got["kv.2d"].to_local(), expected_local(data(9), "headtail", rank, world))

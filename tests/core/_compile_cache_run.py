@@ -60,7 +60,7 @@ def _case(path: str, layout: str, rank: int, world: int, mesh) -> float:
             attn = cp_dtensor.apply_context_parallel(_SDPA(), mesh, layout=layout)
 
         def shard(x):
-            return shard_tensor(x.float(), seq_dim=2, layout=layout, rank=rank, world=world)
+            return shard_tensor(x.float(), seq_dim=2, layout=layout, rank=rank, cp_size=world)
 
         want = [shard(w).double() for w in want]
         unshard = torch.Tensor.detach

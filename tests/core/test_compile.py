@@ -162,7 +162,7 @@ def _shards(rank, world, layout, seed, hq, hkv, s_local, d=16):
     q, k, v, do = make_qkv(seed, 2, hq, hkv, s_local * world, d)
 
     def shard(x):
-        return shard_tensor(x, seq_dim=2, layout=layout, rank=rank, world=world).float()
+        return shard_tensor(x, seq_dim=2, layout=layout, rank=rank, cp_size=world).float()
 
     return (q, k, v, do), [shard(x).requires_grad_() for x in (q, k, v)], shard
 

@@ -38,7 +38,7 @@ def _ids(rank: int, world: int, s_local: int, *, bad: bool) -> torch.Tensor:
     ids = torch.arange(n).div(3, rounding_mode="floor").view(1, n)
     if bad:
         ids = ids.flip(1)
-    return shard_tensor(ids, seq_dim=1, layout="striped", rank=rank, world=world).contiguous()
+    return shard_tensor(ids, seq_dim=1, layout="striped", rank=rank, cp_size=world).contiguous()
 
 
 # (name, fault: rank -> (S_local, ring_attention keywords, document_ids bad?), words of the message)
@@ -56,7 +56,7 @@ def _call(rank, world, fault, group=None):
     s_local, kwargs, bad_ids = fault(rank)
     q, k, v = _x(1, s_local), _x(2, s_local), _x(3, s_local)
     ids = None if bad_ids is None else _ids(rank, world, s_local, bad=bad_ids)
-    kwargs = dict(layout="striped", is_causal=True, group=group) | kwargs
+    kwargs = dict(layout="striped", is_causal=True, mesh=group) | kwargs
 
     def f(q, k, v, ids):
         return cp_dtensor.ring_attention(q, k, v, document_ids=ids, **kwargs)
@@ -143,8 +143,8 @@ def _faults(rank, world, backends, faults, mesh_shape):
     torch._dynamo.reset()
     q, k, v, _ = make_qkv(7, 1, 2, 2, 8 * world, 8)
     want = reference(q, k, v, torch.zeros_like(q), is_causal=True)[0]
-    shard = lambda x: shard_tensor(x, seq_dim=2, layout="striped", rank=rank, world=world).float().contiguous()  # noqa: E731
-    f = torch.compile(lambda q, k, v: cp_dtensor.ring_attention(q, k, v, is_causal=True, group=group),
+    shard = lambda x: shard_tensor(x, seq_dim=2, layout="striped", rank=rank, cp_size=world).float().contiguous()  # noqa: E731
+    f = torch.compile(lambda q, k, v: cp_dtensor.ring_attention(q, k, v, is_causal=True, mesh=group),
                       backend=backends[0], fullgraph=True)
     err = rel_err(f(shard(q), shard(k), shard(v)), shard(want))
     assert err < 2e-5, err

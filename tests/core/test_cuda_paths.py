@@ -247,7 +247,7 @@ def _ring_cases(rank, world):
             want = masked_reference(q, k, v, do, is_causal=causal, **opts)
 
             def shard(x, dim=2):
-                return shard_tensor(x, seq_dim=dim, layout=layout, rank=rank, world=world)
+                return shard_tensor(x, seq_dim=dim, layout=layout, rank=rank, cp_size=world)
 
             ql, kl, vl = (shard(x).to(dtype).requires_grad_() for x in (q, k, v))
             kw = {}
@@ -311,7 +311,7 @@ def _varlen_cases(rank, world):
         want = masked_reference(q, k, v, do, is_causal=True, document_ids=ids, window_size=window)
 
         def shard(x, dim=2):
-            return shard_tensor(x, seq_dim=dim, layout=layout, rank=rank, world=world)
+            return shard_tensor(x, seq_dim=dim, layout=layout, rank=rank, cp_size=world)
 
         ql, kl, vl = (shard(x).to(torch.bfloat16).requires_grad_() for x in (q, k, v))
         with _as_cuda(standin):
@@ -528,7 +528,7 @@ def _host_reads(rank, world):
                 n, hq = 8 * world, 4
                 g = torch.Generator().manual_seed(1)
                 q, k, v, do = (torch.randn(1, h, n, 16, generator=g) for h in (hq, 2, 2, hq))
-                shard = lambda x, dim=2: shard_tensor(x, seq_dim=dim, layout=layout, rank=rank, world=world)  # noqa: E731
+                shard = lambda x, dim=2: shard_tensor(x, seq_dim=dim, layout=layout, rank=rank, cp_size=world)  # noqa: E731
                 ql, kl, vl = (shard(x).to(torch.bfloat16).requires_grad_() for x in (q, k, v))
                 kw = {}
                 if masked:

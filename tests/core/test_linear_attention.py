@@ -107,10 +107,10 @@ def _delta_cases(rank, world):
                          run_len=run_len)
         *xs, do, ids = case
         want = reference(*xs, do, ids)
-        shard = lambda x: shard_tensor(x, seq_dim=1, layout=layout, rank=rank, world=world)
+        shard = lambda x: shard_tensor(x, seq_dim=1, layout=layout, rank=rank, cp_size=world)
         local = [shard(x).to(dtype).requires_grad_() for x in xs]
         final = ci % 2 == 0  # every other case also returns the state after the last token (for decoding)
-        o = sharded_delta_rule(kernel, *local, group=None, layout=layout, output_final_state=final,
+        o = sharded_delta_rule(kernel, *local, mesh=None, layout=layout, output_final_state=final,
                                document_ids=None if ids is None else shard(ids), use_qk_l2norm_in_kernel=True, **kw)
         if final:
             o, state = o
@@ -157,9 +157,9 @@ def _conv_cases(rank, world):
         ref = torch.cat(rows)
         ref = F.silu(ref) if act else ref
         ref.backward(do)
-        shard = lambda t: shard_tensor(t, seq_dim=-1, layout=layout, rank=rank, world=world)
+        shard = lambda t: shard_tensor(t, seq_dim=-1, layout=layout, rank=rank, cp_size=world)
         xl, wl, bl = shard(x).clone().requires_grad_(), w.clone().requires_grad_(), bias.clone().requires_grad_()
-        out = sharded_causal_conv1d(xl, wl, bl, act, group=None, layout=layout, output_final_state=True,
+        out = sharded_causal_conv1d(xl, wl, bl, act, mesh=None, layout=layout, output_final_state=True,
                                     document_ids=None if ids is None else shard(ids))
         out, state = out  # the conv state for decoding: the sequence's last K inputs, raw
         assert torch.equal(state, x[..., -kk:]), f"conv {layout} K={kk} P={world}: final state"
@@ -181,10 +181,10 @@ def _bytes_cases(rank, world):
             b, hk, hv, d = 2, 2, 4, 8
             *xs, do, _ = make_case(s_local, b=b, n=world * s_local, hk=hk, hv=hv, d=d, per_channel=False, docs=None,
                                    run_len=s_local)
-            shard = lambda x: shard_tensor(x, seq_dim=1, layout=layout, rank=rank, world=world)
+            shard = lambda x: shard_tensor(x, seq_dim=1, layout=layout, rank=rank, cp_size=world)
             local = [shard(x).float().requires_grad_() for x in xs]
             with CommBytes() as fwd:
-                o = sharded_delta_rule(torch_chunk_gated_delta_rule, *local, group=None, layout=layout,
+                o = sharded_delta_rule(torch_chunk_gated_delta_rule, *local, mesh=None, layout=layout,
                                        use_qk_l2norm_in_kernel=True, chunk_size=8)
             with CommBytes() as bwd:
                 o.backward(shard(do).float())
@@ -193,14 +193,14 @@ def _bytes_cases(rank, world):
             assert bwd.sent == want, (layout, s_local, bwd.by_op, want)
             x = torch.randn(b, 6, s_local, dtype=torch.float32, requires_grad=True)
             with CommBytes() as cf:
-                y = sharded_causal_conv1d(x, torch.randn(6, 4), None, "silu", group=None, layout=layout)
+                y = sharded_causal_conv1d(x, torch.randn(6, 4), None, "silu", mesh=None, layout=layout)
             with CommBytes() as cb:
                 y.sum().backward()
             halo = conv_halo_bytes(batch=b, channels=6, kernel_size=4, world=world, layout=layout, itemsize=4,
                                    s_local=s_local)
             assert cf.sent == halo + check_bytes(world=world, conv=True) and cb.sent == halo, (cf.by_op, cb.by_op)
             with CommBytes() as cs, torch.no_grad():  # with the conv state for decoding: one column more per run
-                sharded_causal_conv1d(x, torch.randn(6, 4), None, "silu", group=None, layout=layout,
+                sharded_causal_conv1d(x, torch.randn(6, 4), None, "silu", mesh=None, layout=layout,
                                       output_final_state=True)
             assert cs.sent == check_bytes(world=world, conv=True) + conv_halo_bytes(
                 batch=b, channels=6, kernel_size=4, world=world, layout=layout, itemsize=4, s_local=s_local,
@@ -213,7 +213,7 @@ def _refusal_cases(rank, world):
     b, s, h, d = 1, 6, 2, 4
     mk = lambda *shape: torch.randn(*shape)
     good = lambda: (mk(b, s, h, d), mk(b, s, h, d), mk(b, s, h, d), -torch.rand(b, s, h), torch.rand(b, s, h))
-    call = lambda xs, **kw: sharded_delta_rule(torch_chunk_gated_delta_rule, *xs, group=None,
+    call = lambda xs, **kw: sharded_delta_rule(torch_chunk_gated_delta_rule, *xs, mesh=None,
                                                **{"layout": "headtail", "chunk_size": 8, **kw})
     cases = {
         "striped": (lambda: call(good(), layout="striped"), "striped"),
@@ -224,9 +224,9 @@ def _refusal_cases(rank, world):
         "bad document_ids on rank 0": (lambda: call(good(), document_ids=torch.zeros(b, s - (rank == 0),
                                                                                      dtype=torch.long)),
                                        "document_ids must be this rank's shard"),
-        "conv weight on rank 1": (lambda: sharded_causal_conv1d(mk(b, 3, s), mk(3 + (rank == 1), 4), group=None,
+        "conv weight on rank 1": (lambda: sharded_causal_conv1d(mk(b, 3, s), mk(3 + (rank == 1), 4), mesh=None,
                                                                 layout="contiguous"), "rejected the inputs"),
-        "conv striped": (lambda: sharded_causal_conv1d(mk(b, 3, s), mk(3, 4), group=None, layout="striped"),
+        "conv striped": (lambda: sharded_causal_conv1d(mk(b, 3, s), mk(3, 4), mesh=None, layout="striped"),
                          "striped"),
     }
     for what, (fn, match) in cases.items():
@@ -266,7 +266,7 @@ def test_single_rank_is_the_kernel():
     """Without a process group (CP = 1) the op is the kernel: one call, same output."""
     *xs, _, _ = make_case(0, b=1, n=21, hk=2, hv=4, d=8, per_channel=False, docs=None, run_len=21)
     xs = [x.float() for x in xs]
-    o = sharded_delta_rule(torch_chunk_gated_delta_rule, *xs, group=None, layout="contiguous", chunk_size=8)
+    o = sharded_delta_rule(torch_chunk_gated_delta_rule, *xs, mesh=None, layout="contiguous", chunk_size=8)
     want, _ = torch_chunk_gated_delta_rule(*xs, chunk_size=8)
     assert torch.equal(o, want)
 
@@ -278,7 +278,7 @@ def test_decode_steps_continue_the_prefill():
     for per_channel, hk in ((False, 2), (True, 4)):
         *xs, _, _ = make_case(3, b=2, n=12, hk=hk, hv=4, d=8, per_channel=per_channel, docs=None, run_len=12)
         want_o, want_s = recurrence(*xs)
-        o, state = sharded_delta_rule(f64_kernel, *(x[:, :9] for x in xs), group=None, layout="contiguous",
+        o, state = sharded_delta_rule(f64_kernel, *(x[:, :9] for x in xs), mesh=None, layout="contiguous",
                                       use_qk_l2norm_in_kernel=True, output_final_state=True)
         steps = [delta_rule_step(*(x[:, t:t + 1] for x in xs), state, use_qk_l2norm=True) for t in (9, 10)]
         steps.append(delta_rule_step(*(x[:, 11:] for x in xs), state, use_qk_l2norm=True))
@@ -288,7 +288,7 @@ def test_decode_steps_continue_the_prefill():
     for m, kk in ((7, 4), (2, 4), (5, 1)):
         x, w, bias = (torch.randn(*s, generator=gen, dtype=torch.float64) for s in ((2, 3, 9), (3, kk), (3,)))
         want = F.silu(F.conv1d(x, w.unsqueeze(1), bias, padding=kk - 1, groups=3)[..., :9])
-        out, conv_state = sharded_causal_conv1d(x[..., :m], w, bias, "silu", group=None, layout="contiguous",
+        out, conv_state = sharded_causal_conv1d(x[..., :m], w, bias, "silu", mesh=None, layout="contiguous",
                                                 output_final_state=True)
         assert conv_state.shape == (2, 3, kk)
         steps = [causal_conv1d_step(x[..., t:t + 1], conv_state, w, bias, "silu") for t in range(m, 9)]
@@ -303,8 +303,8 @@ def _compiled(rank, world):
     layout, s_local = "headtail", 20
     *xs, do, _ = make_case(3, b=2, n=world * s_local, hk=2, hv=4, d=8, per_channel=False, docs=None, run_len=10)
     want = reference(*xs, do, None)
-    shard = lambda x: shard_tensor(x, seq_dim=1, layout=layout, rank=rank, world=world)
-    fn = torch.compile(lambda *a: sharded_delta_rule(torch_chunk_gated_delta_rule, *a, group=None, layout=layout,
+    shard = lambda x: shard_tensor(x, seq_dim=1, layout=layout, rank=rank, cp_size=world)
+    fn = torch.compile(lambda *a: sharded_delta_rule(torch_chunk_gated_delta_rule, *a, mesh=None, layout=layout,
                                                      use_qk_l2norm_in_kernel=True, chunk_size=8))
     for _ in range(2):
         local = [shard(x).float().requires_grad_() for x in xs]

@@ -42,7 +42,7 @@ def test_rectangles_cover_exactly_the_mask():
         tile, strip = rng.choice([0, 1, 3]), rng.choice([0, 0, 1, 2, 3])  # strips: Note [Causal staircase]
         for rank in range(world):
             for src in range(world):
-                qp, kp = (local_positions(layout, r, world, n) for r in (rank, src))
+                qp, kp = (local_positions(layout=layout, rank=r, cp_size=world, seq_len=n) for r in (rank, src))
                 d = kp[None, :] - qp[:, None]
                 want = torch.ones(s, s, dtype=torch.bool)
                 want &= d >= lo if lo is not None else True
@@ -139,7 +139,7 @@ def _run(rank, world, c, dtype, comm_dtype=None):
     q, k, v, do, ids, sinks, want = masked_case(c, world)
 
     def shard(x, dim=2):
-        return shard_tensor(x, seq_dim=dim, layout=c["layout"], rank=rank, world=world)
+        return shard_tensor(x, seq_dim=dim, layout=c["layout"], rank=rank, cp_size=world)
 
     ql, kl, vl = (shard(x).to(dtype).requires_grad_() for x in (q, k, v))
     sl = None if sinks is None else sinks.to(dtype if dtype == torch.float64 else torch.float32).requires_grad_()
@@ -197,7 +197,7 @@ def _bytes(rank, world):
     seen = {}
     # documents, striped: K/V at the formula; the ids add one all-gather of one byte per token
     glob = torch.arange(s * world).div(5, rounding_mode="floor").unsqueeze(0)  # documents of 5 tokens
-    ids = shard_tensor(glob, seq_dim=1, layout="striped", rank=rank, world=world)
+    ids = shard_tensor(glob, seq_dim=1, layout="striped", rank=rank, cp_size=world)
     with CommBytes() as fwd:
         out = cp_dtensor.ring_attention(q, k, v, layout="striped", is_causal=True, document_ids=ids)
     with CommBytes() as bwd:
@@ -226,7 +226,7 @@ def test_masked_bytes_on_the_wire(world):
 def _bad_inputs(rank, world):
     s = 4
     q, k, v = (torch.randn(1, 2, s, 8) for _ in range(3))
-    good_ids = shard_tensor(torch.arange(s * world).unsqueeze(0) // 3, seq_dim=1, layout="striped", rank=rank, world=world)
+    good_ids = shard_tensor(torch.arange(s * world).unsqueeze(0) // 3, seq_dim=1, layout="striped", rank=rank, cp_size=world)
     cases = {
         "ids dtype": dict(document_ids=good_ids.float()),
         "ids shape on one rank": dict(document_ids=good_ids if rank else good_ids[:, :-1]),
@@ -284,7 +284,7 @@ def _compiled(rank, world):
         want = masked_reference(q, k, v, do, is_causal=True, document_ids=ids, window_size=(5, 0), sinks=sinks)
 
         def shard(x, dim=2):
-            return shard_tensor(x, seq_dim=dim, layout="striped", rank=rank, world=world)
+            return shard_tensor(x, seq_dim=dim, layout="striped", rank=rank, cp_size=world)
 
         ql, kl, vl = (shard(x).float().requires_grad_() for x in (q, k, v))
         sl = sinks.float().requires_grad_()

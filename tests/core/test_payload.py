@@ -39,7 +39,7 @@ def _payload(rank, world):
             ref = reference(q, k, v, do, is_causal=causal)
             yardstick = reference(q, _fake_fp8(k), _fake_fp8(v), do, is_causal=causal)
             bar = max(rel_err(a, b) for a, b in zip(yardstick, ref))
-            sh = lambda x: shard_tensor(x, seq_dim=2, layout=layout, rank=rank, world=world)  # noqa: E731
+            sh = lambda x: shard_tensor(x, seq_dim=2, layout=layout, rank=rank, cp_size=world)  # noqa: E731
             for dtype in (torch.bfloat16, torch.float32):
                 ql, kl, vl = (sh(x).to(dtype).requires_grad_() for x in (q, k, v))
                 with CommBytes() as fwd:

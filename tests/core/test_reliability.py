@@ -123,7 +123,7 @@ def _numerics(rank, world):
     for layout in cp_dtensor.LAYOUTS:
         q, k, v, do = make_qkv(7, 1, 4, 2, 8 * world, 16, scale=50.0)
         ref = reference(q, k, v, do, is_causal=True)
-        sh = lambda x: shard_tensor(x, seq_dim=2, layout=layout, rank=rank, world=world)  # noqa: E731
+        sh = lambda x: shard_tensor(x, seq_dim=2, layout=layout, rank=rank, cp_size=world)  # noqa: E731
         ql, kl, vl = (sh(x).float().requires_grad_() for x in (q, k, v))
         out = cp_dtensor.ring_attention(ql, kl, vl, layout=layout, is_causal=True)
         out.backward(sh(do).float())
@@ -138,7 +138,7 @@ def _numerics(rank, world):
         assert torch.equal(out, out2) and torch.equal(ql.grad, q2.grad) and torch.equal(kl.grad, k2.grad)
         # CP=1 vs CP=P in fp32, both through ring_attention.
         q, k, v, _ = make_qkv(8, 2, 4, 2, 12 * world, 16)
-        full = cp_dtensor.ring_attention(q.float(), k.float(), v.float(), group=one, is_causal=True)
+        full = cp_dtensor.ring_attention(q.float(), k.float(), v.float(), mesh=one, is_causal=True)
         part = cp_dtensor.ring_attention(sh(q).float(), sh(k).float(), sh(v).float(), layout=layout, is_causal=True)
         errs[f"cp1_vs_cp{world}_{layout}"] = rel_err(part, sh(full))
     return errs
@@ -158,7 +158,7 @@ def _edge_cases(rank, world):
         s_local = 2 if layout == "headtail" else 1
         q, k, v, do = make_qkv(1, 1, 2, 1, s_local * world, 8)
         ref = reference(q, k, v, do, is_causal=True)
-        sh = lambda x: shard_tensor(x, seq_dim=2, layout=layout, rank=rank, world=world)  # noqa: E731
+        sh = lambda x: shard_tensor(x, seq_dim=2, layout=layout, rank=rank, cp_size=world)  # noqa: E731
         ql, kl, vl = (sh(x).float().requires_grad_() for x in (q, k, v))
         out = cp_dtensor.ring_attention(ql, kl, vl, layout=layout, is_causal=True)
         out.backward(sh(do).float())
@@ -169,7 +169,7 @@ def _edge_cases(rank, world):
     # Non-contiguous inputs ([B, S, H, D] storage seen as [B, H, S, D]) and grads on q only.
     q, k, v, do = make_qkv(2, 2, 4, 2, 8 * world, 16)
     ref = reference(q, k, v, do, is_causal=True)
-    sh = lambda x: shard_tensor(x, seq_dim=2, layout="striped", rank=rank, world=world)  # noqa: E731
+    sh = lambda x: shard_tensor(x, seq_dim=2, layout="striped", rank=rank, cp_size=world)  # noqa: E731
     ql = sh(q).float().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
     kl, vl = (sh(x).float().transpose(1, 2).contiguous().transpose(1, 2) for x in (k, v))
     assert not ql.is_contiguous() and not kl.is_contiguous()
@@ -213,7 +213,7 @@ def _property(rank, world):
         s_local = 2 * chunks if layout == "headtail" else chunks
         q, k, v, do = make_qkv(seed, batch, kv_heads * group, kv_heads, s_local * world, head_dim)
         ref = reference(q, k, v, do, is_causal=causal, scale=scale)
-        sh = lambda x: shard_tensor(x, seq_dim=2, layout=layout, rank=rank, world=world)  # noqa: E731
+        sh = lambda x: shard_tensor(x, seq_dim=2, layout=layout, rank=rank, cp_size=world)  # noqa: E731
         ql, kl, vl = (sh(x).float().requires_grad_() for x in (q, k, v))
         out = cp_dtensor.ring_attention(ql, kl, vl, layout=layout, is_causal=causal, scale=scale)
         out.backward(sh(do).float())
@@ -238,9 +238,9 @@ def _outside_group(rank, world):
     q = torch.randn(1, 2, 4, 8)
     if rank == 2:
         with pytest.raises(ValueError, match="not a member of its CP group"):
-            cp_dtensor.ring_attention(q, q, q, group=group, is_causal=True)
+            cp_dtensor.ring_attention(q, q, q, mesh=group, is_causal=True)
     else:
-        cp_dtensor.ring_attention(q, q, q, group=group, is_causal=True)
+        cp_dtensor.ring_attention(q, q, q, mesh=group, is_causal=True)
 
 
 def test_rank_outside_the_group_gets_a_clear_error():

@@ -33,7 +33,7 @@ def _run_case(rank, world, case, dtype, seed):
     ref = reference(q, k, v, do, is_causal=causal, scale=case["scale"])
 
     def shard(x):
-        return shard_tensor(x, seq_dim=2, layout=layout, rank=rank, world=world).to(dtype)
+        return shard_tensor(x, seq_dim=2, layout=layout, rank=rank, cp_size=world).to(dtype)
 
     ql, kl, vl = (shard(x).requires_grad_() for x in (q, k, v))
     out = cp_dtensor.ring_attention(ql, kl, vl, layout=layout, is_causal=causal, scale=case["scale"])
@@ -67,7 +67,7 @@ def _bytes(rank, world):
     for layout, (hq, hkv), dtype in itertools.product(cp_dtensor.LAYOUTS, [(4, 2), (2, 2)], [torch.float32, torch.bfloat16]):
         b, s_local, d = 2, 8, 16
         q, k, v, do = make_qkv(0, b, hq, hkv, s_local * world, d)
-        ql, kl, vl = (shard_tensor(x, seq_dim=2, layout=layout, rank=rank, world=world).to(dtype).requires_grad_() for x in (q, k, v))
+        ql, kl, vl = (shard_tensor(x, seq_dim=2, layout=layout, rank=rank, cp_size=world).to(dtype).requires_grad_() for x in (q, k, v))
         with CommBytes() as fwd, CommDebugMode() as fwd_counts:
             out = cp_dtensor.ring_attention(ql, kl, vl, layout=layout, is_causal=True)
         with CommBytes() as bwd:
@@ -96,7 +96,7 @@ def _old_exchange_keywords(rank, world):
     layout = "headtail"
     q, k, v, do = make_qkv(5, 1, 4, 2, 4 * world, 8)
     out_ref, *grads_ref = reference(q, k, v, do, is_causal=True, scale=0.5)
-    ql, kl, vl, dol = (shard_tensor(x, seq_dim=2, layout=layout, rank=rank, world=world).float() for x in (q, k, v, do))
+    ql, kl, vl, dol = (shard_tensor(x, seq_dim=2, layout=layout, rank=rank, cp_size=world).float() for x in (q, k, v, do))
     options = dict(group=dist.group.WORLD, layout=layout, is_causal=True, scale=0.5)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -104,7 +104,7 @@ def _old_exchange_keywords(rank, world):
         grads = ring_backward(dol, ql, kl, vl, out, lse, **options)
     assert [w.category for w in caught] == [FutureWarning, FutureWarning], [str(w.message) for w in caught]
     for got, want in zip((out, *grads), (out_ref, *grads_ref)):
-        assert rel_err(got, shard_tensor(want, seq_dim=2, layout=layout, rank=rank, world=world)) < 2e-5
+        assert rel_err(got, shard_tensor(want, seq_dim=2, layout=layout, rank=rank, cp_size=world)) < 2e-5
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -120,7 +120,7 @@ def test_single_rank_is_plain_sdpa():
         q, k, v, _ = make_qkv(3, 1, 4, 2, 33, 8)
         q, k, v = q.float(), k.float(), v.float()
         want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        got = cp_dtensor.ring_attention(q, k, v, is_causal=True, group=dist.group.WORLD)
+        got = cp_dtensor.ring_attention(q, k, v, is_causal=True, mesh=dist.group.WORLD)
         assert rel_err(got, want) < 1e-6
 
     run_ranks(1, fn)

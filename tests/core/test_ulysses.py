@@ -36,7 +36,7 @@ def test_union_runs_are_the_union_of_the_group_shards():
         for u_, r_ in [(2, 2), (1, 4), (4, 1), (2, 3), (3, 2), (4, 2)]:
             p, s = u_ * r_, 6
             for r in range(r_):
-                parts = torch.cat([local_positions(layout, u * r_ + r, p, p * s) for u in range(u_)])
+                parts = torch.cat([local_positions(layout=layout, rank=u * r_ + r, cp_size=p, seq_len=p * s) for u in range(u_)])
                 want = parts[torch.tensor(union_order(layout, u_, s))].tolist()
                 got = _expand(runs(layout, r, r_, u_ * s, ulysses=u_))
                 assert got == want, (layout, u_, r_, r, got, want)
@@ -65,12 +65,12 @@ def _run(rank, world, c, group, dtype=torch.float32):
     q, k, v, do, ids, sinks, want = masked_case(c, world)
 
     def shard(x, dim=2):
-        return shard_tensor(x, seq_dim=dim, layout=c["layout"], rank=rank, world=world)
+        return shard_tensor(x, seq_dim=dim, layout=c["layout"], rank=rank, cp_size=world)
 
     ql, kl, vl = (shard(x).to(dtype).requires_grad_() for x in (q, k, v))
     sl = None if sinks is None else sinks.to(dtype).requires_grad_()
     out = cp_dtensor.ring_attention(
-        ql, kl, vl, group=group, layout=c["layout"], is_causal=c["causal"], kv_exchange=c["kv_exchange"],
+        ql, kl, vl, mesh=group, layout=c["layout"], is_causal=c["causal"], kv_exchange=c["kv_exchange"],
         document_ids=None if ids is None else shard(ids, 1), window_size=c["window"], sinks=sl,
     )
     out.backward(shard(do).to(dtype))
@@ -90,7 +90,7 @@ def _bytes_case(rank, world, group, u_, kv_exchange, layout, hq, hkv, causal=Tru
     k = torch.randn(b, hkv, s, dqk, generator=g, requires_grad=True)
     v = torch.randn(b, hkv, s, dv, generator=g, requires_grad=True)
     with CommBytes() as fwd:
-        out = cp_dtensor.ring_attention(q, k, v, group=group, layout=layout, is_causal=causal, kv_exchange=kv_exchange)
+        out = cp_dtensor.ring_attention(q, k, v, mesh=group, layout=layout, is_causal=causal, kv_exchange=kv_exchange)
     with CommBytes() as bwd:
         out.backward(torch.ones_like(out))
     dims = dict(b=b, s_local=s, hkv=hkv, dqk=dqk, dv=dv, itemsize=4)
@@ -146,15 +146,15 @@ def _all(rank, world):
     # bad input raises on every rank, before any K/V or head moves
     q = torch.randn(1, 2, 4, 8)
     k = torch.randn(1, 1, 4, 8)
-    msgs = [_errors(rank, world, cp_dtensor.ring_attention, q, k, k, group=meshes[(4, 1)])]  # Hq 2 % U 4
+    msgs = [_errors(rank, world, cp_dtensor.ring_attention, q, k, k, mesh=meshes[(4, 1)])]  # Hq 2 % U 4
     qq = torch.randn(1, 4 if rank else 8, 4, 8)  # one rank disagrees on Hq
-    msgs.append(_errors(rank, world, cp_dtensor.ring_attention, qq, k, k, group=meshes[(2, 2)]))
-    msgs.append(_errors(rank, world, cp_dtensor.ring_attention, q, k, k, group=meshes[(2, 2)], kv_exchange="p2p"))
+    msgs.append(_errors(rank, world, cp_dtensor.ring_attention, qq, k, k, mesh=meshes[(2, 2)]))
+    msgs.append(_errors(rank, world, cp_dtensor.ring_attention, q, k, k, mesh=meshes[(2, 2)], kv_exchange="p2p"))
     mesh3 = init_device_mesh("cpu", (2, 2, 1))
-    msgs.append(_errors(rank, world, cp_dtensor.ring_attention, q, k, k, group=mesh3))
+    msgs.append(_errors(rank, world, cp_dtensor.ring_attention, q, k, k, mesh=mesh3))
     qb = torch.randn(1, 4, 4 + (rank == 3), 8)  # one rank's S differs: every rank must raise
     kb = torch.randn(1, 2, 4 + (rank == 3), 8)
-    msgs.append(_errors(rank, world, cp_dtensor.ring_attention, qb, kb, kb, group=meshes[(2, 2)]))
+    msgs.append(_errors(rank, world, cp_dtensor.ring_attention, qb, kb, kb, mesh=meshes[(2, 2)]))
     # still usable after the errors: one more exact call
     c = _case(random.Random(7), 300, 2)
     assert _run(rank, world, c, meshes[(2, 2)]) <= TOL[torch.float32]

@@ -59,7 +59,7 @@ def _check_layouts(rank: int, world: int) -> None:
         assert torch.equal(d.redistribute(mesh, [Replicate()]).to_local(), x), layout
         # to and from Replicate, Shard and every layout
         for target in LAYOUTS:
-            p = sequence_placement(target, 1, seq_len=n, cp=world)
+            p = sequence_placement(1, layout=target, seq_len=n, cp_size=world)
             moved = d.redistribute(mesh, [p])
             assert torch.equal(moved.to_local(), expected_local(x, target, rank, world, 1)), (layout, target)
             assert torch.equal(full_tensor(moved), x), (layout, target)
@@ -85,7 +85,7 @@ def _check_layouts(rank: int, world: int) -> None:
         r = distribute_tensor(x, mesh, [Replicate()])
         assert (d * r).placements == d.placements and torch.equal(full_tensor(d * r), x * x), layout
     # striped is torch's own _StridedShard; distribute_tensor understands it
-    st = distribute_tensor(x, mesh, [Striped(1, seq_len=n, cp=world)])
+    st = distribute_tensor(x, mesh, [Striped(1, seq_len=n, cp_size=world)])
     assert type(st.placements[0]) is _StridedShard
     assert torch.equal(st.to_local(), expected_local(x, "striped", rank, world, 1))
     # head-tail: never silently wrong -- torch paths that cannot honour it fail loudly
@@ -116,9 +116,9 @@ def _check_meshes(rank: int, world: int) -> None:
     for src in LAYOUTS:
         for dst in LAYOUTS:
             d = shard_sequence(x, small, seq_dim=2, layout=src)
-            grown = to_mesh(d, big, [sequence_placement(dst, 2, seq_len=n, cp=4)])
+            grown = to_mesh(d, big, [sequence_placement(2, layout=dst, seq_len=n, cp_size=4)])
             assert torch.equal(grown.to_local(), expected_local(x, dst, rank, 4, 2)), (src, dst)
-            shrunk = to_mesh(grown, small, [sequence_placement(src, 2, seq_len=n, cp=2)])
+            shrunk = to_mesh(grown, small, [sequence_placement(2, layout=src, seq_len=n, cp_size=2)])
             if rank < 2:
                 assert torch.equal(shrunk.to_local(), expected_local(x, src, rank, 2, 2)), (src, dst)
                 assert torch.equal(full_tensor(shrunk), x)
@@ -127,12 +127,12 @@ def _check_meshes(rank: int, world: int) -> None:
     cp_rank, tp_rank = mesh.get_coordinate()
     for layout in LAYOUTS:
         d = shard_sequence(x, mesh, seq_dim=2, layout=layout, mesh_dim="cp").redistribute(
-            mesh, [sequence_placement(layout, 2, seq_len=n, cp=2), Shard(1)])
+            mesh, [sequence_placement(2, layout=layout, seq_len=n, cp_size=2), Shard(1)])
         want = expected_local(x, layout, cp_rank, 2, 2).chunk(2, 1)[tp_rank]
         assert torch.equal(d.to_local(), want), layout
         assert torch.equal(full_tensor(d), x), layout
         for other in LAYOUTS:
-            moved = d.redistribute(mesh, [sequence_placement(other, 2, seq_len=n, cp=2), Shard(1)])
+            moved = d.redistribute(mesh, [sequence_placement(2, layout=other, seq_len=n, cp_size=2), Shard(1)])
             assert torch.equal(moved.to_local(), expected_local(x, other, cp_rank, 2, 2).chunk(2, 1)[tp_rank])
             assert isinstance(moved, DTensor) and torch.equal(full_tensor(moved), x)
 

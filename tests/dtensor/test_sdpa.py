@@ -64,7 +64,7 @@ def _check_2d(rank: int, world: int) -> None:
     for i, layout in enumerate(LAYOUTS * 2):
         q, k, v, do = make_qkv(10 + i, 2, 4, 2, n, 8)
         want = reference(q, k, v, do, is_causal=True)
-        seq = sequence_placement(layout, 2, seq_len=n, cp=2)
+        seq = sequence_placement(2, layout=layout, seq_len=n, cp_size=2)
         # heads on tp, or batch on dp with CP on the second mesh dim
         mesh, placements = (cp_tp, [seq, Shard(1)]) if i < len(LAYOUTS) else (dp_cp, [Shard(0), seq])
         dq, dk, dv = (distribute_tensor(x.float(), mesh, [Replicate(), Replicate()]).redistribute(mesh, placements)

@@ -98,8 +98,8 @@ def test_backward_bytes_twice_forward_in_fp32():
 def _brute_pairs(layout: str, rank: int, src: int, world: int, seq_len: int, causal: bool) -> int:
     from cp_dtensor.core.layout import local_positions
 
-    q = local_positions(layout, rank, world, seq_len)
-    k = local_positions(layout, src, world, seq_len)
+    q = local_positions(layout=layout, rank=rank, cp_size=world, seq_len=seq_len)
+    k = local_positions(layout=layout, rank=src, cp_size=world, seq_len=seq_len)
     if not causal:
         return len(q) * len(k)
     return int((k[None, :] <= q[:, None]).sum())

@@ -81,7 +81,7 @@ class RingAttention(nn.Module):
         if tp_heads is not None:
             q, k, v = q.to_local(), k.to_local(), v.to_local()  # [B, H / TP, S_local, D]: this TP rank's heads
         out = ring_attention(
-            q, k, v, group=self.group, layout=self.layout, is_causal=is_causal, scale=scale,
+            q, k, v, mesh=self.group, layout=self.layout, is_causal=is_causal, scale=scale,
             comm_dtype=self.comm_dtype, document_ids=ids, window_size=window, sinks=sinks,
             kv_exchange=self.kv_exchange,
         )  # out: [B, Hq, S_local, Dv]
@@ -133,7 +133,7 @@ def shard_cp_batch(
     check_seq_len(layout, world, seq_len, fix="Change [training]/[validation] seq_len.")
     if extra_kwargs.get("attention_masks") is not None:
         extra_kwargs["attention_masks"] = shard_masks(extra_kwargs["attention_masks"], layout=layout, rank=rank, world=world)
-    inputs = shard_tensor(inputs, seq_dim=1, layout=layout, rank=rank, world=world)
-    labels = shard_tensor(labels, seq_dim=1, layout=layout, rank=rank, world=world)
-    extra_kwargs["positions"] = local_positions(layout, rank, world, seq_len).to(device).unsqueeze(0)
+    inputs = shard_tensor(inputs, seq_dim=1, layout=layout, rank=rank, cp_size=world)
+    labels = shard_tensor(labels, seq_dim=1, layout=layout, rank=rank, cp_size=world)
+    extra_kwargs["positions"] = local_positions(layout=layout, rank=rank, cp_size=world, seq_len=seq_len).to(device).unsqueeze(0)
     return inputs, labels, extra_kwargs

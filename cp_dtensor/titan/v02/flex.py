@@ -109,7 +109,7 @@ def shard_masks(masks, *, layout: str, rank: int, world: int):
     def one(m: RingMask) -> RingMask:
         if m.ids is None:
             return m
-        return m.with_ids(shard_tensor(m.ids, seq_dim=1, layout=layout, rank=rank, world=world).contiguous())
+        return m.with_ids(shard_tensor(m.ids, seq_dim=1, layout=layout, rank=rank, cp_size=world).contiguous())
 
     if isinstance(masks, RingMask):
         return one(masks)

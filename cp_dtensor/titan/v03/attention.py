@@ -92,7 +92,7 @@ def shard_batch(inputs: torch.Tensor, labels: torch.Tensor, extra: dict[str, Any
     check_seq_len(layout, world, inputs.shape[1], fix="Change --training.seq_len (or the validator's seq_len).")
 
     def shard(x: torch.Tensor) -> torch.Tensor:
-        return shard_tensor(x, seq_dim=1, layout=layout, rank=rank, world=world).contiguous()
+        return shard_tensor(x, seq_dim=1, layout=layout, rank=rank, cp_size=world).contiguous()
 
     masks = extra.get("attention_masks")
     if isinstance(masks, RingDocs):
@@ -143,7 +143,7 @@ class RingInnerAttention(nn.Module):
                 sinks = sinks.to_local()  # [Hq / TP]
         out = ring_attention(
             q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(),
-            group=self.group, layout=self.layout,
+            mesh=self.group, layout=self.layout,
             is_causal=True, scale=scale, comm_dtype=self.comm_dtype, document_ids=ids, window_size=window,
             sinks=sinks, kv_exchange=self.kv_exchange,
         ).transpose(1, 2)  # [B, S_local, Hq (/ TP), Dv]

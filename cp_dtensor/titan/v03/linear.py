@@ -119,7 +119,7 @@ class ShardedGatedDeltaKernel(nn.Module):
         if q.shape[2] != v.shape[2]:  # grouped heads, as GatedDeltaKernel expands them
             q, k = (x.repeat_interleave(v.shape[2] // x.shape[2], dim=2) for x in (q, k))
         q, k, v, g, beta = (x.reshape(b, s, *x.shape[2:]) for x in (q, k, v, g, beta))
-        out = sharded_delta_rule(self.chunk, q, k, v, g, beta, group=self.group, layout=self.layout,
+        out = sharded_delta_rule(self.chunk, q, k, v, g, beta, mesh=self.group, layout=self.layout,
                                  document_ids=ids, use_qk_l2norm_in_kernel=True)
         return out.reshape(1, b * s, *out.shape[2:])  # [1, B * S_local, Hv, dv]
 
@@ -133,7 +133,7 @@ def _sharded_causal_conv(self, x: torch.Tensor, conv: nn.Module, cu_seqlens: tor
     ids = _ids(cu_seqlens, x.shape[1])
     b, s = ids.shape
     x_bcs = x.reshape(b, s, x.shape[-1]).transpose(1, 2)
-    out = sharded_causal_conv1d(x_bcs, conv.weight.squeeze(1), conv.bias, "silu", group=group, layout=layout,
+    out = sharded_causal_conv1d(x_bcs, conv.weight.squeeze(1), conv.bias, "silu", mesh=group, layout=layout,
                                 document_ids=ids)
     return out.transpose(1, 2).reshape(1, b * s, -1)
 

@@ -95,7 +95,7 @@ def _mesh_and_shards(rank: int, world: int) -> dict:
     out = {}
     for layout in ("striped", "headtail", "contiguous"):
         x, _, kw = shard_cp_batch(inputs, inputs, {}, cp_mesh, torch.device("cpu"), layout=layout, ulysses=2)
-        want = local_positions(layout, flat, 4, 32)
+        want = local_positions(layout=layout, rank=flat, cp_size=4, seq_len=32)
         out[layout] = torch.equal(x[0], want) and torch.equal(kw["positions"][0], want)
     return {"mesh": mesh.mesh.tolist(), "names": mesh.mesh_dim_names, "flat": flat,
             "cp_rank": cp_mesh.get_local_rank(), **out}

@@ -199,7 +199,7 @@ def _tp_heads_into_the_ring(rank, world):
     ref.backward(dout)
 
     def local(t):  # this CP rank's sequence shard, as a DTensor over heads on the TP mesh
-        return shard_tensor(t, seq_dim=1, layout="striped", rank=cp_rank, world=2).contiguous()
+        return shard_tensor(t, seq_dim=1, layout="striped", rank=cp_rank, cp_size=2).contiguous()
 
     tp = mesh["tp"]
     dts = [distribute_tensor(local(t), tp, [Shard(2)]).requires_grad_() for t in full]
@@ -333,7 +333,7 @@ def _gpt_oss_attention(rank, world):
     (ref_outs, ref_grads), (outs, grads) = results
     assert any("sinks" in n for n in grads)
     for ref, out in zip(ref_outs, outs):
-        torch.testing.assert_close(out, shard_tensor(ref, seq_dim=1, layout="striped", rank=rank, world=world),
+        torch.testing.assert_close(out, shard_tensor(ref, seq_dim=1, layout="striped", rank=rank, cp_size=world),
                                    rtol=1e-5, atol=1e-6)
     for n, g in grads.items():
         torch.testing.assert_close(g, ref_grads[n], rtol=1e-4, atol=1e-5, msg=n)
@@ -508,7 +508,7 @@ def _qwen35_layers(rank, world):
     xs, _, extra = shard_batch(x, x, extra, layout="headtail", rank=rank, world=world)
     out = run(blocks, xs, extra["attention_masks"], extra["positions"])
     (out * out).sum().backward()
-    torch.testing.assert_close(out, shard_tensor(ref.detach(), seq_dim=1, layout="headtail", rank=rank, world=world),
+    torch.testing.assert_close(out, shard_tensor(ref.detach(), seq_dim=1, layout="headtail", rank=rank, cp_size=world),
                                rtol=1e-4, atol=1e-5)
     names = 0
     for b, rb in zip(blocks, ref_blocks):
