@@ -217,8 +217,9 @@ def _sft(out: str, cp: int | None, bf16: bool = False, packing: bool = True) -> 
     (rows right-padded to the batch's longest, a 2-D attention mask)."""
     from datasets import Dataset
 
+    # unpacked: a learning rate at which the token accuracy of a partial eval batch's last row is not 0
     args = SFTConfig(output_dir=out, per_device_train_batch_size=2, max_steps=3, logging_steps=1, report_to=[],
-                     save_strategy="no", learning_rate=1e-2, use_cpu=True, disable_tqdm=True, seed=0, data_seed=0,
+                     save_strategy="no", learning_rate=1e-2 if packing else 1e-1, use_cpu=True, disable_tqdm=True, seed=0, data_seed=0,
                      packing=packing, max_length=24, eval_packing=packing, per_device_eval_batch_size=2, bf16=bf16)
     data = Dataset.from_list([{"input_ids": d["input_ids"] + [1]} for d in _documents(12, 24)])
     evals = Dataset.from_list([{"input_ids": d["input_ids"] + [1]} for d in _documents(13, 12)])
@@ -437,6 +438,7 @@ def _dp_cp(rank: int, world: int, tmp: str, cp: int) -> dict:
     _env(rank, world)
     out = {name: _train(name, tempfile.mkdtemp(dir=tmp), cp if cp > 1 else None)
            for name in ("llama-packed", "llama-accumulate", "llama-own-loss", "llama-own-loss-plain")}
+    out["sft-padded"] = _sft(tempfile.mkdtemp(dir=tmp), cp if cp > 1 else None, packing=False)
     if cp > 1:  # every rank raises, none waits in the gradient all-reduce (the harness's timeout bounds a hang)
         trainer = hf.with_context_parallel(Trainer, cp_size=cp)(
             model=_model("llama"), args=_args(tempfile.mkdtemp(dir=tmp), max_steps=1), train_dataset=_rows(17, 8),
@@ -452,7 +454,8 @@ def _dp_cp(rank: int, world: int, tmp: str, cp: int) -> dict:
 def test_data_parallel_replicas_of_cp_ranks():
     """dp=2 x cp=2 on 4 ranks logs what dp=2 without CP (the unchanged Trainer on 2 ranks) logs: the samplers
     count replicas, not ranks; the evaluation gathers each replica's rows once (14 eval rows, 8 a step: the last
-    step's remainder, 6, is more than one replica's batch)."""
+    step's remainder, 6, is more than one replica's batch); compute_loss overrides; TRL's eval metrics with a
+    partial last batch."""
     with tempfile.TemporaryDirectory() as tmp:
         got = run_ranks(4, _dp_cp, tmp, 2, timeout=900)
         want = run_ranks(2, _dp_cp, tmp, 1, timeout=900)
@@ -463,6 +466,11 @@ def test_data_parallel_replicas_of_cp_ranks():
         else:
             assert kind == "RuntimeError" and "data-parallel replica 1" in message and "padding inside" in message, (
                 rank, message)
+    sft = [r.pop("sft-padded") for r in got], want[0].pop("sft-padded")
+    for rank in range(4):  # TRL's metrics of partial last batches: replica 0's rows (and accelerate's repeats)
+        for evals in ("eval", "eval-5", "eval-5-completion"):
+            for key in ("eval_loss", "eval_mean_token_accuracy", "eval_entropy"):
+                _close([sft[0][rank][evals][key]], [sft[1][evals][key]], f"dp x cp SFTTrainer {evals} {key}")
     for name in want[0]:
         for rank in range(4):
             for key in ("losses", "grad_norm", "tokens", "flos"):
