@@ -246,6 +246,9 @@ TRAINER_PRIVATE_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("transformers.trainer", "Trainer.training_step", ("self", "model", "inputs", "num_items_in_batch")),
     ("transformers.trainer", "Trainer.compute_loss", ("self", "model", "inputs", "return_outputs", "num_items_in_batch")),
     ("transformers.trainer", "Trainer.prediction_step", ("self", "model", "inputs", "prediction_loss_only", "ignore_keys")),
+    ("transformers.trainer", "Trainer.floating_point_ops", ("self", "inputs")),
+    # the token counter of num_input_tokens_seen (private): handed the batch without the layout's padding
+    ("transformers.trainer", "Trainer._track_num_input_tokens", ("self", "inputs")),
     ("transformers.trainer", "Trainer.evaluation_loop",
      ("self", "dataloader", "description", "prediction_loss_only", "ignore_keys", "metric_key_prefix")),
     # seq2seq_pad: Seq2SeqTrainer pads the labels it returns with predict_with_generate to the generated width

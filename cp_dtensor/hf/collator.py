@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .._deprecated import old_keywords
 from ..core.batch import shard_batch
-from ..core.layout import layout_unit
+from ..core.layout import layout_unit, local_positions
 from .attention import shift_labels
 
 __all__ = ["META", "CollatedBatch", "ShardingCollator"]
@@ -31,6 +31,7 @@ class CollatedBatch(NamedTuple):
     length: int  #: N, the rows' length before the layout's padding
     fingerprint: int  #: a digest of the full batch, compared across the CP ranks
     added: tuple[str, ...]  #: the keys the CP collator added (position_ids, shift_labels)
+    real: Tensor | None = None  #: [S_local] bool, this rank's positions of the user's row (None: no CP padding)
 
 
 def _fingerprint(batch: Mapping) -> int:
@@ -88,7 +89,10 @@ class ShardingCollator:
                 batch[k] = _pad(batch[k], k, pad)
         out = shard_batch({k: batch[k] for k in keys}, self.mesh, layout=self.layout)
         out.update({k: v for k, v in batch.items() if k not in out})
-        out[META] = CollatedBatch(n, fingerprint, added)
+        real = None  # the layout's padding is CP's own: the token counts leave it out (Note [The Trainer under CP] 3)
+        if pad:
+            real = local_positions(self.layout, self.mesh.get_local_rank(), self.mesh.size(), n + pad) < n
+        out[META] = CollatedBatch(n, fingerprint, added, real)
         return out
 
 

@@ -27,16 +27,19 @@ copied, so TRL's and other subclasses keep their behaviour.
    different batches (a rank-aware sampler, a collator drawing random numbers) raise on every rank.
 2. The model: ``cp_dtensor.hf.apply_context_parallel`` (``documents="position_ids"`` by default, so packed rows
    are kept apart as flash-attention keeps them, whatever ``use_cache`` says).
-3. The loss. The Trainer counts ``num_items_in_batch`` over its batches' ``shift_labels`` -- here each
-   rank's shard, so the count gathered over the world is every replica's label count once -- and,
-   with ``average_tokens_across_devices`` (required), scales each rank's sum by the world size before
-   DDP / FSDP average the gradients over the world. So the gradient is that of sum(loss) / count over
-   the global batch, and the logged loss (the mean over ranks) is CP=1's. ``compute_loss`` fills in
-   the count where a subclass calls it without one (TRL's evaluation) and passes it to the model.
+3. The loss (Note [compute_loss under CP]). The Trainer counts ``num_items_in_batch`` over its batches'
+   ``shift_labels`` -- here each rank's shard, so the count gathered over the world is every replica's label
+   count once, CP=1's count. ``compute_loss`` runs the trainer class's own (the Trainer's, TRL's, a subclass's)
+   as if each replica were one process, then multiplies the loss by P: the CP ranks' losses sum to the
+   replica's, and DDP's average over the world's P x dp ranks is CP=1's average over its dp ranks. So the
+   gradient, grad_norm and the logged loss (the mean over ranks) are CP=1's, whatever the loss code. The
+   token counts (``num_input_tokens_seen``, ``total_flos``) leave the layout's padding out: CP=1's counts.
 4. Evaluation. ``prediction_step`` sums the CP ranks' losses into the replica's (what the Trainer
    computes on dp ranks without CP) and unshards logits and labels into the full rows; the gather
    the evaluation loop calls keeps each replica's rows once (the ranks with cp_index 0), then drops
-   accelerate's even-batches padding as ``gather_for_metrics`` does. So ``evaluate()`` = CP=1.
+   accelerate's even-batches padding as ``gather_for_metrics`` does. So ``evaluate()`` = CP=1. The
+   logits at padding positions (attention_mask 0) are not CP=1's: there a pad token attends to itself
+   only (Note [transformers under CP]), at CP=1 to the row's tokens; they carry no label.
 
 Gradient reduction needs nothing: DDP and FSDP2 already reduce over every rank, CP ranks included
 (FSDP2 over ``ParallelismConfig(dp_shard_size=world)`` is torchtitan's dp_shard_cp). Checkpoints
@@ -48,6 +51,23 @@ so a run resumes at another CP size (same dp, same batches).
    (Note [Agreeing before the ring] in core/checks.py); with several data-parallel replicas each forward
    (``compute_loss``, ``prediction_step``) is then followed by one all-gather over the world of whether it
    raised, so the other replicas raise too instead of waiting in the gradient all-reduce.
+
+Note [compute_loss under CP]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Without CP, a loss that ``compute_loss`` normalises by ``num_items_in_batch`` (the world's label count) is
+multiplied by the number of processes where the code knows DDP averages over them: the Trainer's and
+TRL's ``loss * accelerator.num_processes // get_tp_size()``; a subclass's own loss (``sum / num_items_in_batch``)
+may not. Under CP each rank's loss is its shard's part of the replica's, and DDP averages over P times as many
+ranks. So ``compute_loss`` calls the trainer class's ``compute_loss`` with the trainer's accelerator seen
+through :class:`_ReplicaView` -- ``num_processes`` counts the replicas (what CP=1 counts), and
+``gather_for_metrics`` of per-rank scalars (TRL's token accuracy and entropy sums) keeps every rank of the
+replicas whose rows CP=1 keeps in a partial last batch, not the first ranks -- and multiplies the result by P.
+Per rank (r, c) with replica r's CP=1 loss L_r = sum_c L_rc: P L_rc, averaged over P x dp ranks = the mean of
+L_r over dp ranks, for every loss code that is linear in its shard's token losses. Where the caller passes
+no count (TRL's evaluation: CP=1 takes the rank's own mean), it is the replica's label count (an all-reduce
+over the CP group) and ``num_processes`` is 1. The model call gets the replica's count too
+(``inputs["num_items_in_batch"]``): a subclass that returns ``model(**inputs).loss`` gets the replica's mean
+as CP=1 does. Calls nested inside (``self.compute_loss`` from a subclass's ``compute_loss``) are not rescaled.
 """
 
 from __future__ import annotations
@@ -137,8 +157,9 @@ def _refusal(trainer, options: CPOptions) -> str | None:
                 "average_tokens_across_devices=True.")
     if trainer.compute_loss_func is not None or trainer.label_smoother is not None:
         return ("compute_loss_func and label_smoothing_factor compute the loss from this rank's logits with labels "
-                "shifted inside its shard; under CP the model computes the loss from shift_labels shifted on the full "
-                "row. Drop them (or write the loss in a compute_loss override that uses inputs['shift_labels']).")
+                "shifted inside its shard; under CP the labels must be shifted on the full row (shift_labels). Drop "
+                "them and write the loss in a compute_loss override that uses inputs['shift_labels'] and divides by "
+                "num_items_in_batch: docs/trainer.md, 'Your own loss', shows one (label smoothing included).")
     if not trainer.model_accepts_loss_kwargs:
         return (f"{type(trainer.model).__name__}.forward takes no loss keyword arguments (num_items_in_batch), so "
                 "the loss cannot be normalised by the global token count. Use a transformers model whose forward "
@@ -239,14 +260,36 @@ class _ContextParallel:
         return super().training_step(model, inputs, num_items_in_batch)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The trainer class's compute_loss, as if each replica were one process, times P: see Note
+        [compute_loss under CP]."""
+        if getattr(self, "_cp_in_loss", False):  # nested (a subclass calling self.compute_loss): scaled outside
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        cp, processes = self.cp_mesh.size(), self.args.world_size // self.cp_mesh.size()
         if inputs.get("shift_labels") is not None:
-            if num_items_in_batch is None:  # the global count, as the Trainer counts it for training
-                num_items_in_batch = (inputs["shift_labels"] != -100).sum()
-                if self.args.world_size > 1:
-                    num_items_in_batch = self.accelerator.gather(num_items_in_batch.reshape(1)).sum()
-            inputs = {**inputs, "num_items_in_batch": num_items_in_batch}
-        return self._cp_agreed(lambda: super(_ContextParallel, self).compute_loss(
-            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch))
+            replica = (inputs["shift_labels"] != -100).sum()  # the replica's count: its CP ranks' shards
+            if cp > 1:
+                dist.all_reduce(replica, group=self.cp_mesh.get_group())
+            if num_items_in_batch is None:  # CP=1 normalises by the rank's own count: the replica's here
+                num_items_in_batch, processes = replica, 1
+            inputs = {**inputs, "num_items_in_batch": replica}
+        accelerator = self.accelerator
+        self.accelerator, self._cp_in_loss = _ReplicaView(accelerator, processes, cp), True
+        try:
+            out = self._cp_agreed(lambda: super(_ContextParallel, self).compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch))
+        finally:
+            self.accelerator, self._cp_in_loss = accelerator, False
+        if cp == 1:
+            return out
+        return (out[0] * cp, *out[1:]) if isinstance(out, tuple) else out * cp
+
+    # -- token counts: CP=1's (the layout's padding left out) ----------------------------------------
+    def floating_point_ops(self, inputs):
+        return super().floating_point_ops(_real_tokens(inputs))
+
+    def _track_num_input_tokens(self, inputs):  # transformers' private counter of num_input_tokens_seen
+        return super()._track_num_input_tokens(_real_tokens(inputs))
 
     # -- evaluation --------------------------------------------------------------------------------
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **gen_kwargs):
@@ -321,13 +364,57 @@ class _ContextParallel:
         return data
 
 
-def _all_tensors(data) -> bool:
+class _ReplicaView:
+    """The trainer's accelerator as ``compute_loss`` sees it under CP: each data-parallel replica one process.
+    See Note [compute_loss under CP]. Everything else is the accelerator's."""
+
+    def __init__(self, accelerator, processes: int, cp: int):
+        object.__setattr__(self, "_cp_view", (accelerator, processes, cp))
+
+    @property
+    def num_processes(self) -> int:
+        return self._cp_view[1]
+
+    def gather_for_metrics(self, data, use_gather_object: bool = False):
+        """Per-rank scalars (partial sums over the rank's shard): every rank of the replicas whose rows accelerate
+        keeps (a partial last batch keeps the first ``remainder`` replicas' P ranks, CP=1 the first ``remainder``
+        ranks). Anything else: the accelerator's."""
+        from accelerate.utils import recursively_apply
+
+        accelerator, _, cp = self._cp_view
+        if use_gather_object or not _all_tensors(data, scalar=True):
+            return accelerator.gather_for_metrics(data, use_gather_object=use_gather_object)
+        data = accelerator.gather(data)  # [world] per scalar, replica-major
+        state = accelerator.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:
+            data = recursively_apply(lambda x: x[: state.remainder * cp], data)
+        return data
+
+    def __getattr__(self, name):
+        return getattr(self._cp_view[0], name)
+
+    def __setattr__(self, name, value):
+        setattr(self._cp_view[0], name, value)
+
+
+def _real_tokens(inputs):
+    """The batch without the layout's padding, for the Trainer's token counters (numel, mask sums)."""
+    meta = inputs.get(META) if isinstance(inputs, Mapping) else None
+    real = getattr(meta, "real", None)
+    if real is None:
+        return inputs
+    n = real.numel()
+    return {k: v[:, real] if isinstance(v, Tensor) and v.dim() >= 2 and v.shape[1] == n else v
+            for k, v in inputs.items() if k != META}
+
+
+def _all_tensors(data, scalar: bool = False) -> bool:
     if isinstance(data, Tensor):
-        return True
+        return data.dim() == 0 or not scalar
     if isinstance(data, Mapping):
-        return all(_all_tensors(v) for v in data.values())
+        return all(_all_tensors(v, scalar) for v in data.values())
     if isinstance(data, (tuple, list)):
-        return all(_all_tensors(v) for v in data)
+        return all(_all_tensors(v, scalar) for v in data)
     return False
 
 
@@ -354,7 +441,10 @@ def with_context_parallel(trainer_cls: type, *, cp_size: int, layout: str = "str
     linear-attention models (``layout="headtail"``) -- on CPU (gloo) and GPU, with DDP or FSDP2. ``options``:
     ``documents`` (``"position_ids"``, the default, or ``None``: transformers' own packed-sequence rule),
     ``comm_dtype`` and ``kv_exchange`` (``ring_attention``'s, for every ring call of the model). See
-    Note [The Trainer under CP]; what cannot be served raises on every rank when the trainer is built.
+    Note [The Trainer under CP]; what cannot be served raises on every rank when the trainer is built. A
+    ``compute_loss`` override takes ``inputs["shift_labels"]`` and divides by ``num_items_in_batch`` (docs/trainer.md,
+    "Your own loss"). ``predict()``'s logits at padding positions (attention_mask 0) are not CP=1's: a pad token
+    attends to itself only under CP, to the row's tokens at CP=1 (they carry no label).
     """
     if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, Trainer)):
         raise TypeError(f"with_context_parallel takes transformers.Trainer or a subclass; got {trainer_cls!r}.")

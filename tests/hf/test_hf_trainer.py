@@ -113,7 +113,39 @@ CASES = {
     "mistral-window-packed": ("mistral", _documents(6), _documents(7, 6), DataCollatorWithFlattening(), "striped", {}),
     "gpt-oss-sinks": ("gpt-oss", _rows(8), _rows(9, 5), default_data_collator, "striped", {}),
     "qwen3-next-hybrid": ("qwen3-next", _rows(10), _rows(11, 5), default_data_collator, "headtail", {}),
+    # compute_loss overrides (_OwnLoss: docs/trainer.md's, and without its process count), 5 eval rows
+    "llama-own-loss": ("llama", _rows(19), _rows(20, 5), default_data_collator, "striped", {}),
+    "llama-own-loss-plain": ("llama", _rows(19), _rows(20, 5), default_data_collator, "striped", {}),
 }
+
+
+class _OwnLoss(Trainer):
+    """docs/trainer.md's "Your own loss": a label-smoothed cross entropy over shift_labels, summed, divided by
+    num_items_in_batch and multiplied by the process count as the Trainer does (``plain``: not multiplied, the
+    natural first try; the unchanged Trainer then logs 1/dp of the loss with dp processes, and so must CP)."""
+
+    plain = False
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        inputs = dict(inputs)
+        labels = inputs.pop("labels")
+        shift = inputs.pop("shift_labels", None)  # under CP: shifted on the full row, sharded like the tokens
+        if shift is None:  # the unchanged Trainer: shift here
+            shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+        outputs = model(**inputs)
+        loss = torch.nn.functional.cross_entropy(outputs.logits.float().flatten(0, 1), shift.flatten(),
+                                                 ignore_index=-100, reduction="sum", label_smoothing=0.1)
+        if num_items_in_batch is None:  # nobody counted (TRL's evaluation): this batch's mean
+            loss = loss / (shift != -100).sum()
+        elif self.plain:
+            loss = loss / num_items_in_batch
+        else:  # the count over every process, and DDP averages over them
+            loss = loss / num_items_in_batch * self.accelerator.num_processes
+        return (loss, outputs) if return_outputs else loss
+
+
+class _PlainLoss(_OwnLoss):
+    plain = True
 
 
 def _metrics(pred) -> dict:
@@ -130,12 +162,18 @@ def _losses(trainer) -> list[float]:
 
 
 def _train(name: str, out: str, cp: int | None, **extra) -> dict:
+    """Train (and evaluate): the losses, grad norms, token counts (num_input_tokens_seen="all") and total_flos."""
     model, train, evals, collator, layout, kw = CASES[name]
-    cls = Trainer if cp is None else hf.with_context_parallel(Trainer, cp_size=cp, layout=layout)
-    trainer = cls(model=_model(model), args=_args(out, **{**kw, **extra}), train_dataset=train, eval_dataset=evals,
-                  data_collator=collator, compute_metrics=_metrics if name == "llama-packed" else None)
+    base = {"llama-own-loss": _OwnLoss, "llama-own-loss-plain": _PlainLoss}.get(name, Trainer)
+    cls = base if cp is None else hf.with_context_parallel(base, cp_size=cp, layout=layout)
+    trainer = cls(model=_model(model), args=_args(out, **{"include_num_input_tokens_seen": "all", **kw, **extra}),
+                  train_dataset=train, eval_dataset=evals, data_collator=collator,
+                  compute_metrics=_metrics if name == "llama-packed" else None)
     trainer.train()
-    result = {"losses": _losses(trainer)}
+    history = trainer.state.log_history
+    result = {"losses": _losses(trainer), "grad_norm": [h["grad_norm"] for h in history if "grad_norm" in h],
+              "tokens": [float(h["num_input_tokens_seen"]) for h in history if "loss" in h],
+              "flos": [trainer.state.total_flos]}
     if evals is not None:
         result["eval"] = trainer.evaluate()
     return result
@@ -179,8 +217,9 @@ def _sft(out: str, cp: int | None, bf16: bool = False, packing: bool = True) -> 
     (rows right-padded to the batch's longest, a 2-D attention mask)."""
     from datasets import Dataset
 
+    # unpacked: a learning rate at which the token accuracy of a partial eval batch's last row is not 0
     args = SFTConfig(output_dir=out, per_device_train_batch_size=2, max_steps=3, logging_steps=1, report_to=[],
-                     save_strategy="no", learning_rate=1e-2, use_cpu=True, disable_tqdm=True, seed=0, data_seed=0,
+                     save_strategy="no", learning_rate=1e-2 if packing else 1e-1, use_cpu=True, disable_tqdm=True, seed=0, data_seed=0,
                      packing=packing, max_length=24, eval_packing=packing, per_device_eval_batch_size=2, bf16=bf16)
     data = Dataset.from_list([{"input_ids": d["input_ids"] + [1]} for d in _documents(12, 24)])
     evals = Dataset.from_list([{"input_ids": d["input_ids"] + [1]} for d in _documents(13, 12)])
@@ -189,7 +228,14 @@ def _sft(out: str, cp: int | None, bf16: bool = False, packing: bool = True) -> 
                   processing_class=_tokenizer())
     trainer.train()
     accuracy = [h["mean_token_accuracy"] for h in trainer.state.log_history if "mean_token_accuracy" in h]
-    return {"losses": _losses(trainer), "accuracy": accuracy, "eval": trainer.evaluate()}
+    result = {"losses": _losses(trainer), "accuracy": accuracy, "eval": trainer.evaluate()}
+    if not packing:  # partial last batches (5 rows, 2 a batch): plain rows, prompt-completion rows
+        five = [{"input_ids": d["input_ids"] + [1]} for d in _documents(13, 5)]
+        result["eval-5"] = trainer.evaluate(eval_dataset=Dataset.from_list(five))
+        completion = [{**d, "completion_mask": [0, 0] + [1] * (len(d["input_ids"]) - 2)} for d in five]
+        trainer.completion_only_loss = True  # what TRL decides at init from a prompt-completion train set
+        result["eval-5-completion"] = trainer.evaluate(eval_dataset=Dataset.from_list(completion))
+    return result
 
 
 def _env(rank: int, world: int) -> None:
@@ -228,7 +274,7 @@ def _refusals(rank: int, world: int, out: str) -> list[str]:
     cp2 = hf.with_context_parallel(Trainer, cp_size=2)
     expect("must divide the world size", lambda: build(hf.with_context_parallel(Trainer, cp_size=3)))
     expect("average_tokens_across_devices", lambda: build(cp2, average_tokens_across_devices=False))
-    expect("label_smoothing_factor", lambda: build(cp2, label_smoothing_factor=0.1))
+    expect("label_smoothing_factor.*docs/trainer.md, 'Your own loss'", lambda: build(cp2, label_smoothing_factor=0.1))
     expect("batch_rebalance", lambda: build(cp2, train_sampling_strategy="batch_rebalance"))
     expect("striped layout makes every token a run", lambda: build(cp2, model="qwen3-next"))  # hybrids: headtail
     expect("different batches", lambda: build(cp2, collator=_OneRankCollator()).train())
@@ -316,7 +362,8 @@ def _close(a: list[float], b: list[float], what: str) -> None:
 def test_trainer_cp2_logs_cp1_losses(runs, name):
     cp, ref = runs
     for rank in (0, 1):  # every rank logs the same (the mean over ranks)
-        _close(cp[rank][name]["losses"], ref[name]["losses"], f"{name} rank {rank}")
+        for key in ("losses", "grad_norm", "tokens", "flos"):  # the counts: CP's own padding left out
+            _close(cp[rank][name][key], ref[name][key], f"{name} {key} rank {rank}")
         if "eval" in ref[name]:
             for key in ("eval_loss", "eval_target_logit", "eval_rows"):
                 if key in ref[name]["eval"]:
@@ -330,7 +377,10 @@ def test_trl_sft_cp2_matches_cp1(runs, case):
         got, want = cp[rank][case], ref[case]
         _close(got["losses"], want["losses"], f"SFTTrainer {case} loss")
         _close(got["accuracy"], want["accuracy"], f"SFTTrainer {case} mean_token_accuracy")
-        _close([got["eval"]["eval_loss"]], [want["eval"]["eval_loss"]], f"SFTTrainer {case} eval_loss")
+        for evals in ("eval", "eval-5", "eval-5-completion"):
+            if evals in want:
+                for key in ("eval_loss", "eval_mean_token_accuracy", "eval_entropy"):
+                    _close([got[evals][key]], [want[evals][key]], f"SFTTrainer {case} {evals} {key}")
 
 
 def test_trl_sft_bf16_autocast(runs):
@@ -387,7 +437,8 @@ class _HoleOnReplica1:
 def _dp_cp(rank: int, world: int, tmp: str, cp: int) -> dict:
     _env(rank, world)
     out = {name: _train(name, tempfile.mkdtemp(dir=tmp), cp if cp > 1 else None)
-           for name in ("llama-packed", "llama-accumulate")}
+           for name in ("llama-packed", "llama-accumulate", "llama-own-loss", "llama-own-loss-plain")}
+    out["sft-padded"] = _sft(tempfile.mkdtemp(dir=tmp), cp if cp > 1 else None, packing=False)
     if cp > 1:  # every rank raises, none waits in the gradient all-reduce (the harness's timeout bounds a hang)
         trainer = hf.with_context_parallel(Trainer, cp_size=cp)(
             model=_model("llama"), args=_args(tempfile.mkdtemp(dir=tmp), max_steps=1), train_dataset=_rows(17, 8),
@@ -403,7 +454,8 @@ def _dp_cp(rank: int, world: int, tmp: str, cp: int) -> dict:
 def test_data_parallel_replicas_of_cp_ranks():
     """dp=2 x cp=2 on 4 ranks logs what dp=2 without CP (the unchanged Trainer on 2 ranks) logs: the samplers
     count replicas, not ranks; the evaluation gathers each replica's rows once (14 eval rows, 8 a step: the last
-    step's remainder, 6, is more than one replica's batch)."""
+    step's remainder, 6, is more than one replica's batch); compute_loss overrides; TRL's eval metrics with a
+    partial last batch."""
     with tempfile.TemporaryDirectory() as tmp:
         got = run_ranks(4, _dp_cp, tmp, 2, timeout=900)
         want = run_ranks(2, _dp_cp, tmp, 1, timeout=900)
@@ -414,9 +466,15 @@ def test_data_parallel_replicas_of_cp_ranks():
         else:
             assert kind == "RuntimeError" and "data-parallel replica 1" in message and "padding inside" in message, (
                 rank, message)
+    sft = [r.pop("sft-padded") for r in got], want[0].pop("sft-padded")
+    for rank in range(4):  # TRL's metrics of partial last batches: replica 0's rows (and accelerate's repeats)
+        for evals in ("eval", "eval-5", "eval-5-completion"):
+            for key in ("eval_loss", "eval_mean_token_accuracy", "eval_entropy"):
+                _close([sft[0][rank][evals][key]], [sft[1][evals][key]], f"dp x cp SFTTrainer {evals} {key}")
     for name in want[0]:
         for rank in range(4):
-            _close(got[rank][name]["losses"], want[0][name]["losses"], f"dp x cp {name} rank {rank}")
+            for key in ("losses", "grad_norm", "tokens", "flos"):
+                _close(got[rank][name][key], want[0][name][key], f"dp x cp {name} {key} rank {rank}")
             for key in ("eval_loss", "eval_target_logit", "eval_rows"):
                 if key in want[0][name].get("eval", {}):
                     _close([got[rank][name]["eval"][key]], [want[0][name]["eval"][key]], f"dp x cp {name} {key}")
