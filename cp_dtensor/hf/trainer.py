@@ -71,6 +71,7 @@ from .._compat import replica_dataloaders, seq2seq_pad  # noqa: E402
 from ..core.batch import unshard_batch  # noqa: E402
 from ..core.comm import all_gather_objects, host_group  # noqa: E402
 from ..core.layout import check_layout  # noqa: E402
+from ..core.tiling import check_tile_size  # noqa: E402
 from .attention import apply_context_parallel  # noqa: E402
 from .collator import META, CollatedBatch, ShardingCollator  # noqa: E402
 
@@ -84,6 +85,7 @@ class CPOptions:
     cp_size: int  #: CP ranks per data-parallel replica; the world size must be a multiple
     layout: str = "striped"  #: the sequence layout (striped / headtail / contiguous); hybrids need headtail or contiguous
     documents: str | None = "position_ids"  #: apply_context_parallel's documents= (None: transformers' own rule)
+    sequence_tiling: bool | int = False  #: apply_context_parallel's sequence_tiling= (True, or tokens per tile)
 
     def __post_init__(self):
         if isinstance(self.cp_size, bool) or not isinstance(self.cp_size, int) or self.cp_size < 1:
@@ -91,6 +93,7 @@ class CPOptions:
         check_layout(self.layout)
         if self.documents not in (None, "position_ids"):
             raise ValueError(f"documents must be None or 'position_ids'; got {self.documents!r}.")
+        check_tile_size(self.sequence_tiling)
 
 
 def _causal_lm(model) -> bool:
@@ -161,7 +164,8 @@ class _ContextParallel:
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         self.cp_mesh_2d = init_device_mesh(device, (world // cp, cp), mesh_dim_names=("dp_replicate", "cp"))
         self.cp_mesh = self.cp_mesh_2d["cp"]
-        apply_context_parallel(self.model, self.cp_mesh, layout=options.layout, documents=options.documents)
+        apply_context_parallel(self.model, self.cp_mesh, layout=options.layout, documents=options.documents,
+                               sequence_tiling=options.sequence_tiling)
         self.data_collator = ShardingCollator(self.data_collator, self.cp_mesh, options.layout)
 
     # -- data: replicas, not ranks ------------------------------------------------------------------
@@ -343,7 +347,9 @@ def with_context_parallel(trainer_cls: type, *, cp_size: int, layout: str = "str
     Serves what ``cp_dtensor.hf`` serves -- packed rows (``DataCollatorWithFlattening``, TRL's ``packing`` /
     ``padding_free``: documents from ``position_ids``), padding masks, sliding windows, sinks, hybrid
     linear-attention models (``layout="headtail"``) -- on CPU (gloo) and GPU, with DDP or FSDP2. ``options``:
-    ``documents`` (``"position_ids"``, the default, or ``None``: transformers' own packed-sequence rule). See
+    ``documents`` (``"position_ids"``, the default, or ``None``: transformers' own packed-sequence rule),
+    ``sequence_tiling`` (True or tokens per tile: the LM head + loss and the MLPs in sequence tiles, no
+    [S_local, vocab] logits in training steps; evaluation still returns logits -- hf/tiling.py). See
     Note [The Trainer under CP]; what cannot be served raises on every rank when the trainer is built.
     """
     if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, Trainer)):
@@ -355,9 +361,10 @@ def with_context_parallel(trainer_cls: type, *, cp_size: int, layout: str = "str
             f"TRL's {trainer_cls.__name__} computes its loss from per-sequence log-probabilities or rewards (sums over "
             "each completion's tokens, the last token's score), of which a CP rank holds a shard only. Among TRL's "
             "trainers, SFTTrainer (and its subclasses) is served.")
-    unknown = sorted(set(options) - {"documents"})
+    unknown = sorted(set(options) - {"documents", "sequence_tiling"})
     if unknown:
-        raise TypeError(f"with_context_parallel got unknown options {unknown}; it takes cp_size, layout, documents.")
+        raise TypeError(f"with_context_parallel got unknown options {unknown}; it takes cp_size, layout, documents, "
+                        "sequence_tiling.")
     bundle = CPOptions(cp_size=cp_size, layout=layout, **options)
     name = f"ContextParallel{trainer_cls.__name__}"
     return type(name, (_ContextParallel, trainer_cls), {"_cp_options": bundle, "__module__": trainer_cls.__module__,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from _tiers import slow
 from torch.distributed.device_mesh import init_device_mesh
 
 from _dist import run_ranks
@@ -173,3 +174,43 @@ def _cp(rank: int, world: int) -> dict:
 @pytest.mark.parametrize("world", [1, 2])
 def test_tiled_under_cp_equals_plain_cp1(world):
     assert run_ranks(world, _cp) == [{"llama": True, "gpt-oss": True}] * world
+
+
+def _trainer_run(rank: int, world: int, tmp: str, tile) -> dict:
+    """transformers' Trainer (3 steps, then evaluate with metrics from the gathered logits): plain when
+    ``tile`` is None (CP=1, one process), else with_context_parallel(..., sequence_tiling=tile)."""
+    import os
+
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    g = torch.Generator().manual_seed(11)
+    rows = [{"input_ids": (ids := torch.randint(0, V, (16,), generator=g).tolist()), "labels": list(ids)}
+            for _ in range(12)]
+
+    def metrics(pred):  # needs the logits of every row: evaluation returns them with tiling on
+        return {"logit_sum": float(abs(pred.predictions).sum()), "vocab": float(pred.predictions.shape[-1])}
+
+    args = TrainingArguments(output_dir=os.path.join(tmp, f"{rank}-{tile}"), per_device_train_batch_size=4,
+                             per_device_eval_batch_size=4, max_steps=3, logging_steps=1, report_to=[],
+                             save_strategy="no", learning_rate=1e-2, use_cpu=True, disable_tqdm=True, seed=0)
+    cls = Trainer if tile is None else cp_dtensor.hf.with_context_parallel(Trainer, cp_size=world, sequence_tiling=tile)
+    trainer = cls(model=_model("llama"), args=args, train_dataset=rows, eval_dataset=rows[:6],
+                  data_collator=default_data_collator, compute_metrics=metrics)
+    trainer.train()
+    ev = trainer.evaluate()
+    return {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+            "eval": [ev["eval_loss"], ev["eval_logit_sum"], ev["eval_vocab"]]}
+
+
+@slow("a Trainer run at CP=2 and one at CP=1 (~12 s)")
+def test_trainer_with_tiling_logs_plain_cp1_losses(tmp_path):
+    """with_context_parallel(Trainer, cp_size=2, sequence_tiling=3): the training losses of the plain Trainer at
+    CP=1; evaluation still gathers the full logits (compute_metrics sees [rows, N, V])."""
+    tiled = run_ranks(2, _trainer_run, str(tmp_path), 3, timeout=300)
+    plain = run_ranks(1, _trainer_run, str(tmp_path), None, timeout=300)[0]
+    assert tiled[0] == tiled[1]
+    assert len(plain["losses"]) == 3 and plain["eval"][2] == V
+    for a, b in zip(tiled[0]["losses"] + tiled[0]["eval"], plain["losses"] + plain["eval"]):
+        assert abs(a - b) <= 2e-5 * abs(b), (tiled[0], plain)
