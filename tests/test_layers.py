@@ -20,7 +20,7 @@ LAYERS: list[tuple[str, set[str]]] = [
      {"core.masks", "core.wire", "core.comm", "tools.debug", "core.agreement", "core.spec",
       "core.tiling"}),
     ("kernels as ops, payloads, validation, placements, the cost model",
-     {"core.ops", "core.payload", "core.checks", "dtensor.placements", "tools.plan"}),
+     {"core.ops", "core.payload", "core.checks", "dtensor.placements", "tools.plan", "tools.plan_model"}),
     ("one step against one K/V block; the heads all-to-all", {"core.blocks", "core.ulysses"}),
     ("the exchanges; linear attention's state passing", {"core.ring", "core.allgather", "core.linear_attention"}),
     ("the front door; a batch's shards; the SDPA-on-DTensor rule; decoding against a sharded cache",
