@@ -130,9 +130,10 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias
     transformers' ``ForCausalLMLoss``: ``sum / num_items_in_batch`` when given (under CP pass the global
     count of labels != ignore_index), else the mean over labelled tokens. Returns a 0-d fp32 tensor.
     """
-    tile = check_tile_size(tile_size)
-    if tile is None:
-        raise ValueError(f"tile_size must be a positive int; got {tile_size!r}.")
+    if isinstance(tile_size, bool) or not isinstance(tile_size, int) or tile_size < 1:
+        raise ValueError(f"linear_cross_entropy's tile_size must be a positive int (tokens per tile); got "
+                         f"{tile_size!r}. Pass e.g. tile_size={DEFAULT_TILE}.")
+    tile = tile_size
     if hidden.shape[:-1] != labels.shape or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(f"linear_cross_entropy takes hidden [..., H], weight [V, H] and labels [...] (hidden's "
                          f"leading shape); got hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)}, labels "
