@@ -4,6 +4,8 @@ loss on the full sequence); what cannot be tiled raises on every rank."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from _tiers import slow
@@ -107,6 +109,13 @@ def test_tiled_at_cp1_equals_plain(name):
         got = model(input_ids=tokens, position_ids=positions, labels=labels, use_cache=False)
     assert got.logits.shape == (B, N, V) and rel_err(got.logits, want.logits) <= 1e-5  # eval: logits as before
     assert abs(got.loss.item() - want.loss.item()) <= LOSS_TOL * abs(want.loss.item())
+    copied = copy.deepcopy(model.train())  # the copy's head, MLPs and loss serve the copy's own weights
+    assert copied.lm_head.forward.args[0] is copied.lm_head and copied.loss_function.args[0] is copied
+    with torch.no_grad():
+        copied.lm_head.weight.mul_(2.0)
+    a = model(input_ids=tokens, position_ids=positions, labels=labels, use_cache=False).loss
+    b = copied(input_ids=tokens, position_ids=positions, labels=labels, use_cache=False).loss
+    assert abs(a.item() - want.loss.item()) <= LOSS_TOL * abs(want.loss.item()) and abs(b.item() - a.item()) > 1e-3
     remove_sequence_tiling(model)
     assert "forward" not in model.lm_head.__dict__ and "_loss_function" not in model.__dict__
 
@@ -146,6 +155,8 @@ def _cp(rank: int, world: int) -> dict:
     for bad in (0, -3, 2.5, "yes"):
         with pytest.raises(ValueError, match="sequence_tiling must be"):
             hf.apply_context_parallel(_model("llama"), mesh, sequence_tiling=bad)
+    removed = cp_dtensor.remove_context_parallel(hf.apply_context_parallel(_model("llama"), mesh, sequence_tiling=True))
+    assert "forward" not in removed.lm_head.__dict__ and not hasattr(removed, "_cp_dtensor_tiling")
     gemma = Gemma2ForCausalLM(Gemma2Config(**{**TINY, "head_dim": 8, "attn_implementation": "eager"}, final_logit_softcapping=30.0))
     with pytest.raises(ValueError, match="final_logit_softcapping"):
         hf.apply_context_parallel(gemma, mesh, sequence_tiling=True)
