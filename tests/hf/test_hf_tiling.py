@@ -207,3 +207,22 @@ def test_trainer_with_tiling_logs_plain_cp1_losses(tmp_path):
     assert len(plain["losses"]) == 3 and plain["eval"][2] == V
     for a, b in zip(tiled[0]["losses"] + tiled[0]["eval"], plain["losses"] + plain["eval"]):
         assert abs(a - b) <= 2e-5 * abs(b), (tiled[0], plain)
+
+
+def test_peak_growth_per_token_tiled_under_015_untiled():
+    """scripts/bench_tiling.py's probe at a small size (vocab 8192, hidden 32, CP=2, S_local 256 -> 768): a rank's
+    peak (VmHWM after clear_refs) grows per token by <= 0.15x the untiled growth, which is the logits' (about
+    16 bytes a vocabulary entry, fp32)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+    import bench_tiling
+
+    shape = dict(vocab=8192, hidden=32, layers=1)
+    growth = {}
+    for tile in (None, 128):
+        lo, hi = (bench_tiling.probe(2, s, tile, shape)["peak"] for s in (256, 768))
+        growth[tile] = (hi - lo) / 512
+    assert growth[None] >= 0.8 * 8192 * 16, growth  # the untiled head dominates, as modelled
+    assert growth[128] <= 0.15 * growth[None], growth
