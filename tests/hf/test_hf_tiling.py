@@ -226,3 +226,44 @@ def test_peak_growth_per_token_tiled_under_015_untiled():
         growth[tile] = (hi - lo) / 512
     assert growth[None] >= 0.8 * 8192 * 16, growth  # the untiled head dominates, as modelled
     assert growth[128] <= 0.15 * growth[None], growth
+
+
+def _sft_run(rank: int, world: int, tmp: str, tile) -> list[float]:
+    """TRL's SFTTrainer under CP, packed rows, SGD (so a gradient difference shows in the next loss), fp32.
+    Its own fused LM head computes the loss; sequence_tiling tiles the MLPs."""
+    import os
+
+    from datasets import Dataset
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+    from trl import SFTConfig, SFTTrainer
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    vocab = {"<pad>": 0, "<eos>": 1, **{f"t{i}": i for i in range(2, V)}}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="<pad>")), pad_token="<pad>",
+                                  eos_token="<eos>")
+    g = torch.Generator().manual_seed(12)
+    rows = [{"input_ids": torch.randint(2, V, (int(torch.randint(2, 10, (1,), generator=g)),), generator=g).tolist()
+             + [1]} for _ in range(24)]
+    args = SFTConfig(output_dir=os.path.join(tmp, f"sft{rank}-{tile}"), per_device_train_batch_size=2, max_steps=3,
+                     logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0,
+                     data_seed=0, packing=True, max_length=24, optim="sgd", learning_rate=0.5, bf16=False)
+    kw = {"sequence_tiling": tile} if tile else {}
+    trainer = cp_dtensor.hf.with_context_parallel(SFTTrainer, cp_size=world, **kw)(
+        model=_model("llama"), args=args, train_dataset=Dataset.from_list(rows), processing_class=tok)
+    trainer.train()
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+@slow("two TRL SFTTrainer runs at CP=2 (~15 s)")
+def test_trl_sft_with_tiling_equals_untiled(tmp_path):
+    """SFTTrainer at CP=2 with sequence_tiling=3 logs the losses of SFTTrainer at CP=2 untiled (which
+    tests/hf/test_hf_trainer.py compares with CP=1), SGD steps included: the tiled MLPs' gradients are its own."""
+    pytest.importorskip("trl")
+    tiled = run_ranks(2, _sft_run, str(tmp_path), 3, timeout=300)[0]
+    plain = run_ranks(2, _sft_run, str(tmp_path), None, timeout=300)[0]
+    assert len(plain) == 3
+    for a, b in zip(tiled, plain):
+        assert abs(a - b) <= 2e-5 * abs(b), (tiled, plain)
