@@ -54,6 +54,7 @@ _EXPORTS = {
     "reduce_gradients": "model",
     "remove_context_parallel": "model",
     "shard_batch": "core.batch",
+    "linear_cross_entropy": "core.tiling",
     "unshard_batch": "core.batch",
     # torch's context-parallel API
     "context_parallel": "torch_api",
@@ -85,6 +86,7 @@ __all__ = [
     "export_hf_safetensors",
     "install_sdpa_dispatch",
     "latest_checkpoint",
+    "linear_cross_entropy",
     "load_hf_safetensors",
     "load_sequence_sharded",
     "local_positions",
@@ -124,6 +126,7 @@ if TYPE_CHECKING:  # what IDEs, type checkers and the API reference see; at run 
     from .core.decode import sharded_cache_attention
     from .core.layout import local_positions, shard_tensor, unshard_tensor
     from .core.linear_attention import sharded_causal_conv1d, sharded_delta_rule
+    from .core.tiling import linear_cross_entropy
     from .dtensor.placements import HeadTail, Striped, sequence_placement
     from .dtensor.sdpa import install_sdpa_dispatch, sdpa_options, uninstall_sdpa_dispatch
     from .dtensor.sharding import relayout, shard_sequence, to_mesh, unshard_sequence

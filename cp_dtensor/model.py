@@ -50,6 +50,7 @@ from .core.attention import ring_spec, run_ring_attention
 from .core.batch import document_ids_from_positions, shard_batch, unshard_batch
 from .core.checks import check_cp_mesh, options_error
 from .core.layout import check_layout
+from .core.tiling import check_tile_size, tiled_forward
 from .dtensor.sharding import unshard_sequence  # noqa: F401  (the old path cp_dtensor.module's name)
 
 __all__ = [
@@ -202,6 +203,7 @@ def _exit(module: nn.Module, *_) -> None:
 def apply_context_parallel(
     model: nn.Module, mesh: DeviceMesh, *, layout: str = "striped", window_size: tuple[int, int] | None = None,
     documents: str | None = None, comm_dtype: torch.dtype | None = None, kv_exchange: str = "ring",
+    sequence_tiling: bool | int = False,
 ) -> nn.Module:
     """Run ``model``'s ``F.scaled_dot_product_attention`` calls as ring attention over ``mesh`` (the 1-D
     CP mesh).
@@ -221,6 +223,13 @@ def apply_context_parallel(
     A Hugging Face transformers model goes to ``cp_dtensor.hf.apply_context_parallel`` instead: its
     masks come from what the model declares (windows per layer, sinks, padding, packed position ids),
     not from SDPA calls whose masks transformers built from local shapes.
+
+    ``sequence_tiling=True`` (or an int: tokens per tile; True is 1024): every submodule named ``mlp``,
+    ``feed_forward``, ``ffn`` or ``moe`` (token-wise, [B, S_local, ...] in and out) runs in sequence tiles,
+    each recomputed in backward; compute the loss with ``cp_dtensor.linear_cross_entropy(hidden,
+    head.weight, labels, num_items_in_batch=...)`` so the [S_local, vocab] logits never exist. A
+    transformers model gets its head and loss tiled too (``cp_dtensor.hf.apply_context_parallel``).
+    See Note [Sequence tiling] in core/tiling.py.
     """
     if _is_transformers_model(model):  # See Note [transformers under CP] in hf/attention.py
         if window_size is not None:
@@ -229,9 +238,14 @@ def apply_context_parallel(
         from .hf import apply_context_parallel as apply_hf  # transformers is installed: the model is one of its
 
         return apply_hf(model, mesh, layout=layout, documents=documents, comm_dtype=comm_dtype,
-                        kv_exchange=kv_exchange)
+                        kv_exchange=kv_exchange, sequence_tiling=sequence_tiling)
     check_cp_mesh(mesh)
     check_layout(layout)
+    tile = check_tile_size(sequence_tiling)
+    tiled = [m for name, m in model.named_modules() if name.rpartition(".")[2] in _TILED] if tile else []
+    if tile and not tiled:
+        raise ValueError(f"sequence_tiling={sequence_tiling!r} found no MLP to tile in {type(model).__name__}: it tiles "
+                         f"submodules named {', '.join(_TILED)}. Drop sequence_tiling, or name the MLPs so.")
     if documents not in (None, "position_ids"):
         raise ValueError(f"documents must be None or 'position_ids'; got {documents!r}.")
     error = options_error("apply_context_parallel", comm_dtype=comm_dtype, kv_exchange=kv_exchange,
@@ -246,7 +260,18 @@ def apply_context_parallel(
     for m in model.modules():
         setattr(m, _ATTR, mode)
         mode.handles += [m.register_forward_pre_hook(_enter), m.register_forward_hook(_exit, always_call=True)]
+    for m in tiled:  # See Note [Sequence tiling] in core/tiling.py
+        m._cp_dtensor_tile = tile
+        m.forward = functools.partial(_tiled_forward, m)
     return model
+
+
+_TILED = ("mlp", "feed_forward", "ffn", "moe")  # the submodule names sequence_tiling= tiles in own models
+
+
+def _tiled_forward(module: nn.Module, x: Tensor, *args, **kwargs):
+    return tiled_forward(functools.partial(type(module).forward, module), x, *args, tile_size=module._cp_dtensor_tile,
+                         what=type(module).__name__, **kwargs)
 
 
 def remove_context_parallel(model: nn.Module) -> nn.Module:
@@ -273,6 +298,8 @@ def remove_context_parallel(model: nn.Module) -> nn.Module:
     for m in model.modules():
         if getattr(m, _ATTR, None) is mode:
             delattr(m, _ATTR)
+        if m.__dict__.pop("_cp_dtensor_tile", None) is not None:
+            m.__dict__.pop("forward", None)
     return model
 
 

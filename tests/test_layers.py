@@ -17,15 +17,16 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("private torch touch points, deprecation, torch-free layout facts",
      {"_compat", "_deprecated", "_extras", "checkpoint.manifest", "core.layout", "core.kernels"}),
     ("pure math; the network; a ring call's spec",
-     {"core.masks", "core.wire", "core.comm", "tools.debug", "core.agreement", "core.spec"}),
+     {"core.masks", "core.wire", "core.comm", "tools.debug", "core.agreement", "core.spec",
+      "core.tiling"}),
     ("kernels as ops, payloads, validation, placements, the cost model",
-     {"core.ops", "core.payload", "core.checks", "dtensor.placements", "tools.plan"}),
+     {"core.ops", "core.payload", "core.checks", "dtensor.placements", "tools.plan", "tools.plan_model"}),
     ("one step against one K/V block; the heads all-to-all", {"core.blocks", "core.ulysses"}),
     ("the exchanges; linear attention's state passing", {"core.ring", "core.allgather", "core.linear_attention"}),
     ("the front door; a batch's shards; the SDPA-on-DTensor rule; decoding against a sharded cache",
      {"core.attention", "core.batch", "dtensor.sdpa", "core.decode", "core"}),
     ("DTensor entry points", {"dtensor.sharding", "dtensor"}),
-    ("integrations", {"hf.attention", "hf.cache", "hf.generate", "hf.linear", "hf.state", "hf.trainer", "hf.collator", "hf",
+    ("integrations", {"hf.attention", "hf.cache", "hf.tiling", "hf.generate", "hf.linear", "hf.state", "hf.trainer", "hf.collator", "hf",
                       "checkpoint.dcp", "checkpoint"}
      | {f"titan.shared.{m}" for m in ("options", "cpu", "data", "float8", "heads")} | {"titan.shared"}
      | {f"titan.v02.{m}" for m in _V02} | {"titan.v02"}

@@ -5,6 +5,8 @@
   and hybrid linear-attention layers (linear.py) follow the model.
 * ``model.generate(...)`` then runs under CP: a ring prefill into a sequence-sharded KV cache, then
   decoding from it (generate.py); hybrids keep their linear layers' full states (``ReplicatedLinearLayer``).
+* ``apply_sequence_tiling(model, tile_size=...)`` (or ``sequence_tiling=`` of ``apply_context_parallel``): the LM
+  head + loss and the MLPs in sequence tiles, no [S_local, vocab] logits (tiling.py).
 * ``remove_context_parallel(model)``: the plain model back (state.py: the one owner of a model's CP state).
 * ``with_context_parallel(Trainer, cp_size=...)``: transformers' Trainer or any subclass (TRL's SFTTrainer, ...)
   under CP, one line in a script (trainer.py; ``pip install 'cp_dtensor[trainer]'``: accelerate, trl).
@@ -21,10 +23,12 @@ with torchao_import_quiet():  # transformers' quantizers import torchao: See Not
     from .attention import NAME, apply_context_parallel, register, shift_labels
     from .cache import ReplicatedLinearLayer, ShardedCache, ShardedCacheLayer, cache_bytes
     from .state import remove_context_parallel
+    from .tiling import apply_sequence_tiling, remove_sequence_tiling
 
 __all__ = [
     "NAME", "ReplicatedLinearLayer", "ShardedCache", "ShardedCacheLayer", "ShardingCollator", "apply_context_parallel",
-    "cache_bytes", "register", "remove_context_parallel", "shift_labels", "with_context_parallel",
+    "apply_sequence_tiling", "cache_bytes", "register", "remove_context_parallel", "remove_sequence_tiling",
+    "shift_labels", "with_context_parallel",
 ]
 _TRAINER = ("ShardingCollator", "with_context_parallel")  # need accelerate too: imported when first used
 

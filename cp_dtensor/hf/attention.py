@@ -70,6 +70,7 @@ from ..core.checks import check_call, check_cp_mesh, options_error  # noqa: E402
 from ..core.layout import check_layout, in_global_order, shard_tensor  # noqa: E402
 from .generate import decode_attention, enable_generate, generate  # noqa: E402
 from .state import ATTR, CPGenerate, HFState, attach, implementations, remove_context_parallel  # noqa: E402
+from .tiling import apply_sequence_tiling, check_tileable  # noqa: E402
 
 __all__ = ["apply_context_parallel", "register", "remove_context_parallel", "shift_labels", "NAME"]
 
@@ -337,7 +338,7 @@ def _top_level_error(model: nn.Module, args, kwargs) -> str | None:
 @old_keywords("cp_dtensor.hf.apply_context_parallel", cp_mesh="mesh")
 def apply_context_parallel(
     model: nn.Module, mesh: DeviceMesh, *, layout: str = "striped", documents: str | None = None,
-    comm_dtype: torch.dtype | None = None, kv_exchange: str = "ring",
+    comm_dtype: torch.dtype | None = None, kv_exchange: str = "ring", sequence_tiling: bool | int = False,
 ) -> nn.Module:
     """Run a transformers model's attention as ring attention over ``mesh`` (the 1-D CP mesh; changes
     ``model`` in place).
@@ -367,6 +368,12 @@ def apply_context_parallel(
     packed documents apart in their linear layers too: Note [Linear attention in transformers under CP] in
     hf/linear.py. Their ``generate()`` prefills by state passing and decodes from replicated linear states and
     sharded attention caches: Note [Hybrid generate() under CP] there.
+
+    ``sequence_tiling=True`` (or an int: tokens per tile; True is 1024) runs the LM head + cross-entropy and
+    every layer's MLP in sequence tiles, so no [S_local, vocab] logits and one tile's MLP intermediates exist
+    at a time (works at CP=1 too). A training-mode call with labels then returns the loss and an empty
+    [B, S_local, 0] ``logits``; evaluation (``model.eval()``) and calls without labels return logits as
+    before. See Note [Sequence tiling in transformers] in hf/tiling.py.
     """
     check_cp_mesh(mesh)
     check_layout(layout)
@@ -375,6 +382,7 @@ def apply_context_parallel(
     error = options_error("cp_dtensor.hf.apply_context_parallel", comm_dtype=comm_dtype, kv_exchange=kv_exchange)
     if error is not None:  # the same arguments on every rank: every rank raises here, before any communication
         raise ValueError(error)
+    tile = check_tileable(model, sequence_tiling)  # a head or loss that cannot be tiled raises before any change
     if getattr(model, "_cp_dtensor_hf", None) is not None or getattr(model, "_cp_dtensor_mode", None) is not None:
         raise ValueError("context parallelism was already applied to this model.")
     if not hasattr(model, "set_attn_implementation"):
@@ -411,6 +419,8 @@ def apply_context_parallel(
         from .linear import enable_linear  # after enable_generate, whose base-model hook hands them the shards
 
         enable_linear(model, state, linear, derive_documents)
+    if tile is not None:
+        apply_sequence_tiling(model, tile_size=tile)
     return model
 
 

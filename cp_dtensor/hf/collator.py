@@ -91,7 +91,7 @@ class ShardingCollator:
         out.update({k: v for k, v in batch.items() if k not in out})
         real = None  # the layout's padding is CP's own: the token counts leave it out (Note [The Trainer under CP] 3)
         if pad:
-            real = local_positions(self.layout, self.mesh.get_local_rank(), self.mesh.size(), n + pad) < n
+            real = local_positions(layout=self.layout, rank=self.mesh.get_local_rank(), cp_size=self.mesh.size(), seq_len=n + pad) < n
         out[META] = CollatedBatch(n, fingerprint, added, real)
         return out
 

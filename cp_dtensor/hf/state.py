@@ -155,4 +155,8 @@ def remove_context_parallel(model: nn.Module) -> nn.Module:
             del m.__dict__["_cp_dtensor_token"]
     model.__dict__.pop("generate", None)
     model.set_attn_implementation(state.attn_implementation)
+    if getattr(model, "_cp_dtensor_tiling", None) is not None:  # sequence_tiling= (hf/tiling.py)
+        from .tiling import remove_sequence_tiling
+
+        remove_sequence_tiling(model)
     return model

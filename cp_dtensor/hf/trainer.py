@@ -94,6 +94,7 @@ from ..core.batch import unshard_batch  # noqa: E402
 from ..core.checks import options_error  # noqa: E402
 from ..core.comm import all_gather_objects, host_group  # noqa: E402
 from ..core.layout import check_layout  # noqa: E402
+from ..core.tiling import check_tile_size  # noqa: E402
 from .attention import apply_context_parallel  # noqa: E402
 from .collator import META, CollatedBatch, ShardingCollator  # noqa: E402
 
@@ -109,6 +110,7 @@ class CPOptions:
     documents: str | None = "position_ids"  #: apply_context_parallel's documents= (None: transformers' own rule)
     comm_dtype: Any = None  #: ring_attention's comm_dtype (K/V's dtype on the wire; None: as they are)
     kv_exchange: str = "ring"  #: ring_attention's kv_exchange ("ring" or "allgather")
+    sequence_tiling: bool | int = False  #: apply_context_parallel's sequence_tiling= (True, or tokens per tile)
 
     def __post_init__(self):
         if isinstance(self.cp_size, bool) or not isinstance(self.cp_size, int) or self.cp_size < 1:
@@ -119,6 +121,7 @@ class CPOptions:
         error = options_error("with_context_parallel", comm_dtype=self.comm_dtype, kv_exchange=self.kv_exchange)
         if error is not None:
             raise ValueError(error)
+        check_tile_size(self.sequence_tiling)
 
 
 def _causal_lm(model) -> bool:
@@ -191,7 +194,8 @@ class _ContextParallel:
         self.cp_mesh_2d = init_device_mesh(device, (world // cp, cp), mesh_dim_names=("dp_replicate", "cp"))
         self.cp_mesh = self.cp_mesh_2d["cp"]
         apply_context_parallel(self.model, self.cp_mesh, layout=options.layout, documents=options.documents,
-                               comm_dtype=options.comm_dtype, kv_exchange=options.kv_exchange)
+                               comm_dtype=options.comm_dtype, kv_exchange=options.kv_exchange,
+                               sequence_tiling=options.sequence_tiling)
         self.data_collator = ShardingCollator(self.data_collator, self.cp_mesh, layout=options.layout)
 
     # -- data: replicas, not ranks ------------------------------------------------------------------
@@ -440,7 +444,9 @@ def with_context_parallel(trainer_cls: type, *, cp_size: int, layout: str = "str
     ``padding_free``: documents from ``position_ids``), padding masks, sliding windows, sinks, hybrid
     linear-attention models (``layout="headtail"``) -- on CPU (gloo) and GPU, with DDP or FSDP2. ``options``:
     ``documents`` (``"position_ids"``, the default, or ``None``: transformers' own packed-sequence rule),
-    ``comm_dtype`` and ``kv_exchange`` (``ring_attention``'s, for every ring call of the model). See
+    ``comm_dtype`` and ``kv_exchange`` (``ring_attention``'s, for every ring call of the model),
+    ``sequence_tiling`` (True or tokens per tile: the LM head + loss and the MLPs in sequence tiles, no
+    [S_local, vocab] logits in training steps; evaluation still returns logits -- hf/tiling.py). See
     Note [The Trainer under CP]; what cannot be served raises on every rank when the trainer is built. A
     ``compute_loss`` override takes ``inputs["shift_labels"]`` and divides by ``num_items_in_batch`` (docs/trainer.md,
     "Your own loss"). ``predict()``'s logits at padding positions (attention_mask 0) are not CP=1's: a pad token
@@ -455,9 +461,10 @@ def with_context_parallel(trainer_cls: type, *, cp_size: int, layout: str = "str
             f"TRL's {trainer_cls.__name__} computes its loss from per-sequence log-probabilities or rewards (sums over "
             "each completion's tokens, the last token's score), of which a CP rank holds a shard only. Among TRL's "
             "trainers, SFTTrainer (and its subclasses) is served.")
-    unknown = sorted(set(options) - {"documents", "comm_dtype", "kv_exchange"})
+    unknown = sorted(set(options) - {"documents", "comm_dtype", "kv_exchange", "sequence_tiling"})
     if unknown:
-        raise TypeError(f"with_context_parallel got unknown options {unknown}; it takes cp_size, layout, documents, comm_dtype, kv_exchange.")
+        raise TypeError(f"with_context_parallel got unknown options {unknown}; it takes cp_size, layout, documents, "
+                        "comm_dtype, kv_exchange, sequence_tiling.")
     bundle = CPOptions(cp_size=cp_size, layout=layout, **options)
     name = f"ContextParallel{trainer_cls.__name__}"
     return type(name, (_ContextParallel, trainer_cls), {"_cp_options": bundle, "__module__": trainer_cls.__module__,

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from . import plan as _plan
+from . import plan_model as _plan_model
 
 __all__ = ["main", "build_parser"]
 
@@ -231,10 +232,57 @@ def format_plan(r: _plan.Plan) -> str:
     return "\n".join(out)
 
 
+def _add_longest(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "longest",
+        help="the longest sequence per rank a model trains within a memory budget, tiled vs untiled",
+        description=("The whole-model memory of one training step per rank (attention, layers, MLP, LM head + "
+                     "loss; Note [Plan model memory] in tools/plan_model.py), with and without sequence tiling, "
+                     "and the longest S_local (and N = P * S_local) within --mem-budget-gib."),
+    )
+    p.add_argument("--model", choices=sorted(_plan_model.MODELS), required=True, help="the model's shape")
+    p.add_argument("--cp", type=int, required=True, help="CP degree P")
+    p.add_argument("--mem-budget-gib", type=float, required=True, help="per-rank memory (GiB)")
+    p.add_argument("--reserved-gib", type=float, default=0.0,
+                   help="per-rank memory not modelled: weights, gradients, optimizer state, slack")
+    p.add_argument("--dtype", choices=_plan.COMPUTE_DTYPES, default="bf16")
+    p.add_argument("--tile", type=int, default=1024, help="sequence tiling's tokens per tile (default 1024)")
+    p.add_argument("--checkpointing", choices=["none", "full"], default="full",
+                   help="activation checkpointing of every layer (default full)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.set_defaults(func=_cmd_longest)
+
+
+def _cmd_longest(args: argparse.Namespace) -> int:
+    if args.cp < 1:
+        raise ValueError(f"--cp must be a positive integer; got {args.cp}.")
+    shape = _plan_model.MODELS[args.model]
+    kw = dict(cp=args.cp, dtype=args.dtype, checkpointing=args.checkpointing, reserved_gib=args.reserved_gib)
+    out = {}
+    for name, tile in (("untiled", None), ("tiled", args.tile)):
+        s = _plan_model.longest_s_local(shape, args.mem_budget_gib, tile=tile, **kw)
+        out[name] = {"s_local": s, "seq_len": s * args.cp,
+                     "memory": _plan_model.model_memory(shape, max(s, 1), tile=tile, **kw)}
+    out["ratio"] = out["tiled"]["s_local"] / max(out["untiled"]["s_local"], 1)
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"{args.model} at CP={args.cp}, {args.mem_budget_gib:g} GiB a rank ({args.reserved_gib:g} reserved), "
+          f"{args.dtype}, checkpointing {args.checkpointing}")
+    for name in ("untiled", "tiled"):
+        r, m = out[name], out[name]["memory"]
+        terms = ", ".join(f"{k} {_bytes(v)}" for k, v in m.items() if k != "total")
+        label = name if name == "untiled" else f"tiled (T={args.tile})"
+        print(_row(label, f"S_local {r['s_local']} (N = {r['seq_len']}): {terms}"))
+    print(_row("tiled / untiled", f"{out['ratio']:.1f}x"))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cp-dtensor", description="Context parallelism (ring attention) tools.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_plan(sub)
+    _add_longest(sub)
     return parser
 
 

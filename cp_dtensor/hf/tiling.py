@@ -1,0 +1,179 @@
+"""Sequence tiling for transformers causal LMs: the LM head + loss and each layer's MLP in sequence tiles.
+
+Note [Sequence tiling in transformers]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``apply_sequence_tiling(model, tile_size=T)`` (``sequence_tiling=`` of ``apply_context_parallel``)
+changes three things on the model, each reading a :class:`TilingState` stored as ``_cp_dtensor_tiling``
+on the model, its LM head and its MLPs (module-level functions bound with ``functools.partial``: copies
+and pickles carry them to the copy's own modules, as Note [CP state on a model] in state.py asks):
+
+* the top-level call's pre-hook decides whether this call's head is tiled: the call has ``labels`` and
+  the model is in training mode (``model.train()``). Evaluation (``model.eval()``: Trainer.evaluate /
+  predict) and calls without labels run the head whole and return logits as before.
+* the LM head (``get_output_embeddings()``, an ``nn.Linear``), in a tiled call, hands the hidden states
+  through unchanged; the model's loss function (``model.loss_function``, transformers' ``ForCausalLMLoss``
+  otherwise) then computes ``core.tiling.linear_cross_entropy`` from them with the head's weight: the
+  same shift (``shift_labels`` when given -- under CP the globally shifted labels; else ``labels``
+  shifted in the row as transformers does), the same reduction (``num_items_in_batch``, ignore_index).
+  The output's ``loss`` is that loss; its ``logits`` is an empty [B, S_local, 0] tensor (the logits
+  were never formed). The post-hook puts the empty tensor in.
+* every decoder layer's ``mlp`` (``model.base_model.layers[i].mlp``: SwiGLU, or an MoE block whose
+  router scores come back [B * S, E]) runs through ``core.tiling.tiled_forward``: T tokens at a time,
+  each tile recomputed in backward, in every call (training or not).
+
+The head can be tiled only when the logits go from ``lm_head(hidden)`` straight to the loss: models
+that scale or softcap the logits (``final_logit_softcapping``: Gemma 2/3; ``logit_scale``: Cohere;
+``logits_scaling``: Granite), a loss other than ``ForCausalLM`` (``config.loss_type``, a custom
+``model.loss_function``), a head that is not an ``nn.Linear``, or a model that is not a ``...ForCausalLM``
+raise when tiling is applied, naming what cannot be tiled; the same on every rank, before any
+communication (apply_context_parallel checks before it changes the model).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from ..core.tiling import check_tile_size, linear_cross_entropy, tiled_forward
+
+__all__ = ["TILING_ATTR", "TilingState", "apply_sequence_tiling", "check_tileable", "remove_sequence_tiling"]
+
+TILING_ATTR = "_cp_dtensor_tiling"
+_SCALED = {"final_logit_softcapping": "softcaps its logits", "logit_scale": "scales its logits",
+           "logits_scaling": "divides its logits by a scale", "output_multiplier_scale": "scales its logits"}
+
+
+@dataclass(eq=False)
+class TilingState:
+    """See Note [Sequence tiling in transformers]."""
+
+    tile: int  #: tokens per tile
+    loss: Any  #: the model's loss function before tiling (transformers' LOSS_MAPPING entry)
+    active: bool = False  #: this call's head and loss run tiled (labels given, training mode)
+    handles: list = None  #: the hooks tiling registered
+
+
+def _mlps(model: nn.Module) -> list[nn.Module]:
+    layers = getattr(model.base_model, "layers", None) or ()
+    return [layer.mlp for layer in layers if isinstance(getattr(layer, "mlp", None), nn.Module)]
+
+
+def check_tileable(model: nn.Module, sequence_tiling) -> int | None:
+    """The tile size for ``sequence_tiling`` (None: off), or a ValueError naming what cannot be tiled.
+    Changes nothing; the same answer on every rank for the same model."""
+    tile = check_tile_size(sequence_tiling)
+    if tile is None:
+        return None
+    name = type(model).__name__
+    if getattr(model, TILING_ATTR, None) is not None:
+        raise ValueError("sequence tiling was already applied to this model.")
+    if not name.endswith("ForCausalLM") or not hasattr(model, "get_output_embeddings"):
+        raise ValueError(f"sequence_tiling tiles a transformers causal LM's head and loss (a ...ForCausalLM); got "
+                         f"{name}. Drop sequence_tiling for this model.")
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear):
+        raise ValueError(f"sequence_tiling cannot tile {name}'s LM head: it is {type(head).__name__}, not an "
+                         "nn.Linear. Drop sequence_tiling for this model.")
+    config = model.config
+    for cfg in (config, getattr(config, "text_config", None)):
+        for key, what in _SCALED.items():
+            value = getattr(cfg, key, None) if cfg is not None else None
+            if value is not None and value is not False and value != 1:
+                raise ValueError(f"sequence_tiling cannot tile {name}'s head and loss: the model {what} "
+                                 f"(config.{key}={value!r}) between the LM head and the loss. Drop sequence_tiling.")
+    loss_type = getattr(model, "loss_type", None)
+    if "_loss_function" in model.__dict__ or loss_type not in (None, "ForCausalLM"):
+        what = "a custom model.loss_function" if "_loss_function" in model.__dict__ else f"loss_type={loss_type!r}"
+        raise ValueError(f"sequence_tiling tiles transformers' causal-LM cross-entropy (ForCausalLM); {name} has "
+                         f"{what}. Drop sequence_tiling, or use cp_dtensor.linear_cross_entropy in your own loss.")
+    return tile
+
+
+def apply_sequence_tiling(model: nn.Module, *, tile_size: int | bool = True) -> nn.Module:
+    """Run a transformers causal LM's LM head + loss and its MLPs in sequence tiles of ``tile_size`` tokens
+    (True: ``core.tiling.DEFAULT_TILE``), in place; with or without context parallelism. A training-mode call
+    with labels returns the loss and an empty [B, S, 0] ``logits``; see Note [Sequence tiling in transformers]."""
+    tile = check_tileable(model, tile_size)
+    if tile is None:
+        raise ValueError(f"apply_sequence_tiling takes tile_size=True or a positive int; got {tile_size!r}.")
+    head = model.get_output_embeddings()
+    state = TilingState(tile=tile, loss=model.loss_function)
+    state.handles = [model.register_forward_pre_hook(_call_starts, with_kwargs=True),
+                     model.register_forward_hook(_call_ends, always_call=True)]
+    model.loss_function = functools.partial(_loss, model)
+    head.forward = functools.partial(_head_forward, head)
+    for m in [model, head, *_mlps(model)]:
+        setattr(m, TILING_ATTR, state)
+    for mlp in _mlps(model):
+        mlp.forward = functools.partial(_mlp_forward, mlp)
+    return model
+
+
+def remove_sequence_tiling(model: nn.Module) -> nn.Module:
+    """Undo ``apply_sequence_tiling`` in place (hooks, the head's and MLPs' forwards, the loss function)."""
+    state = getattr(model, TILING_ATTR, None)
+    if state is None:
+        raise ValueError(f"{type(model).__name__} has no sequence tiling to remove.")
+    for handle in state.handles:
+        handle.remove()
+    for m in model.modules():
+        if getattr(m, TILING_ATTR, None) is state:
+            delattr(m, TILING_ATTR)
+            m.__dict__.pop("forward", None)
+    model.__dict__.pop("_loss_function", None)
+    return model
+
+
+def _labels(model: nn.Module, args, kwargs):
+    if "labels" in kwargs:
+        return kwargs["labels"]
+    try:
+        return inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments.get("labels")
+    except TypeError:
+        return None
+
+
+def _call_starts(model: nn.Module, args, kwargs):
+    state: TilingState = getattr(model, TILING_ATTR)
+    state.active = model.training and _labels(model, args, kwargs) is not None
+    return args, kwargs
+
+
+def _call_ends(model: nn.Module, args, output):
+    state: TilingState = getattr(model, TILING_ATTR)
+    if state.active and isinstance(getattr(output, "logits", None), Tensor):
+        logits = output.logits  # the hidden states the head handed through
+        output["logits"] = logits.new_empty(*logits.shape[:-1], 0)
+    state.active = False
+    return output
+
+
+def _head_forward(head: nn.Linear, x: Tensor) -> Tensor:
+    # x: [B, S_local, H]; tiled: the hidden states go to the loss as they are (no [B, S_local, V] logits)
+    return x if getattr(head, TILING_ATTR).active else F.linear(x, head.weight, head.bias)
+
+
+def _loss(model: nn.Module, logits: Tensor, labels: Tensor, vocab_size: int, num_items_in_batch=None,
+          ignore_index: int = -100, shift_labels: Tensor | None = None, **kwargs) -> Tensor:
+    state: TilingState = getattr(model, TILING_ATTR)
+    if not state.active:
+        return state.loss(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
+                          ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
+    head = model.get_output_embeddings()
+    if shift_labels is None:  # transformers' in-row shift (at CP=1; under CP the hf hooks demand shift_labels)
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    # logits: the hidden states [B, S_local, H]
+    return linear_cross_entropy(logits, head.weight, shift_labels.to(logits.device), bias=head.bias,
+                                tile_size=state.tile, num_items_in_batch=num_items_in_batch,
+                                ignore_index=ignore_index)
+
+
+def _mlp_forward(mlp: nn.Module, x: Tensor, *args, **kwargs):
+    state: TilingState = getattr(mlp, TILING_ATTR)
+    return tiled_forward(functools.partial(type(mlp).forward, mlp), x, *args, tile_size=state.tile,
+                         what=type(mlp).__name__, **kwargs)

@@ -1,0 +1,99 @@
+"""The whole-model memory of a training rank under CP, with and without sequence tiling; the longest
+sequence a rank holds within a budget (``cp-dtensor longest``). Pure arithmetic.
+
+Note [Plan model memory]
+~~~~~~~~~~~~~~~~~~~~~~~~
+Per rank, one forward + backward of a Llama-shaped decoder (H hidden, I the SwiGLU width, L layers, V the
+vocabulary) on S = N / P tokens, in the compute dtype (e bytes) unless stated:
+
+* attention: Note [Plan memory] in plan.py (q, k, v, out, lse saved per layer; one layer's ring working set);
+* each layer's other saved activations: 4 H e a token (the two norms' outputs, the two residual inputs)
+  and the SwiGLU's 4 I e (gate, up, silu(gate), their product). Tiled (``sequence_tiling``): the MLP
+  saves nothing of its own (each tile is recomputed), and one tile of T tokens holds ~6 I e a token
+  while it runs (forward, or recompute + its gradients);
+* activation checkpointing (``checkpointing="full"``): each layer keeps only its input (H e a token);
+  the layer being recomputed holds its full set (the terms above for one layer);
+* the LM head + loss: untiled, the [S, V] logits (e), their fp32 copy, the fp32 softmax / gradient and
+  its cast back (e): S V (2e + 8) bytes; tiled, one [T, V] tile of the same, and the hidden gradient.
+
+Weights, gradients, optimizer state and allocator slack are ``reserved_gib``. Calibration (CPU, fp32,
+vocab 32768, H = 128, I = 512, L = 2, CP = 2, S_local 1024 -> 3072; scripts/bench_tiling.py): the model
+says 545.5 KiB a token untiled and 17.5 KiB tiled; measured 540.7 and 5.3 KiB. It is conservative where the
+head no longer dominates: it charges attention's whole ring working set, which the measured peak does not
+reach at the same moment as the saved activations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .plan import DTYPE_BYTES, GIB, PlanInput, memory_bytes
+
+__all__ = ["MODELS", "ModelShape", "model_memory", "longest_s_local"]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A decoder's sizes (the memory model's inputs)."""
+
+    hidden: int  #: H
+    intermediate: int  #: I, the SwiGLU width
+    layers: int  #: L
+    vocab: int  #: V
+    q_heads: int  #: Hq
+    kv_heads: int  #: Hkv
+    head_dim: int  #: D
+
+    @property
+    def params(self) -> int:
+        """Parameters (untied embeddings and head)."""
+        h, i = self.hidden, self.intermediate
+        attn = h * self.head_dim * (2 * self.q_heads + 2 * self.kv_heads)
+        return self.layers * (attn + 3 * h * i + 2 * h) + 2 * self.vocab * h + h
+
+
+MODELS = {
+    "llama3-8b": ModelShape(4096, 14336, 32, 128256, 32, 8, 128),
+    "llama3-70b": ModelShape(8192, 28672, 80, 128256, 64, 8, 128),
+    "qwen3-8b": ModelShape(4096, 12288, 36, 151936, 32, 8, 128),
+    "bench-tiny": ModelShape(128, 512, 2, 32768, 4, 4, 32),  # scripts/bench_tiling.py's model
+}
+
+
+def model_memory(shape: ModelShape, s_local: int, *, cp: int, dtype: str = "bf16", tile: int | None = None,
+                 checkpointing: str = "none", reserved_gib: float = 0.0) -> dict[str, int]:
+    """Per-rank bytes of one fwd+bwd; ``tile``: sequence tiling's tokens per tile (None: untiled). See
+    Note [Plan model memory]."""
+    if checkpointing not in ("none", "full"):
+        raise ValueError(f"checkpointing must be 'none' or 'full'; got {checkpointing!r}.")
+    if tile is not None and tile < 1:
+        raise ValueError(f"tile must be a positive int or None; got {tile!r}.")
+    e, s, h, i, v = DTYPE_BYTES[dtype], s_local, shape.hidden, shape.intermediate, shape.vocab
+    ckpt = checkpointing == "full"
+    attn = memory_bytes(PlanInput(seq_len=s * cp, cp=cp, head_dim=shape.head_dim, q_heads=shape.q_heads,
+                                  kv_heads=shape.kv_heads, dtype=dtype, layers=1 if ckpt else shape.layers,
+                                  layout="contiguous"))
+    t = s if tile is None else min(tile, s)
+    mlp_saved = 0 if tile is not None else 4 * i * e * s  # one layer's SwiGLU, saved for backward
+    mlp_tile = 6 * i * e * t if tile is not None else 0  # one tile while it runs
+    layer = 4 * h * e * s + mlp_saved  # one layer's non-attention activations
+    saved = h * e * s * shape.layers + layer if ckpt else layer * shape.layers
+    head = (2 * e + 8) * v * t + 2 * h * e * s  # untiled: t = s
+    out = {"attention": attn["saved_all_layers"] + max(attn["forward_working_set"], attn["backward_working_set"]),
+           "layers": saved, "mlp_tile": mlp_tile, "head_loss": head, "reserved": int(reserved_gib * GIB)}
+    out["total"] = sum(out.values())
+    return out
+
+
+def longest_s_local(shape: ModelShape, budget_gib: float, *, cp: int, unit: int = 256, **kw) -> int:
+    """The longest S_local (a multiple of ``unit``) whose ``model_memory`` total fits ``budget_gib``; 0 if none."""
+    fits = lambda s: model_memory(shape, s, cp=cp, **kw)["total"] <= budget_gib * GIB  # noqa: E731
+    if not fits(unit):
+        return 0
+    lo, hi = unit, 2 * unit
+    while fits(hi):
+        lo, hi = hi, 2 * hi
+    while hi - lo > unit:
+        mid = (lo + hi) // 2 // unit * unit
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
