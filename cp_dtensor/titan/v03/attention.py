@@ -42,14 +42,9 @@ import dataclasses
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
 
-from ...core.attention import ring_attention
 from ...core.layout import check_seq_len, shard_tensor
-from ..shared.heads import tp_head_sharding
+from ..shared.inner import RingInner
 
 __all__ = ["RingDocs", "RingInnerAttention", "ring_masks", "shard_batch"]
 
@@ -104,24 +99,18 @@ def shard_batch(inputs: torch.Tensor, labels: torch.Tensor, extra: dict[str, Any
     return shard(inputs), shard(labels), extra
 
 
-class RingInnerAttention(nn.Module):
+class RingInnerAttention(RingInner):
     """Stands in for 0.3's FlexAttention / VarlenAttention: ring attention over ``group`` with the
-    ``RingDocs`` the model passes. ``sinks_of``: the attention module whose ``sinks`` join the softmax
-    (gpt_oss), read at every call (FSDP swaps the parameter object); a reference, not a child module."""
+    ``RingDocs`` the model passes (the shared adapter: titan/shared/inner.py). ``sinks_of``: the attention
+    module whose ``sinks`` join the softmax (gpt_oss), read at every call (FSDP swaps the parameter
+    object); a reference, not a child module."""
 
-    def __init__(self, *, group: dist.ProcessGroup | DeviceMesh, layout: str, comm_dtype: torch.dtype | None = None,
-                 kv_exchange: str = "ring", sinks_of: nn.Module | None = None):
-        super().__init__()
-        self.group, self.layout, self.comm_dtype, self.kv_exchange = group, layout, comm_dtype, kv_exchange
-        object.__setattr__(self, "_sinks_of", sinks_of)
+    version = "torchtitan 0.3"
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attention_masks=None,
                 scale: float | None = None, enable_gqa: bool = False, out_transform=None, score_mod=None,
                 **kwargs) -> torch.Tensor:
         # q: [B, S_local, Hq, Dqk]; k: [B, S_local, Hkv, Dqk]; v: [B, S_local, Hkv, Dv]
-        if score_mod is not None:
-            raise NotImplementedError("cp_dtensor ring attention takes no flex score_mod; torchtitan 0.3's "
-                                      "llama3, qwen3, deepseek_v3 and gpt_oss pass none.")
         ids, window = None, None
         if attention_masks is not None:
             if not isinstance(attention_masks, RingDocs):
@@ -129,32 +118,9 @@ class RingInnerAttention(nn.Module):
                                 "the plugin's RingDocs (Note [0.3 inner attention as the ring]). Train through "
                                 "cp_dtensor's trainer (python -m cp_dtensor.titan.train).")
             ids, window = attention_masks.ids, attention_masks.window_size
-        sinks = None if self._sinks_of is None else self._sinks_of.sinks
-        if out_transform is not None and sinks is None:
+        if out_transform is not None and not self.has_sinks:
             raise NotImplementedError("cp_dtensor ring attention hands out_transform an lse only for gpt_oss-style "
                                       "sinks (Note [0.3 inner attention as the ring]); this model has none.")
-        tp_heads = tp_head_sharding(q, k, v, heads_dim=2)  # See Note [0.3 TP heads into the ring]
-        if tp_heads is not None:
-            q, k, v = q.to_local(), k.to_local(), v.to_local()  # [B, S_local, H / TP, D]: this TP rank's heads
-            if isinstance(sinks, DTensor):  # gpt_oss: sinks [Hq] placed Shard(0) on the same TP mesh
-                if sinks.placements != (Shard(0),):
-                    raise NotImplementedError("cp_dtensor ring attention takes TP sinks sharded over heads (Shard(0)); "
-                                              f"got {sinks.placements}. Use torchtitan's gpt_oss TP plan unchanged.")
-                sinks = sinks.to_local()  # [Hq / TP]
-        out = ring_attention(
-            q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(),
-            mesh=self.group, layout=self.layout,
-            is_causal=True, scale=scale, comm_dtype=self.comm_dtype, document_ids=ids, window_size=window,
-            sinks=sinks, kv_exchange=self.kv_exchange,
-        ).transpose(1, 2)  # [B, S_local, Hq (/ TP), Dv]
-        if out_transform is not None:  # on local heads, as torchtitan's local_map calls it
-            # the sinks are already in `out`: an lse of +inf makes gpt_oss's sigmoid(lse - sinks) exactly 1
-            out = out_transform(out, out.new_full(out.shape[:-1], float("inf"), dtype=torch.float32))
-        if tp_heads is not None:
-            out = DTensor.from_local(out, *tp_heads, run_check=False)
-        return out
-
-    def extra_repr(self) -> str:
-        cp = self.group.size() if isinstance(self.group, DeviceMesh) else dist.get_world_size(self.group)
-        extra = "" if self._sinks_of is None else ", sinks"
-        return f"layout={self.layout!r}, cp={cp}, comm_dtype={self.comm_dtype}, kv_exchange={self.kv_exchange!r}{extra}"
+        # See Note [0.3 TP heads into the ring]: the adapter runs the ring on this TP rank's heads
+        return self.ring(q, k, v, heads_dim=2, ids=ids, window=window, is_causal=True, scale=scale,
+                         score_mod=score_mod, out_transform=out_transform)  # [B, S_local, Hq (/ TP), Dv]
