@@ -1,6 +1,6 @@
 """The one torchrun launcher and step-loss parser for end-to-end torchtitan runs.
 
-Used by test_titan*.py, test_float8.py and scripts/fp8_loss_curve.py. Every job runs
+Used by test_titan*.py, test_float8.py and scripts/benchmarks/fp8_loss_curve.py. Every job runs
 ``python -m torch.distributed.run --standalone`` on this machine's CPUs, one intra-op thread per rank,
 offline, with the repo on PYTHONPATH; the output of all ranks comes back as one string.
 """

@@ -344,7 +344,7 @@ def _cases(rank: int, world: int, base: TinyLM, batches, ref_losses, ref_params)
 
 
 def _example():
-    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "torch_api_example.py"
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "examples" / "torch_api_example.py"
     spec = importlib.util.spec_from_file_location("torch_api_example", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -505,13 +505,13 @@ def test_accelerate_loop_matches_cp1(family):
 
 
 def test_docs_code_is_the_example_script():
-    """docs/torch_api.md's first two Python blocks are lines of scripts/torch_api_example.py, which the
+    """docs/torch_api.md's first two Python blocks are lines of scripts/examples/torch_api_example.py, which the
     spawns above run: the page shows code that runs."""
     root = pathlib.Path(__file__).resolve().parents[1]
     page = (root / "docs" / "torch_api.md").read_text()
-    script = {line.strip() for line in (root / "scripts" / "torch_api_example.py").read_text().splitlines()}
+    script = {line.strip() for line in (root / "scripts" / "examples" / "torch_api_example.py").read_text().splitlines()}
     blocks = [b.split("```")[0] for b in page.split("```python\n")[1:]][1:3]  # the first is the import swap
     assert len(blocks) == 2
     for block in blocks:
         missing = [line for line in block.splitlines() if line.strip() and line.strip() not in script]
-        assert not missing, f"docs/torch_api.md lines not in scripts/torch_api_example.py: {missing}"
+        assert not missing, f"docs/torch_api.md lines not in scripts/examples/torch_api_example.py: {missing}"

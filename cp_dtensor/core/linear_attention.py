@@ -51,7 +51,7 @@ backward (the reduce-scatter of their gradients) -- independent of the sequence 
 scheme moves q, k, v, g, beta and o: O(S_local) per rank. At Qwen3-Next's shape (Hv 32, dk = dv = 128,
 B 1) a run's summary is 4 MiB: headtail sends 8 MiB per layer at P = 2 against the all-to-alls' 48 MiB
 in bf16 at N = 8k (193 MiB at 32k); only at P = 8 and N = 8k does it send more (56 against 21 MiB;
-scripts/bench_linear_attention.py prints the table). Plus the agreement (``check_bytes``) and, with
+scripts/benchmarks/bench_linear_attention.py prints the table). Plus the agreement (``check_bytes``) and, with
 documents, one int64 per run and batch row.
 
 *Precision.* The kernel returns u in its output dtype (q's): for bf16 inputs u is rounded to bf16
@@ -104,7 +104,7 @@ own kernels, e.g. fla's ``fused_recurrent``) and gets the same bits. The alterna
 broadcasts the layer's output -- puts the step *and* a broadcast on every token's critical path (the other
 ranks wait for both), to save only the other ranks' copy of a step of O(B * Hv * dk * dv) work and the
 state's memory, which is fixed (Qwen3-Next: 2 MiB fp32 per layer and row, against the attention layers'
-shares that grow with the context). scripts/bench_hybrid_generate.py measures both sides: a linear
+shares that grow with the context). scripts/benchmarks/bench_hybrid_generate.py measures both sides: a linear
 layer's replicated step and one gloo broadcast of its output and of its state; the replicated step sends 0
 bytes, and the full-attention layers alone send their (P - 1) * B * Hq * T * (Dv + 1) * 4 bytes per token
 (Note [Decoding from a sharded cache] in decode.py).
@@ -122,7 +122,7 @@ With the decay init of the released checkpoints (transformers' default: A = exp(
 decays g up to ~20 per token) the fp32 torch chunk kernel keeps only ~3-4 digits of the gradients of
 A_log and dt_bias, at CP=1 itself: they are differences of large terms (exp(cum_i - cum_j) from
 cumulative sums ~1e3 inside a 64-token chunk). Measured against the same model in float64
-(scripts/hybrid_precision.py; two float64 kernels agree to 1e-10): CP=1 is off by rel 5e-3 (dt_bias) /
+(scripts/benchmarks/hybrid_precision.py; two float64 kernels agree to 1e-10): CP=1 is off by rel 5e-3 (dt_bias) /
 2e-3 (A_log) at N = 48, CP=2 headtail by 1.5e-3 / 6e-4 -- its runs are shorter chunks, so less
 cancellation; at N = 256 (the same 64-token chunks) both by 5e-3, and CP differs from CP=1 by 3e-4.
 

@@ -58,7 +58,7 @@ for again with the same arguments as the forward. The ops cut the rectangles the
 are the compile boundary: a compiled graph passes the ids as tensors and takes new document boundaries
 without recompiling; they read each ids row's segments on the host once per ids tensor
 (``ops.RowSegments``, whose entries live exactly as long as the call's ids tensors). Measured
-(``scripts/bench_mask_plan.py``, in docs/performance.md).
+(``scripts/benchmarks/bench_mask_plan.py``, in docs/performance.md).
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ serves. So every backend choice runs the ring or raises the handler's ValueError
 ``dropout_mask``, Hq != Hkv without ``enable_gqa``) on every rank before any collective. The
 math op's second result (the attention weights, which a sequence-sharded call cannot have) is an
 empty placeholder; ``F.scaled_dot_product_attention`` never returns it. Tests: tests/core/test_cuda_paths.py
-(CPU: ``sdpa_kernel(MATH)``, ``no_grad``, inference mode, dropout, masks); scripts/gpu_check.py (every
+(CPU: ``sdpa_kernel(MATH)``, ``no_grad``, inference mode, dropout, masks); scripts/benchmarks/gpu_check.py (every
 CUDA backend choice).
 """
 

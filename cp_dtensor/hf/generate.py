@@ -55,7 +55,7 @@ strings, penalties -- agrees by construction. Three things do not:
   decisions every rank's, and checks that every rank chose the same tokens; if not (a logits processor
   that differs by rank), every rank raises the same error at that step. So ``max_time`` runs on rank
   0's clock and a criterion that differs by rank follows rank 0's. Cost: one all-gather of 16 * B bytes
-  a rank per token (scripts/bench_generate_agree.py measures it).
+  a rank per token (scripts/benchmarks/bench_generate_agree.py measures it).
 * ``synced_gpus=True``: transformers all-reduces "this rank finished" over the default group every
   step; the ranks of a CP group agree on it by the above, and the option itself is in the fingerprint.
 

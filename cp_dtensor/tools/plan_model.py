@@ -17,7 +17,7 @@ vocabulary) on S = N / P tokens, in the compute dtype (e bytes) unless stated:
   its cast back (e): S V (2e + 8) bytes; tiled, one [T, V] tile of the same, and the hidden gradient.
 
 Weights, gradients, optimizer state and allocator slack are ``reserved_gib``. Calibration (CPU, fp32,
-vocab 32768, H = 128, I = 512, L = 2, CP = 2, S_local 1024 -> 3072; scripts/bench_tiling.py): the model
+vocab 32768, H = 128, I = 512, L = 2, CP = 2, S_local 1024 -> 3072; scripts/benchmarks/bench_tiling.py): the model
 says 545.5 KiB a token untiled and 17.5 KiB tiled; measured 540.7 and 5.3 KiB. It is conservative where the
 head no longer dominates: it charges attention's whole ring working set, which the measured peak does not
 reach at the same moment as the saved activations.
@@ -56,7 +56,7 @@ MODELS = {
     "llama3-8b": ModelShape(4096, 14336, 32, 128256, 32, 8, 128),
     "llama3-70b": ModelShape(8192, 28672, 80, 128256, 64, 8, 128),
     "qwen3-8b": ModelShape(4096, 12288, 36, 151936, 32, 8, 128),
-    "bench-tiny": ModelShape(128, 512, 2, 32768, 4, 4, 32),  # scripts/bench_tiling.py's model
+    "bench-tiny": ModelShape(128, 512, 2, 32768, 4, 4, 32),  # scripts/benchmarks/bench_tiling.py's model
 }
 
 

@@ -324,10 +324,10 @@ def test_compiled_delta_rule():
 
 
 def test_bench_smoke(tmp_path):
-    """scripts/bench_linear_attention.py at a tiny length: runs, and its measured bytes equal the formula."""
+    """scripts/benchmarks/bench_linear_attention.py at a tiny length: runs, and its measured bytes equal the formula."""
     import sys
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "benchmarks"))
     import bench_linear_attention as bench
 
     report = bench.main(["--seq-len", "128", "--repeats", "1", "--d", "16", "--out", str(tmp_path / "la.json")])

@@ -364,12 +364,12 @@ def test_transformers_symbols_exist():
 
 
 def test_bench_hybrid_smoke(tmp_path):
-    """scripts/bench_hybrid.py at a tiny length: runs CP=1 and CP=2, writes its report; CP=2 saves fewer
+    """scripts/benchmarks/bench_hybrid.py at a tiny length: runs CP=1 and CP=2, writes its report; CP=2 saves fewer
     activation bytes per rank than CP=1 (runs of one 64-token kernel chunk each)."""
     import json
     import sys
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "benchmarks"))
     import bench_hybrid
 
     out = tmp_path / "hybrid.json"

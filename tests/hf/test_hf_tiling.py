@@ -210,13 +210,13 @@ def test_trainer_with_tiling_logs_plain_cp1_losses(tmp_path):
 
 
 def test_peak_growth_per_token_tiled_under_015_untiled():
-    """scripts/bench_tiling.py's probe at a small size (vocab 8192, hidden 32, CP=2, S_local 256 -> 768): a rank's
+    """scripts/benchmarks/bench_tiling.py's probe at a small size (vocab 8192, hidden 32, CP=2, S_local 256 -> 768): a rank's
     peak (VmHWM after clear_refs) grows per token by <= 0.15x the untiled growth, which is the logits' (about
     16 bytes a vocabulary entry, fp32)."""
     import os
     import sys
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "benchmarks"))
     import bench_tiling
 
     shape = dict(vocab=8192, hidden=32, layers=1)

@@ -508,7 +508,7 @@ def _torchrun(nproc: int, script: str, *args: str) -> list[float]:
     import sys
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           os.path.join(SCRIPTS, script), *args]
+           os.path.join(SCRIPTS, "examples", script), *args]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -524,13 +524,13 @@ def test_examples_under_torchrun(script, tmp_path):
     _close(got, want, script)
 
 
-@exhaustive("scripts/bench_trainer.py at a tiny length: ~17 s")
+@exhaustive("scripts/benchmarks/bench_trainer.py at a tiny length: ~17 s")
 def test_bench_trainer_runs(tmp_path):
     import subprocess
     import sys
 
     out = tmp_path / "trainer.json"
-    r = subprocess.run([sys.executable, os.path.join(SCRIPTS, "bench_trainer.py"), "--seq-len", "256", "--steps", "1",
+    r = subprocess.run([sys.executable, os.path.join(SCRIPTS, "benchmarks", "bench_trainer.py"), "--seq-len", "256", "--steps", "1",
                         "--out", str(out)], capture_output=True, text=True, timeout=600,
                        env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 0, r.stderr[-3000:]

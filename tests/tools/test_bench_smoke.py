@@ -1,4 +1,4 @@
-"""The pure parts of scripts/bench_ring.py and scripts/gpu_check.py, against independent references."""
+"""The pure parts of scripts/benchmarks/bench_ring.py and scripts/benchmarks/gpu_check.py, against independent references."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from cp_dtensor.core.layout import LAYOUTS
 from cp_dtensor.tools.plan import PlanInput, make_plan
 
-SCRIPTS = os.path.join(os.path.dirname(__file__), "..", "..", "scripts")
+SCRIPTS = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "benchmarks")
 sys.path.insert(0, SCRIPTS)
 import _bench_mem as bench_mem  # noqa: E402
 import _bench_work as bench_work  # noqa: E402

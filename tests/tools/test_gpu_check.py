@@ -1,4 +1,4 @@
-"""scripts/gpu_check.py on CPU: --cpu-smoke runs every section's code (ranks spawned as on a GPU, gloo,
+"""scripts/benchmarks/gpu_check.py on CPU: --cpu-smoke runs every section's code (ranks spawned as on a GPU, gloo,
 the ring vs float64, every SDPA backend choice on DTensors, the simulation, the planner side of the
 memory check); the CUDA-only parts report "skipped". The report logic is checked on made-up results."""
 
@@ -17,7 +17,7 @@ from cp_dtensor.core.layout import LAYOUTS
 from cp_dtensor.tools.plan import PlanInput, memory_bytes
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
-SCRIPT = os.path.join(ROOT, "scripts", "gpu_check.py")
+SCRIPT = os.path.join(ROOT, "scripts", "benchmarks", "gpu_check.py")
 
 
 def _module():

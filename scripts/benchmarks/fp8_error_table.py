@@ -1,7 +1,7 @@
 """Attention output error of the float8 K/V ring payload against float64 attention, on real gloo ranks.
 
-    .venv/bin/python scripts/fp8_error_table.py            # P in {2, 4, 8}, N/P in {1k, 8k}: ~1-3 min on 2 cores
-    .venv/bin/python scripts/fp8_error_table.py --cp 2 --s-local 1024 --json
+    .venv/bin/python scripts/benchmarks/fp8_error_table.py            # P in {2, 4, 8}, N/P in {1k, 8k}: ~1-3 min on 2 cores
+    .venv/bin/python scripts/benchmarks/fp8_error_table.py --cp 2 --s-local 1024 --json
 
 For each P the script forks P gloo ranks (tests/_dist.py's run_ranks). Every rank builds the same global
 q, k, v ~ N(0, 1) [B=1, H, N, D] from one seed, keeps its striped shard, and runs causal ring attention
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from cp_dtensor import ring_attention  # noqa: E402
 from cp_dtensor.core.layout import local_positions, shard_tensor  # noqa: E402
 from _dist import run_ranks  # noqa: E402

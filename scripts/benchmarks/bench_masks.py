@@ -1,6 +1,6 @@
 """Masked ring benchmarks: documents and windows against the unmasked ring, in one time window.
 
-    .venv/bin/python scripts/bench_masks.py [--s-local 4096] [--iters 3] [--balance-n 65536]
+    .venv/bin/python scripts/benchmarks/bench_masks.py [--s-local 4096] [--iters 3] [--balance-n 65536]
 
 (a) packed documents of 512 and 2048 tokens vs none (striped): ring time ratio next to the kept-pair
     ratio; (b) a (256, 0) sliding window vs full causal, contiguous and striped: time and bytes;

@@ -1,6 +1,6 @@
 """A small CP demo under torchrun: ring attention on CPU ranks vs single-device attention.
 
-    .venv/bin/torchrun --standalone --nproc_per_node=4 scripts/demo.py --seq-len 4096
+    .venv/bin/torchrun --standalone --nproc_per_node=4 scripts/examples/demo.py --seq-len 4096
 
 Every rank builds the same global q, k, v from one seed, takes its shard in each layout, runs
 ``cp_dtensor.ring_attention`` forward and backward, and compares with float64 attention on the full

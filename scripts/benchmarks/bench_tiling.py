@@ -2,7 +2,7 @@
 fixed per-rank budget, and the time cost -- one transformers Llama (vocab 32768, hidden 128, 2 layers) under
 ``cp_dtensor.hf.apply_context_parallel`` at CP=2 on CPU (gloo), one forward + backward with labels.
 
-Peak: VmHWM after ``echo 5 > /proc/self/clear_refs`` minus the resident set then (scripts/_bench_mem.py: every
+Peak: VmHWM after ``echo 5 > /proc/self/clear_refs`` minus the resident set then (scripts/benchmarks/_bench_mem.py: every
 block >= 64 KiB its own mapping, so the peak is live memory); the weights and their gradient buffers are below
 the line (a warm-up step at 64 tokens allocates them). Per-token growth = (peak(S_hi) - peak(S_lo)) /
 (S_hi - S_lo). The longest S_local under ``--budget-mib``: the line through the two probes predicts it (the growth
@@ -10,8 +10,8 @@ is not quite linear: the ring's buffers), then a search of real probes (doubling
 of 256) from there, capped at ``--cap`` tokens (attention's time grows as S^2 on CPU): a tiled run that fits at
 the cap is reported as ">= cap".
 
-    python scripts/bench_tiling.py                    # S_local 1024 vs 3072, tile 1024, budget 1024 MiB
-    python scripts/bench_tiling.py --quick            # S_local 256 vs 768 (the smoke test)
+    python scripts/benchmarks/bench_tiling.py                    # S_local 1024 vs 3072, tile 1024, budget 1024 MiB
+    python scripts/benchmarks/bench_tiling.py --quick            # S_local 256 vs 768 (the smoke test)
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # this checkout's cp_dtensor
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # this checkout's cp_dtensor
 from _bench_dist import run_ranks  # noqa: E402
 from _bench_mem import _libc_live_memory, peak_since, reset_peak, search_max  # noqa: E402
 

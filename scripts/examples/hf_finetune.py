@@ -1,7 +1,7 @@
 """Fine-tune a small Hugging Face Llama with context parallelism on CPU ranks, packed sequences, vs CP=1.
 
-    .venv/bin/python scripts/hf_finetune.py                      # CP=2, striped, 3 AdamW steps
-    .venv/bin/python scripts/hf_finetune.py --cp 4 --layout headtail
+    .venv/bin/python scripts/examples/hf_finetune.py                      # CP=2, striped, 3 AdamW steps
+    .venv/bin/python scripts/examples/hf_finetune.py --cp 4 --layout headtail
 
 A random-init LlamaForCausalLM (GQA) trains on batches of packed documents (one row per batch, position
 ids restarting at 0 per document, labels -100 at each document's first token: what transformers'
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))  # the forked-gloo launcher
 from _bench_dist import run_ranks  # noqa: E402  (the scripts' forked-gloo launcher)
 
 

@@ -1,7 +1,7 @@
 """A hybrid linear-attention model under CP on CPU ranks: time and memory per rank, CP=2 against CP=1.
 
-    .venv/bin/python scripts/bench_hybrid.py                          # N = 8k and 32k
-    .venv/bin/python scripts/bench_hybrid.py --seq-len 8192 16384 --repeats 2
+    .venv/bin/python scripts/benchmarks/bench_hybrid.py                          # N = 8k and 32k
+    .venv/bin/python scripts/benchmarks/bench_hybrid.py --seq-len 8192 16384 --repeats 2
 
 The model: transformers' Qwen3-Next, small enough for a CPU: 4 layers (3 Gated DeltaNet, then 1 full
 attention, Qwen3-Next's 3:1 pattern), hidden 256, dense MLP 256 (no experts), vocab 256; linear layers Hk 2,
@@ -17,7 +17,7 @@ chunk 64; SDPA for the full layer).
   time of the slower rank (``time.process_time``): on a shared machine two ranks compete with other
   load for the cores, which the wall time shows and the CPU time mostly does not.
 * Memory, two ways, per rank: (1) peak resident memory of the last timed step above the resident memory before it
-  (``scripts/_bench_mem.py``: the kernel's high-water mark reset, glibc set to return freed blocks, so
+  (``scripts/benchmarks/_bench_mem.py``: the kernel's high-water mark reset, glibc set to return freed blocks, so
   the peak is live memory: saved activations, the backward's transients, gradients, gloo's copies);
   (2) the bytes autograd saves for the backward (``saved_tensors_hooks``, unique storages, parameters
   excluded): the activations a training step holds at the end of its forward.
@@ -35,7 +35,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # this checkout's cp_dtensor
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # this checkout's cp_dtensor
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _bench_mem as bench_mem  # noqa: E402
 from _bench_dist import run_ranks  # noqa: E402

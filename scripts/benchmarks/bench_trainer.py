@@ -1,7 +1,7 @@
 """The transformers Trainer under CP on CPU ranks: tokens/s and peak memory per rank, CP=2 against CP=1.
 
-    .venv/bin/python scripts/bench_trainer.py                         # N = 8k and 32k tokens per sample
-    .venv/bin/python scripts/bench_trainer.py --seq-len 8192 --steps 3
+    .venv/bin/python scripts/benchmarks/bench_trainer.py                         # N = 8k and 32k tokens per sample
+    .venv/bin/python scripts/benchmarks/bench_trainer.py --seq-len 8192 --steps 3
 
 The model: a small Llama (transformers' LlamaForCausalLM, random init, fp32): 2 layers, hidden 128, 2 query
 heads / 1 KV head of D 64, SwiGLU 256, vocab 256 -- attention-bound at these lengths, as long-context
@@ -15,7 +15,7 @@ training is. One sample of N tokens per step (per_device_train_batch_size 1), Ad
 * tokens/s: N / step time (one replica; CP=2 spends 2 processes on it). Also each rank's CPU time per step:
   on a shared machine the wall time includes waiting for a core, the CPU time mostly does not.
 * Peak memory per rank: the resident high-water mark of the last timed step above the resident memory at its
-  start (``scripts/_bench_mem.py``: glibc set to return freed blocks, so the peak is live memory: activations,
+  start (``scripts/benchmarks/_bench_mem.py``: glibc set to return freed blocks, so the peak is live memory: activations,
   the backward's transients, gradients, gloo's and DDP's buffers; weights and optimizer state are below the line).
 Writes bench_out/trainer.json.
 """

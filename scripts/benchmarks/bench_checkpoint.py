@@ -4,7 +4,7 @@ default), "crc32" and none, each median (min) of --reps runs. A load verifies di
 recorded them. The files are read back from the page cache (just written; caches are not dropped), so
 the numbers are the CPU cost of hashing plus whatever the disk adds to the save.
 
-    .venv/bin/python scripts/bench_checkpoint.py --mib 1024 --ranks 2 --reps 3
+    .venv/bin/python scripts/benchmarks/bench_checkpoint.py --mib 1024 --ranks 2 --reps 3
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The transformers Trainer on packed documents under context parallelism: the script changes one line.
 
-    torchrun --nproc-per-node 2 scripts/trainer_example.py             # CP=2 (gloo on CPU, NCCL on GPUs)
-    torchrun --nproc-per-node 1 scripts/trainer_example.py --cp 1      # the unchanged Trainer: the same losses
-    torchrun --nproc-per-node 4 scripts/trainer_example.py --cp 2      # 2 data-parallel replicas x CP=2
+    torchrun --nproc-per-node 2 scripts/examples/trainer_example.py             # CP=2 (gloo on CPU, NCCL on GPUs)
+    torchrun --nproc-per-node 1 scripts/examples/trainer_example.py --cp 1      # the unchanged Trainer: the same losses
+    torchrun --nproc-per-node 4 scripts/examples/trainer_example.py --cp 2      # 2 data-parallel replicas x CP=2
 
 A random-init Llama (GQA, a few layers) trains on synthetic documents packed into one row per batch by
 transformers' ``DataCollatorWithFlattening`` (position ids restarting at 0 per document); the CP ranks keep

@@ -1,8 +1,8 @@
 """One GPU, one command: the real ring on CUDA tensors, its host syncs, the blockwise overhead at 128k,
 and peak memory per rank against the planner. Writes DIR/gpu_check.json and DIR/gpu_check.md.
 
-    python scripts/gpu_check.py --out bench_out/gpu_check            # one CUDA GPU, a few minutes
-    .venv/bin/python scripts/gpu_check.py --cpu-smoke --out /tmp/gc  # CPU, tiny: every path but CUDA-only ones
+    python scripts/benchmarks/gpu_check.py --out bench_out/gpu_check            # one CUDA GPU, a few minutes
+    .venv/bin/python scripts/benchmarks/gpu_check.py --cpu-smoke --out /tmp/gc  # CPU, tiny: every path but CUDA-only ones
 
 (a) ring: P processes (default 4) share cuda:0 and form one gloo group. The ring's rotation is
     ``funcol.permute_tensor`` -> ``all_to_all_single``; gloo's all-to-all takes CUDA tensors (it stages
@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import cp_dtensor  # noqa: E402  (installs the SDPA handlers)
 from cp_dtensor.core.layout import LAYOUTS, shard_tensor, step_block, unshard_tensor  # noqa: E402
 from cp_dtensor.core.ops import block_attn, block_attn_backward  # noqa: E402
@@ -654,7 +654,7 @@ def main(argv: list[str] | None = None) -> int:
           and merged["memory"]["status"] != "error")  # memory is reported, not enforced; a crash is a failure
     config = dict(vars(args), device=str(device), ring_seq_len=args.ring_seq_len, head_dim=cfg["head_dim"],
                   head_dim_sim=args.head_dim)
-    res = dict(device=name, command=" ".join(["python", "scripts/gpu_check.py", *(argv if argv is not None else sys.argv[1:])]),
+    res = dict(device=name, command=" ".join(["python", "scripts/benchmarks/gpu_check.py", *(argv if argv is not None else sys.argv[1:])]),
                config=config, ok=ok, **merged, simulation=simulation, overhead=overhead,
                seconds=time.perf_counter() - t0)
     os.makedirs(args.out, exist_ok=True)

@@ -1,6 +1,6 @@
 """Benchmark the ring on CPU ranks (one thread each): causal forward+backward, every layout, side by side.
 
-    .venv/bin/python scripts/bench_ring.py --s-local 512 1024 2048 4096 8192 --docs-img
+    .venv/bin/python scripts/benchmarks/bench_ring.py --s-local 512 1024 2048 4096 8192 --docs-img
 
 One run measures, and writes to --out-dir (JSON + PNG plots; --docs-img copies the plots to docs/img/):
   * ring fwd+bwd time per layout and N/P on --world ranks (median over --iters of the slowest rank, after
@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 from tqdm import tqdm  # noqa: E402
 
@@ -433,7 +433,7 @@ def main() -> None:
     os.makedirs(args.out_dir, exist_ok=True)
     res = dict(config=vars(args), shape=shape, torch=torch.__version__, cpus=os.cpu_count(),
                started=datetime.now(timezone.utc).isoformat(timespec="seconds"), load_avg_start=os.getloadavg(),
-               command=" ".join([".venv/bin/python scripts/bench_ring.py", *sys.argv[1:]]))
+               command=" ".join([".venv/bin/python scripts/benchmarks/bench_ring.py", *sys.argv[1:]]))
     t0 = time.perf_counter()
     res["memory"] = []  # first: the forked probes then inherit a small parent heap
     for heads in args.mem_heads if args.mem_worlds else []:

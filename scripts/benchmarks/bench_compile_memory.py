@@ -1,10 +1,10 @@
 """Peak memory per rank of the compiled ring against the eager ring: causal forward+backward, side by side.
 
-    .venv/bin/python scripts/bench_compile_memory.py [--s-local 4096] [--worlds 2 4] [--baseline]
+    .venv/bin/python scripts/benchmarks/bench_compile_memory.py [--s-local 4096] [--worlds 2 4] [--baseline]
 
 Each rank runs the eager step and the ``torch.compile(fullgraph=True)`` step once to warm up (compiling
 happens there), then measures each step's resident high-water mark above what it held before the step
-(fresh process memory accounting from scripts/_bench_mem.py). The report is the largest
+(fresh process memory accounting from scripts/benchmarks/_bench_mem.py). The report is the largest
 rank's peak for each, and compiled / eager (target <= 1.1). ``--p5-cap-mib C`` instead searches, for eager and compiled alike, the longest sequence whose step
 fits C MiB per rank (P5 under compile; target compiled >= 0.9 x eager): the compiled function is
 built once with ``dynamic=True``, every probe length first runs unmeasured (so a recompile never

@@ -7,7 +7,7 @@ backward cut each step into). The ranks are simulated in one process (rank 0 of 
 alike), from a gathered table of ``--docs`` documents over N = P * S_local tokens; every timed call
 gets new document boundaries (another batch), so nothing of an earlier call's plan is reused.
 
-    python scripts/bench_mask_plan.py --worlds 8 32 --docs 64 --s-local 512
+    python scripts/benchmarks/bench_mask_plan.py --worlds 8 32 --docs 64 --s-local 512
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from cp_dtensor.core.blocks import Mask  # noqa: E402
 from cp_dtensor.core.layout import shard_tensor  # noqa: E402
 from cp_dtensor.core.ops import _batch_rects  # noqa: E402

@@ -1,6 +1,6 @@
 """Benchmark the compiled ring against the eager ring on CPU ranks: causal forward+backward, side by side.
 
-    .venv/bin/python scripts/bench_compile.py --world 2 --s-local 1024 4096
+    .venv/bin/python scripts/benchmarks/bench_compile.py --world 2 --s-local 1024 4096
 
 For each S_local, every rank times the eager step and the ``torch.compile(fullgraph=True)`` step
 (default Inductor) in alternation -- eager, compiled, compiled, eager, ... -- so that the noise of a
@@ -24,7 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 import cp_dtensor  # noqa: E402
 from _bench_dist import run_ranks  # noqa: E402  the one rank launcher (tests/_dist.py)

@@ -4,7 +4,7 @@ A: before ``import cp_dtensor`` and, after it, with the SDPA dispatch uninstalle
 ``cp_dtensor.install_sdpa_dispatch()`` (whose kernel on the math op's Autograd keys every plain math
 SDPA call passes through). Rounds alternate A and B; the ratio is B / A of the medians.
 
-    python scripts/bench_import_cost.py --shapes 1x4x64x32 2x8x256x64 --rounds 10 --calls 50
+    python scripts/benchmarks/bench_import_cost.py --shapes 1x4x64x32 2x8x256x64 --rounds 10 --calls 50
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def _per_call(q, k, v, do, calls: int) -> float:

@@ -1,7 +1,7 @@
 """The hybrid recipe of docs/hybrids.md, runnable: Qwen3-Next and Kimi Linear (tiny, random init) under CP vs CP=1.
 
-    .venv/bin/torchrun --standalone --nproc_per_node 2 scripts/hybrid_demo.py
-    .venv/bin/torchrun --standalone --nproc_per_node 3 scripts/hybrid_demo.py --model kimi_linear --seq-len 96
+    .venv/bin/torchrun --standalone --nproc_per_node 2 scripts/examples/hybrid_demo.py
+    .venv/bin/torchrun --standalone --nproc_per_node 3 scripts/examples/hybrid_demo.py --model kimi_linear --seq-len 96
 
 Every rank builds the same model (3 linear-attention layers + 1 full-attention layer) and batch, runs it
 whole (CP=1, the reference), then applies ``apply_context_parallel(model, mesh, layout="headtail")``
@@ -12,7 +12,7 @@ error (max |g - g_ref| / max |g_ref| over the parameters, gradients summed over 
 Measured at P = 2, N = 256: logits within 2.4e-7 of CP=1 for both; gradients within 4.4e-6 for Kimi Linear
 and 2.1e-4 for Qwen3-Next, whose worst is dt_bias / A_log: with transformers' default decay init (up to ~20
 per token) the fp32 kernel keeps ~3 digits of those at CP=1 itself, and CP is no further from float64
-(docs/hybrids.md; scripts/hybrid_precision.py).
+(docs/hybrids.md; scripts/benchmarks/hybrid_precision.py).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # this checkout's cp_dtensor
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # this checkout's cp_dtensor
 import cp_dtensor  # noqa: E402
 from cp_dtensor.hf import apply_context_parallel, shift_labels  # noqa: E402
 

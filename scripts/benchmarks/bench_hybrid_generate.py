@@ -1,8 +1,8 @@
 """generate() of a hybrid linear-attention model under CP on CPU ranks: a state-passing prefill, then decoding
 from a sharded attention cache and replicated linear states; CP=2 against CP=1.
 
-    .venv/bin/python scripts/bench_hybrid_generate.py                      # prompts 8k and 32k, 16 new tokens
-    .venv/bin/python scripts/bench_hybrid_generate.py --lengths 2048 --new-tokens 4
+    .venv/bin/python scripts/benchmarks/bench_hybrid_generate.py                      # prompts 8k and 32k, 16 new tokens
+    .venv/bin/python scripts/benchmarks/bench_hybrid_generate.py --lengths 2048 --new-tokens 4
 
 The model: transformers' Qwen3-Next, 8 layers in its 3 : 1 pattern (3 Gated DeltaNet, 1 full attention,
 twice), hidden 512, dense SwiGLU 1024 (no experts), vocab 1024; linear layers Hk 4, Hv 8, dk = dv = 64,
@@ -38,7 +38,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # this checkout's cp_dtensor
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # this checkout's cp_dtensor
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _bench_dist import run_ranks  # noqa: E402
 from _bench_mem import _libc_live_memory, peak_since, reset_peak  # noqa: E402

@@ -1,7 +1,7 @@
 """Long-context inference under CP on CPU ranks: ring prefill, then decoding from a sequence-sharded KV cache.
 
-    .venv/bin/python scripts/bench_decode.py                         # prompts 8k and 32k, 16 decoded tokens
-    .venv/bin/python scripts/bench_decode.py --lengths 2048 8192 --new-tokens 8
+    .venv/bin/python scripts/benchmarks/bench_decode.py                         # prompts 8k and 32k, 16 decoded tokens
+    .venv/bin/python scripts/benchmarks/bench_decode.py --lengths 2048 8192 --new-tokens 8
 
 A Llama-shaped model (2 layers, hidden 512, 8 query / 2 KV heads, head 64, SwiGLU 1024, vocab 1024, fp32,
 random weights, the same on every rank) generates greedily from one prompt three ways, one after the
@@ -33,7 +33,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # this checkout's cp_dtensor
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))  # this checkout's cp_dtensor
 sys.path.insert(0, os.path.dirname(__file__))
 from cp_dtensor.hf import cache_bytes  # noqa: E402  (each buffer once: K, V, the shared positions)
 from _bench_dist import run_ranks  # noqa: E402

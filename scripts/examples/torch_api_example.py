@@ -1,6 +1,6 @@
 """torch's context-parallel API on cp_dtensor's ring (docs/torch_api.md), on CPU (gloo) or GPUs (NCCL):
 
-    torchrun --nproc_per_node 2 scripts/torch_api_example.py
+    torchrun --nproc_per_node 2 scripts/examples/torch_api_example.py
 
 1. torch's tutorial, unchanged but for the import: SDPA on shards of q, k, v inside the context, the output
    and the gradients unsharded after it, checked against SDPA on the full tensors.

@@ -1,7 +1,7 @@
 """Generate from a long prompt under context parallelism on CPU ranks, next to the same model at CP=1.
 
-    .venv/bin/python scripts/decode_demo.py                              # 4096-token prompt, 64 tokens, CP=2
-    .venv/bin/python scripts/decode_demo.py --prompt-len 8191 --cp 3 --layout striped
+    .venv/bin/python scripts/examples/decode_demo.py                              # 4096-token prompt, 64 tokens, CP=2
+    .venv/bin/python scripts/examples/decode_demo.py --prompt-len 8191 --cp 3 --layout striped
 
 A random-init Llama (GQA) generates greedily twice from the same prompt: once as the plain model
 (attn_implementation="sdpa", one process), once after ``cp_dtensor.hf.apply_context_parallel`` on
@@ -21,8 +21,8 @@ import time
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # this checkout's cp_dtensor
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))  # this checkout's cp_dtensor
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))  # the forked-gloo launcher
 from bench_decode import build_model  # noqa: E402
 
 from cp_dtensor.hf import cache_bytes  # noqa: E402

@@ -1,6 +1,6 @@
 """How much the bf16 dK/dV accumulators lose on their way round the ring: dk, dv error vs P.
 
-    .venv/bin/python scripts/dkv_precision.py [--world 2 3 4 5 6 7 8] [--seq-len 1680]
+    .venv/bin/python scripts/benchmarks/dkv_precision.py [--world 2 3 4 5 6 7 8] [--seq-len 1680]
 
 The ring sends each block's dK/dV accumulator in the input dtype, adding one rank's share a hop
 (Note [Ring backward] in ring.py), so a bf16 accumulator is rounded up to P-1 times. For each P this
@@ -17,8 +17,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
 import cp_dtensor  # noqa: E402
 from cp_dtensor.core.layout import shard_tensor, unshard_tensor  # noqa: E402
 from _dist import run_ranks  # noqa: E402

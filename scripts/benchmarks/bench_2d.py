@@ -1,6 +1,6 @@
 """Ring vs all-gather vs 2x2 (heads all-to-all x ring) at P = 4: time and bytes per rank per layer.
 
-    .venv/bin/python scripts/bench_2d.py [--s-local 2048] [--iters 3] [--layout striped]
+    .venv/bin/python scripts/benchmarks/bench_2d.py [--s-local 2048] [--iters 3] [--layout striped]
 
 Four forked gloo ranks, one thread each, causal attention fwd+bwd on each rank's N/P = --s-local
 tokens (B = 1, Hq = 8, Hkv = 2, D = 64, float32). Per mode: the median wall time of --iters timed calls

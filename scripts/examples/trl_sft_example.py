@@ -1,7 +1,7 @@
 """TRL's SFTTrainer with packing under context parallelism: the script changes one line.
 
-    torchrun --nproc-per-node 2 scripts/trl_sft_example.py              # CP=2 (gloo on CPU, NCCL on GPUs)
-    torchrun --nproc-per-node 1 scripts/trl_sft_example.py --cp 1       # the unchanged SFTTrainer: the same losses
+    torchrun --nproc-per-node 2 scripts/examples/trl_sft_example.py              # CP=2 (gloo on CPU, NCCL on GPUs)
+    torchrun --nproc-per-node 1 scripts/examples/trl_sft_example.py --cp 1       # the unchanged SFTTrainer: the same losses
 
 A random-init Llama learns a synthetic text corpus with a word-level tokenizer built here (nothing is
 downloaded). ``packing=True`` packs the tokenized examples into rows of ``--max-length`` tokens (best-fit

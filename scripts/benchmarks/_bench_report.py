@@ -9,7 +9,7 @@ def _load(res: dict) -> str:
 
 
 def _command(res: dict) -> str:
-    return res.get("command", "scripts/bench_ring.py")
+    return res.get("command", "scripts/benchmarks/bench_ring.py")
 
 
 def text(res: dict) -> str:

@@ -1,7 +1,7 @@
 """Loss curves of the llama3 debug model at CP = 2 with the float8 K/V ring payload vs full precision.
 
-    .venv/bin/python scripts/fp8_loss_curve.py            # ~6-10 min on 2 CPU cores
-    .venv/bin/python scripts/fp8_loss_curve.py --steps 20 --out /tmp/curve.png
+    .venv/bin/python scripts/benchmarks/fp8_loss_curve.py            # ~6-10 min on 2 CPU cores
+    .venv/bin/python scripts/benchmarks/fp8_loss_curve.py --steps 20 --out /tmp/curve.png
 
 Makes one fp32 seed checkpoint (1 rank), then trains titan_configs/llama3_debug.toml from it twice on
 2 CPU ranks (torchrun, cp_dtensor.titan.train): once as written (K/V travel in fp32) and once with
@@ -18,7 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
 from _titan_run import REPO, run_torchrun, step_losses  # noqa: E402  the tests' torchrun launcher and loss parser
 
 RUNS = {"fp32 payload": [], "float8_e4m3fn payload": ["--cp_dtensor.comm_dtype", "float8_e4m3fn"]}

@@ -1,7 +1,7 @@
 """Linear attention (gated delta rule) under CP on CPU ranks: bytes per layer and time, CP=2 against CP=1.
 
-    .venv/bin/python scripts/bench_linear_attention.py                  # N = 8k, B 1, Hk 2, Hv 4, dk = dv = 64
-    .venv/bin/python scripts/bench_linear_attention.py --seq-len 4096 --repeats 1
+    .venv/bin/python scripts/benchmarks/bench_linear_attention.py                  # N = 8k, B 1, Hk 2, Hv 4, dk = dv = 64
+    .venv/bin/python scripts/benchmarks/bench_linear_attention.py --seq-len 4096 --repeats 1
 
 * Bytes: what one rank sends per layer for the state summaries (``linear_state_bytes``: fp32, independent
   of N), forward and backward, counted with ``CommBytes`` at the timed shape and checked against the
@@ -25,7 +25,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # this checkout's cp_dtensor
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))  # this checkout's cp_dtensor
 sys.path.insert(0, os.path.dirname(__file__))
 from cp_dtensor.core.linear_attention import check_bytes, linear_state_bytes, sharded_delta_rule  # noqa: E402
 from cp_dtensor.tools.debug import CommBytes  # noqa: E402

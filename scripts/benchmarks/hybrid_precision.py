@@ -1,8 +1,8 @@
 """Precision of a hybrid model under CP with the checkpoints' decay init: CP=1 and CP=2 (fp32, transformers'
 torch kernels) each against a float64 reference.
 
-    .venv/bin/python scripts/hybrid_precision.py                       # tiny Qwen3-Next, N = 48 and 256
-    .venv/bin/python scripts/hybrid_precision.py --seq-len 256 --layout contiguous
+    .venv/bin/python scripts/benchmarks/hybrid_precision.py                       # tiny Qwen3-Next, N = 48 and 256
+    .venv/bin/python scripts/benchmarks/hybrid_precision.py --seq-len 256 --layout contiguous
 
 The model: tiny Qwen3-Next (3 Gated DeltaNet + 1 full layer, hidden 64, dk = dv = 16) with transformers'
 DEFAULT init (A = exp(A_log) drawn from [0.01, 16]: decays up to ~20 per token). The reference: the same
@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # this checkout's cp_dtensor
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # this checkout's cp_dtensor
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _bench_dist import run_ranks  # noqa: E402
 

@@ -1,9 +1,9 @@
 """What generate() under CP pays per token for agreeing across ranks (Note [Agreed stopping and sampling]).
 
-    .venv/bin/python scripts/bench_generate_agree.py                   # P = 2, 3; prompt 256; 32 new tokens
-    .venv/bin/python scripts/bench_generate_agree.py --worlds 2 --new-tokens 64 --repeats 5
+    .venv/bin/python scripts/benchmarks/bench_generate_agree.py                   # P = 2, 3; prompt 256; 32 new tokens
+    .venv/bin/python scripts/benchmarks/bench_generate_agree.py --worlds 2 --new-tokens 64 --repeats 5
 
-A Llama-shaped model (the shape of scripts/bench_decode.py: 2 layers, hidden 512, 8 query / 2 KV heads, fp32,
+A Llama-shaped model (the shape of scripts/benchmarks/bench_decode.py: 2 layers, hidden 512, 8 query / 2 KV heads, fp32,
 random weights, the same on every rank) generates from one prompt on P forked CPU ranks (gloo, one thread
 each), side by side in the same ranks, alternating, ``--repeats`` times each:
 
@@ -31,7 +31,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # this checkout's cp_dtensor
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))  # this checkout's cp_dtensor
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_decode import build_model  # noqa: E402
 

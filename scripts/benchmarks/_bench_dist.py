@@ -9,7 +9,7 @@ import sys
 from datetime import timedelta
 from typing import Any, Callable
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests"))
 from _dist import RankFailure  # noqa: E402
 from _dist import run_ranks as _run_ranks
 
