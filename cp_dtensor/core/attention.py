@@ -1,9 +1,9 @@
 """The front door: ``ring_attention`` for a process group or a (U, R) mesh -- the call's ``RingSpec``
-(spec.py), one preamble (validate, agree, gather the document ids, check them: ``checks.agree``), then
+(spec.py), one preamble (validate, agree, gather the document ids, check them: ``checks.ring_preamble``), then
 the exchange, under one autograd Function.
 
 The path of a call: ``ring_attention`` -> ``ring_spec`` (once) -> ``run_ring_attention`` ->
-``checks.agree`` (every rank alike, before any K/V moves) -> on a 2-D mesh the heads all-to-all
+``checks.ring_preamble`` (every rank alike, before any K/V moves) -> on a 2-D mesh the heads all-to-all
 (ulysses.py) -> ``_RingAttention`` -> the exchange's forward (ring.py: rotations; allgather.py: one
 all-gather) -> blocks.py per block -> ops.py's kernels. Integrations that check more of the call
 themselves (hf/, model.py) build the spec with ``ring_spec`` and call ``run_ring_attention`` with their
@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .._deprecated import old_keywords
 from .allgather import allgather_backward, allgather_forward
 from .blocks import Mask, sinks_grad
-from .checks import agree
+from .checks import ring_preamble
 from .ops import tie
 from .ring import ring_backward, ring_forward
 from .spec import RingSpec
@@ -140,12 +140,12 @@ def run_ring_attention(
 ) -> Tensor:
     """``ring_attention`` for a call's ``spec`` (:func:`ring_spec`). ``error``: the caller's own local error
     (e.g. an unsupported argument the module path saw), raised on every rank through the agreement, like
-    a bad argument; ``agreed``: see ``checks.agree`` (the transformers path, which agreed before deriving
+    a bad argument; ``agreed``: see ``checks.ring_preamble`` (the transformers path, which agreed before deriving
     the documents)."""
     if isinstance(document_ids, Tensor) and document_ids.device.type != "cpu":
         # the one host copy of a call with documents: the kernels are chosen per document on the host
         document_ids = document_ids.cpu()
-    agreed = agree(q, k, v, spec, document_ids=document_ids, sinks=sinks, error=error, agreed=agreed)
+    agreed = ring_preamble(q, k, v, spec, document_ids=document_ids, sinks=sinks, error=error, agreed=agreed)
     if agreed.failed is not None:  # compiled: the agreement raises at run time (Note [Compiled agreement])
         return tie(q.new_zeros((*q.shape[:3], v.shape[3])), agreed.ready)  # tied, so the op is not dropped
     if spec.ulysses_group is None:

@@ -67,8 +67,8 @@ from .spec import RingSpec
 from .wire import FINGERPRINT_INTS, KV_EXCHANGES
 
 __all__ = [
-    "Agreed", "Fingerprint", "agree", "call_error", "check_call", "check_cp_mesh", "check_documents", "check_ring_args",
-    "local_error", "options_error",
+    "Agreed", "Fingerprint", "call_error", "check_call", "check_cp_mesh", "check_documents", "check_ring_args",
+    "local_error", "options_error", "ring_preamble",
 ]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -305,7 +305,7 @@ def _check_member(spec: RingSpec) -> None:
         )
 
 
-def _agree(fp: Fingerprint, err: str | None, hosts: tuple[dist.ProcessGroup, ...]) -> tuple[int, int] | None:
+def _agree_ring_fields(fp: Fingerprint, err: str | None, hosts: tuple[dist.ProcessGroup, ...]) -> tuple[int, int] | None:
     """The ring's agreement over the host groups (Note [Agreeing before the ring]): raises the same
     ValueError on every rank when any rank failed its local checks or the ranks disagree. Returns the
     global (min, max) document id (None without documents)."""
@@ -326,7 +326,7 @@ def check_call(
 ) -> tuple[float, tuple[int, int] | None]:
     """Validate a ring call (its ``spec`` and tensors) on every rank of the spec's groups, eagerly: the
     same ValueError on every rank, or none. Returns the resolved scale and the global (min, max) document
-    id (None without documents). The front door's preamble is :func:`agree`, which also gathers the ids."""
+    id (None without documents). The front door's preamble is :func:`ring_preamble`, which also gathers the ids."""
     _check_member(spec)
     err = error or call_error(q, k, v, spec, document_ids, sinks)
     if torch.compiler.is_compiling():  # the front door's op agrees at run time (Note [Compiled agreement])
@@ -334,7 +334,7 @@ def check_call(
             raise ValueError(err)
         return _resolve_scale(q, spec.scale), None
     fp = _fingerprint(q, k, v, spec, document_ids, sinks, err is None)
-    id_range = _agree(_with_values(fp, document_ids, sinks), err, tuple(host_group(g) for g in spec.groups))
+    id_range = _agree_ring_fields(_with_values(fp, document_ids, sinks), err, tuple(host_group(g) for g in spec.groups))
     return _resolve_scale(q, spec.scale), id_range
 
 
@@ -365,7 +365,7 @@ class Agreed(NamedTuple):
     failed: str | None = None  #: compiled only: a local error that the agreement raises at run time, on every rank
 
 
-def agree(
+def ring_preamble(
     q, k, v, spec: RingSpec, *, document_ids=None, sinks=None, error: str | None = None,
     agreed: tuple[int, int] | None = None,
 ) -> Agreed:
@@ -415,7 +415,7 @@ def _agree_and_gather(
     sinks: Tensor | None,
 ) -> Tensor | None:
     """Agree (raising on every rank alike), then gather the document ids and check them."""
-    id_range = _agree(_with_values(fp, ids, sinks), err, hosts)
+    id_range = _agree_ring_fields(_with_values(fp, ids, sinks), err, hosts)
     if ids is None:
         return None
     every = gather_ids(ids, hosts, id_range)  # [P, B, S_local] on the host, before K/V moves
@@ -428,7 +428,7 @@ def agree_(
     token: Tensor, fingerprint: list[int], error: str | None, group: str, ulysses_group: str | None, layout: str,
     document_ids: Tensor | None, sinks: Tensor | None,
 ) -> Tensor:
-    """:func:`agree`'s cross-rank part as an op a compiled graph runs: see Note [Compiled agreement].
+    """:func:`ring_preamble`'s cross-rank part as an op a compiled graph runs: see Note [Compiled agreement].
     Returns every rank's document ids [P, B, S_local] (int64, on the host), or an empty tensor."""
     hosts = tuple(host_group(g) for g in _resolve(group, ulysses_group))
     every = _agree_and_gather(Fingerprint(*fingerprint), error, hosts, layout, document_ids, sinks)
@@ -460,3 +460,12 @@ def check_documents(ids: Tensor, layout: str) -> None:
             f"drops at global position {pos + 1}. Pass each rank its {layout} shard of global ids that only "
             "grow (e.g. a cumulative count of document starts), with the same layout as q, k, v."
         )
+
+
+def __getattr__(name: str):
+    if name == "agree":  # its old name, beside agreement.agree (Note [One agreement])
+        from .._deprecated import warn_once
+
+        warn_once("cp_dtensor.core.checks.agree", "cp_dtensor.core.checks.ring_preamble")
+        return ring_preamble
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
