@@ -42,7 +42,7 @@ from torch import Tensor
 
 from .blocks import Mask, add_sinks, step_backward, step_forward
 from .comm import all_gather, reduce_scatter, unpack, wait
-from .ops import after, tie
+from .ordering import after, tie
 from .payload import decode_kv, encode_kv
 from .spec import RingSpec, as_spec
 

@@ -21,7 +21,7 @@ from .._deprecated import old_keywords
 from .allgather import allgather_backward, allgather_forward
 from .blocks import Mask, sinks_grad
 from .checks import ring_preamble
-from .ops import tie
+from .ordering import tie
 from .ring import ring_backward, ring_forward
 from .spec import RingSpec
 from .ulysses import gather_heads, kv_replicas, mesh_group, scatter_heads, union_order

@@ -149,61 +149,27 @@ from .._deprecated import old_keywords
 from .agreement import Rules, agree
 from .comm import all_gather, all_gather_host, host_group, reduce_scatter, wait
 from .layout import LAYOUTS
+from .linear_plan import (  # noqa: F401 -- re-exported: their old home
+    _CONV_FIELDS,
+    _DELTA_FIELDS,
+    LINEAR_LAYOUTS,
+    _runs,
+    check_bytes,
+    check_linear_layout,
+    conv_halo_bytes,
+    linear_state_bytes,
+)
+from .linear_steps import causal_conv1d_step, delta_rule_step  # noqa: F401 -- re-exported: their old home
 
 __all__ = [
     "LINEAR_LAYOUTS", "causal_conv1d_step", "check_bytes", "check_linear_layout", "conv_halo_bytes", "delta_rule_step",
     "linear_state_bytes", "run_owner", "run_starts", "sharded_causal_conv1d", "sharded_delta_rule",
 ]
 
-LINEAR_LAYOUTS = ("contiguous", "headtail")
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _OWNED = ("initial_state", "output_final_state", "cu_seqlens")
 _ACTIVATIONS = (None, "silu", "swish")
-_DELTA_FIELDS = ("batch", "seq_len_local", "k_heads", "k_dim", "v_heads", "v_dim", "gate", "dtype", "layout",
-                 "document_ids", "use_qk_l2norm_in_kernel", "kernel", "kernel_kwargs")
-_CONV_FIELDS = ("batch", "channels", "seq_len_local", "kernel_size", "dtype", "weight_dtype", "bias",
-                "activation", "layout", "document_ids")
 
-
-def check_linear_layout(layout: str) -> str:
-    """``layout`` if linear attention runs on it; else the ValueError (the same on every rank)."""
-    if layout == "striped":
-        raise ValueError(
-            "linear attention (gated delta rule) under CP needs each rank's tokens in contiguous runs; the "
-            "'striped' layout makes every token its own run, whose [dk, dk + dv] state summary outweighs the "
-            "token. Use layout='headtail' (load-balanced for the softmax layers of a hybrid model too) or "
-            "'contiguous'."
-        )
-    if layout not in LINEAR_LAYOUTS:
-        raise ValueError(f"unknown sequence layout {layout!r}; linear attention takes one of {', '.join(LINEAR_LAYOUTS)}.")
-    return layout
-
-
-def _runs(layout: str) -> int:
-    return 2 if layout == "headtail" else 1
-
-
-def linear_state_bytes(*, batch: int, heads: int, dk: int, dv: int, world: int, layout: str, itemsize: int = 4) -> int:
-    """Bytes one rank sends per layer per forward for the state summaries ((P - 1) * runs * B * Hv * dk *
-    (dk + dv) * 4); the backward's reduce-scatter of their gradients sends as many. ``heads``: value heads.
-    ``itemsize`` 8 for float64 inputs. See Note [Linear attention under CP]."""
-    return (world - 1) * _runs(check_linear_layout(layout)) * batch * heads * dk * (dk + dv) * itemsize
-
-
-def conv_halo_bytes(*, batch: int, channels: int, kernel_size: int, world: int, layout: str, itemsize: int,
-                    s_local: int | None = None, final_state: bool = False) -> int:
-    """Bytes one rank sends per conv per forward for the halos (the backward sends as many): every run's
-    last min(run length, K - 1) tokens, in x's dtype; min(run length, K) with ``final_state`` (the conv state
-    for decoding). ``s_local`` None: runs at least K long."""
-    runs = _runs(check_linear_layout(layout))
-    width = kernel_size if final_state else kernel_size - 1
-    tail = width if s_local is None else min(s_local // runs, width)
-    return (world - 1) * runs * batch * channels * tail * itemsize
-
-
-def check_bytes(*, world: int, conv: bool = False) -> int:
-    """Bytes one rank sends for the agreement of one call (the fingerprint's all-gather, int64s)."""
-    return (world - 1) * 8 * (1 + len(_CONV_FIELDS if conv else _DELTA_FIELDS))
 
 
 # -- the group, the runs and the agreement --------------------------------------------------------------
@@ -582,54 +548,3 @@ def sharded_causal_conv1d(
     need = -(-kk // tg)  # ceil(K / tg) runs hold the last K inputs
     last = torch.cat([every[r, i] for r, i in order[-need:]], -1)[..., -kk:]
     return out, F.pad(last, (kk - last.shape[-1], 0))
-
-
-# -- decoding: one step on the full state, on every rank alike -------------------------------------------
-
-
-def causal_conv1d_step(x: Tensor, conv_state: Tensor, weight: Tensor, bias: Tensor | None = None,
-                       activation: str | None = None) -> Tensor:
-    """The causal conv for T new tokens x [B, C, T] continuing from ``conv_state`` [B, C, W] (the last W >= K - 1
-    inputs, as :func:`sharded_causal_conv1d` returns with ``output_final_state=True``); weight [C, K]. Updates
-    ``conv_state`` in place (its last W inputs) and returns [B, C, T] in x's dtype. Local: every rank runs it
-    on the same inputs and gets the same bits (Note [Prefill for decoding])."""
-    c, kk = weight.shape
-    if x.dim() != 3 or conv_state.dim() != 3 or conv_state.shape[:2] != x.shape[:2] or conv_state.shape[2] < kk - 1:
-        raise ValueError(f"causal_conv1d_step: x must be [B, C, T] and conv_state [B, C, W >= K - 1 = {kk - 1}] with "
-                         f"C = {c}; got x {tuple(x.shape)}, conv_state {tuple(conv_state.shape)}.")
-    full = torch.cat([conv_state.to(x.dtype), x], -1)  # [B, C, W + T]
-    conv_state.copy_(full[..., -conv_state.shape[2]:])
-    out = F.conv1d(full[..., -(x.shape[2] + kk - 1):].to(weight.dtype), weight.unsqueeze(1), bias, groups=c)
-    return (out if activation is None else F.silu(out)).to(x.dtype)
-
-
-def delta_rule_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, *,
-                    use_qk_l2norm: bool = False, scale: float | None = None) -> Tensor:
-    """The gated delta rule for T new tokens, token by token, from ``state`` [B, Hv, dk, dv] (as
-    :func:`sharded_delta_rule` returns with ``output_final_state=True``), updated in place. q, k [B, T, Hk, dk];
-    v [B, T, Hv, dv]; g [B, T, Hv] (GDN) or [B, T, Hv, dk] (KDA); beta [B, T, Hv]. Computes in the state's dtype
-    (fp32 or fp64); returns o [B, T, Hv, dv] in q's dtype. Local: every rank runs it on the same inputs and gets
-    the same bits (Note [Prefill for decoding]). The math of Note [Linear attention under CP]."""
-    b, t, hk, dk = q.shape
-    hv, dv = v.shape[2:]
-    if state.shape != (b, hv, dk, dv) or hv % hk or k.shape != q.shape or tuple(beta.shape) != (b, t, hv):
-        raise ValueError(f"delta_rule_step: q, k [B, T, Hk, dk], v [B, T, Hv, dv], beta [B, T, Hv], state [B, Hv, dk, "
-                         f"dv] with Hk dividing Hv; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, beta "
-                         f"{tuple(beta.shape)}, state {tuple(state.shape)}.")
-    dtype, out_dtype = state.dtype, q.dtype
-    q, k = (x.to(dtype).repeat_interleave(hv // hk, 2) for x in (q, k))  # each key head serves Hv / Hk value heads
-    if use_qk_l2norm:
-        q, k = (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
-    q = q * (dk ** -0.5 if scale is None else scale)
-    v, g, beta = v.to(dtype), g.to(dtype), beta.to(dtype)
-    s = state
-    outs = []
-    for i in range(t):
-        gate = g[:, i].exp()
-        s = s * (gate[..., None, None] if g.dim() == 3 else gate[..., None])  # S <- diag(exp g) S
-        kt = k[:, i]
-        delta = (v[:, i] - (s * kt[..., None]).sum(-2)) * beta[:, i, :, None]  # beta (v - S^T k)
-        s = s + kt[..., :, None] * delta[..., None, :]
-        outs.append((s * q[:, i][..., None]).sum(-2))  # o = S^T q
-    state.copy_(s)
-    return torch.stack(outs, 1).to(out_dtype)

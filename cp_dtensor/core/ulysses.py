@@ -68,7 +68,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from .comm import all_to_all
-from .ops import tie
+from .ordering import tie
 
 __all__ = ["gather_heads", "kv_replicas", "mesh_group", "scatter_heads", "union_order"]
 
