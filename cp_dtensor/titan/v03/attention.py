@@ -11,7 +11,7 @@ no attention across documents; gpt_oss's sliding-window layers add ``0 <= q - k 
 
 Under the plugin every inner attention is ``RingInnerAttention`` and the masks are ``RingDocs`` (the
 document ids ``cumsum(positions == 0)``, never decreasing, plus the window), so one rule serves flex and
-varlen alike and no [N, N] BlockMask is built (on CPU that needs torch.compile). ``shard_batch`` shards
+varlen alike and no [N, N] BlockMask is built (on CPU that needs torch.compile). ``shard_cp_batch`` shards
 inputs, labels, positions and the ids in the layout, as 0.2.2's ``shard_cp_batch`` does; positions are
 the data's own (0.3 rotates by position within the document), so they are sharded, not recomputed.
 The ring then runs at CP = 1 too (a group of this rank alone): CP = 1 and CP = P compute the same
@@ -46,14 +46,14 @@ import torch
 from ...core.layout import check_seq_len, shard_tensor
 from ..shared.inner import RingInner
 
-__all__ = ["RingDocs", "RingInnerAttention", "ring_masks", "shard_batch"]
+__all__ = ["RingDocs", "RingInnerAttention", "ring_masks", "shard_cp_batch"]
 
 
 @dataclasses.dataclass(frozen=True)
 class RingDocs:
     """The mask rule one layer's attention gets: causal, within documents, optionally a window."""
 
-    ids: torch.Tensor  # [B, N] document ids (global), or [B, S_local] after shard_batch; non-decreasing along N
+    ids: torch.Tensor  # [B, N] document ids (global), or [B, S_local] after shard_cp_batch; non-decreasing along N
     window_size: tuple[int, int] | None = None  # gpt_oss sliding window W: (W - 1, 0)
 
 
@@ -80,10 +80,13 @@ def ring_masks(model_config, positions: torch.Tensor):
     return RingDocs(ids)
 
 
-def shard_batch(inputs: torch.Tensor, labels: torch.Tensor, extra: dict[str, Any], *, layout: str, rank: int,
-                world: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+def shard_cp_batch(inputs: torch.Tensor, labels: torch.Tensor, extra: dict[str, Any], *, layout: str, rank: int,
+                   cp_size: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
     """This CP rank's share of a batch (Note [0.3 inner attention as the ring]): inputs, labels and
-    positions [B, N] -> [B, S_local]; every ``RingDocs`` id tensor alike."""
+    positions [B, N] -> [B, S_local]; every ``RingDocs`` id tensor alike. 0.2.2's glue has the same name
+    (``v02.attention.shard_cp_batch``, in torchtitan's own signature); the public ``cp_dtensor.shard_batch``
+    shards any batch structure over a mesh."""
+    world = cp_size
     check_seq_len(layout, world, inputs.shape[1], fix="Change --training.seq_len (or the validator's seq_len).")
 
     def shard(x: torch.Tensor) -> torch.Tensor:
@@ -124,3 +127,12 @@ class RingInnerAttention(RingInner):
         # See Note [0.3 TP heads into the ring]: the adapter runs the ring on this TP rank's heads
         return self.ring(q, k, v, heads_dim=2, ids=ids, window=window, is_causal=True, scale=scale,
                          score_mod=score_mod, out_transform=out_transform)  # [B, S_local, Hq (/ TP), Dv]
+
+
+def __getattr__(name: str):
+    if name == "shard_batch":  # its old name, beside the public cp_dtensor.shard_batch of another signature
+        from ..._deprecated import old_keywords, warn_once
+
+        warn_once("cp_dtensor.titan.v03.attention.shard_batch", "cp_dtensor.titan.v03.attention.shard_cp_batch")
+        return old_keywords("cp_dtensor.titan.v03.attention.shard_batch", world="cp_size")(shard_cp_batch)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -19,7 +19,7 @@ Under the plugin (``apply_hybrid``, from ``apply_ring_attention``):
 
 The layer folds [B, L] into one row (1, B * L) before both steps and passes the document offsets it
 reads from its mask (``cu_seq_q``). The plugin's mask for those layers is ``LinearDocs``: the ring's
-``RingDocs`` whose ``cu_seq_q`` is the [B, S_local] document-id tensor itself, sharded by ``shard_batch``
+``RingDocs`` whose ``cu_seq_q`` is the [B, S_local] document-id tensor itself, sharded by ``shard_cp_batch``
 like every ``RingDocs``; the replacements read B and the ids from it, unfold the row, and restart the
 state and the conv at each document, as fla's varlen kernels do with torchtitan's offsets.
 

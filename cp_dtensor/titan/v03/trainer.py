@@ -16,7 +16,7 @@ model spec's ``parallelize_fn``; the wrapper, around the family's own paralleliz
 * swaps the family's ``apply_cp_to_forward`` (0.3's own CP: an all-gather of K/V around FlexAttention)
   for a check that the ring is in place, for the duration of the call;
 * rebinds ``prepare_context_parallel_input`` in ``torchtitan.trainer`` and ``torchtitan.components.validate``
-  -- which call it from ``post_dataloading_process`` and the validator -- to ``shard_batch`` in the layout;
+  -- which call it from ``post_dataloading_process`` and the validator -- to ``shard_cp_batch`` in the layout;
 * under TP, re-ties tied embeddings right after the model's ``parallelize`` (``_retie_after_parallelize``);
   the ring takes each TP rank's heads (Note [0.3 TP heads into the ring] in attention.py).
 
@@ -52,7 +52,7 @@ from ..shared.cpu import init_as_unsharded, unsharded_template, use_for_loop_exp
 from ..shared.heads import ulysses_mesh, ulysses_shard_index
 from ..shared.options import CPDTensor
 from ._cpu import experts_in_param_dtype
-from .attention import RingInnerAttention, ring_masks, shard_batch
+from .attention import RingInnerAttention, ring_masks, shard_cp_batch
 from .linear import HYBRID, apply_hybrid, check_hybrid, hybrid_masks, is_hybrid, without_cp
 
 __all__ = ["FAMILIES", "CPTrainer", "as_cp_config", "check_config"]
@@ -185,7 +185,7 @@ def _bind_batch_sharding(section: CPDTensor) -> None:
     def prepare(inputs, labels, extra_kwargs, cp_mesh, device, load_balancer_type=None, ptrr_mask_key=None):
         rank, world = cp_mesh.get_local_rank(), cp_mesh.size()
         rank = ulysses_shard_index(rank, world, section.ulysses_degree)  # Note [Ulysses in torchtitan]
-        return shard_batch(inputs, labels, extra_kwargs, layout=section.layout, rank=rank, world=world)
+        return shard_cp_batch(inputs, labels, extra_kwargs, layout=section.layout, rank=rank, cp_size=world)
 
     prepare._cp_dtensor = True
     for name in _BATCH_HOLDERS:

@@ -299,7 +299,7 @@ def _gpt_oss_attention(rank, world):
 
     from cp_dtensor.core.layout import shard_tensor
     from cp_dtensor.titan.shared.options import CPDTensor
-    from cp_dtensor.titan.v03.attention import ring_masks, shard_batch
+    from cp_dtensor.titan.v03.attention import ring_masks, shard_cp_batch
     from cp_dtensor.titan.v03.trainer import apply_ring_attention
 
     cfg = model_registry("debugmodel").model
@@ -322,7 +322,7 @@ def _gpt_oss_attention(rank, world):
         extra = {"positions": positions.clone(), "attention_masks": ring_masks(cfg, positions)}
         xs = x
         if cp_mesh is not None:
-            xs, _, extra = shard_batch(x, x, extra, layout="striped", rank=rank, world=world)
+            xs, _, extra = shard_cp_batch(x, x, extra, layout="striped", rank=rank, cp_size=world)
         blocks = list(model.layers.values())[:2]  # a sliding-window layer and a full one
         assert [b.attn_mask_key for b in blocks] == ["sliding_window_mask", "basic_mask"]
         outs = [b.attention(xs, extra["attention_masks"][b.attn_mask_key], extra["positions"]) for b in blocks]
@@ -456,7 +456,7 @@ def _qwen35_layers(rank, world):
 
     from cp_dtensor.core.layout import shard_tensor
     from cp_dtensor.titan.shared.options import CPDTensor
-    from cp_dtensor.titan.v03.attention import shard_batch
+    from cp_dtensor.titan.v03.attention import shard_cp_batch
     from cp_dtensor.titan.v03.linear import apply_hybrid, hybrid_masks, qwen35_debugmodel_text
 
     chunk = inspect.unwrap(torch_chunk_gated_delta_rule)
@@ -507,7 +507,7 @@ def _qwen35_layers(rank, world):
     ring = apply_hybrid(_M, dist.group.WORLD, CPDTensor(layout="headtail"))
     assert len(ring) == 1
     extra = {"positions": positions.clone(), "attention_masks": hybrid_masks(cfg, positions)}
-    xs, _, extra = shard_batch(x, x, extra, layout="headtail", rank=rank, world=world)
+    xs, _, extra = shard_cp_batch(x, x, extra, layout="headtail", rank=rank, cp_size=world)
     out = run(blocks, xs, extra["attention_masks"], extra["positions"])
     (out * out).sum().backward()
     torch.testing.assert_close(out, shard_tensor(ref.detach(), seq_dim=1, layout="headtail", rank=rank, cp_size=world),
