@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .allgather import allgather_backward, allgather_forward
 from .blocks import Mask, sinks_grad
 from .checks import agree
+from .doc_exchange import document_attention
 from .ops import tie
 from .ring import ring_backward, ring_forward
 from .spec import RingSpec
@@ -73,7 +74,9 @@ def ring_attention(
     """Exact attention over a sequence sharded across the ranks of ``group`` (default: world).
 
     q, k: [B, Hq | Hkv, S_local, Dqk]; v: [B, Hkv, S_local, Dv] with Hq % Hkv == 0 -- this rank's shards
-    in ``layout`` ("striped", "headtail" or "contiguous"; see Note [Sequence layouts] in layout.py).
+    in ``layout`` ("striped", "headtail" or "contiguous"; see Note [Sequence layouts] in layout.py), or
+    in a ``DocumentLayout`` from ``cp_dtensor.document_layout(ids, P)`` (packed documents placed per batch;
+    ``document_ids`` optional, the layout carries them; see Note [Document exchange] in doc_exchange.py).
     Returns this rank's output shard [B, Hq, S_local, Dv] in q's dtype, equal to full-sequence
     attention masked by global position. Differentiable in q, k, v and ``sinks``. Only K/V heads
     travel: (P - 1) * S_local * (Dqk + Dv) * Hkv * itemsize bytes per forward per rank (fewer steps
@@ -106,9 +109,23 @@ def ring_attention(
     shard of 1-D CP over all P = U * R ranks, its rank being its row-major index in the mesh; Hq must
     be a multiple of U. See Note [Ulysses x ring] in ulysses.py.
     """
+    if not isinstance(layout, str):  # a DocumentLayout: its own exchange (Note [Document exchange])
+        return _documents(q, k, v, layout, group=group, is_causal=is_causal, scale=scale, comm_dtype=comm_dtype,
+                          document_ids=document_ids, window_size=window_size, sinks=sinks, kv_exchange=kv_exchange)
     spec = ring_spec(group, layout=layout, is_causal=is_causal, scale=scale, comm_dtype=comm_dtype,
                      window_size=window_size, kv_exchange=kv_exchange)
     return run_ring_attention(q, k, v, spec, document_ids=document_ids, sinks=sinks)
+
+
+def _documents(q, k, v, lay, *, group, **options) -> Tensor:
+    """``ring_attention`` with a ``DocumentLayout`` (``cp_dtensor.document_layout``) on a group or a 1-D mesh."""
+    two_d = False
+    if isinstance(group, DeviceMesh):
+        group = mesh_group(group)
+        two_d = isinstance(group, DeviceMesh)
+        if two_d:
+            group = group.get_group(1)
+    return document_attention(q, k, v, lay, group=group, two_d=two_d, **options)
 
 
 def ring_spec(
