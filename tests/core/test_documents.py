@@ -170,6 +170,13 @@ def _exact(rank, world):
         # the layout's shards put back together are the batch
         every = [cp_dtensor.shard_tensor(q, seq_dim=2, layout=lay, rank=r, world=world) for r in range(world)]
         assert torch.equal(cp_dtensor.unshard_tensor(every, seq_dim=2, layout=lay), q)
+        if i == 1:  # shard_batch / unshard_batch take the layout too
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (world,))
+            tokens, labels = cp_dtensor.shard_batch((ids * 7, ids + 1), mesh, layout=lay)
+            assert torch.equal(tokens, shard(ids * 7, 1)) and torch.equal(labels, shard(ids + 1, 1))
+            assert torch.equal(cp_dtensor.unshard_batch(tokens, mesh, layout=lay), ids * 7)
         pos = cp_dtensor.local_positions(lay, rank, world, n)
         assert pos.shape == (b, n // world) and torch.equal(shard(torch.arange(n).expand(b, n), 1), pos)
     return worst
