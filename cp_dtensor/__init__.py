@@ -37,6 +37,8 @@ _EXPORTS = {
     "shard_tensor": "core.layout",
     "unshard_tensor": "core.layout",
     "local_positions": "core.layout",
+    "document_layout": "core.documents",
+    "DocumentLayout": "core.documents",
     # DTensor
     "HeadTail": "dtensor.placements",
     "Striped": "dtensor.placements",
@@ -76,6 +78,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointExistsError",
     "CommBytes",
+    "DocumentLayout",
     "HeadTail",
     "LAYOUTS",
     "Striped",
@@ -83,6 +86,7 @@ __all__ = [
     "context_parallel",
     "context_parallel_unshard",
     "document_ids_from_positions",
+    "document_layout",
     "export_hf_safetensors",
     "install_sdpa_dispatch",
     "latest_checkpoint",
@@ -124,6 +128,7 @@ if TYPE_CHECKING:  # what IDEs, type checkers and the API reference see; at run 
     from .core.attention import ring_attention
     from .core.batch import document_ids_from_positions, shard_batch, unshard_batch
     from .core.decode import sharded_cache_attention
+    from .core.documents import DocumentLayout, document_layout
     from .core.layout import local_positions, shard_tensor, unshard_tensor
     from .core.linear_attention import sharded_causal_conv1d, sharded_delta_rule
     from .core.tiling import linear_cross_entropy

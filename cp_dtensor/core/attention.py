@@ -21,6 +21,7 @@ from .._deprecated import old_keywords
 from .allgather import allgather_backward, allgather_forward
 from .blocks import Mask, sinks_grad
 from .checks import ring_preamble
+from .doc_exchange import document_attention
 from .ordering import tie
 from .ring import ring_backward, ring_forward
 from .spec import RingSpec
@@ -76,7 +77,9 @@ def ring_attention(
     or a ProcessGroup; default: the world).
 
     q, k: [B, Hq | Hkv, S_local, Dqk]; v: [B, Hkv, S_local, Dv] with Hq % Hkv == 0 -- this rank's shards
-    in ``layout`` ("striped", "headtail" or "contiguous"; see Note [Sequence layouts] in layout.py).
+    in ``layout`` ("striped", "headtail" or "contiguous"; see Note [Sequence layouts] in layout.py), or
+    in a ``DocumentLayout`` from ``cp_dtensor.document_layout(ids, P)`` (packed documents placed per batch;
+    ``document_ids`` optional, the layout carries them; see Note [Document exchange] in doc_exchange.py).
     Returns this rank's output shard [B, Hq, S_local, Dv] in q's dtype, equal to full-sequence
     attention masked by global position. Differentiable in q, k, v and ``sinks``. Only K/V heads
     travel: (P - 1) * S_local * (Dqk + Dv) * Hkv * itemsize bytes per forward per rank (fewer steps
@@ -109,9 +112,47 @@ def ring_attention(
     shard of 1-D CP over all P = U * R ranks, its rank being its row-major index in the mesh; Hq must
     be a multiple of U. See Note [Ulysses x ring] in ulysses.py.
     """
+    if not isinstance(layout, str):  # a DocumentLayout: its own exchange (Note [Document exchange])
+        return _documents(q, k, v, layout, mesh=mesh, is_causal=is_causal, scale=scale, comm_dtype=comm_dtype,
+                          document_ids=document_ids, window_size=window_size, sinks=sinks, kv_exchange=kv_exchange)
     spec = ring_spec(mesh, layout=layout, is_causal=is_causal, scale=scale, comm_dtype=comm_dtype,
                      window_size=window_size, kv_exchange=kv_exchange)
     return run_ring_attention(q, k, v, spec, document_ids=document_ids, sinks=sinks)
+
+
+def _documents(q, k, v, lay, *, mesh, **options) -> Tensor:
+    """``ring_attention`` with a ``DocumentLayout`` (``cp_dtensor.document_layout``) on a group or a mesh: a
+    "documents" placement runs its exchange (doc_exchange.py); a named one the ring in that layout with the
+    plan's document ids (Note [One plan per batch] in documents.py)."""
+    if lay.placement != "documents":
+        ids = options.pop("document_ids")
+        if ids is None:
+            ids = lay.local_ids(_cp_rank(mesh)).to(q.device)
+        spec = ring_spec(mesh, layout=lay.placement, is_causal=options.pop("is_causal"), scale=options.pop("scale"),
+                         comm_dtype=options.pop("comm_dtype"), window_size=options.pop("window_size"),
+                         kv_exchange=options.pop("kv_exchange"))
+        if spec.world * spec.ulysses != lay.world:
+            raise ValueError(f"ring_attention: {lay!r} was built for {lay.world} ranks; the CP group has "
+                             f"{spec.world * spec.ulysses}. Build the plan with this group's size.")
+        return run_ring_attention(q, k, v, spec, document_ids=ids, sinks=options.pop("sinks"))
+    group, two_d = mesh, False
+    if isinstance(group, DeviceMesh):
+        group = mesh_group(group)
+        two_d = isinstance(group, DeviceMesh)
+        if two_d:
+            group = group.get_group(1)
+    return document_attention(q, k, v, lay, group=group, two_d=two_d, **options)
+
+
+def _cp_rank(mesh) -> int:
+    """This rank's index in 1-D CP over ``mesh`` (a group, a 1-D mesh, or a (U, R) mesh row-major)."""
+    if isinstance(mesh, DeviceMesh):
+        coord = mesh.get_coordinate()
+        index = 0
+        for c, size in zip(coord, mesh.shape):
+            index = index * size + c
+        return index
+    return dist.get_rank(mesh if mesh is not None else dist.group.WORLD)
 
 
 def ring_spec(

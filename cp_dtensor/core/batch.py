@@ -54,7 +54,8 @@ def _check(batch: Batch, mesh: DeviceMesh, seq_dim: int, layout: str, where: str
     """The sequence length (local or full) every tensor shares; raises alike on every rank (no collective:
     every rank holds the same full batch, or shards of it that have the same shapes)."""
     check_cp_mesh(mesh)
-    check_layout(layout)
+    if isinstance(layout, str):
+        check_layout(layout)
     leaves = _leaves(batch, where)
     if not leaves:
         raise ValueError(f"{where} got an empty batch.")
@@ -67,7 +68,9 @@ def _check(batch: Batch, mesh: DeviceMesh, seq_dim: int, layout: str, where: str
         raise ValueError(f"{where} needs one sequence length along seq_dim={seq_dim}; got "
                          f"{', '.join(f'{n} (batch{k})' for n, k in lengths.items())}.")
     n = next(iter(lengths))
-    if not local:
+    if not isinstance(layout, str):  # a DocumentLayout (cp_dtensor.document_layout): built for this batch
+        layout.check(mesh.size(), n * mesh.size() if local else n)
+    elif not local:
         check_seq_len(layout, mesh.size(), n, fix=f"Pad the batch to a multiple of {layout_unit(layout, mesh.size())}.")
     return n
 

@@ -109,6 +109,8 @@ def local_positions(*, layout: str, rank: int, cp_size: int, seq_len: int) -> to
     import torch
 
     world = cp_size
+    if not isinstance(layout, str):  # a DocumentLayout (documents.py): [B, S_local], a permutation per row
+        return layout.local_positions(rank, world, seq_len)
     s_local = check_seq_len(layout, world, seq_len)
     if layout == "contiguous":
         return torch.arange(rank * s_local, (rank + 1) * s_local)
@@ -153,6 +155,8 @@ def shard_tensor(x: torch.Tensor, *, seq_dim: int | None = None, layout: str, ra
 
     world = cp_size
     dim = wrap_dim(seq_dim_argument(seq_dim, deprecated, "cp_dtensor.shard_tensor"), x.dim())
+    if not isinstance(layout, str):  # a DocumentLayout: dim 0 is the batch its rows were planned for
+        return layout.shard(x, dim, rank, world)
     seq_len = x.shape[dim]
     s_local = check_seq_len(layout, world, seq_len)
     if layout == "contiguous":
@@ -170,8 +174,10 @@ def unshard_tensor(shards: list[torch.Tensor], *, seq_dim: int | None = None, la
     """Inverse of :func:`shard_tensor`: the full tensor from every rank's shard, in rank order."""
     import torch
 
-    check_layout(layout)
     dim = wrap_dim(seq_dim_argument(seq_dim, deprecated, "cp_dtensor.unshard_tensor"), shards[0].dim())
+    if not isinstance(layout, str):  # a DocumentLayout
+        return layout.unshard(shards, dim)
+    check_layout(layout)
     if layout == "contiguous":
         return torch.cat(shards, dim=dim)
     if layout == "striped":
