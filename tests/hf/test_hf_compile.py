@@ -58,3 +58,22 @@ def test_compiled_hf_model_under_cp_equals_plain_cp1():
 @slow("Inductor compiles of a tiny model on two ranks (~40 s)")
 def test_inductor_compiled_hf_model_under_cp_equals_plain_cp1():
     assert run_ranks(2, _compiled, "inductor", [("llama", "striped", tiling.TILE)]) == [["llama"]] * 2
+
+
+@slow("Trainer runs with torch_compile=True at CP=2 and CP=1 (~25 s)")
+def test_trainer_torch_compile_logs_plain_cp1_losses(tmp_path, monkeypatch):
+    """with_context_parallel(Trainer, sequence_tiling=3) and TrainingArguments(torch_compile=True): the losses
+    and evaluation of the plain, uncompiled Trainer at CP=1 (test_hf_tiling's run)."""
+    import transformers
+
+    plain_args = transformers.TrainingArguments
+
+    def compiled_args(*args, **kwargs):
+        return plain_args(*args, **kwargs, torch_compile=True, torch_compile_backend="aot_eager")
+
+    plain = run_ranks(1, tiling._trainer_run, str(tmp_path), None, timeout=300)[0]
+    monkeypatch.setattr(transformers, "TrainingArguments", compiled_args)  # the forked ranks inherit it
+    compiled = run_ranks(2, tiling._trainer_run, str(tmp_path), 3, timeout=300)
+    assert compiled[0] == compiled[1]
+    for a, b in zip(compiled[0]["losses"] + compiled[0]["eval"], plain["losses"] + plain["eval"]):
+        assert abs(a - b) <= 2e-5 * abs(b), (compiled[0], plain)
