@@ -23,6 +23,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("kernels as ops, payloads, validation, placements, the cost model",
      {"core.ops", "core.varlen", "core.ordering", "core.payload", "core.checks", "dtensor.placements", "tools.plan", "tools.plan_model"}),
     ("one step against one K/V block; the heads all-to-all", {"core.blocks", "core.ulysses"}),
+    ("a document layout's blocks", {"core.doc_blocks"}),
     ("the exchanges; linear attention's state passing", {"core.ring", "core.allgather", "core.linear_attention",
                                                            "core.doc_exchange"}),
     ("the front door; a batch's shards; the SDPA-on-DTensor rule; decoding against a sharded cache",
