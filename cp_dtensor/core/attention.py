@@ -135,13 +135,12 @@ def _documents(q, k, v, lay, *, mesh, **options) -> Tensor:
             raise ValueError(f"ring_attention: {lay!r} was built for {lay.world} ranks; the CP group has "
                              f"{spec.world * spec.ulysses}. Build the plan with this group's size.")
         return run_ring_attention(q, k, v, spec, document_ids=ids, sinks=options.pop("sinks"))
-    group, two_d = mesh, False
+    group, ulysses_group = mesh, None
     if isinstance(group, DeviceMesh):
-        group = mesh_group(group)
-        two_d = isinstance(group, DeviceMesh)
-        if two_d:
-            group = group.get_group(1)
-    return document_attention(q, k, v, lay, group=group, two_d=two_d, **options)
+        group = mesh_group(group)  # a 1-D mesh's group; a 2-D mesh stays (raises on any other)
+        if isinstance(group, DeviceMesh):
+            group, ulysses_group = group.get_group(1), group.get_group(0)
+    return document_attention(q, k, v, lay, group=group, ulysses_group=ulysses_group, **options)
 
 
 def _cp_rank(mesh) -> int:

@@ -20,19 +20,29 @@ host and kept on the layout (every layer of the batch reuses it). Then:
 The attention itself -- the queries against the local rows, then against the received ones -- runs the
 ring's masked block kernels, per kept rectangle, with the ring's backward: Note [Document blocks] in
 doc_blocks.py.
+
+Note [Documents on a 2-D mesh]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+On a (U, R) mesh, as Note [Ulysses x ring] in ulysses.py: mesh rank (u, r) is 1-D rank p = u * R + r of
+the layout (built for P = U * R). The heads all-to-all gives ring rank r the union of the U shards of
+ranks u' * R + r, on Hq / U heads; sorted per row (``_union_perm``), that union is ring rank r's shard of
+``union_layout`` -- the same placement seen by R ranks -- and the exchange above runs over the ring group
+on it; the output goes back by the inverse permutation and the heads all-to-all. The agreement runs over
+both groups first (every rank alike, before any K/V moves).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
 from .agreement import agree_on_call
+from .checks import COMM_DTYPES
 from .doc_blocks import doc_attention, doc_blocks
 from .documents import DocumentLayout
 from .masks import mask_bounds
+from .ulysses import gather_heads, kv_replicas, scatter_heads
 
 __all__ = ["document_attention", "exchange_plan"]
 
@@ -106,13 +116,11 @@ def exchange_plan(lay: DocumentLayout, rank: int, is_causal: bool, window) -> di
 
 
 def call_error(lay: DocumentLayout, q, k, v, group, *, rank: int, world: int, document_ids, sinks, comm_dtype,
-               kv_exchange: str, two_d: bool) -> str | None:
+               kv_exchange: str, ulysses: int = 1) -> str | None:
     """This rank's error for a ``ring_attention`` call with a document layout, or None."""
-    if two_d:
-        return ("ring_attention with a document layout runs on a 1-D CP group; got a 2-D mesh. Pass the ring's group, "
-                "or a layout name for Ulysses x ring.")
-    if comm_dtype is not None:
-        return "ring_attention with a document layout sends K/V in their own dtype; got comm_dtype. Drop comm_dtype."
+    if comm_dtype not in COMM_DTYPES:
+        return (f"ring_attention: comm_dtype must be None, a float dtype or torch.float8_e4m3fn / float8_e5m2; "
+                f"got {comm_dtype!r}.")
     if kv_exchange != "ring":
         return (f"ring_attention with a document layout has its own exchange (Note [Document exchange]); got "
                 f"kv_exchange={kv_exchange!r}. Drop kv_exchange.")
@@ -132,6 +140,9 @@ def call_error(lay: DocumentLayout, q, k, v, group, *, rank: int, world: int, do
                 document_ids.detach().to("cpu", torch.int64), mine):
             return ("ring_attention: document_ids are not the ids this document layout was built from (its shard for "
                     "this rank). Build the layout from this batch's ids, or drop document_ids: the layout carries them.")
+    if hq % ulysses:
+        return (f"ring_attention on a 2-D mesh (U, R) = ({ulysses}, ..) splits the q heads over U: Hq ({hq}) must be "
+                f"divisible by U ({ulysses}). Use a mesh whose first dim divides Hq, or a 1-D mesh.")
     if sinks is not None and (not isinstance(sinks, Tensor) or tuple(sinks.shape) != (hq,)):
         return f"ring_attention: sinks must be a tensor [Hq] = [{hq}]; got {getattr(sinks, 'shape', sinks)}."
     return None
@@ -140,31 +151,74 @@ def call_error(lay: DocumentLayout, q, k, v, group, *, rank: int, world: int, do
 def document_attention(q: Tensor, k: Tensor, v: Tensor, lay: DocumentLayout, *, group=None, is_causal: bool = False,
                        scale: float | None = None, window_size=None, sinks: Tensor | None = None,
                        document_ids: Tensor | None = None, comm_dtype=None, kv_exchange: str = "ring",
-                       two_d: bool = False) -> Tensor:
+                       ulysses_group=None) -> Tensor:
     """``ring_attention`` with a ``DocumentLayout``: see Note [Document exchange]. q: [B, Hq, S, Dqk],
-    k: [B, Hkv, S, Dqk], v: [B, Hkv, S, Dv], this rank's shards in ``lay``; returns [B, Hq, S, Dv]."""
+    k: [B, Hkv, S, Dqk], v: [B, Hkv, S, Dv], this rank's shards in ``lay``; returns [B, Hq, S, Dv].
+    ``ulysses_group``: a (U, R) mesh's heads group (``group`` its ring group): Note [Documents on a 2-D mesh]."""
     group = group if group is not None else dist.group.WORLD
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    r, ring = dist.get_rank(group), dist.get_world_size(group)
+    u, u_ = (0, 1) if ulysses_group is None else (dist.get_rank(ulysses_group), dist.get_world_size(ulysses_group))
+    rank, world = u * ring + r, u_ * ring  # the 1-D rank of Note [Ulysses x ring] in ulysses.py
     window = tuple(window_size) if isinstance(window_size, (tuple, list)) else window_size
     err = call_error(lay, q, k, v, group, rank=rank, world=world, document_ids=document_ids, sinks=sinks,
-                     comm_dtype=comm_dtype, kv_exchange=kv_exchange, two_d=two_d)
+                     comm_dtype=comm_dtype, kv_exchange=kv_exchange, ulysses=u_)
     if err is None and window is not None and not (len(window) == 2 and all(isinstance(w, int) for w in window)):
         err = f"ring_attention: window_size is (left, right) ints, -1 unbounded; got {window_size!r}."
     shapes = [int(x) for t in (q, k, v) for x in (tuple(t.shape) if isinstance(t, Tensor) else ())]
     left, right = window if err is None and window is not None else (-1, -1)
     fingerprint = {"layout key": lay.key, "is_causal": int(bool(is_causal)), "left": left, "right": right,
-                   "sinks": int(sinks is not None), "q, k, v shapes": hash(tuple(shapes)) & 0x7FFFFFFF}
-    agree_on_call(err, fingerprint, group, what="ring_attention")  # every rank alike, before any K/V moves
+                   "sinks": int(sinks is not None),
+                   "comm_dtype": COMM_DTYPES.index(comm_dtype) if comm_dtype in COMM_DTYPES else -1,
+                   "q, k, v shapes": hash(tuple(shapes)) & 0x7FFFFFFF}
+    groups = group if ulysses_group is None else (group, ulysses_group)
+    agree_on_call(err, fingerprint, groups, what="ring_attention")  # every rank alike, before any K/V moves
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if ulysses_group is None or u_ == 1:
+        return _exchange(q, k, v, lay if u_ == 1 else union_layout(lay, u_), r, group, is_causal=is_causal,
+                         window=window, sinks=sinks, scale=scale, comm_dtype=comm_dtype)
+    b, hq, s, _ = q.shape
+    union = union_layout(lay, u_)
+    perm = _union_perm(lay, union, u, r, u_)  # [B, U * S]: received part u' * S + j -> sorted union order
+    reps = kv_replicas(k.shape[1], u_)
+    if reps > 1:  # See Note [GQA under Ulysses] in ulysses.py
+        k, v = k.repeat_interleave(reps, 1), v.repeat_interleave(reps, 1)
+    if sinks is not None:
+        sinks = sinks[u * (hq // u_) : (u + 1) * (hq // u_)]
+    same = torch.arange(u_ * s, device=q.device)
+
+    def gather_rows(x: Tensor, idx: Tensor) -> Tensor:  # per batch row, along the sequence dim
+        return x.gather(2, idx.to(x.device)[:, None, :, None].expand(x.shape[0], x.shape[1], idx.shape[1], x.shape[3]))
+
+    qs, ks, vs = (gather_rows(scatter_heads(x.contiguous(), ulysses_group, same), perm) for x in (q, k, v))
+    out = _exchange(qs, ks, vs, union, r, group, is_causal=is_causal, window=window, sinks=sinks, scale=scale,
+                    comm_dtype=comm_dtype)
+    return gather_heads(gather_rows(out, torch.argsort(perm, 1)), ulysses_group, same)
+
+
+def _exchange(q, k, v, lay: DocumentLayout, rank: int, group, *, is_causal, window, sinks, scale, comm_dtype) -> Tensor:
+    """The agreed call on a 1-D group: the exchange plan, then the exchange and the attention."""
     plan = exchange_plan(lay, rank, bool(is_causal), window)
-    b, _, s, dqk = q.shape
-    hkv, dv = k.shape[1], v.shape[3]
-    recv = None
-    if plan["total"]:  # rows: [B * S, Hkv * (Dqk + Dv)] -- each token's K and V heads, joined
-        rows = torch.cat([k.permute(0, 2, 1, 3).reshape(b * s, hkv * dqk), v.permute(0, 2, 1, 3).reshape(b * s, hkv * dv)], 1)
-        buf = rows.index_select(0, plan["send"].to(q.device))
-        recv = funcol.all_to_all_single_autograd(buf, plan["recv_splits"], plan["send_splits"], group)  # in flight
-        # a rank that receives nothing still joins the backward's all-to-all: recv stays an input of the
-        # attention below (its gradient is then empty), so autograd reaches the collective
-    return doc_attention(q.contiguous(), k.contiguous(), v.contiguous(), recv, sinks,
-                         doc_blocks(lay, rank, plan), plan["bounds"], scale)
+    ex = {"send": plan["send"], "send_splits": plan["send_splits"], "recv_splits": plan["recv_splits"],
+          "total": plan["total"], "bounds": plan["bounds"], "scale": scale, "group": group, "comm_dtype": comm_dtype}
+    return doc_attention(q.contiguous(), k.contiguous(), v.contiguous(), sinks, doc_blocks(lay, rank, plan), ex)
+
+
+def union_layout(lay: DocumentLayout, ulysses: int) -> DocumentLayout:
+    """The layout over the R = P / U ring ranks of a (U, R) mesh: ring rank r holds the union of 1-D ranks
+    u * R + r (u < U), sorted per row. Cached on ``lay``. See Note [Documents on a 2-D mesh]."""
+    key = ("union", ulysses)
+    if key not in lay._cache:
+        ring, s = lay.world // ulysses, lay.s_local
+        parts = lay.order.view(lay.batch, ulysses, ring, s).permute(0, 2, 1, 3).reshape(lay.batch, ring, ulysses * s)
+        order = parts.sort(-1).values.reshape(lay.batch, lay.seq_len)
+        lay._cache[key] = DocumentLayout(world=ring, seq_len=lay.seq_len, order=order, ids=lay.ids, windows=lay.windows,
+                                         key=lay.key ^ (ulysses << 40), placement="documents")
+    return lay._cache[key]
+
+
+def _union_perm(lay: DocumentLayout, union: DocumentLayout, u: int, r: int, ulysses: int) -> Tensor:
+    """int64 [B, U * S]: for each slot of ring rank r's sorted union, its index in the heads all-to-all's
+    received parts (u' * S + j: the j-th token of 1-D rank u' * R + r)."""
+    ring, s = union.world, lay.s_local
+    parts = lay.order.view(lay.batch, ulysses, ring, s)[:, :, r].reshape(lay.batch, ulysses * s)
+    return parts.argsort(-1)
