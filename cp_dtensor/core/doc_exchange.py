@@ -174,14 +174,15 @@ def call_error(lay: DocumentLayout, q, k, v, group, *, rank: int, world: int, do
 def document_attention(q: Tensor, k: Tensor, v: Tensor, lay: DocumentLayout, *, group=None, is_causal: bool = False,
                        scale: float | None = None, window_size=None, sinks: Tensor | None = None,
                        document_ids: Tensor | None = None, comm_dtype=None, kv_exchange: str = "ring",
-                       two_d: bool = False) -> Tensor:
+                       two_d: bool = False, error: str | None = None) -> Tensor:
     """``ring_attention`` with a ``DocumentLayout``: see Note [Document exchange]. q: [B, Hq, S, Dqk],
-    k: [B, Hkv, S, Dqk], v: [B, Hkv, S, Dv], this rank's shards in ``lay``; returns [B, Hq, S, Dv]."""
+    k: [B, Hkv, S, Dqk], v: [B, Hkv, S, Dv], this rank's shards in ``lay``; returns [B, Hq, S, Dv].
+    ``error``: the caller's own local error (a front door's), raised on every rank by the agreement."""
     group = group if group is not None else dist.group.WORLD
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     window = tuple(window_size) if isinstance(window_size, (tuple, list)) else window_size
-    err = call_error(lay, q, k, v, group, rank=rank, world=world, document_ids=document_ids, sinks=sinks,
-                     comm_dtype=comm_dtype, kv_exchange=kv_exchange, two_d=two_d)
+    err = error or call_error(lay, q, k, v, group, rank=rank, world=world, document_ids=document_ids, sinks=sinks,
+                              comm_dtype=comm_dtype, kv_exchange=kv_exchange, two_d=two_d)
     if err is None and window is not None and not (len(window) == 2 and all(isinstance(w, int) for w in window)):
         err = f"ring_attention: window_size is (left, right) ints, -1 unbounded; got {window_size!r}."
     shapes = [int(x) for t in (q, k, v) for x in (tuple(t.shape) if isinstance(t, Tensor) else ())]
