@@ -163,8 +163,8 @@ class RingSDPA(TorchFunctionMode):
             )
         if self.plan is not None:  # See Note [A plan at the model door]
             return plan_attention(query, key, value, self._rows(query), mesh=self.mesh, is_causal=bool(is_causal),
-                              scale=scale, comm_dtype=self.comm_dtype, window_size=self.window,
-                              kv_exchange=self.kv_exchange, document_ids=None, sinks=None, error=error)
+                                  scale=scale, comm_dtype=self.comm_dtype, window_size=self.window,
+                                  kv_exchange=self.kv_exchange, document_ids=None, sinks=None, error=error)
         ids = self.ids
         if ids is not None and ids.shape[0] == 1 and isinstance(query, Tensor) and query.dim() == 4:
             ids = ids.expand(query.shape[0], -1)  # one row of ids for every batch row

@@ -114,7 +114,7 @@ def ring_attention(
     """
     if not isinstance(layout, str):  # a DocumentLayout: its own exchange (Note [Document exchange])
         return plan_attention(q, k, v, layout, mesh=mesh, is_causal=is_causal, scale=scale, comm_dtype=comm_dtype,
-                          document_ids=document_ids, window_size=window_size, sinks=sinks, kv_exchange=kv_exchange)
+                              document_ids=document_ids, window_size=window_size, sinks=sinks, kv_exchange=kv_exchange)
     spec = ring_spec(mesh, layout=layout, is_causal=is_causal, scale=scale, comm_dtype=comm_dtype,
                      window_size=window_size, kv_exchange=kv_exchange)
     return run_ring_attention(q, k, v, spec, document_ids=document_ids, sinks=sinks)
@@ -128,7 +128,7 @@ def plan_attention(q: Tensor, k: Tensor, v: Tensor, lay, *, mesh, error: str | N
     if lay.placement != "documents":
         ids = options.pop("document_ids")
         if ids is None:
-            ids = lay.local_ids(_cp_rank(mesh)).to(q.device)
+            ids = lay.local_ids(_cp_rank(mesh))  # on the host, where the ring reads ids (run_ring_attention)
         spec = ring_spec(mesh, layout=lay.placement, is_causal=options.pop("is_causal"), scale=options.pop("scale"),
                          comm_dtype=options.pop("comm_dtype"), window_size=options.pop("window_size"),
                          kv_exchange=options.pop("kv_exchange"))
