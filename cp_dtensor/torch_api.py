@@ -114,6 +114,9 @@ def context_parallel(
 
     A call the ring cannot serve exactly -- an ``attn_mask``, ``dropout_p > 0`` -- raises ``ValueError``
     on every rank. Every rank raises alike, too, for bad arguments, before any buffer changes.
+
+    Yields the batch's plan: a ``DocumentLayout`` when the context has documents (or ``layout`` is
+    "documents"), else the layout name -- what ``context_parallel_unshard(..., layout=)`` takes.
     """
     check_cp_mesh(mesh)
     buffers = list(buffers or [])
@@ -175,7 +178,8 @@ def _plan_error(plan, buffers, dims, world: int, document_ids, position_ids) -> 
                     f"shape {tuple(b.shape)} with seq dim {d}. Pass [1, N] ids for rows packed alike, or give "
                     "such buffers (a RoPE table) their batch dim.")
     given = full_document_ids(document_ids=document_ids, position_ids=position_ids, where="context_parallel")
-    if given is not None and not torch.equal(given.to("cpu", torch.int64).expand_as(plan.ids), plan.ids):
+    if given is not None and (tuple(given.shape) not in ((1, plan.seq_len), tuple(plan.ids.shape))
+                              or not torch.equal(given.to("cpu", torch.int64).expand_as(plan.ids), plan.ids)):
         return ("context_parallel: the plan passed as layout= was built from other document ids than the "
                 "document_ids / position_ids given; build it from this batch's ids, or pass only one of them.")
     return None

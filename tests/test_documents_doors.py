@@ -176,6 +176,13 @@ def _model_door(mesh, base, tokens, labels) -> None:
     with pytest.raises(ValueError, match="comm_dtype"):
         cp_dtensor.apply_context_parallel(TinyLM(), mesh, layout="documents", comm_dtype=torch.bfloat16)
 
+    class Own(nn.Module):  # a model's own `layout` argument (not a plan) reaches the model
+        def forward(self, x, layout="rows"):
+            return x * (layout == "columns")
+
+    own = cp_dtensor.apply_context_parallel(Own(), mesh, layout="striped")
+    assert own(torch.ones(2), layout="columns").sum().item() == 2
+
 
 def _torch_door(mesh, base, tokens, labels) -> None:
     from cp_dtensor import context_parallel, context_parallel_unshard
@@ -239,6 +246,14 @@ def _torch_door(mesh, base, tokens, labels) -> None:
             raise AssertionError("entered")
 
     _raises_everywhere("torch door: a table under B > 1 rows", enter_table, "batch dim")
+    def enter_plan(plan, **kwargs):
+        with context_parallel(mesh, buffers=[tokens.clone()], buffer_seq_dims=[1], layout=plan, **kwargs):
+            raise AssertionError("entered")
+
+    moved = cp_dtensor.document_layout(_batch([[3, 21], [24]])[1], world)
+    _raises_everywhere("torch door: a plan of other ids", lambda: enter_plan(moved, document_ids=ids), "other document ids")
+    _raises_everywhere("torch door: a plan for another CP size",
+                       lambda: enter_plan(cp_dtensor.document_layout(ids, 1)), "built for 1 ranks")
     _raises_everywhere("torch door: unshard without the plan",
                        lambda: context_parallel_unshard(mesh, [tokens[:, : N // world]], [1], layout="documents"),
                        "plan")
