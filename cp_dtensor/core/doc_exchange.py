@@ -151,17 +151,18 @@ def call_error(lay: DocumentLayout, q, k, v, group, *, rank: int, world: int, do
 def document_attention(q: Tensor, k: Tensor, v: Tensor, lay: DocumentLayout, *, group=None, is_causal: bool = False,
                        scale: float | None = None, window_size=None, sinks: Tensor | None = None,
                        document_ids: Tensor | None = None, comm_dtype=None, kv_exchange: str = "ring",
-                       ulysses_group=None) -> Tensor:
+                       ulysses_group=None, error: str | None = None) -> Tensor:
     """``ring_attention`` with a ``DocumentLayout``: see Note [Document exchange]. q: [B, Hq, S, Dqk],
     k: [B, Hkv, S, Dqk], v: [B, Hkv, S, Dv], this rank's shards in ``lay``; returns [B, Hq, S, Dv].
-    ``ulysses_group``: a (U, R) mesh's heads group (``group`` its ring group): Note [Documents on a 2-D mesh]."""
+    ``ulysses_group``: a (U, R) mesh's heads group (``group`` its ring group): Note [Documents on a 2-D mesh].
+    ``error``: the caller's own local error (a front door's), raised on every rank by the agreement."""
     group = group if group is not None else dist.group.WORLD
     r, ring = dist.get_rank(group), dist.get_world_size(group)
     u, u_ = (0, 1) if ulysses_group is None else (dist.get_rank(ulysses_group), dist.get_world_size(ulysses_group))
     rank, world = u * ring + r, u_ * ring  # the 1-D rank of Note [Ulysses x ring] in ulysses.py
     window = tuple(window_size) if isinstance(window_size, (tuple, list)) else window_size
-    err = call_error(lay, q, k, v, group, rank=rank, world=world, document_ids=document_ids, sinks=sinks,
-                     comm_dtype=comm_dtype, kv_exchange=kv_exchange, ulysses=u_)
+    err = error or call_error(lay, q, k, v, group, rank=rank, world=world, document_ids=document_ids, sinks=sinks,
+                              comm_dtype=comm_dtype, kv_exchange=kv_exchange, ulysses=u_)
     if err is None and window is not None and not (len(window) == 2 and all(isinstance(w, int) for w in window)):
         err = f"ring_attention: window_size is (left, right) ints, -1 unbounded; got {window_size!r}."
     shapes = [int(x) for t in (q, k, v) for x in (tuple(t.shape) if isinstance(t, Tensor) else ())]

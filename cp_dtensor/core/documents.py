@@ -415,7 +415,7 @@ def _gather(x, dim: int, idx, batch: int):
     from .layout import wrap_dim
 
     dim = wrap_dim(dim, x.dim())
-    if x.dim() == 1 or dim == 0:
+    if x.dim() == 1 or dim == 0 or batch == 1:  # a plan of one row orders every row alike (a [1, N] batch's)
         if batch != 1:
             raise ValueError(f"a document layout of {batch} rows shards tensors [B, ..., N, ...] along a dim after "
                              f"the batch; got shape {tuple(x.shape)} with seq_dim={dim}.")
