@@ -22,6 +22,7 @@ from .allgather import allgather_backward, allgather_forward
 from .blocks import Mask, sinks_grad
 from .checks import ring_preamble
 from .doc_exchange import document_attention
+from .doc_op import compiled_document_attention
 from .ordering import tie
 from .ring import ring_backward, ring_forward
 from .spec import RingSpec
@@ -141,6 +142,8 @@ def _documents(q, k, v, lay, *, mesh, **options) -> Tensor:
         two_d = isinstance(group, DeviceMesh)
         if two_d:
             group = group.get_group(1)
+    if torch.compiler.is_compiling():  # one custom op pair: Note [Compiled document exchange] in doc_op.py
+        return compiled_document_attention(q, k, v, lay, group=group, two_d=two_d, **options)
     return document_attention(q, k, v, lay, group=group, two_d=two_d, **options)
 
 

@@ -34,7 +34,7 @@ from .agreement import agree_on_call
 from .documents import DocumentLayout
 from .masks import mask_bounds
 
-__all__ = ["document_attention", "exchange_plan"]
+__all__ = ["agree_call", "attend", "call_error", "document_attention", "exchange_plan", "options_error"]
 
 
 def _needed(lay: DocumentLayout, lo: int | None, hi: int | None) -> Tensor:
@@ -48,7 +48,7 @@ def _needed(lay: DocumentLayout, lo: int | None, hi: int | None) -> Tensor:
     start = torch.where(new, pos, torch.zeros((), dtype=torch.int64)).cummax(1).values  # [B, N] document start
     out = torch.zeros(world, b, n, dtype=torch.bool)
     for r in range(world):
-        qpos = lay.order[:, r * s : (r + 1) * s]  # [B, S], sorted
+        qpos = lay.order[:, r * s : (r + 1) * s].contiguous()  # [B, S], sorted
         first = start if hi is None else torch.maximum(start, pos - hi)  # the earliest query that may keep j
         idx = torch.searchsorted(qpos, first)  # [B, N]: the first query at or after it
         ok = idx < s
@@ -139,9 +139,8 @@ def _merge(o1: Tensor, l1: Tensor, o2: Tensor, l2: Tensor) -> tuple[Tensor, Tens
     return o1 * w1 + o2 * w2, lse
 
 
-def call_error(lay: DocumentLayout, q, k, v, group, *, rank: int, world: int, document_ids, sinks, comm_dtype,
-               kv_exchange: str, two_d: bool) -> str | None:
-    """This rank's error for a ``ring_attention`` call with a document layout, or None."""
+def options_error(*, comm_dtype, kv_exchange: str, two_d: bool, window_size) -> str | None:
+    """The error of a call's non-tensor options with a document layout (the same on every rank's trace), or None."""
     if two_d:
         return ("ring_attention with a document layout runs on a 1-D CP group; got a 2-D mesh. Pass the ring's group, "
                 "or a layout name for Ulysses x ring.")
@@ -150,6 +149,15 @@ def call_error(lay: DocumentLayout, q, k, v, group, *, rank: int, world: int, do
     if kv_exchange != "ring":
         return (f"ring_attention with a document layout has its own exchange (Note [Document exchange]); got "
                 f"kv_exchange={kv_exchange!r}. Drop kv_exchange.")
+    window = window_size
+    if window is not None and not (isinstance(window, (tuple, list)) and len(window) == 2
+                                   and all(isinstance(w, int) and not isinstance(w, bool) for w in window)):
+        return f"ring_attention: window_size is (left, right) ints, -1 unbounded; got {window_size!r}."
+    return None
+
+
+def call_error(lay: DocumentLayout, q, k, v, *, rank: int, world: int, document_ids, sinks) -> str | None:
+    """This rank's error for the tensors of a ``ring_attention`` call with a document layout, or None."""
     if not all(isinstance(x, Tensor) and x.dim() == 4 for x in (q, k, v)):
         return "ring_attention takes q, k, v as 4-D tensors [B, H, S_local, D]."
     (b, hq, s, dqk), (bk, hkv, sk, dk), (bv, hv, sv, _) = q.shape, k.shape, v.shape
@@ -171,37 +179,33 @@ def call_error(lay: DocumentLayout, q, k, v, group, *, rank: int, world: int, do
     return None
 
 
-def document_attention(q: Tensor, k: Tensor, v: Tensor, lay: DocumentLayout, *, group=None, is_causal: bool = False,
-                       scale: float | None = None, window_size=None, sinks: Tensor | None = None,
-                       document_ids: Tensor | None = None, comm_dtype=None, kv_exchange: str = "ring",
-                       two_d: bool = False) -> Tensor:
-    """``ring_attention`` with a ``DocumentLayout``: see Note [Document exchange]. q: [B, Hq, S, Dqk],
-    k: [B, Hkv, S, Dqk], v: [B, Hkv, S, Dv], this rank's shards in ``lay``; returns [B, Hq, S, Dv]."""
-    group = group if group is not None else dist.group.WORLD
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    window = tuple(window_size) if isinstance(window_size, (tuple, list)) else window_size
-    err = call_error(lay, q, k, v, group, rank=rank, world=world, document_ids=document_ids, sinks=sinks,
-                     comm_dtype=comm_dtype, kv_exchange=kv_exchange, two_d=two_d)
-    if err is None and window is not None and not (len(window) == 2 and all(isinstance(w, int) for w in window)):
-        err = f"ring_attention: window_size is (left, right) ints, -1 unbounded; got {window_size!r}."
+def agree_call(lay: DocumentLayout, q, k, v, group, *, rank: int, world: int, error: str | None, document_ids, sinks,
+               is_causal: bool, window) -> None:
+    """Every rank's checks of a call, agreed (Note [One agreement]): the same ValueError on every rank, before
+    any K/V moves, when one rank's checks failed (``error``: its option error, or None) or the ranks' layout
+    keys, masks or shapes differ. Eager here; compiled inside ``cp_dtensor::doc_attn`` (doc_op.py)."""
+    err = error or call_error(lay, q, k, v, rank=rank, world=world, document_ids=document_ids, sinks=sinks)
     shapes = [int(x) for t in (q, k, v) for x in (tuple(t.shape) if isinstance(t, Tensor) else ())]
     left, right = window if err is None and window is not None else (-1, -1)
     fingerprint = {"layout key": lay.key, "is_causal": int(bool(is_causal)), "left": left, "right": right,
                    "sinks": int(sinks is not None), "q, k, v shapes": hash(tuple(shapes)) & 0x7FFFFFFF}
     agree_on_call(err, fingerprint, group, what="ring_attention")  # every rank alike, before any K/V moves
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    plan = exchange_plan(lay, rank, bool(is_causal), window)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, lay: DocumentLayout, plan: dict, *, rank: int, world: int, group,
+           scale: float, sinks: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The exchange and the attention of a checked call (Note [Document exchange]): out [B, Hq, S, Dv] in q's
+    dtype and lse [B, Hq, S] (fp32, fp64 for fp64 inputs; the sinks included). Differentiable by autograd
+    (eager), or run without it inside ``cp_dtensor::doc_attn`` (compiled)."""
     lo, hi = plan["bounds"]
     b, hq, s, dqk = q.shape
     hkv, dv = k.shape[1], v.shape[3]
     g = hq // hkv
     acc = torch.promote_types(q.dtype, torch.float32)
     dev = q.device
-    # rows: [B * S, Hkv * (Dqk + Dv)] -- each token's K and V heads, joined
     recv = None
     if plan["total"]:
-        rows = torch.cat([k.permute(0, 2, 1, 3).reshape(b * s, hkv * dqk), v.permute(0, 2, 1, 3).reshape(b * s, hkv * dv)], 1)
-        buf = rows.index_select(0, plan["send"].to(dev))
+        buf = _rows(k, v).index_select(0, plan["send"].to(dev))
         recv = funcol.all_to_all_single_autograd(buf, plan["recv_splits"], plan["send_splits"], group)  # in flight
     qpos = lay.local_positions(rank, world, lay.seq_len)  # [B, S]
     qids = lay.local_ids(rank)
@@ -216,11 +220,7 @@ def document_attention(q: Tensor, k: Tensor, v: Tensor, lay: DocumentLayout, *, 
                 outs.append(out[r])
                 lses.append(lse[r])
                 continue
-            got = recv.index_select(0, idx.to(dev))  # [K, Hkv * (Dqk + Dv)]
-            kr = got[:, : hkv * dqk].view(-1, hkv, dqk).transpose(0, 1).to(acc)[:, None]  # [Hkv, 1, K, Dqk]
-            vr = got[:, hkv * dqk :].view(-1, hkv, dv).transpose(0, 1).to(acc)[:, None]
-            kpos = plan["pos"][r]
-            kr_keep = _keep(qpos[r], qids[r], kpos, lay.ids[r, kpos], lo, hi).to(dev)[None, None]
+            kr, vr, kr_keep = received(recv, plan, r, lay, qpos, qids, (hkv, dqk, dv), acc)
             o2, l2 = _partial(qa[r], kr, vr, kr_keep, scale)
             o, lsum = _merge(out[r], lse[r], o2, l2)
             outs.append(o)
@@ -234,4 +234,42 @@ def document_attention(q: Tensor, k: Tensor, v: Tensor, lay: DocumentLayout, *, 
     if sinks is not None:  # See Note [Attention sinks] in blocks.py
         total = torch.logaddexp(lse, sinks.to(acc)[None, :, None])
         out = out * torch.exp(lse - total).unsqueeze(-1)
-    return out.to(q.dtype)
+        lse = total
+    return out.to(q.dtype), lse
+
+
+def _rows(k: Tensor, v: Tensor) -> Tensor:
+    """[B * S, Hkv * (Dqk + Dv)]: each token's K and V heads, joined (the exchange's rows)."""
+    b, hkv, s, dqk = k.shape
+    return torch.cat([k.permute(0, 2, 1, 3).reshape(b * s, hkv * dqk), v.permute(0, 2, 1, 3).reshape(b * s, -1)], 1)
+
+
+def received(recv: Tensor, plan: dict, r: int, lay: DocumentLayout, qpos: Tensor, qids: Tensor, shape: tuple,
+             acc: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """Batch row r's received keys: k [Hkv, 1, K, Dqk], v [Hkv, 1, K, Dv] (in ``acc``) and their mask [1, 1, S, K]
+    against the rank's queries (positions ``qpos``, ids ``qids`` [B, S]); ``shape``: (Hkv, Dqk, Dv)."""
+    hkv, dqk, dv = shape
+    idx, kpos, (lo, hi) = plan["rows"][r], plan["pos"][r], plan["bounds"]
+    got = recv.index_select(0, idx.to(recv.device))  # [K, Hkv * (Dqk + Dv)]
+    kr = got[:, : hkv * dqk].view(-1, hkv, dqk).transpose(0, 1).to(acc)[:, None]  # [Hkv, 1, K, Dqk]
+    vr = got[:, hkv * dqk :].view(-1, hkv, dv).transpose(0, 1).to(acc)[:, None]
+    keep = _keep(qpos[r], qids[r], kpos, lay.ids[r, kpos], lo, hi).to(recv.device)[None, None]
+    return kr, vr, keep
+
+
+def document_attention(q: Tensor, k: Tensor, v: Tensor, lay: DocumentLayout, *, group=None, is_causal: bool = False,
+                       scale: float | None = None, window_size=None, sinks: Tensor | None = None,
+                       document_ids: Tensor | None = None, comm_dtype=None, kv_exchange: str = "ring",
+                       two_d: bool = False) -> Tensor:
+    """``ring_attention`` with a ``DocumentLayout``: see Note [Document exchange]. q: [B, Hq, S, Dqk],
+    k: [B, Hkv, S, Dqk], v: [B, Hkv, S, Dv], this rank's shards in ``lay``; returns [B, Hq, S, Dv]. Eager; the
+    compiled twin is doc_op.py's ``compiled_document_attention`` (Note [Compiled document exchange])."""
+    group = group if group is not None else dist.group.WORLD
+    window = tuple(window_size) if isinstance(window_size, (tuple, list)) else window_size
+    err = options_error(comm_dtype=comm_dtype, kv_exchange=kv_exchange, two_d=two_d, window_size=window)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    agree_call(lay, q, k, v, group, rank=rank, world=world, error=err, document_ids=document_ids, sinks=sinks,
+               is_causal=is_causal, window=window)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    plan = exchange_plan(lay, rank, bool(is_causal), window)
+    return attend(q, k, v, lay, plan, rank=rank, world=world, group=group, scale=scale, sinks=sinks)[0]
