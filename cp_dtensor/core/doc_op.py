@@ -101,13 +101,19 @@ def _(q, k, v, sinks, order, ids, key, document_ids, error, is_causal, window, s
 def _grads(qa: Tensor, k: Tensor, v: Tensor, do: Tensor, lse: Tensor, delta: Tensor, keep: Tensor,
            scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """One block's gradients from the rows' final lse: qa, do [.., G, S, D]; k, v [.., 1, K, D]; lse, delta
-    [.., G, S]; keep [.., S, K]. Returns dq [.., G, S, Dqk], dk [.., K, Dqk], dv [.., K, Dv] (summed over G)."""
-    scores = (qa @ k.transpose(-1, -2)) * scale
-    p = torch.where(keep, torch.exp(scores - lse.unsqueeze(-1)), torch.zeros((), dtype=scores.dtype))
-    ds = p * (do @ v.transpose(-1, -2) - delta.unsqueeze(-1))  # softmax backward: p * (dp - rowsum(do * out))
-    dq = (ds @ k) * scale
-    dk = (ds.transpose(-1, -2) @ qa).sum(-3) * scale
-    dv = (p.transpose(-1, -2) @ do).sum(-3)
+    [.., G, S]; keep [.., 1 | G, S, K]. Returns dq [.., G, S, Dqk], dk [.., K, Dqk], dv [.., K, Dv]. A KV head's
+    G query heads are one block of G * S rows (no broadcast matmul, no sum over G)."""
+    *lead, g, s, dqk = qa.shape
+    rows = (*lead, g * s)
+    qf, dof = qa.reshape(*rows, dqk), do.reshape(*rows, do.shape[-1])
+    kf, vf = k.squeeze(-3), v.squeeze(-3)  # [.., K, D]
+    keep = keep.expand(*keep.shape[:-4], *lead[-1:], g, s, keep.shape[-1]).reshape(*rows, keep.shape[-1])
+    p = (qf @ kf.transpose(-1, -2)).mul_(scale).sub_(lse.reshape(*rows, 1)).exp_().masked_fill_(~keep, 0)  # [.., GS, K]
+    dv = p.transpose(-1, -2) @ dof
+    # softmax backward: ds = p * (dp - rowsum(do * out)), with the scale folded in
+    ds = (dof @ vf.transpose(-1, -2)).sub_(delta.reshape(*rows, 1)).mul_(p).mul_(scale)
+    dq = (ds @ kf).view(*lead, g, s, dqk)
+    dk = ds.transpose(-1, -2) @ qf
     return dq, dk, dv
 
 

@@ -14,6 +14,7 @@ from torch._inductor.compile_fx import compile_fx
 
 import cp_dtensor
 from cp_dtensor.core.doc_op import doc_attn, doc_attn_backward
+from cp_dtensor.core.documents import needed_rows
 from _dist import run_ranks
 from _ref import abs_rel_err, masked_reference
 
@@ -86,7 +87,15 @@ def _exact(rank, world):
 
     compiled = torch.compile(attend, backend=counting, fullgraph=True)
     compiled_window = torch.compile(attend_window, backend=windowed, fullgraph=True)
-    errs = [_errors(rank, world, compiled, ids, i, sinks=True) for i, ids in enumerate(BATCHES)]
+    sent, real = [], funcol.all_to_all_single  # the K/V and dK/dV rows this rank sends, call by call
+
+    def counted(x, out_splits, in_splits, group, *args, **kwargs):
+        sent.append(sum(n for r, n in enumerate(in_splits) if r != dist.get_rank(group)))
+        return real(x, out_splits, in_splits, group, *args, **kwargs)
+
+    with mock.patch.object(funcol, "all_to_all_single", counted):
+        errs = [_errors(rank, world, compiled, BATCHES[0], 0, sinks=True)]
+    errs += [_errors(rank, world, compiled, ids, i, sinks=True) for i, ids in enumerate(BATCHES) if i]
     errs += [_errors(rank, world, compiled_window, ids, 10 + i, window=(3, 0), sinks=False, pass_ids=True)
              for i, ids in enumerate(BATCHES[:2])]
     # a named placement ("striped") carries the ids for the ring: its compiled ring masks by them
@@ -94,7 +103,7 @@ def _exact(rank, world):
     compiled_striped = torch.compile(attend, backend=striped, fullgraph=True)
     errs += [_errors(rank, world, compiled_striped, ids, 20 + i, sinks=True, placement="striped")
              for i, ids in enumerate(BATCHES[:2])]
-    return max(max(e) for e in errs), counting.compilations, windowed.compilations, striped.compilations
+    return max(max(e) for e in errs), sent, counting.compilations, windowed.compilations, striped.compilations
 
 
 def _bad(rank, world):
@@ -138,10 +147,20 @@ def test_compiled_document_layout_exact_and_no_recompiles():
     """Inductor, fullgraph: fp32 forward + backward (q, k, v, sinks) <= 2e-5 of float64 dense attention over
     four batches of other document boundaries (B = 2, GQA, Dv != Dqk, sinks; then a window with
     document_ids given; a named placement carrying the ids), and at most 2 compilations for the four (one
-    expected: the layout's key reaches the graph as a tensor)."""
-    worst, *compilations = run_ranks(2, _exact)[0]
-    assert worst <= TOL, worst
+    expected: the layout's key reaches the graph as a tensor); the rows on the wire against the masks' count."""
+    per_rank = run_ranks(2, _exact)
+    worst, sent, *compilations = per_rank[0]
+    assert max(worst, per_rank[1][0]) <= TOL, worst
     assert max(compilations) <= 2, compilations
+    # the wire, compiled: the forward sends the rows the masks need (documents.py's count, summed over rows
+    # and ranks), once; the backward sends them again (nothing received is saved) and their dK/dV back
+    lay = cp_dtensor.document_layout(BATCHES[0], 2)
+    need = 0
+    for b, row in enumerate(BATCHES[0].tolist()):
+        pos = [cp_dtensor.local_positions(layout=lay, rank=r, cp_size=2, seq_len=N)[b].tolist() for r in range(2)]
+        need += sum(needed_rows(pos, [row.count(x) for x in sorted(set(row))]))
+    (fwd0, kv0, grad0), (fwd1, kv1, grad1) = sent, per_rank[1][1]
+    assert fwd0 + fwd1 == need > 0 and (kv0, kv1) == (fwd0, fwd1) and grad0 + grad1 == need
 
 
 def test_compiled_bad_document_input_raises_on_every_rank():
