@@ -21,6 +21,8 @@ The attention of a query block against a key block is computed densely under the
 (documents, causality, window) in float32 (float64 for float64 inputs), differentiable by autograd: exact,
 and simple, at the price of S_local x (S_local + received) scores per head in memory. Fully masked rows
 give out = 0 and lse = -inf without NaNs (``_partial``). Sinks join at the end as in blocks.add_sinks.
+Under ``torch.compile`` the same code runs inside one custom op pair (Note [Compiled document exchange] in
+doc_op.py).
 """
 
 from __future__ import annotations
@@ -149,9 +151,9 @@ def options_error(*, comm_dtype, kv_exchange: str, two_d: bool, window_size) -> 
     if kv_exchange != "ring":
         return (f"ring_attention with a document layout has its own exchange (Note [Document exchange]); got "
                 f"kv_exchange={kv_exchange!r}. Drop kv_exchange.")
-    window = window_size
-    if window is not None and not (isinstance(window, (tuple, list)) and len(window) == 2
-                                   and all(isinstance(w, int) and not isinstance(w, bool) for w in window)):
+    w = window_size
+    if w is not None and not (isinstance(w, (tuple, list)) and len(w) == 2
+                              and all(isinstance(x, int) and not isinstance(x, bool) for x in w)):
         return f"ring_attention: window_size is (left, right) ints, -1 unbounded; got {window_size!r}."
     return None
 
