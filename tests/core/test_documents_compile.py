@@ -44,10 +44,10 @@ class _Counting:
 
 def _data(seed: int, ids: torch.Tensor, *, hq: int = 4, hkv: int = 2, d: int = 8, dv: int = 4):
     g = torch.Generator().manual_seed(seed)
-    b = ids.shape[0]
-    q, k = torch.randn(b, hq, N, d, generator=g, dtype=torch.float64), torch.randn(b, hkv, N, d, generator=g,
+    b, n = ids.shape
+    q, k = torch.randn(b, hq, n, d, generator=g, dtype=torch.float64), torch.randn(b, hkv, n, d, generator=g,
                                                                                   dtype=torch.float64)
-    v, do = torch.randn(b, hkv, N, dv, generator=g, dtype=torch.float64), torch.randn(b, hq, N, dv, generator=g,
+    v, do = torch.randn(b, hkv, n, dv, generator=g, dtype=torch.float64), torch.randn(b, hq, n, dv, generator=g,
                                                                                      dtype=torch.float64)
     return q, k, v, do, torch.randn(hq, generator=g, dtype=torch.float64)
 
@@ -103,7 +103,13 @@ def _exact(rank, world):
     compiled_striped = torch.compile(attend, backend=striped, fullgraph=True)
     errs += [_errors(rank, world, compiled_striped, ids, 20 + i, sinks=True, placement="striped")
              for i, ids in enumerate(BATCHES[:2])]
-    return max(max(e) for e in errs), sent, counting.compilations, windowed.compilations, striped.compilations
+    # new lengths: one more compilation (N symbolic), then none -- the batch's shape, not its documents
+    lengths = _Counting()
+    compiled_lengths = torch.compile(attend, backend=lengths, fullgraph=True)
+    for n, docs in ((N, [3, 9]), (N + 4, [5, 11]), (N + 8, [7, 13]), (N + 12, [4, 20])):
+        errs.append(_errors(rank, world, compiled_lengths, _ids(docs), 30 + n, sinks=False))
+    return (max(max(e) for e in errs), sent, counting.compilations, windowed.compilations, striped.compilations,
+            lengths.compilations)
 
 
 def _bad(rank, world):
@@ -147,7 +153,8 @@ def test_compiled_document_layout_exact_and_no_recompiles():
     """Inductor, fullgraph: fp32 forward + backward (q, k, v, sinks) <= 2e-5 of float64 dense attention over
     four batches of other document boundaries (B = 2, GQA, Dv != Dqk, sinks; then a window with
     document_ids given; a named placement carrying the ids), and at most 2 compilations for the four (one
-    expected: the layout's key reaches the graph as a tensor); the rows on the wire against the masks' count."""
+    expected: the layout's key reaches the graph as a tensor); four lengths N: at most 2 (N becomes symbolic);
+    the rows on the wire against the masks' count."""
     per_rank = run_ranks(2, _exact)
     worst, sent, *compilations = per_rank[0]
     assert max(worst, per_rank[1][0]) <= TOL, worst
