@@ -282,14 +282,14 @@ class DocumentLayout:
     placement: str = "documents"  #: "documents" (this module's plan) or a layout name kept with the ids
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
     #: ``key`` as an int64 [1] tensor, what a compiled graph reads instead of the int (a graph input, so a
-    #: new batch does not recompile): see Note [Compiled document exchange] in doc_op.py
-    key_tensor: Any = field(default=None, repr=False, compare=False)
+    #: new batch does not recompile): see Note [Compiled document exchange] in doc_op.py. Always made from
+    #: ``key`` (not an argument: ``dataclasses.replace`` cannot carry a stale one)
+    key_tensor: Any = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.key_tensor is None:
-            import torch
+        import torch
 
-            object.__setattr__(self, "key_tensor", torch.tensor([self.key], dtype=torch.int64))
+        object.__setattr__(self, "key_tensor", torch.tensor([self.key], dtype=torch.int64))
 
     @property
     def batch(self) -> int:
