@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("one step against one K/V block; the heads all-to-all", {"core.blocks", "core.ulysses"}),
     ("a document layout's blocks", {"core.doc_blocks"}),
     ("the exchanges; linear attention's state passing", {"core.ring", "core.allgather", "core.linear_attention",
-                                                           "core.doc_exchange"}),
+                                                           "core.doc_exchange", "core.doc_op"}),
     ("the front door; a batch's shards; the SDPA-on-DTensor rule; decoding against a sharded cache",
      {"core.attention", "core.batch", "dtensor.sdpa", "core.decode", "core"}),
     ("DTensor entry points", {"dtensor.sharding", "dtensor"}),

@@ -22,6 +22,7 @@ from .allgather import allgather_backward, allgather_forward
 from .blocks import Mask, sinks_grad
 from .checks import ring_preamble
 from .doc_exchange import document_attention
+from .doc_op import compiled_document_attention
 from .ordering import tie
 from .ring import ring_backward, ring_forward
 from .spec import RingSpec
@@ -141,6 +142,9 @@ def plan_attention(q: Tensor, k: Tensor, v: Tensor, lay, *, mesh, error: str | N
         group = mesh_group(group)  # a 1-D mesh's group; a 2-D mesh stays (raises on any other)
         if isinstance(group, DeviceMesh):
             group, ulysses_group = group.get_group(1), group.get_group(0)
+    if torch.compiler.is_compiling():  # one custom op pair: Note [Compiled document exchange] in doc_op.py
+        return compiled_document_attention(q, k, v, lay, group=group, ulysses_group=ulysses_group, error=error,
+                                           **options)
     return document_attention(q, k, v, lay, group=group, ulysses_group=ulysses_group, error=error, **options)
 
 

@@ -44,7 +44,8 @@ from .documents import DocumentLayout
 from .masks import mask_bounds
 from .ulysses import gather_heads, kv_replicas, scatter_heads
 
-__all__ = ["document_attention", "exchange_plan"]
+__all__ = ["agree_call", "call_error", "document_attention", "exchange_of", "exchange_plan", "options_error",
+           "union_layout"]
 
 
 def _needed(lay: DocumentLayout, lo: int | None, hi: int | None) -> Tensor:
@@ -115,15 +116,24 @@ def exchange_plan(lay: DocumentLayout, rank: int, is_causal: bool, window) -> di
     return plan
 
 
-def call_error(lay: DocumentLayout, q, k, v, group, *, rank: int, world: int, document_ids, sinks, comm_dtype,
-               kv_exchange: str, ulysses: int = 1) -> str | None:
-    """This rank's error for a ``ring_attention`` call with a document layout, or None."""
+def options_error(*, comm_dtype, kv_exchange: str, window_size) -> str | None:
+    """The error of a call's non-tensor options with a document layout (the same on every rank), or None."""
     if comm_dtype not in COMM_DTYPES:
         return (f"ring_attention: comm_dtype must be None, a float dtype or torch.float8_e4m3fn / float8_e5m2; "
                 f"got {comm_dtype!r}.")
     if kv_exchange != "ring":
         return (f"ring_attention with a document layout has its own exchange (Note [Document exchange]); got "
                 f"kv_exchange={kv_exchange!r}. Drop kv_exchange.")
+    w = window_size
+    if w is not None and not (isinstance(w, (tuple, list)) and len(w) == 2
+                              and all(isinstance(x, int) and not isinstance(x, bool) for x in w)):
+        return f"ring_attention: window_size is (left, right) ints, -1 unbounded; got {window_size!r}."
+    return None
+
+
+def call_error(lay: DocumentLayout, q, k, v, *, rank: int, world: int, document_ids, sinks,
+               ulysses: int = 1) -> str | None:
+    """This rank's error for the tensors of a ``ring_attention`` call with a document layout, or None."""
     if not all(isinstance(x, Tensor) and x.dim() == 4 for x in (q, k, v)):
         return "ring_attention takes q, k, v as 4-D tensors [B, H, S_local, D]."
     (b, hq, s, dqk), (bk, hkv, sk, dk), (bv, hv, sv, _) = q.shape, k.shape, v.shape
@@ -148,6 +158,22 @@ def call_error(lay: DocumentLayout, q, k, v, group, *, rank: int, world: int, do
     return None
 
 
+def agree_call(lay: DocumentLayout, q, k, v, groups, *, rank: int, world: int, error: str | None, document_ids, sinks,
+               is_causal: bool, window, comm_dtype, ulysses: int = 1) -> None:
+    """Every rank's checks of a call, agreed (Note [One agreement]): the same ValueError on every rank, before
+    any K/V moves, when one rank's checks failed (``error``: its option or door error, or None) or the ranks'
+    layout keys, masks, payloads or shapes differ. Eager here; compiled inside ``cp_dtensor::doc_attn``."""
+    err = error or call_error(lay, q, k, v, rank=rank, world=world, document_ids=document_ids, sinks=sinks,
+                              ulysses=ulysses)
+    shapes = [int(x) for t in (q, k, v) for x in (tuple(t.shape) if isinstance(t, Tensor) else ())]
+    left, right = window if err is None and window is not None else (-1, -1)
+    fingerprint = {"layout key": lay.key, "is_causal": int(bool(is_causal)), "left": left, "right": right,
+                   "sinks": int(sinks is not None),
+                   "comm_dtype": COMM_DTYPES.index(comm_dtype) if comm_dtype in COMM_DTYPES else -1,
+                   "q, k, v shapes": hash(tuple(shapes)) & 0x7FFFFFFF}
+    agree_on_call(err, fingerprint, groups, what="ring_attention")  # every rank alike, before any K/V moves
+
+
 def document_attention(q: Tensor, k: Tensor, v: Tensor, lay: DocumentLayout, *, group=None, is_causal: bool = False,
                        scale: float | None = None, window_size=None, sinks: Tensor | None = None,
                        document_ids: Tensor | None = None, comm_dtype=None, kv_exchange: str = "ring",
@@ -155,24 +181,17 @@ def document_attention(q: Tensor, k: Tensor, v: Tensor, lay: DocumentLayout, *, 
     """``ring_attention`` with a ``DocumentLayout``: see Note [Document exchange]. q: [B, Hq, S, Dqk],
     k: [B, Hkv, S, Dqk], v: [B, Hkv, S, Dv], this rank's shards in ``lay``; returns [B, Hq, S, Dv].
     ``ulysses_group``: a (U, R) mesh's heads group (``group`` its ring group): Note [Documents on a 2-D mesh].
-    ``error``: the caller's own local error (a front door's), raised on every rank by the agreement."""
+    ``error``: the caller's own local error (a front door's), raised on every rank by the agreement. Eager;
+    the compiled twin is doc_op.py's ``compiled_document_attention`` (Note [Compiled document exchange])."""
     group = group if group is not None else dist.group.WORLD
     r, ring = dist.get_rank(group), dist.get_world_size(group)
     u, u_ = (0, 1) if ulysses_group is None else (dist.get_rank(ulysses_group), dist.get_world_size(ulysses_group))
     rank, world = u * ring + r, u_ * ring  # the 1-D rank of Note [Ulysses x ring] in ulysses.py
     window = tuple(window_size) if isinstance(window_size, (tuple, list)) else window_size
-    err = error or call_error(lay, q, k, v, group, rank=rank, world=world, document_ids=document_ids, sinks=sinks,
-                              comm_dtype=comm_dtype, kv_exchange=kv_exchange, ulysses=u_)
-    if err is None and window is not None and not (len(window) == 2 and all(isinstance(w, int) for w in window)):
-        err = f"ring_attention: window_size is (left, right) ints, -1 unbounded; got {window_size!r}."
-    shapes = [int(x) for t in (q, k, v) for x in (tuple(t.shape) if isinstance(t, Tensor) else ())]
-    left, right = window if err is None and window is not None else (-1, -1)
-    fingerprint = {"layout key": lay.key, "is_causal": int(bool(is_causal)), "left": left, "right": right,
-                   "sinks": int(sinks is not None),
-                   "comm_dtype": COMM_DTYPES.index(comm_dtype) if comm_dtype in COMM_DTYPES else -1,
-                   "q, k, v shapes": hash(tuple(shapes)) & 0x7FFFFFFF}
+    err = error or options_error(comm_dtype=comm_dtype, kv_exchange=kv_exchange, window_size=window)
     groups = group if ulysses_group is None else (group, ulysses_group)
-    agree_on_call(err, fingerprint, groups, what="ring_attention")  # every rank alike, before any K/V moves
+    agree_call(lay, q, k, v, groups, rank=rank, world=world, error=err, document_ids=document_ids, sinks=sinks,
+               is_causal=is_causal, window=window, comm_dtype=comm_dtype, ulysses=u_)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if ulysses_group is None or u_ == 1:
         return _exchange(q, k, v, lay if u_ == 1 else union_layout(lay, u_), r, group, is_causal=is_causal,
@@ -196,12 +215,18 @@ def document_attention(q: Tensor, k: Tensor, v: Tensor, lay: DocumentLayout, *, 
     return gather_heads(gather_rows(out, torch.argsort(perm, 1)), ulysses_group, same)
 
 
-def _exchange(q, k, v, lay: DocumentLayout, rank: int, group, *, is_causal, window, sinks, scale, comm_dtype) -> Tensor:
-    """The agreed call on a 1-D group: the exchange plan, then the exchange and the attention."""
+def exchange_of(lay: DocumentLayout, rank: int, group, *, is_causal, window, scale, comm_dtype):
+    """(the blocks, the exchange) of a checked call: what doc_blocks' forward and backward take."""
     plan = exchange_plan(lay, rank, bool(is_causal), window)
     ex = {"send": plan["send"], "send_splits": plan["send_splits"], "recv_splits": plan["recv_splits"],
           "total": plan["total"], "bounds": plan["bounds"], "scale": scale, "group": group, "comm_dtype": comm_dtype}
-    return doc_attention(q.contiguous(), k.contiguous(), v.contiguous(), sinks, doc_blocks(lay, rank, plan), ex)
+    return doc_blocks(lay, rank, plan), ex
+
+
+def _exchange(q, k, v, lay: DocumentLayout, rank: int, group, *, is_causal, window, sinks, scale, comm_dtype) -> Tensor:
+    """The agreed call on a 1-D group: the exchange plan, then the exchange and the attention."""
+    blocks, ex = exchange_of(lay, rank, group, is_causal=is_causal, window=window, scale=scale, comm_dtype=comm_dtype)
+    return doc_attention(q.contiguous(), k.contiguous(), v.contiguous(), sinks, blocks, ex)
 
 
 def union_layout(lay: DocumentLayout, ulysses: int) -> DocumentLayout:

@@ -361,6 +361,15 @@ class DocumentLayout:
     key: int = 0  #: a fingerprint of (order, ids): equal layouts on every rank agree on it
     placement: str = "documents"  #: "documents" (this module's plan) or a layout name kept with the ids
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
+    #: ``key`` as an int64 [1] tensor, what a compiled graph reads instead of the int (a graph input, so a
+    #: new batch does not recompile): see Note [Compiled document exchange] in doc_op.py. Always made from
+    #: ``key`` (not an argument: ``dataclasses.replace`` cannot carry a stale one)
+    key_tensor: Any = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        import torch
+
+        object.__setattr__(self, "key_tensor", torch.tensor([self.key], dtype=torch.int64))
 
     @property
     def batch(self) -> int:
