@@ -16,7 +16,7 @@ _V03 = ("_cpu", "attention", "linear", "trainer", "main")
 LAYERS: list[tuple[str, set[str]]] = [
     ("private torch touch points, deprecation, torch-free layout facts",
      {"_compat", "_deprecated", "_extras", "checkpoint.manifest", "core.layout", "core.kernels", "core.linear_plan",
-      "core.documents"}),
+      "core.documents", "core.doc_plan"}),
     ("pure math; the network; a ring call's spec",
      {"core.masks", "core.wire", "core.comm", "tools.debug", "core.agreement", "core.spec",
       "core.tiling", "core.linear_steps"}),

@@ -5,7 +5,7 @@ Note [Document exchange]
 A ``DocumentLayout`` (documents.py) places every short document whole on one rank and cuts long ones in
 head-tail pieces over few ranks. Every rank knows the whole placement and every document id, so every rank
 can say, without asking anyone, which K/V rows each rank's queries need from each other rank (Note
-[Document exchange bytes] in documents.py) -- the *exchange plan* of a (layout, mask), derived once on the
+[Document exchange bytes] in doc_plan.py) -- the *exchange plan* of a (layout, mask), derived once on the
 host and kept on the layout (every layer of the batch reuses it). Then:
 
 * forward: one all-to-all-v (``funcol.all_to_all_single_autograd``) sends each needed K/V row once,
