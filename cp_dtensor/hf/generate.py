@@ -86,6 +86,7 @@ from ..core.layout import global_order, layout_unit, shard_tensor  # noqa: E402
 from .cache import GenerateCall, ShardedCache, _Step  # noqa: E402
 from .cache import ShardedCacheLayer as ShardedCacheLayer  # noqa: E402  (a name of the old path cp_dtensor.hf_generate)
 from .cache import cache_bytes as cache_bytes  # noqa: E402  (a name of the old path cp_dtensor.hf_generate)
+from .documents import ring_layout  # noqa: E402
 from .state import ATTR, HFState  # noqa: E402
 
 __all__ = ["AgreedStopping", "decode_attention", "enable_generate", "generate"]
@@ -113,16 +114,16 @@ def _base_pre_hook(module, args, kwargs):
     cp, rank = state.mesh.size(), state.mesh.get_local_rank()
     real = torch.ones(b, n, dtype=torch.bool, device=ids.device) if mask is None else mask[:, -n:].bool()
     if cache.get_seq_length() == 0:  # prefill: this rank's layout shard of the prompt, padded on the left
-        unit = layout_unit(state.layout, cp)
+        unit = layout_unit(ring_layout(state), cp)
         pad = -n % unit  # masked columns before the prompt: its last token ends the sequence (the final states)
         padded = lambda x, v: torch.nn.functional.pad(x, (pad, 0), value=v)  # noqa: E731
-        shard = lambda x: shard_tensor(x, seq_dim=1, layout=state.layout, rank=rank, cp_size=cp).contiguous()  # noqa: E731
+        shard = lambda x: shard_tensor(x, seq_dim=1, layout=ring_layout(state), rank=rank, cp_size=cp).contiguous()  # noqa: E731
         cols = shard(torch.arange(n + pad, device=ids.device)[None])[0]  # global columns held here
         keep = torch.nonzero(cols >= pad).flatten()
         kpos = shard(padded(pos.masked_fill(~real, -1), -1)).index_select(1, keep)
         call.step = _Step("prefill", kpos, keep, n)
         call.prompt = (n, pad)
-        every = global_order(state.layout, cp, n + pad).view(cp, -1)  # [P, S_local]: each rank's columns
+        every = global_order(ring_layout(state), cp, n + pad).view(cp, -1)  # [P, S_local]: each rank's columns
         call.held = (every >= pad).sum(1).tolist()  # the prompt tokens each rank keeps
         kwargs["input_ids"], kwargs["position_ids"] = shard(padded(ids, 0)), shard(padded(pos, 0))
         if mask is not None or pad:
@@ -157,7 +158,7 @@ def _gather_columns(state: HFState, h: Tensor, total: int, columns) -> Tensor:
     one all-gather of [B, k, H] per rank, each filling the rows it holds. Exact; the same on every rank."""
     cp, rank = state.mesh.size(), state.mesh.get_local_rank()
     cols = torch.tensor(list(columns), dtype=torch.long)
-    where = torch.argsort(global_order(state.layout, cp, total))[cols]  # index into the rank-major concatenation
+    where = torch.argsort(global_order(ring_layout(state), cp, total))[cols]  # index into the rank-major concatenation
     s = total // cp
     owner, local = where // s, where % s
     if cp == 1:

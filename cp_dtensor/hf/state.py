@@ -52,7 +52,7 @@ __all__ = ["ATTR", "CPGenerate", "HFState", "attach", "implementations", "remove
 
 ATTR = "_cp_dtensor_hf"  # the attribute holding the HFState on the model and every submodule
 
-_PER_CALL = ("pending", "last", "id_range", "keep_logits", "generating")
+_PER_CALL = ("pending", "plan", "last", "id_range", "keep_logits", "generating")
 
 
 @dataclass(eq=False)
@@ -65,6 +65,7 @@ class HFState:
     attn_implementation: dict  #: each (sub-)config's attention implementation before CP (restored on removal)
     handles: list[RemovableHandle] = field(default_factory=list)  #: the hooks CP registered
     pending: str | None = None  #: the top-level call's refusal, raised by its first attention call
+    plan: Any = None  #: the top-level call's ``cp_layout=`` (its batch's DocumentLayout), kept until the next call
     last: tuple | None = None  #: ((positions, version, mask, use_cache, B), (ids, error)) last derived
     id_range: tuple[int, int] | None = None  #: the global (min, max) of the last documents derived
     keep_logits: Any = 0  #: the top-level call's ``logits_to_keep`` (generate's prefill gathers those rows)
