@@ -22,7 +22,8 @@ for the *global* sequence:
   right padding; each pad token becomes a document of its own); without one, and with ``use_cache``
   off, position ids that do not advance by 1 start a new sequence (packed sequences,
   ``DataCollatorWithFlattening``; ``documents="position_ids"`` applies them with use_cache on too);
-  ``document_ids=`` in the model call overrides both. So a model equals itself at CP=1 -- except
+  ``document_ids=`` in the model call overrides both; a plan in the call (``cp_layout=``, required by
+  ``layout="documents"``) replaces the gather: Note [One plan per batch in transformers] in hf/documents.py. So a model equals itself at CP=1 -- except
   gpt-oss, whose modeling code builds no packed-sequence mask at all: under CP its packed documents
   are kept apart, as flash-attention keeps them.
 
@@ -366,6 +367,10 @@ def apply_context_parallel(
     on the full batch) with ``num_items_in_batch=`` the global label count. Windows, sinks, padding and packed sequences follow the model; what the ring
     cannot run raises on every rank. See Note [transformers under CP]. Parameter gradients are each
     rank's share: sum them over the CP group (FSDP / DDP, or ``cp_dtensor.reduce_gradients``).
+
+    ``layout="documents"`` places each batch's packed documents (short ones whole on a rank): plan the full
+    batch with ``cp_dtensor.hf.plan_batch(model, position_ids=...)``, shard it with the plan and call
+    ``model(**shard, cp_layout=plan)`` -- Note [One plan per batch in transformers] in hf/documents.py.
 
     ``documents=None`` follows transformers' sdpa / eager rule for packed sequences (position ids that do
     not advance by 1 start a sequence when the call has no attention_mask and use_cache is off);
