@@ -30,8 +30,10 @@ shard:
 Checked at the forward's first attention call, on every rank before any K/V moves (one agreement,
 then the exchange's own per layer): a missing plan, a plan for another mesh size or batch shape, and a
 plan of another batch -- a token whose position id is 0 where the plan has no document start, a pad
-token (``attention_mask`` 0) the plan does not keep apart. The plan's key is in the exchange's
-fingerprint, so plans that differ across ranks raise too.
+token (``attention_mask`` 0) the plan does not keep apart -- local checks, no collective (a plan that cuts
+the documents *finer* than the positions is taken: that is a plan of ``document_ids=``; a boundary the
+positions imply without restarting at 0 is not checked). The agreement carries the plan's key, so plans
+that differ across ranks raise too.
 
 generate() is unchanged: its prompt is one sequence a row, so its prefill runs the striped ring
 (:func:`ring_layout`) with the prompt's padding as documents, as for ``layout="striped"``.

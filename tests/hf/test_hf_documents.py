@@ -178,9 +178,12 @@ def _check_errors(rank: int, world: int) -> None:
     other = hf.plan_batch(model, position_ids=torch.arange(N).expand(2, N) % 8)
     _expect_error(lambda: call(cp_layout=other), "another batch")
     _expect_error(lambda: call(cp_layout=other if rank == world - 1 else plan), "another batch|rejected")
-    # plans that differ across ranks (each rank's ids its own): the exchange's agreement on the plan key
-    mine = hf.plan_batch(model, document_ids=torch.zeros(2, N, dtype=torch.long) + (rank > 0) * torch.arange(N) // 16)
-    _expect_error(lambda: call(cp_layout=mine), "layout key|rejected|another batch")
+    # plans that differ across ranks, each consistent with the positions (rank 1's cuts a document once more):
+    # the agreement on the plan's key
+    ids = (positions == 0).long().cumsum(1) + (rank > 0) * (torch.arange(N) >= 20).long()
+    mine = hf.plan_batch(model, document_ids=ids)
+    mine_tok, mine_pos = shard_batch((tokens, positions), mesh, layout=mine)
+    _expect_error(lambda: call(input_ids=mine_tok, position_ids=mine_pos, cp_layout=mine), "plan key")
     # a plan for another mesh size, for another batch shape
     _expect_error(lambda: call(cp_layout=document_layout(plan.ids, 2 * world)), "built for")
     _expect_error(lambda: call(cp_layout=hf.plan_batch(model, position_ids=positions[:1])), "built for")
