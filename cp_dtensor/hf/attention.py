@@ -71,7 +71,7 @@ from ..core.attention import ring_attention, ring_spec, run_ring_attention  # no
 from ..core.checks import check_call, check_cp_mesh, options_error  # noqa: E402
 from ..core.layout import in_global_order, shard_tensor  # noqa: E402
 from .documents import KWARG, check_model_layout, documents_of, plan_error, ring_layout  # noqa: E402
-from .generate import decode_attention, enable_generate, generate  # noqa: E402
+from .generate import enable_generate, generate  # noqa: E402
 from .state import ATTR, CPGenerate, HFState, attach, implementations, remove_context_parallel  # noqa: E402
 from .tiling import apply_sequence_tiling, check_tileable  # noqa: E402
 
@@ -271,15 +271,14 @@ def cp_dtensor_attention(module: nn.Module, query: Tensor, key: Tensor, value: T
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     window, err = _window(module, sliding_window, causal)
     sinks = s_aux if s_aux is not None else getattr(module, "sinks", None)
-    call = state.generating
-    if call is not None and call.step is not None and call.step.kind == "decode":  # Note [generate() under CP]
+    if state.decoding is not None:  # a decode step of generate(), registered by generate.py: Note [generate() under CP]
         refused = attention_mask.why if isinstance(attention_mask, _Refused) else None
         err = err or refused or _local_error(state, query, query, None, dropout, softcap, kwargs)
         if err is not None:  # the decode step's inputs are replicated: every rank raises alike
             raise ValueError(err)
-        return decode_attention(state, module, query, key, value, scaling, window, sinks), None
+        return state.decoding(state, module, query, key, value, scaling, window, sinks), None
     err = err or _local_error(state, query, key, attention_mask, dropout, softcap, kwargs)
-    if call is None and (state.layout == "documents" or state.plan is not None):  # the batch's plan
+    if state.generating is None and (state.layout == "documents" or state.plan is not None):  # the batch's plan
         return _planned(state, query, key, value, attention_mask, err, causal, scaling, window, sinks, kwargs), None
     spec = ring_spec(state.mesh.get_group(), layout=ring_layout(state), is_causal=causal, scale=scaling, window_size=window,
                      comm_dtype=state.comm_dtype, kv_exchange=state.kv_exchange)

@@ -19,7 +19,9 @@ generate a :class:`ShardedCache` -- a transformers ``Cache`` whose layers hold o
 * decode (T new tokens, the same on every rank): the layers run replicated; ``cache.update`` keeps each
   new token on one rank only -- the one holding the fewest tokens, lowest first: column c mod P after a
   striped prefill (the striped layout, continued) -- and returns this rank's
-  share; the attention function runs :func:`cp_dtensor.sharded_cache_attention` (core/decode.py) over it --
+  share; the attention function runs :func:`decode_attention` -- which the pre-hook registers in the
+  model's state for the step (``HFState.decoding``: hf/attention.py calls what it finds there and imports
+  nothing of this module's) -- i.e. :func:`cp_dtensor.sharded_cache_attention` (core/decode.py) over it --
   one all-gather of B * Hq * T * (Dv + 1) fp32 values per layer, bit-identical outputs on every rank,
   hence identical logits on every rank; what the ranks decide from them is agreed as Note [Agreed
   stopping and sampling] says, so every rank stops at the same step.
@@ -97,6 +99,7 @@ __all__ = ["AgreedStopping", "decode_attention", "enable_generate", "generate"]
 def _base_pre_hook(module, args, kwargs):
     state: HFState = getattr(module, ATTR)
     call = state.generating
+    state.decoding = None  # set below for a decode step only: Note [generate() under CP]
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if not isinstance(cache, ShardedCache):
         if call is not None:
@@ -138,6 +141,7 @@ def _base_pre_hook(module, args, kwargs):
     keep = torch.nonzero(torch.tensor(owners) == rank).flatten()
     kpos = pos.masked_fill(~real, -1).index_select(1, keep.to(ids.device))
     call.step = _Step("decode", kpos, keep, n, q_positions=pos.contiguous())
+    state.decoding = decode_attention  # what the attention function runs instead of the ring (registered here)
     return args, kwargs
 
 
@@ -389,6 +393,6 @@ def generate(model: nn.Module, *args, **kwargs):
         with generation_stopping_criteria(model, agreed):
             return type(model).generate(model, *args, cache=call.cache, **kwargs)
     finally:
-        state.generating, call.step = None, None
+        state.generating, state.decoding, call.step = None, None, None
         if sampling and rank != 0:
             set_rng(own)  # the other ranks' generators as they were
