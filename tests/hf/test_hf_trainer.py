@@ -181,7 +181,7 @@ def _train(name: str, out: str, cp: int | None, layout: str | None = None, **ext
     return result
 
 
-def _generate(out: str, cp: int | None) -> dict:
+def _generate(out: str, cp: int | None, layout: str = "striped") -> dict:
     """Seq2SeqTrainer's predict_with_generate on a decoder-only model: eval loss and greedy tokens (4 new)."""
     from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
 
@@ -191,7 +191,7 @@ def _generate(out: str, cp: int | None) -> dict:
     model.config.use_cache = model.generation_config.use_cache = True  # generate() under CP decodes from a cache
     args = Seq2SeqTrainingArguments(output_dir=out, predict_with_generate=True, per_device_eval_batch_size=2,
                                     report_to=[], use_cpu=True, disable_tqdm=True, seed=0)
-    cls = Seq2SeqTrainer if cp is None else hf.with_context_parallel(Seq2SeqTrainer, cp_size=cp)
+    cls = Seq2SeqTrainer if cp is None else hf.with_context_parallel(Seq2SeqTrainer, cp_size=cp, layout=layout)
     got = {}
 
     def metrics(pred):
@@ -331,16 +331,21 @@ def _cp_ranks(rank: int, world: int, tmp: str) -> dict:
 
 # layout="documents" (one plan per batch, built by the collator): name -> the CP=1 reference it must log
 DOCUMENTS = {"llama-packed-documents": "llama-packed", "llama-rows-documents": "llama-rows",
-             "mistral-window-documents": "mistral-window-packed", "sft-packed-documents": "sft-packed"}
+             "mistral-window-documents": "mistral-window-packed", "sft-packed-documents": "sft-packed",
+             "sft-padded-documents": "sft-padded"}
 
 
 def _documents_runs(out: str, world: int) -> dict:
     """The layout="documents" runs: packed rows (the collator in a dataloader worker for one: the plan crosses
-    its queue), plain rows (one document a row), Mistral's window, TRL's packing."""
+    its queue), plain rows (one document a row), Mistral's window, TRL's packing and padded rows (each pad token
+    a document of the plan), predict_with_generate (the
+    loss with the plan, generate() prefilling striped)."""
     return {"llama-packed-documents": _train("llama-packed", out, world, layout="documents", dataloader_num_workers=1),
             "llama-rows-documents": _train("llama-rows", out, world, layout="documents"),
             "mistral-window-documents": _train("mistral-window-packed", out, world, layout="documents"),
-            "sft-packed-documents": _sft(out, world, layout="documents")}
+            "sft-packed-documents": _sft(out, world, layout="documents"),
+            "sft-padded-documents": _sft(out, world, packing=False, layout="documents"),
+            "generate-documents": _generate(out, world, layout="documents")}
 
 
 def _reference_rank(rank: int, world: int, tmp: str) -> dict:
@@ -402,9 +407,10 @@ def test_trainer_documents_layout_logs_cp1_losses(runs, name):
             # rounding shows in the later norms at ~2e-5 for every layout here; the first is CP=1's to 2e-5
             _close(got["grad_norm"][:1], want["grad_norm"][:1], f"{name} grad_norm rank {rank}")
             assert all(abs(x - y) <= 1e-4 * y for x, y in zip(got["grad_norm"], want["grad_norm"])), (name, got, want)
-        for key in ("eval_loss", "eval_target_logit", "eval_rows", "eval_mean_token_accuracy"):
-            if key in want.get("eval", {}):
-                _close([got["eval"][key]], [want["eval"][key]], f"{name} {key} rank {rank}")
+        for evals in ("eval", "eval-5", "eval-5-completion"):
+            for key in ("eval_loss", "eval_target_logit", "eval_rows", "eval_mean_token_accuracy"):
+                if key in want.get(evals, {}):
+                    _close([got[evals][key]], [want[evals][key]], f"{name} {evals} {key} rank {rank}")
 
 
 @pytest.mark.parametrize("case", ["sft-packed", "sft-padded"])
@@ -430,12 +436,13 @@ def test_trl_sft_bf16_autocast(runs):
             assert abs(x - y) <= 1e-2 * abs(y), (got, want)
 
 
-def test_seq2seq_predict_with_generate(runs):
+@pytest.mark.parametrize("case", ["generate", "generate-documents"])
+def test_seq2seq_predict_with_generate(runs, case):
     """Seq2SeqTrainer(predict_with_generate=True): the eval loss from the shards, the greedy tokens generated under
-    CP (ring prefill, sharded cache) and the padded labels equal CP=1's."""
+    CP (ring prefill, sharded cache) and the padded labels equal CP=1's; also under layout="documents"."""
     cp, ref = runs
     for rank in (0, 1):
-        got, want = cp[rank]["generate"], ref["generate"]
+        got, want = cp[rank][case], ref["generate"]
         assert got["predictions"] == want["predictions"] and got["labels"] == want["labels"], rank
         assert len(want["predictions"]) == 3 and len(want["predictions"][0]) > N  # the prompts and new tokens
         _close([got["eval_loss"]], [want["eval_loss"]], "Seq2SeqTrainer eval_loss")
