@@ -1,7 +1,8 @@
 """layout="documents" under cp_dtensor.hf.apply_context_parallel: one plan per batch from the full batch
 (cp_dtensor.hf.plan_batch), the batch sharded with it, the model called with cp_layout=plan. Logits, the
 training loss and every parameter gradient equal the plain model at CP=1 (each packed row run alone, sdpa,
-documents kept apart by transformers' packed-sequence rule); bad input raises on every rank."""
+documents kept apart by transformers' packed-sequence rule; gpt-oss eager with its block-diagonal masks
+prepared); bad input raises on every rank."""
 
 from __future__ import annotations
 
@@ -17,7 +18,16 @@ from _ref import rel_err
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
 
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+from transformers import (  # noqa: E402
+    GptOssConfig,
+    GptOssForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from cp_dtensor import hf  # noqa: E402
 from cp_dtensor.core.batch import shard_batch, unshard_batch  # noqa: E402
@@ -42,7 +52,24 @@ def _model(name: str):
     if name == "qwen3-hybrid":  # layer 0 full, layer 1 a window of 5 (layer_types)
         return Qwen3ForCausalLM(Qwen3Config(**TINY, head_dim=8, use_sliding_window=True, sliding_window=5,
                                             max_window_layers=1))
+    if name == "gpt-oss":  # sinks on every layer, layer 0 a window of 5, MoE; transformers runs it with eager
+        model = GptOssForCausalLM(GptOssConfig(**{**TINY, "attn_implementation": "eager", "intermediate_size": 32},
+                                               head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=5))
+        with torch.no_grad():  # sinks large enough to matter (initialised near 0)
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_(0.0, 2.0)
+        return model
     raise KeyError(name)
+
+
+def _dense_masks(lengths, window: int) -> dict:
+    """gpt-oss's prepared-mask input for one packed row (its modeling code builds no packed-sequence mask):
+    additive [1, 1, N, N] masks per layer type, block-diagonal causal."""
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    i, j = torch.arange(N)[:, None], torch.arange(N)[None, :]
+    full = (ids[:, None] == ids[None, :]) & (j <= i)
+    add = lambda keep: torch.zeros(N, N).masked_fill(~keep, torch.finfo(torch.float32).min)[None, None]  # noqa: E731
+    return {"full_attention": add(full), "sliding_attention": add(full & (i - j < window))}
 
 
 def _batch(seed: int = 1):
@@ -60,9 +87,12 @@ def _reference(base, tokens, positions, weights, labels):
     position ids, use_cache off); logits, parameter grads of sum(logits * weights), and the summed training
     loss (labels shifted on the row) with its grads."""
     model = copy.deepcopy(base)
+    window = getattr(model.config, "sliding_window", None)
+    masks = [_dense_masks(LENGTHS[r], window) if isinstance(model, GptOssForCausalLM) else None for r in range(2)]
     logits = []
     for r in range(2):
-        out = model(input_ids=tokens[r:r + 1], position_ids=positions[r:r + 1], use_cache=False).logits
+        out = model(input_ids=tokens[r:r + 1], position_ids=positions[r:r + 1], attention_mask=masks[r],
+                    use_cache=False).logits
         (out * weights[r:r + 1]).sum().backward()
         logits.append(out.detach())
     grads = [p.grad.clone() for p in model.parameters()]
@@ -73,7 +103,7 @@ def _reference(base, tokens, positions, weights, labels):
     for r in range(2):
         lab = shifted[r:r + 1]
         loss = loss + model(input_ids=tokens[r:r + 1], position_ids=positions[r:r + 1], labels=lab, shift_labels=lab,
-                            num_items_in_batch=count, use_cache=False).loss
+                            attention_mask=masks[r], num_items_in_batch=count, use_cache=False).loss
     loss.backward()
     return torch.cat(logits), grads, loss.item(), [p.grad.clone() for p in model.parameters()]
 
@@ -109,6 +139,7 @@ def _check_match(rank: int, world: int) -> None:
     tokens, positions, weights, labels = _batch()
     for name, layout, checkpointing in (("llama", "documents", False), ("llama", "documents", True),
                                         ("mistral", "documents", False), ("qwen3-hybrid", "documents", False),
+                                        ("gpt-oss", "documents", False),
                                         ("llama", "striped", False), ("llama", "headtail", False)):
         base = _model(name)
         want = _reference(base, tokens, positions, weights, labels)
@@ -127,6 +158,7 @@ def _check_match(rank: int, world: int) -> None:
     assert model_windows(_model("mistral").config) == [5, 5]
     assert model_windows(_model("qwen3-hybrid").config) == [None, 4]
     assert model_windows(_model("llama").config) == [None, None]
+    assert model_windows(_model("gpt-oss").config) == [4, None]
     # the named layouts without a plan still derive the documents from the gathered positions
     base = _model("llama")
     want = _reference(base, tokens, positions, weights, labels)
@@ -216,6 +248,6 @@ def _all(rank: int, world: int) -> None:
 
 
 def test_documents_layout_matches_cp1_and_refuses_bad_input():
-    """P = 2: Llama (also with gradient checkpointing), Mistral's window, Qwen3's per-layer window; a
-    named layout's plan; padding; every error on every rank. One spawn."""
+    """P = 2: Llama (also with gradient checkpointing), Mistral's window, Qwen3's per-layer window, gpt-oss's
+    sinks and per-layer windows; a named layout's plan; padding; every error on every rank. One spawn."""
     run_ranks(2, _all)
