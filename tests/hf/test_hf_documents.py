@@ -235,6 +235,9 @@ def _check_errors(rank: int, world: int) -> None:
     _expect_error(lambda: hf.apply_context_parallel(copy.deepcopy(base), mesh, layout="documents",
                                                     comm_dtype=torch.bfloat16), "Drop them")
     _expect_error(lambda: hf.apply_context_parallel(copy.deepcopy(base), mesh, layout="document"), "or 'documents'")
+    hybrid = copy.deepcopy(base)  # linear-attention layers pass state along the sequence: headtail / contiguous
+    hybrid.config.layer_types = ["full_attention", "linear_attention"]
+    _expect_error(lambda: hf.apply_context_parallel(hybrid, mesh, layout="documents"), "for attention models")
     # still in step
     want = _reference(base, tokens, positions, weights, labels)
     model.zero_grad()
