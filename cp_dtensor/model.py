@@ -22,8 +22,8 @@ Packed documents go through the batch's plan (Note [One plan per batch] in core/
 ``documents="position_ids"`` the hook all-gathers the start flags once per forward, so the *full* ids,
 and builds the ``DocumentLayout`` of the door's layout from them; with ``layout="documents"`` the batch
 was sharded by a plan built before the forward (``cp_dtensor.document_layout``: the placement depends on
-the ids, so only the full batch can give it), which the call passes as ``layout=plan``. Either way every
-SDPA call of that forward gets the one plan as its ``layout``. See Note [A plan at the model door].
+the ids, so only the full batch can give it), which the call passes as ``cp_layout=plan`` (the Hugging
+Face door's keyword too). Either way every SDPA call of that forward gets the one plan as its ``layout``. See Note [A plan at the model door].
 
 Why not run the whole model on DTensors: in torch 2.13 a view that merges [B, S] fails when S carries
 a strided placement, and ``nn.Linear`` on [B, S, E] makes exactly that view, so striped and head-tail
@@ -185,10 +185,10 @@ class RingSDPA(TorchFunctionMode):
         return self.rows[b]
 
     def take_documents(self, kwargs: dict) -> None:
-        """Set this forward's documents from the top-level call's keyword arguments: a plan (``layout=``, a
+        """Set this forward's documents from the top-level call's keyword arguments: a plan (``cp_layout=``, a
         ``DocumentLayout``), this rank's ``document_ids``, or ids from ``position_ids`` (Note [A plan at the
         model door])."""
-        plan = kwargs.pop("layout") if isinstance(kwargs.get("layout"), DocumentLayout) else None
+        plan = kwargs.pop("cp_layout", None)
         ids = kwargs.pop("document_ids", None)
         self.ids, self.plan, self.rows = None, None, {}
         pos = kwargs.get("position_ids", kwargs.get("positions"))
@@ -223,8 +223,8 @@ class RingSDPA(TorchFunctionMode):
 # placement depends on the full batch's ids, and the caller shards tokens, labels and positions by it
 # before the forward. So with ``layout="documents"`` the caller builds the plan (``document_layout``, from
 # the full ids: positions restarting at 0 give them as ``(positions == 0).cumsum(-1)``), shards the batch
-# with it (``shard_batch(..., layout=plan)``) and passes it to the forward as ``layout=plan``, a keyword the
-# hook takes away (only a ``DocumentLayout``: a model's own ``layout`` argument stays). The hook checks it
+# with it (``shard_batch(..., layout=plan)``) and passes it to the forward as ``cp_layout=plan``, a keyword the
+# hook takes away (the Hugging Face door's spelling; a model's own ``layout`` argument stays its own). The hook checks it
 # -- built for this CP size and a placement the door takes, the positions' and ids' document starts its
 # own -- and the ranks agree on it (its key: equal ids on every rank) before the first SDPA call. A named
 # layout needs no plan from the caller: from ``position_ids`` the hook gathers the start flags once and
@@ -239,7 +239,10 @@ def _plan_error(plan, layout: str, world: int, rank: int, ids, pos) -> str | Non
         return (f"apply_context_parallel(layout={layout!r}) needs each batch's plan: plan = "
                 f"cp_dtensor.document_layout(ids, {world}) from the full batch's ids (ids = (positions == 0)"
                 ".cumsum(-1) for positions restarting at 0), the batch sharded by it (cp_dtensor.shard_batch(..., "
-                "layout=plan)), and model(..., layout=plan).")
+                "layout=plan)), and model(..., cp_layout=plan).")
+    if not isinstance(plan, DocumentLayout):
+        return (f"cp_layout= takes this batch's plan (cp_dtensor.document_layout(ids, {world}) of the full batch); "
+                f"got {type(plan).__name__}.")
     if plan.world != world:
         return (f"this batch's plan was built for {plan.world} ranks; the CP mesh has {world}. Build it with "
                 f"cp_dtensor.document_layout(ids, {world}).")

@@ -131,7 +131,7 @@ def _model_door(mesh, base, tokens, labels) -> None:
             if layout == "documents" or how == "plan":  # the caller's plan: See Note [A plan at the model door]
                 plan = cp_dtensor.document_layout(ids, world, windows=[window], placement=layout)
             tok, lab, pos, lid = cp_dtensor.shard_batch((tokens, labels, positions, ids), mesh, layout=plan)
-            kwargs = {} if isinstance(plan, str) else {"layout": plan}
+            kwargs = {} if isinstance(plan, str) else {"cp_layout": plan}
             if how == "document_ids":
                 kwargs["document_ids"] = lid  # checked against the plan's
             logits = model(tok, positions=pos, **kwargs)
@@ -148,7 +148,7 @@ def _model_door(mesh, base, tokens, labels) -> None:
     model = cp_dtensor.apply_context_parallel(copy.deepcopy(base), mesh, layout="documents", documents="position_ids")
     plan = cp_dtensor.document_layout(ids1, world)
     tok, lab, pos = cp_dtensor.shard_batch((tokens, labels, pos1), mesh, layout=plan)
-    logits = model(tok, positions=pos, layout=plan)
+    logits = model(tok, positions=pos, cp_layout=plan)
     full = cp_dtensor.unshard_batch(logits.detach(), mesh, layout=plan)
     loss = _loss(logits, lab)
     loss.backward()
@@ -161,14 +161,14 @@ def _model_door(mesh, base, tokens, labels) -> None:
     other = ids.clone()
     other[0, 2:] += rank  # rank 0's ids differ from the others'
     mine = cp_dtensor.document_layout(other, world)
-    _raises_everywhere("ids differ across ranks", lambda: model(tok, positions=pos, layout=mine),
+    _raises_everywhere("ids differ across ranks", lambda: model(tok, positions=pos, cp_layout=mine),
                        "same plan on every rank|not the shard")
     _raises_everywhere("no plan", lambda: model(tok, positions=pos), "needs each batch's plan")
     moved = cp_dtensor.document_layout(_batch([[3, 21], [24]])[1], world)  # another batch's plan, on every rank
-    _raises_everywhere("a plan of another batch", lambda: model(tok, positions=pos, layout=moved), "not the shard")
+    _raises_everywhere("a plan of another batch", lambda: model(tok, positions=pos, cp_layout=moved), "not the shard")
     if world > 2:
         small = cp_dtensor.document_layout(ids, world - 1)
-        _raises_everywhere("a plan for another CP size", lambda: model(tok, positions=pos, layout=small), "ranks")
+        _raises_everywhere("a plan for another CP size", lambda: model(tok, positions=pos, cp_layout=small), "ranks")
     falling = ids.clone()
     falling[1, -1] = 0
     _raises_everywhere("decreasing ids", lambda: cp_dtensor.document_layout(falling, world), "must not decrease")

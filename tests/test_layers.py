@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("the front door; a batch's shards; the SDPA-on-DTensor rule; decoding against a sharded cache",
      {"core.attention", "core.batch", "dtensor.sdpa", "core.decode", "core"}),
     ("DTensor entry points", {"dtensor.sharding", "dtensor"}),
-    ("integrations", {"hf.attention", "hf.cache", "hf.tiling", "hf.generate", "hf.linear", "hf.state", "hf.trainer", "hf.collator", "hf",
+    ("integrations", {"hf.attention", "hf.cache", "hf.documents", "hf.tiling", "hf.generate", "hf.linear", "hf.state", "hf.trainer", "hf.collator", "hf",
                       "checkpoint.dcp", "checkpoint"}
      | {f"titan.shared.{m}" for m in ("options", "cpu", "data", "float8", "heads", "inner")} | {"titan.shared"}
      | {f"titan.v02.{m}" for m in _V02} | {"titan.v02"}

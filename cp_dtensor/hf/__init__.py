@@ -3,6 +3,8 @@
 * ``apply_context_parallel(model, cp_mesh, layout=...)``: the model's attention runs as the ring, through
   transformers' attention and mask interfaces (attention.py); windows, sinks, padding, packed sequences
   and hybrid linear-attention layers (linear.py) follow the model.
+* ``layout="documents"``: ``plan_batch(model, position_ids=...)`` on the full batch, the batch sharded with the
+  plan, ``model(**shard, cp_layout=plan)`` (documents.py: one plan per batch, every layer uses it).
 * ``model.generate(...)`` then runs under CP: a ring prefill into a sequence-sharded KV cache, then
   decoding from it (generate.py); hybrids keep their linear layers' full states (``ReplicatedLinearLayer``).
 * ``apply_sequence_tiling(model, tile_size=...)`` (or ``sequence_tiling=`` of ``apply_context_parallel``): the LM
@@ -22,12 +24,13 @@ from .._extras import torchao_import_quiet
 with torchao_import_quiet():  # transformers' quantizers import torchao: See Note [torchao's import noise]
     from .attention import NAME, apply_context_parallel, register, shift_labels
     from .cache import ReplicatedLinearLayer, ShardedCache, ShardedCacheLayer, cache_bytes
+    from .documents import plan_batch
     from .state import remove_context_parallel
     from .tiling import apply_sequence_tiling, remove_sequence_tiling
 
 __all__ = [
     "NAME", "ReplicatedLinearLayer", "ShardedCache", "ShardedCacheLayer", "ShardingCollator", "apply_context_parallel",
-    "apply_sequence_tiling", "cache_bytes", "register", "remove_context_parallel", "remove_sequence_tiling",
+    "apply_sequence_tiling", "cache_bytes", "plan_batch", "register", "remove_context_parallel", "remove_sequence_tiling",
     "shift_labels", "with_context_parallel",
 ]
 _TRAINER = ("ShardingCollator", "with_context_parallel")  # need accelerate too: imported when first used

@@ -22,7 +22,8 @@ for the *global* sequence:
   right padding; each pad token becomes a document of its own); without one, and with ``use_cache``
   off, position ids that do not advance by 1 start a new sequence (packed sequences,
   ``DataCollatorWithFlattening``; ``documents="position_ids"`` applies them with use_cache on too);
-  ``document_ids=`` in the model call overrides both. So a model equals itself at CP=1 -- except
+  ``document_ids=`` in the model call overrides both; a plan in the call (``cp_layout=``, required by
+  ``layout="documents"``) replaces the gather: Note [One plan per batch in transformers] in hf/documents.py. So a model equals itself at CP=1 -- except
   gpt-oss, whose modeling code builds no packed-sequence mask at all: under CP its packed documents
   are kept apart, as flash-attention keeps them.
 
@@ -76,10 +77,12 @@ require("hf", "cp_dtensor.hf (transformers models under context parallelism)")
 from transformers import AttentionInterface  # noqa: E402
 from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
 
-from ..core.attention import ring_spec, run_ring_attention  # noqa: E402
+from ..core.agreement import agree_on_call  # noqa: E402
+from ..core.attention import ring_attention, ring_spec, run_ring_attention  # noqa: E402
 from ..core.checks import check_call, check_cp_mesh, options_error  # noqa: E402
-from ..core.layout import check_layout, in_global_order, shard_tensor  # noqa: E402
-from .generate import decode_attention, enable_generate, generate  # noqa: E402
+from ..core.layout import in_global_order, shard_tensor  # noqa: E402
+from .documents import KWARG, check_model_layout, documents_of, plan_error, ring_layout  # noqa: E402
+from .generate import enable_generate, generate  # noqa: E402
 from .state import ATTR, CPGenerate, HFState, attach, implementations, remove_context_parallel  # noqa: E402
 from .tiling import apply_sequence_tiling, check_tileable  # noqa: E402
 
@@ -248,35 +251,22 @@ def derive_documents(state: HFState, positions: Tensor, mask: Tensor | None, use
     pos = positions.expand(b, -1).long()
     flag = torch.full_like(pos, 2) if mask is None else mask.long()  # 1 real, 0 pad, 2 no mask on this rank
     every = _gather(torch.cat([pos, flag]), state)  # [P, 2B, S_local]
+    layout = ring_layout(state)  # a named layout (generate()'s prefill under layout="documents": striped)
     if _unsharded(state, every, probe):
-        return None, _UNSHARDED.format(p=state.mesh.size(), s=pos.shape[1], layout=state.layout)
-    full = in_global_order(every, state.layout)
+        return None, _UNSHARDED.format(p=state.mesh.size(), s=pos.shape[1], layout=layout)
+    full = in_global_order(every, layout)
     pos, flag = full[:b], full[b:]
     given = flag != 2
     if bool(given.any()) and not bool(given.all()):
         return None, "attention_mask was passed on some CP ranks only; pass it (or None) on every rank."
-    if bool(given.all()):
-        real = flag == 1
-        prev = torch.nn.functional.pad(real[:, :-1], (1, 0), value=False)
-        runs = (real & ~prev).sum(1)
-        if bool((runs > 1).any()):
-            row = int(torch.nonzero(runs > 1)[0])
-            return None, (f"attention_mask row {row} has padding inside the sequence (its tokens are not one run); "
-                          "the ring runs left and right padding only. Pack the sequences with position_ids "
-                          "restarting at 0 instead, or pad at the ends.")
-        if bool(real.all()):
-            return None, None
-        ids = (~real | ~prev).long().cumsum(1)  # each pad token a document of its own, the tokens one
-    elif use_cache and state.documents is None:
-        return None, None  # transformers looks for packed sequences only without a cache
-    else:  # transformers' find_packed_sequence_indices on the global positions
-        diff = torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1)
-        ids = (diff != 1).long().cumsum(1)
-        if not bool(ids[:, -1].any()):
-            return None, None
+    # transformers' rules on the global batch, the one derivation (Note [One plan per batch in transformers])
+    ids, err = documents_of(pos, flag == 1 if bool(given.all()) else None,
+                            packed=not (use_cache and state.documents is None))
+    if ids is None:
+        return None, err
     rank, cp = state.mesh.get_local_rank(), state.mesh.size()
     state.id_range = (int(ids.min()), int(ids.max()))  # global: every rank derived the same ids
-    return shard_tensor(ids, seq_dim=1, layout=state.layout, rank=rank, cp_size=cp).contiguous(), None
+    return shard_tensor(ids, seq_dim=1, layout=layout, rank=rank, cp_size=cp).contiguous(), None
 
 
 @torch.compiler.disable(reason=_EAGER)  # See Note [Compiled HF models]
@@ -296,15 +286,16 @@ def cp_dtensor_attention(module: nn.Module, query: Tensor, key: Tensor, value: T
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     window, err = _window(module, sliding_window, causal)
     sinks = s_aux if s_aux is not None else getattr(module, "sinks", None)
-    call = state.generating
-    if call is not None and call.step is not None and call.step.kind == "decode":  # Note [generate() under CP]
+    if state.decoding is not None:  # a decode step of generate(), registered by generate.py: Note [generate() under CP]
         refused = attention_mask.why if isinstance(attention_mask, _Refused) else None
         err = err or refused or _local_error(state, query, query, None, dropout, softcap, kwargs)
         if err is not None:  # the decode step's inputs are replicated: every rank raises alike
             raise ValueError(err)
-        return decode_attention(state, module, query, key, value, scaling, window, sinks), None
+        return state.decoding(state, module, query, key, value, scaling, window, sinks), None
     err = err or _local_error(state, query, key, attention_mask, dropout, softcap, kwargs)
-    spec = ring_spec(state.mesh.get_group(), layout=state.layout, is_causal=causal, scale=scaling, window_size=window,
+    if state.generating is None and (state.layout == "documents" or state.plan is not None):  # the batch's plan
+        return _planned(state, query, key, value, attention_mask, err, causal, scaling, window, sinks, kwargs), None
+    spec = ring_spec(state.mesh.get_group(), layout=ring_layout(state), is_causal=causal, scale=scaling, window_size=window,
                      comm_dtype=state.comm_dtype, kv_exchange=state.kv_exchange)
     ids, agreed = kwargs.get("document_ids"), None
     if err is None and ids is None:
@@ -326,6 +317,31 @@ def cp_dtensor_attention(module: nn.Module, query: Tensor, key: Tensor, value: T
     out = run_ring_attention(query, key, value, spec, document_ids=ids if err is None else None, sinks=sinks,
                              error=err, agreed=agreed)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _planned(state: HFState, query, key, value, attention_mask, err, causal, scaling, window, sinks, kwargs) -> Tensor:
+    """The attention of a forward with the batch's plan (``cp_layout=``): see Note [One plan per batch in
+    transformers] in hf/documents.py. Returns [B, S_local, Hq, Dv]."""
+    plan, group, pos = state.plan, state.mesh.get_group(), kwargs.get("position_ids")
+    key_ = ("plan", plan, pos, -2 if pos is None else _version(pos), attention_mask)
+    first = state.last is None or not _same(state.last[0], key_)
+    if first:  # the forward's first layer: the plan's checks; a recomputation or the next layer reuses them
+        err = err or plan_error(state, plan, query, pos, attention_mask)
+        state.last = (key_, None)
+    if plan is not None and not isinstance(plan, str) and getattr(plan, "placement", None) != "documents":
+        # a named layout's plan: the ring in that layout with the plan's ids, agreed by the ring itself
+        ids = None if err is not None else plan.local_ids(state.mesh.get_local_rank()).to(query.device)
+        spec = ring_spec(group, layout=ring_layout(state), is_causal=causal, scale=scaling, window_size=window,
+                         comm_dtype=state.comm_dtype, kv_exchange=state.kv_exchange)
+        out = run_ring_attention(query, key, value, spec, document_ids=ids, sinks=sinks, error=err)
+        return out.transpose(1, 2).contiguous()
+    if first:  # every rank raises alike, before any K/V moves (the exchange then agrees on each layer's call)
+        agree_on_call(err, {"plan key": plan.key if err is None else 0}, group, what="cp_dtensor.hf (layout='documents')")
+    elif err is not None:  # a later layer's own error (window, softcap): from the model, the same on every rank
+        raise ValueError(err)
+    out = ring_attention(query, key, value, mesh=group, layout=plan, is_causal=causal, scale=scaling,
+                         window_size=window, sinks=sinks, document_ids=kwargs.get("document_ids"))
+    return out.transpose(1, 2).contiguous()
 
 
 def _top_level_error(model: nn.Module, args, kwargs) -> str | None:
@@ -366,6 +382,10 @@ def apply_context_parallel(
     cannot run raises on every rank. See Note [transformers under CP]. Parameter gradients are each
     rank's share: sum them over the CP group (FSDP / DDP, or ``cp_dtensor.reduce_gradients``).
 
+    ``layout="documents"`` places each batch's packed documents (short ones whole on a rank): plan the full
+    batch with ``cp_dtensor.hf.plan_batch(model, position_ids=...)``, shard it with the plan and call
+    ``model(**shard, cp_layout=plan)`` -- Note [One plan per batch in transformers] in hf/documents.py.
+
     ``documents=None`` follows transformers' sdpa / eager rule for packed sequences (position ids that do
     not advance by 1 start a sequence when the call has no attention_mask and use_cache is off);
     ``documents="position_ids"`` applies them with use_cache on too.
@@ -391,7 +411,7 @@ def apply_context_parallel(
     before. See Note [Sequence tiling in transformers] in hf/tiling.py.
     """
     check_cp_mesh(mesh)
-    check_layout(layout)
+    check_model_layout(layout, comm_dtype=comm_dtype, kv_exchange=kv_exchange)
     if documents not in (None, "position_ids"):
         raise ValueError(f"documents must be None or 'position_ids'; got {documents!r}.")
     error = options_error("cp_dtensor.hf.apply_context_parallel", comm_dtype=comm_dtype, kv_exchange=kv_exchange)
@@ -412,6 +432,10 @@ def apply_context_parallel(
                          "parallelism runs full and sliding-window attention and the linear_attention layers of "
                          "cp_dtensor.hf.linear.FAMILIES (Gated DeltaNet, Kimi Delta Attention) only. Run it without CP.")
     linear = None
+    if "linear_attention" in types and layout == "documents":
+        raise ValueError(f"{type(model).__name__} has linear_attention layers, whose state passing runs the headtail "
+                         "and contiguous layouts only; layout='documents' is for attention models. Use "
+                         "layout='headtail'.")
     if "linear_attention" in types:  # Note [Linear attention in transformers under CP] in hf/linear.py
         from .linear import linear_layers  # checks only: a refused model stays unchanged
 
@@ -442,6 +466,7 @@ def apply_context_parallel(
 def _call_starts(model: nn.Module, args, kwargs):
     """The top-level call: its refusal (raised by the first attention call, on every rank), its logits_to_keep."""
     state: HFState = getattr(model, ATTR)
+    state.plan = kwargs.pop(KWARG, None)  # the batch's plan: Note [One plan per batch in transformers]
     state.pending = _top_level_error(model, args, kwargs)
     state.keep_logits = kwargs.get("logits_to_keep", 0)
     return args, kwargs

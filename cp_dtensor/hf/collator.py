@@ -15,8 +15,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .._deprecated import old_keywords
 from ..core.batch import shard_batch
+from ..core.documents import DocumentLayout
 from ..core.layout import layout_unit, local_positions
 from .attention import shift_labels
+from .documents import full_plan
 
 __all__ = ["META", "CollatedBatch", "ShardingCollator"]
 
@@ -31,7 +33,8 @@ class CollatedBatch(NamedTuple):
     length: int  #: N, the rows' length before the layout's padding
     fingerprint: int  #: a digest of the full batch, compared across the CP ranks
     added: tuple[str, ...]  #: the keys the CP collator added (position_ids, shift_labels)
-    real: Tensor | None = None  #: [S_local] bool, this rank's positions of the user's row (None: no CP padding)
+    real: Tensor | None = None  #: [S_local] bool ([B, S_local] for a plan), this rank's positions of the user's row (None: no CP padding)
+    plan: DocumentLayout | None = None  #: layout="documents": the batch's plan, for the model call (cp_layout=)
 
 
 def _fingerprint(batch: Mapping) -> int:
@@ -53,8 +56,8 @@ class ShardingCollator:
     [B, N] tensor, labels shifted on the full row. See Note [The Trainer under CP] in trainer.py."""
 
     @old_keywords("cp_dtensor.hf.ShardingCollator", positional=("layout",), npos=3, cp_mesh="mesh")
-    def __init__(self, collator, mesh: DeviceMesh, *, layout: str):
-        self.collator, self.mesh, self.layout = collator, mesh, layout
+    def __init__(self, collator, mesh: DeviceMesh, *, layout: str, windows=None):
+        self.collator, self.mesh, self.layout, self.windows = collator, mesh, layout, windows
 
     def __call__(self, features):
         batch = self.collator(features)
@@ -82,17 +85,23 @@ class ShardingCollator:
                    if isinstance(batch.get(k), Tensor) and k not in keys}
             raise ValueError(f"context parallelism shards every [B, N] = [{b}, {n}] tensor alike; the collator returned "
                              f"{bad} (multi-axis positions and 4-D masks are not served).")
-        unit = layout_unit(self.layout, self.mesh.size())
-        pad = -n % unit
+        cp = self.mesh.size()
+        pad = -n % (cp if self.layout == "documents" else layout_unit(self.layout, cp))
         if pad:
             for k in keys:
                 batch[k] = _pad(batch[k], k, pad)
-        out = shard_batch({k: batch[k] for k in keys}, self.mesh, layout=self.layout)
+        layout = self.layout
+        if layout == "documents":  # the plan of the full batch: Note [One plan per batch in transformers]
+            mask = batch.get("attention_mask")
+            layout = full_plan("documents", cp, position_ids=batch["position_ids"], windows=self.windows,
+                               attention_mask=mask if isinstance(mask, Tensor) and mask.dim() == 2 else None,
+                               where="cp_dtensor.hf.ShardingCollator")
+        out = shard_batch({k: batch[k] for k in keys}, self.mesh, layout=layout)
         out.update({k: v for k, v in batch.items() if k not in out})
         real = None  # the layout's padding is CP's own: the token counts leave it out (Note [The Trainer under CP] 3)
         if pad:
-            real = local_positions(layout=self.layout, rank=self.mesh.get_local_rank(), cp_size=self.mesh.size(), seq_len=n + pad) < n
-        out[META] = CollatedBatch(n, fingerprint, added, real)
+            real = local_positions(layout=layout, rank=self.mesh.get_local_rank(), cp_size=cp, seq_len=n + pad) < n
+        out[META] = CollatedBatch(n, fingerprint, added, real, None if isinstance(layout, str) else layout)
         return out
 
 

@@ -19,7 +19,9 @@ generate a :class:`ShardedCache` -- a transformers ``Cache`` whose layers hold o
 * decode (T new tokens, the same on every rank): the layers run replicated; ``cache.update`` keeps each
   new token on one rank only -- the one holding the fewest tokens, lowest first: column c mod P after a
   striped prefill (the striped layout, continued) -- and returns this rank's
-  share; the attention function runs :func:`cp_dtensor.sharded_cache_attention` (core/decode.py) over it --
+  share; the attention function runs :func:`decode_attention` -- which the pre-hook registers in the
+  model's state for the step (``HFState.decoding``: hf/attention.py calls what it finds there and imports
+  nothing of this module's) -- i.e. :func:`cp_dtensor.sharded_cache_attention` (core/decode.py) over it --
   one all-gather of B * Hq * T * (Dv + 1) fp32 values per layer, bit-identical outputs on every rank,
   hence identical logits on every rank; what the ranks decide from them is agreed as Note [Agreed
   stopping and sampling] says, so every rank stops at the same step.
@@ -86,6 +88,7 @@ from ..core.layout import global_order, layout_unit, shard_tensor  # noqa: E402
 from .cache import GenerateCall, ShardedCache, _Step  # noqa: E402
 from .cache import ShardedCacheLayer as ShardedCacheLayer  # noqa: E402  (a name of the old path cp_dtensor.hf_generate)
 from .cache import cache_bytes as cache_bytes  # noqa: E402  (a name of the old path cp_dtensor.hf_generate)
+from .documents import ring_layout  # noqa: E402
 from .state import ATTR, HFState  # noqa: E402
 
 __all__ = ["AgreedStopping", "decode_attention", "enable_generate", "generate"]
@@ -96,6 +99,7 @@ __all__ = ["AgreedStopping", "decode_attention", "enable_generate", "generate"]
 def _base_pre_hook(module, args, kwargs):
     state: HFState = getattr(module, ATTR)
     call = state.generating
+    state.decoding = None  # set below for a decode step only: Note [generate() under CP]
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if not isinstance(cache, ShardedCache):
         if call is not None:
@@ -113,16 +117,16 @@ def _base_pre_hook(module, args, kwargs):
     cp, rank = state.mesh.size(), state.mesh.get_local_rank()
     real = torch.ones(b, n, dtype=torch.bool, device=ids.device) if mask is None else mask[:, -n:].bool()
     if cache.get_seq_length() == 0:  # prefill: this rank's layout shard of the prompt, padded on the left
-        unit = layout_unit(state.layout, cp)
+        unit = layout_unit(ring_layout(state), cp)
         pad = -n % unit  # masked columns before the prompt: its last token ends the sequence (the final states)
         padded = lambda x, v: torch.nn.functional.pad(x, (pad, 0), value=v)  # noqa: E731
-        shard = lambda x: shard_tensor(x, seq_dim=1, layout=state.layout, rank=rank, cp_size=cp).contiguous()  # noqa: E731
+        shard = lambda x: shard_tensor(x, seq_dim=1, layout=ring_layout(state), rank=rank, cp_size=cp).contiguous()  # noqa: E731
         cols = shard(torch.arange(n + pad, device=ids.device)[None])[0]  # global columns held here
         keep = torch.nonzero(cols >= pad).flatten()
         kpos = shard(padded(pos.masked_fill(~real, -1), -1)).index_select(1, keep)
         call.step = _Step("prefill", kpos, keep, n)
         call.prompt = (n, pad)
-        every = global_order(state.layout, cp, n + pad).view(cp, -1)  # [P, S_local]: each rank's columns
+        every = global_order(ring_layout(state), cp, n + pad).view(cp, -1)  # [P, S_local]: each rank's columns
         call.held = (every >= pad).sum(1).tolist()  # the prompt tokens each rank keeps
         kwargs["input_ids"], kwargs["position_ids"] = shard(padded(ids, 0)), shard(padded(pos, 0))
         if mask is not None or pad:
@@ -137,6 +141,7 @@ def _base_pre_hook(module, args, kwargs):
     keep = torch.nonzero(torch.tensor(owners) == rank).flatten()
     kpos = pos.masked_fill(~real, -1).index_select(1, keep.to(ids.device))
     call.step = _Step("decode", kpos, keep, n, q_positions=pos.contiguous())
+    state.decoding = decode_attention  # what the attention function runs instead of the ring (registered here)
     return args, kwargs
 
 
@@ -157,7 +162,7 @@ def _gather_columns(state: HFState, h: Tensor, total: int, columns) -> Tensor:
     one all-gather of [B, k, H] per rank, each filling the rows it holds. Exact; the same on every rank."""
     cp, rank = state.mesh.size(), state.mesh.get_local_rank()
     cols = torch.tensor(list(columns), dtype=torch.long)
-    where = torch.argsort(global_order(state.layout, cp, total))[cols]  # index into the rank-major concatenation
+    where = torch.argsort(global_order(ring_layout(state), cp, total))[cols]  # index into the rank-major concatenation
     s = total // cp
     owner, local = where // s, where % s
     if cp == 1:
@@ -388,6 +393,6 @@ def generate(model: nn.Module, *args, **kwargs):
         with generation_stopping_criteria(model, agreed):
             return type(model).generate(model, *args, cache=call.cache, **kwargs)
     finally:
-        state.generating, call.step = None, None
+        state.generating, state.decoding, call.step = None, None, None
         if sampling and rank != 0:
             set_rng(own)  # the other ranks' generators as they were

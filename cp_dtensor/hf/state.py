@@ -23,7 +23,9 @@ call's refusal, the documents last derived -- reused by the later layers and act
 recomputation --, ``logits_to_keep``); and one slot per feature module, each holding that module's
 own declared dataclass: ``generating`` (generate.py: the generate() call in progress, None outside
 one) and ``linear`` (linear.py: a hybrid model's linear layers, None for a model without them).
-A copy gets ``linear.fresh()`` (the per-call fields emptied) and no ``generating``.
+A copy gets ``linear.fresh()`` (the per-call fields emptied) and no ``generating``. During a decode step
+``decoding`` holds the attention generate.py registered for it, which the attention function calls in
+place of the ring: hf/attention.py never calls into generate.py (it only installs it).
 
 A feature building on this keeps the same rules: its state in a declared dataclass in a slot of
 ``HFState`` (a new field here), its hooks module-level functions reading ``getattr(module, ATTR)``,
@@ -52,7 +54,7 @@ __all__ = ["ATTR", "CPGenerate", "HFState", "attach", "implementations", "remove
 
 ATTR = "_cp_dtensor_hf"  # the attribute holding the HFState on the model and every submodule
 
-_PER_CALL = ("pending", "last", "id_range", "keep_logits", "generating")
+_PER_CALL = ("pending", "plan", "last", "id_range", "keep_logits", "generating", "decoding")
 
 
 @dataclass(eq=False)
@@ -65,10 +67,12 @@ class HFState:
     attn_implementation: dict  #: each (sub-)config's attention implementation before CP (restored on removal)
     handles: list[RemovableHandle] = field(default_factory=list)  #: the hooks CP registered
     pending: str | None = None  #: the top-level call's refusal, raised by its first attention call
+    plan: Any = None  #: the top-level call's ``cp_layout=`` (its batch's DocumentLayout), kept until the next call
     last: tuple | None = None  #: ((positions, version, mask, use_cache, B), (ids, error)) last derived
     id_range: tuple[int, int] | None = None  #: the global (min, max) of the last documents derived
     keep_logits: Any = 0  #: the top-level call's ``logits_to_keep`` (generate's prefill gathers those rows)
     generating: Any = None  #: generate.GenerateCall while a generate() call runs
+    decoding: Any = None  #: during a decode step of generate(): the attention it registered (generate.decode_attention)
     linear: Any = None  #: linear.LinearState for a hybrid linear-attention model
     comm_dtype: Any = None  #: ring_attention's comm_dtype for every ring call (None: K/V as they are)
     kv_exchange: str = "ring"  #: ring_attention's kv_exchange for every ring call

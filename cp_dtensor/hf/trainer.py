@@ -22,7 +22,9 @@ copied, so TRL's and other subclasses keep their behaviour.
    (input_ids, position_ids -- the global positions, arange when the collator gives none -- the 2-D
    padding mask, labels, shift_labels). Flash-attention varlen keys (``cu_seq_lens_*``,
    ``max_length_*``, ``seq_idx``: TRL's padding-free collator) are dropped: the documents come from
-   the position ids (Note [transformers under CP] in hf/attention.py). A fingerprint of the full batch rides
+   the position ids (Note [transformers under CP] in hf/attention.py). Under ``layout="documents"`` the
+   collator plans the full batch and shards with the plan, which rides in the batch to the model call
+   (Note [One plan per batch in transformers] in hf/documents.py). A fingerprint of the full batch rides
    along, and the first hook of each step compares it across the CP group: CP ranks that were handed
    different batches (a rank-aware sampler, a collator drawing random numbers) raise on every rank.
 2. The model: ``cp_dtensor.hf.apply_context_parallel`` (``documents="position_ids"`` by default, so packed rows
@@ -93,10 +95,10 @@ from .._compat import replica_dataloaders, seq2seq_pad  # noqa: E402
 from ..core.batch import unshard_batch  # noqa: E402
 from ..core.checks import options_error  # noqa: E402
 from ..core.comm import all_gather_objects, host_group  # noqa: E402
-from ..core.layout import check_layout  # noqa: E402
 from ..core.tiling import check_tile_size  # noqa: E402
 from .attention import apply_context_parallel  # noqa: E402
 from .collator import META, CollatedBatch, ShardingCollator  # noqa: E402
+from .documents import KWARG, check_model_layout, model_windows  # noqa: E402
 
 __all__ = ["ShardingCollator", "with_context_parallel"]
 
@@ -106,7 +108,7 @@ class CPOptions:
     """What ``with_context_parallel`` was called with (one frozen bundle per subclass)."""
 
     cp_size: int  #: CP ranks per data-parallel replica; the world size must be a multiple
-    layout: str = "striped"  #: the sequence layout (striped / headtail / contiguous); hybrids need headtail or contiguous
+    layout: str = "striped"  #: the sequence layout (striped / headtail / contiguous / documents); hybrids: headtail, contiguous
     documents: str | None = "position_ids"  #: apply_context_parallel's documents= (None: transformers' own rule)
     comm_dtype: Any = None  #: ring_attention's comm_dtype (K/V's dtype on the wire; None: as they are)
     kv_exchange: str = "ring"  #: ring_attention's kv_exchange ("ring" or "allgather")
@@ -115,7 +117,7 @@ class CPOptions:
     def __post_init__(self):
         if isinstance(self.cp_size, bool) or not isinstance(self.cp_size, int) or self.cp_size < 1:
             raise ValueError(f"cp_size must be a positive int; got {self.cp_size!r}.")
-        check_layout(self.layout)
+        check_model_layout(self.layout, comm_dtype=self.comm_dtype, kv_exchange=self.kv_exchange)
         if self.documents not in (None, "position_ids"):
             raise ValueError(f"documents must be None or 'position_ids'; got {self.documents!r}.")
         error = options_error("with_context_parallel", comm_dtype=self.comm_dtype, kv_exchange=self.kv_exchange)
@@ -196,7 +198,8 @@ class _ContextParallel:
         apply_context_parallel(self.model, self.cp_mesh, layout=options.layout, documents=options.documents,
                                comm_dtype=options.comm_dtype, kv_exchange=options.kv_exchange,
                                sequence_tiling=options.sequence_tiling)
-        self.data_collator = ShardingCollator(self.data_collator, self.cp_mesh, layout=options.layout)
+        self.data_collator = ShardingCollator(self.data_collator, self.cp_mesh, layout=options.layout,
+                                              windows=model_windows(self.model.config))
 
     # -- data: replicas, not ranks ------------------------------------------------------------------
     def get_train_dataloader(self):
@@ -221,6 +224,8 @@ class _ContextParallel:
                              "dataloaders wrap it; a custom get_*_dataloader must use self.data_collator.")
         inputs = dict(inputs)
         meta = inputs.pop(META)
+        if meta.plan is not None:  # layout="documents": the batch's plan, for every layer of the model call
+            inputs[KWARG] = meta.plan
         cp = self.cp_mesh.size()
         if cp > 1:  # over the world, so that every replica raises, not only the one that differs
             every = all_gather_objects(meta.fingerprint, host_group(dist.group.WORLD))
@@ -311,7 +316,7 @@ class _ContextParallel:
             dist.all_reduce(loss, group=self.cp_mesh.get_group())
             loss = loss / cp
         s_local = inputs["input_ids"].shape[1]
-        full = lambda x: self._cp_full(x, s_local, meta.length)  # noqa: E731
+        full = lambda x: self._cp_full(x, s_local, meta)  # noqa: E731
         if isinstance(logits, (tuple, list)):
             logits = type(logits)(full(x) for x in logits)
         else:
@@ -327,17 +332,18 @@ class _ContextParallel:
         if inputs.get("shift_labels") is not None:
             loss, _, _ = self.prediction_step(model, {**inputs, META: meta}, True, ignore_keys=ignore_keys)
         s_local = inputs["input_ids"].shape[1]
-        full = {k: self._cp_full(v, s_local, meta.length) for k, v in inputs.items() if k not in meta.added}
+        full = {k: self._cp_full(v, s_local, meta) for k, v in inputs.items() if k not in (*meta.added, KWARG)}
         labels = full.pop("labels", None)
         _, generated, _ = super().prediction_step(model, full, False, ignore_keys=ignore_keys, **gen_kwargs)
         if labels is not None and generated is not None and labels.shape[-1] < generated.shape[-1]:
             labels = seq2seq_pad(self, labels, generated.shape[-1])  # the trainer's own padding of labels
         return loss, generated, labels
 
-    def _cp_full(self, x, s_local: int, n: int):
+    def _cp_full(self, x, s_local: int, meta: CollatedBatch):
         if not isinstance(x, Tensor) or x.dim() < 2 or x.shape[1] != s_local:
             return x
-        return unshard_batch(x, self.cp_mesh, layout=self._cp_options.layout)[:, :n]
+        layout = self._cp_options.layout if meta.plan is None else meta.plan
+        return unshard_batch(x, self.cp_mesh, layout=layout)[:, :meta.length]
 
     def evaluation_loop(self, *args, **kwargs):
         # the Trainer resets gather_function to gather_for_metrics when the loop ends; a subclass may have chosen
@@ -407,7 +413,10 @@ def _real_tokens(inputs):
     real = getattr(meta, "real", None)
     if real is None:
         return inputs
-    n = real.numel()
+    n = real.shape[-1]
+    if real.dim() == 2:  # a plan's: each row its own positions -- the real tokens as one row [1, K]
+        return {k: v[real][None] if isinstance(v, Tensor) and v.dim() >= 2 and tuple(v.shape[:2]) == tuple(real.shape)
+                else v for k, v in inputs.items() if k != META}
     return {k: v[:, real] if isinstance(v, Tensor) and v.dim() >= 2 and v.shape[1] == n else v
             for k, v in inputs.items() if k != META}
 
@@ -442,7 +451,9 @@ def with_context_parallel(trainer_cls: type, *, cp_size: int, layout: str = "str
 
     Serves what ``cp_dtensor.hf`` serves -- packed rows (``DataCollatorWithFlattening``, TRL's ``packing`` /
     ``padding_free``: documents from ``position_ids``), padding masks, sliding windows, sinks, hybrid
-    linear-attention models (``layout="headtail"``) -- on CPU (gloo) and GPU, with DDP or FSDP2. ``options``:
+    linear-attention models (``layout="headtail"``) -- on CPU (gloo) and GPU, with DDP or FSDP2.
+    ``layout="documents"``: the collator plans each batch's packed documents from the full rows and the step
+    passes the plan to the model (Note [One plan per batch in transformers] in hf/documents.py). ``options``:
     ``documents`` (``"position_ids"``, the default, or ``None``: transformers' own packed-sequence rule),
     ``comm_dtype`` and ``kv_exchange`` (``ring_attention``'s, for every ring call of the model),
     ``sequence_tiling`` (True or tokens per tile: the LM head + loss and the MLPs in sequence tiles, no

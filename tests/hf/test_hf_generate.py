@@ -122,6 +122,7 @@ CASES = [  # (model, layout, batch, prompt length -- never divisible by 2 or 3 -
     ("mistral", "striped", 2, 17, [0, 4]),  # window 6 < prompt: decoding crosses its edge
     ("gpt-oss", "striped", 2, 13, [2, 0]),  # sinks, per-layer windows
     ("gpt-oss", "headtail", 1, 1, None),  # a one-token prompt (shorter than P)
+    ("llama", "documents", 2, 13, [3, 0]),  # layout="documents": the prompt (one a row) prefills striped
 ]
 
 
