@@ -117,7 +117,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def format_exchanges(inp: _plan.PlanInput, exchanges: list, best, args: argparse.Namespace) -> str:
-    """The K/V exchange comparison: one row per way to move K/V (Note [Plan exchanges] in tools/plan.py)."""
+    """The K/V exchange comparison: one row per way to move K/V (Note [Plan exchanges] in tools/plan_exchanges.py)."""
     out = [
         f"K/V exchanges on {inp.cp} ranks, islands of {args.island} at {args.intra_gbps:g} GB/s, "
         f"{args.inter_gbps:g} GB/s between, {inp.tflops:g} TFLOP/s (per rank per layer, fwd+bwd)",
