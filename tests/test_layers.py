@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, set[str]]] = [
       "core.tiling", "core.linear_steps"}),
     ("kernels as ops, payloads, validation, placements, the cost model",
      {"core.ops", "core.varlen", "core.ordering", "core.payload", "core.checks", "dtensor.placements", "tools.plan", "tools.plan_ring",
-      "tools.plan_exchanges", "tools.plan_model"}),
+      "tools.plan_exchanges", "tools.plan_documents", "tools.plan_model"}),
     ("one step against one K/V block; the heads all-to-all", {"core.blocks", "core.ulysses"}),
     ("the exchanges; linear attention's state passing", {"core.ring", "core.allgather", "core.linear_attention",
                                                            "core.linear_runs", "core.linear_conv", "core.doc_exchange"}),
