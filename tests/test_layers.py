@@ -24,6 +24,7 @@ LAYERS: list[tuple[str, set[str]]] = [
      {"core.ops", "core.varlen", "core.ordering", "core.payload", "core.checks", "dtensor.placements", "tools.plan", "tools.plan_ring",
       "tools.plan_exchanges", "tools.plan_documents", "tools.plan_model"}),
     ("one step against one K/V block; the heads all-to-all", {"core.blocks", "core.ulysses"}),
+    ("a document layout's blocks", {"core.doc_blocks"}),
     ("the exchanges; linear attention's state passing", {"core.ring", "core.allgather", "core.linear_attention",
                                                            "core.linear_runs", "core.linear_conv", "core.doc_exchange"}),
     ("the front door; a batch's shards; the SDPA-on-DTensor rule; decoding against a sharded cache",

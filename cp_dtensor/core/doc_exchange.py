@@ -17,10 +17,9 @@ host and kept on the layout (every layer of the batch reuses it). Then:
   same routes reversed -- one all-to-all-v of exactly the forward's rows; nothing else travels (the ring
   re-sends K/V in its backward).
 
-The attention of a query block against a key block is computed densely under the explicit mask
-(documents, causality, window) in float32 (float64 for float64 inputs), differentiable by autograd: exact,
-and simple, at the price of S_local x (S_local + received) scores per head in memory. Fully masked rows
-give out = 0 and lse = -inf without NaNs (``_partial``). Sinks join at the end as in blocks.add_sinks.
+The attention itself -- the queries against the local rows, then against the received ones -- runs the
+ring's masked block kernels, per kept rectangle, with the ring's backward: Note [Document blocks] in
+doc_blocks.py.
 """
 
 from __future__ import annotations
@@ -31,6 +30,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
 from .agreement import agree_on_call
+from .doc_blocks import doc_attention, doc_blocks
 from .documents import DocumentLayout
 from .masks import mask_bounds
 
@@ -105,40 +105,6 @@ def exchange_plan(lay: DocumentLayout, rank: int, is_causal: bool, window) -> di
     return plan
 
 
-def _partial(q: Tensor, k: Tensor, v: Tensor, keep: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """Masked attention of q [B, Hkv, G, S, D] against k [B, Hkv, 1, K, D], v [B, Hkv, 1, K, Dv] with ``keep``
-    [B, 1, 1, S, K]: (out [B, Hkv, G, S, Dv], lse [B, Hkv, G, S]); rows that keep nothing: 0 and -inf."""
-    scores = (q @ k.transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~keep, float("-inf"))
-    m = scores.amax(-1, keepdim=True).detach()
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    p = torch.exp(scores - m)
-    den = p.sum(-1)
-    some = den > 0
-    safe = torch.where(some, den, torch.ones_like(den))
-    out = (p @ v) / safe.unsqueeze(-1)
-    lse = torch.where(some, torch.log(safe) + m.squeeze(-1), torch.full_like(den, float("-inf")))
-    return out, lse
-
-
-def _keep(qpos: Tensor, qids: Tensor, kpos: Tensor, kids: Tensor, lo, hi) -> Tensor:
-    """bool [.., S, K]: the mask of queries (positions, ids [.., S]) against keys ([.., K])."""
-    d = kpos.unsqueeze(-2) - qpos.unsqueeze(-1)
-    keep = qids.unsqueeze(-1) == kids.unsqueeze(-2)
-    if lo is not None:
-        keep &= d >= lo
-    if hi is not None:
-        keep &= d <= hi
-    return keep
-
-
-def _merge(o1: Tensor, l1: Tensor, o2: Tensor, l2: Tensor) -> tuple[Tensor, Tensor]:
-    lse = torch.logaddexp(l1, l2)
-    w1 = torch.exp(l1 - lse).unsqueeze(-1)
-    w2 = torch.exp(l2 - lse).unsqueeze(-1)
-    return o1 * w1 + o2 * w2, lse
-
-
 def call_error(lay: DocumentLayout, q, k, v, group, *, rank: int, world: int, document_ids, sinks, comm_dtype,
                kv_exchange: str, two_d: bool) -> str | None:
     """This rank's error for a ``ring_attention`` call with a document layout, or None."""
@@ -191,47 +157,14 @@ def document_attention(q: Tensor, k: Tensor, v: Tensor, lay: DocumentLayout, *, 
     agree_on_call(err, fingerprint, group, what="ring_attention")  # every rank alike, before any K/V moves
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     plan = exchange_plan(lay, rank, bool(is_causal), window)
-    lo, hi = plan["bounds"]
-    b, hq, s, dqk = q.shape
+    b, _, s, dqk = q.shape
     hkv, dv = k.shape[1], v.shape[3]
-    g = hq // hkv
-    acc = torch.promote_types(q.dtype, torch.float32)
-    dev = q.device
-    # rows: [B * S, Hkv * (Dqk + Dv)] -- each token's K and V heads, joined
     recv = None
-    if plan["total"]:
+    if plan["total"]:  # rows: [B * S, Hkv * (Dqk + Dv)] -- each token's K and V heads, joined
         rows = torch.cat([k.permute(0, 2, 1, 3).reshape(b * s, hkv * dqk), v.permute(0, 2, 1, 3).reshape(b * s, hkv * dv)], 1)
-        buf = rows.index_select(0, plan["send"].to(dev))
+        buf = rows.index_select(0, plan["send"].to(q.device))
         recv = funcol.all_to_all_single_autograd(buf, plan["recv_splits"], plan["send_splits"], group)  # in flight
-    qpos = lay.local_positions(rank, world, lay.seq_len)  # [B, S]
-    qids = lay.local_ids(rank)
-    qa = q.to(acc).view(b, hkv, g, s, dqk)
-    keep = _keep(qpos, qids, qpos, qids, lo, hi).to(dev)[:, None, None]  # [B, 1, 1, S, S]
-    out, lse = _partial(qa, k.to(acc)[:, :, None], v.to(acc)[:, :, None], keep, scale)  # while the rows travel
-    if recv is not None:
-        outs, lses = [], []
-        for r in range(b):
-            idx = plan["rows"][r]
-            if idx.numel() == 0:
-                outs.append(out[r])
-                lses.append(lse[r])
-                continue
-            got = recv.index_select(0, idx.to(dev))  # [K, Hkv * (Dqk + Dv)]
-            kr = got[:, : hkv * dqk].view(-1, hkv, dqk).transpose(0, 1).to(acc)[:, None]  # [Hkv, 1, K, Dqk]
-            vr = got[:, hkv * dqk :].view(-1, hkv, dv).transpose(0, 1).to(acc)[:, None]
-            kpos = plan["pos"][r]
-            kr_keep = _keep(qpos[r], qids[r], kpos, lay.ids[r, kpos], lo, hi).to(dev)[None, None]
-            o2, l2 = _partial(qa[r], kr, vr, kr_keep, scale)
-            o, lsum = _merge(out[r], lse[r], o2, l2)
-            outs.append(o)
-            lses.append(lsum)
-        out, lse = torch.stack(outs), torch.stack(lses)
-        if not any(idx.numel() for idx in plan["rows"]):
-            # this rank receives nothing but sends: its backward must still join the all-to-all that
-            # returns its rows' dK/dV, so the (empty) received buffer stays in the graph
-            out = out + recv.sum().to(out.dtype) * 0
-    out, lse = out.reshape(b, hq, s, dv), lse.reshape(b, hq, s)
-    if sinks is not None:  # See Note [Attention sinks] in blocks.py
-        total = torch.logaddexp(lse, sinks.to(acc)[None, :, None])
-        out = out * torch.exp(lse - total).unsqueeze(-1)
-    return out.to(q.dtype)
+        # a rank that receives nothing still joins the backward's all-to-all: recv stays an input of the
+        # attention below (its gradient is then empty), so autograd reaches the collective
+    return doc_attention(q.contiguous(), k.contiguous(), v.contiguous(), recv, sinks,
+                         doc_blocks(lay, rank, plan), plan["bounds"], scale)

@@ -26,7 +26,12 @@ The placement is a greedy pass over the documents, longest first:
   the balance need (head-tail over all P ranks is the special case of a document that fills the row).
 
 Longest first leaves the short, cheap documents for last, where they fill the token rooms left with
-little work. A rank's local order is increasing global position, as in every layout, so the local
+little work. A few large documents leave the greedy coarse (14 documents a row: one rank at 0.81 of the
+mean), so a last pass evens it out (``_rebalance``): the busiest rank swaps equally many tokens of a
+document it shares with a less busy one -- its latest queries of it for the other's earliest -- which
+moves work and keeps every token count, and adds no document between the two; swaps repeat until the
+busiest rank is within ``tol / 2`` of the mean or no swap helps; only when the greedy's busiest rank is
+over ``tol`` (its byte-lean placement stands otherwise). A rank's local order is increasing global position, as in every layout, so the local
 causal mask is the global one and ``shard_tensor`` is one gather.
 
 Note [Document exchange bytes]
@@ -140,7 +145,7 @@ def plan_row(lengths: list[int], world: int, *, windows: Any = None, tol: float 
     rho = sum(costs[d] for d in sand) / max(1, sum(lengths[d] for d in sand))
     room = [s] * world
     load = [rho * s] * world  # effective load: the work held plus rho per token of room still to fill
-    held: list[list[tuple[int, int]]] = [[] for _ in range(world)]  # intervals [a, b) per rank
+    held: list[list[tuple[int, int, int]]] = [[] for _ in range(world)]  # intervals [a, b) of document d per rank
     for d in sorted(range(len(lengths)), key=lambda d: (-lengths[d], d)):
         start = starts[d]
         lo, hi = start, start + lengths[d]
@@ -156,17 +161,92 @@ def plan_row(lengths: list[int], world: int, *, windows: Any = None, tol: float 
             else:
                 r = min((r for r in range(world) if room[r] > 0), key=lambda r: (load[r], r))
                 h, t = _cut(start, lo, hi, room[r], target - load[r], rho, cost, lefts, last=sum(room) == room[r])
-            for iv in ((lo, lo + h), (hi - (t - h), hi)):
+            for iv in ((lo, lo + h, d), (hi - (t - h), hi, d)):
                 if iv[1] > iv[0]:
                     held[r].append(iv)
             load[r] += _piece_cost(start, lo, hi, h, t, lefts) - rho * t
             room[r] -= t
             lo, hi = lo + h, hi - (t - h)
+    held = _rebalance(held, starts, lefts, tol=tol)
     out = []
     for r in range(world):
-        pos = [p for a, b in sorted(held[r]) for p in range(a, b)]
+        pos = [p for a, b, _ in sorted(held[r]) for p in range(a, b)]
         assert len(pos) == s, (r, len(pos), s)
         out.append(pos)
+    return out
+
+
+def _rebalance(held: list[list[tuple[int, int, int]]], starts: list[int], lefts, *, tol: float, max_swaps: int = 64) -> list[list[tuple[int, int, int]]]:
+    """The greedy placement (``held``: intervals [a, b) of document d per rank), evened out when its busiest
+    rank is more than ``tol`` over the mean, by swaps of equally many tokens *inside* a document two ranks
+    share: the busier rank gives its latest queries of it and takes the other's earliest (a query's work
+    grows with its offset) -- work moves, token counts stay, no new document spans the two ranks. See
+    Note [Document placement]."""
+    world = len(held)
+
+    def cost(o: int) -> int:  # one query's kept pairs at offset o of its document, summed over the layers
+        return sum(o + 1 if left is None else min(o + 1, left + 1) for left in lefts)
+
+    spans: dict[int, set[int]] = {}
+    for r, ivs in enumerate(held):
+        for _, _, d in ivs:
+            spans.setdefault(d, set()).add(r)
+    split = {d for d, ranks in spans.items() if len(ranks) > 1}
+    mine: list[dict[int, list[int]]] = [{} for _ in range(world)]  # rank -> split document -> sorted offsets
+    load = [0] * world
+    for r, ivs in enumerate(held):
+        for a, b, d in ivs:
+            load[r] += _prefix_cost(b - starts[d], lefts) - _prefix_cost(a - starts[d], lefts)
+            if d in split:
+                mine[r].setdefault(d, []).extend(range(a - starts[d], b - starts[d]))
+    mean = sum(load) / world
+    if max(load) <= mean * (1 + tol):
+        return held
+    for offs in (o for m in mine for o in m.values()):
+        offs.sort()
+
+    def swap(a: int, b: int):
+        """The best swap from busier ``a`` to ``b``: (the pair's new max, document, k, work moved) or None."""
+        gap, best = load[a] - load[b], None
+        for d in mine[a].keys() & mine[b].keys():
+            give, take = mine[a][d][::-1], mine[b][d]  # a's latest first, b's earliest first
+            moved, k = 0, 0
+            for hi, lo in zip(give, take):
+                step = cost(hi) - cost(lo)
+                if step <= 0 or 2 * (moved + step) > gap + step:  # past the middle, or nothing to gain
+                    break
+                moved += step
+                k += 1
+            if k and (best is None or max(load[a] - moved, load[b] + moved) < best[0]):
+                best = (max(load[a] - moved, load[b] + moved), d, k, moved)
+        return best
+
+    for _ in range(max_swaps * world):
+        top = max(range(world), key=lambda r: (load[r], -r))
+        if load[top] <= mean * (1 + tol / 2):
+            break
+        # the busiest rank's best swap; else (no partner it shares a document with is less busy) the
+        # widest pair that can swap, so that work flows towards the busiest rank's partners first
+        pairs = [(top, b) for b in sorted(range(world), key=lambda r: load[r])]
+        pairs += sorted(((a, b) for a in range(world) for b in range(world) if load[a] > load[b]),
+                        key=lambda ab: load[ab[1]] - load[ab[0]])
+        for a, b in pairs:
+            if a != b and load[a] > load[b] and (found := swap(a, b)) is not None:
+                break
+        else:
+            break
+        _, d, k, moved = found
+        give, take = mine[a][d][len(mine[a][d]) - k:], mine[b][d][:k]
+        mine[a][d] = sorted(mine[a][d][: len(mine[a][d]) - k] + take)
+        mine[b][d] = sorted(mine[b][d][k:] + give)
+        load[a] -= moved
+        load[b] += moved
+    out = []
+    for r in range(world):
+        ivs = [iv for iv in held[r] if iv[2] not in split]
+        for d, offs in mine[r].items():
+            ivs += [(starts[d] + x, starts[d] + y, d) for x, y in _intervals(offs)]
+        out.append(ivs)
     return out
 
 

@@ -46,6 +46,17 @@ the first layer also gathers two sums of its queries (or, in a hybrid's linear l
 16 bytes a rank, only in that case. Equal sums on every rank mean the same inputs, and every rank raises
 the same error, naming ``shard_batch`` and ``generate()``. The one false alarm: P packed documents that
 are token for token the same, each filling one rank's shard.
+
+Note [Compiled HF models]
+~~~~~~~~~~~~~~~~~~~~~~~~~
+``torch.compile(model)`` of a Hugging Face model under CP (and the Trainer's ``torch_compile=True``)
+compiles everything but the attention function and the mask function, which run eagerly behind a graph
+break each (``torch.compiler.disable``): they read what dynamo cannot trace -- the composed mask rule's
+closures (``_unknown_rules``), the position ids' version counter (``_version``), the documents' host-side
+plan. Traced, the rule check saw an anonymous function and refused every model. So the MLPs, norms,
+projections, the tiled head and loss compile; ``fullgraph=True`` raises dynamo's error with ``_EAGER``'s
+reason. One fullgraph graph with the ring inside is for the doors that trace it: ``cp_dtensor.ring_attention``
+in your own code, torchtitan's ``compile``.
 """
 
 from __future__ import annotations
@@ -83,6 +94,8 @@ _UNSHARDED = (
     "logits with cp_dtensor.unshard_batch(logits, cp_mesh, layout={layout!r}); to generate, call "
     "model.generate(...) with the full prompt on every rank. See Note [Unsharded inputs] in cp_dtensor/hf/attention.py.")
 _UNSET = object()
+_EAGER = ("cp_dtensor's Hugging Face attention and mask functions run eagerly (Note [Compiled HF models] in "
+          "cp_dtensor/hf/attention.py): compile the model without fullgraph=True")
 # the transformers.masking_utils rules the ring expresses itself (by global position, not local shapes)
 _KNOWN_RULES = {
     "causal_mask_function", "bidirectional_mask_function", "and_masks.<locals>.and_mask",
@@ -116,6 +129,7 @@ def _unknown_rules(fn, seen=None) -> list[str]:
     return out
 
 
+@torch.compiler.disable(reason=_EAGER)  # See Note [Compiled HF models]
 def _mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None,
           **kwargs):
     """transformers' mask interface: no dense mask from local shapes -- the 2-D padding mask, or a refusal."""
@@ -265,6 +279,7 @@ def derive_documents(state: HFState, positions: Tensor, mask: Tensor | None, use
     return shard_tensor(ids, seq_dim=1, layout=state.layout, rank=rank, cp_size=cp).contiguous(), None
 
 
+@torch.compiler.disable(reason=_EAGER)  # See Note [Compiled HF models]
 def cp_dtensor_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask,
                          dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None,
                          sliding_window=_UNSET, softcap=None, s_aux=None, **kwargs):

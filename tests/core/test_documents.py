@@ -61,16 +61,17 @@ def test_rank_work_is_the_dense_mask_count():
 
 @pytest.mark.parametrize("world", [4, 8])
 def test_balance_on_packed_lognormal_documents(world):
-    """max/mean kept causal pairs over ranks, N/P = 8192, median ~1k, sigma 1.2: <= 1.05; with a 4096
-    window layer beside a global one (counted as windows=): <= 1.08 (issue #42's bars)."""
+    """max/mean kept causal pairs over ranks, N/P = 8192, median ~1k, sigma 1.2, 12 seeds: <= 1.05; with a
+    4096 window layer beside a global one (counted as windows=): <= 1.08 (issue #42's bars). The greedy alone
+    reached 1.083 on seed 6 at P = 4 (14 documents); the swaps bring every seed under 1.04."""
     worst, worst_w = 0.0, 0.0
-    for seed in range(4):
+    for seed in range(12):
         lengths = lognormal_lengths(seed, world * 8192)
         worst = max(worst, row_balance(plan_row(lengths, world), lengths))
         wins = [None, 4096]
         worst_w = max(worst_w, row_balance(plan_row(lengths, world, windows=wins), lengths, windows=wins))
-    assert worst <= 1.05, worst
-    assert worst_w <= 1.08, worst_w
+    assert worst <= 1.05 and worst_w <= 1.08, (worst, worst_w)
+    assert max(worst, worst_w) <= 1.04, (worst, worst_w)  # the margin the swaps give: 1.033 at worst today
 
 
 def test_needed_rows_is_the_dense_mask_count():
