@@ -18,6 +18,13 @@ taken from the top-level call (``document_ids=``, or derived from ``position_ids
 and kept until the next top-level call (activation checkpointing recomputes with them), and the
 model's window.
 
+Packed documents go through the batch's plan (Note [One plan per batch] in core/documents.py): with
+``documents="position_ids"`` the hook all-gathers the start flags once per forward, so the *full* ids,
+and builds the ``DocumentLayout`` of the door's layout from them; with ``layout="documents"`` the batch
+was sharded by a plan built before the forward (``cp_dtensor.document_layout``: the placement depends on
+the ids, so only the full batch can give it), which the call passes as ``layout=plan``. Either way every
+SDPA call of that forward gets the one plan as its ``layout``. See Note [A plan at the model door].
+
 Why not run the whole model on DTensors: in torch 2.13 a view that merges [B, S] fails when S carries
 a strided placement, and ``nn.Linear`` on [B, S, E] makes exactly that view, so striped and head-tail
 activations cannot pass through a Linear as DTensors.
@@ -46,9 +53,10 @@ from torch.utils.hooks import RemovableHandle
 from ._compat import flex_attention_op, with_sdpa
 from ._deprecated import old_keywords
 from .core.agreement import agree_on_call
-from .core.attention import ring_spec, run_ring_attention
-from .core.batch import document_ids_from_positions, shard_batch, unshard_batch
+from .core.attention import plan_attention, ring_spec, run_ring_attention
+from .core.batch import document_ids_from_positions, full_ids_from_positions, shard_batch, unshard_batch
 from .core.checks import check_cp_mesh, options_error
+from .core.documents import DocumentLayout, document_layout, plan_batch
 from .core.layout import check_layout
 from .core.tiling import check_tile_size, tiled_forward
 from .dtensor.sharding import unshard_sequence  # noqa: F401  (the old path cp_dtensor.module's name)
@@ -68,7 +76,8 @@ class RingSDPA(TorchFunctionMode):
     state: stored as ``_cp_dtensor_mode`` on the model and every submodule, read by hooks from the module
     they are called with, so deepcopy / pickling carry it to a copy (Note [CP state on a model] in
     hf/state.py does the same for transformers models). See Note [Module context parallel]. ``ids``: this
-    rank's document ids [B | 1, S_local], or None."""
+    rank's document ids [B | 1, S_local], or None; ``plan``: this forward's (or context's) plan, a
+    ``DocumentLayout`` that every SDPA call gets as its layout, or None."""
 
     def __init__(self, cp_mesh: DeviceMesh, layout: str, window_size, documents: str | None, *,
                  comm_dtype: torch.dtype | None = None, kv_exchange: str = "ring"):
@@ -77,6 +86,8 @@ class RingSDPA(TorchFunctionMode):
         self.comm_dtype, self.kv_exchange = comm_dtype, kv_exchange
         self.flex = flex_attention_op()  # refused: it would run on the local shard only
         self.ids: Tensor | None = None  # this forward's document ids [B, S_local]; kept for recomputation
+        self.plan: DocumentLayout | None = None  # this forward's plan (Note [One plan per batch]); kept too
+        self.rows: dict[int, DocumentLayout] = {}  # the plan of one row, for each batch size it served
         self.handles: list[RemovableHandle] = []  # the hooks apply_context_parallel registered
         self.root: nn.Module | None = None  # the module apply_context_parallel was applied to
 
@@ -88,7 +99,7 @@ class RingSDPA(TorchFunctionMode):
         return new
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "depth": 0, "ids": None, "flex": None}
+        return {**self.__dict__, "depth": 0, "ids": None, "plan": None, "rows": {}, "flex": None}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state, flex=flex_attention_op())
@@ -150,6 +161,10 @@ class RingSDPA(TorchFunctionMode):
                 f"scaled_dot_product_attention got {_heads(query)} query heads and {_heads(key)} key/value heads "
                 "with enable_gqa=False, which SDPA refuses; pass enable_gqa=True (grouped-query attention)."
             )
+        if self.plan is not None:  # See Note [A plan at the model door]
+            return plan_attention(query, key, value, self._rows(query), mesh=self.mesh, is_causal=bool(is_causal),
+                                  scale=scale, comm_dtype=self.comm_dtype, window_size=self.window,
+                                  kv_exchange=self.kv_exchange, document_ids=None, sinks=None, error=error)
         ids = self.ids
         if ids is not None and ids.shape[0] == 1 and isinstance(query, Tensor) and query.dim() == 4:
             ids = ids.expand(query.shape[0], -1)  # one row of ids for every batch row
@@ -157,16 +172,105 @@ class RingSDPA(TorchFunctionMode):
                          comm_dtype=self.comm_dtype, window_size=self.window, kv_exchange=self.kv_exchange)
         return run_ring_attention(query, key, value, spec, document_ids=ids, error=error)
 
+    def _rows(self, query) -> DocumentLayout:
+        """The plan for ``query``'s batch: a plan of one row ([1, N] ids, as for every row) is rebuilt for B
+        equal rows once per batch size (the ring and the exchange take one row of ids per batch row)."""
+        plan = self.plan
+        b = query.shape[0] if isinstance(query, Tensor) and query.dim() == 4 else plan.batch
+        if plan.batch != 1 or b == 1:
+            return plan
+        if b not in self.rows:
+            self.rows[b] = document_layout(plan.ids.expand(b, -1), plan.world, windows=list(plan.windows),
+                                           placement=plan.placement)
+        return self.rows[b]
+
     def take_documents(self, kwargs: dict) -> None:
-        """Set this forward's documents from the top-level call's keyword arguments."""
+        """Set this forward's documents from the top-level call's keyword arguments: a plan (``layout=``, a
+        ``DocumentLayout``), this rank's ``document_ids``, or ids from ``position_ids`` (Note [A plan at the
+        model door])."""
+        plan = kwargs.pop("layout") if isinstance(kwargs.get("layout"), DocumentLayout) else None
         ids = kwargs.pop("document_ids", None)
-        if ids is None and self.documents == "position_ids":
-            pos = kwargs.get("position_ids", kwargs.get("positions"))
+        self.ids, self.plan, self.rows = None, None, {}
+        pos = kwargs.get("position_ids", kwargs.get("positions"))
+        if plan is not None or self.layout == "documents":
+            self.plan = self._agreed_plan(plan, ids, pos)
+        elif ids is None and self.documents == "position_ids":
             if pos is None:
                 raise ValueError("apply_context_parallel(documents='position_ids') needs the model to be called "
                                  "with position_ids= (or positions=) restarting at 0 for every document.")
-            ids = document_ids_from_positions(pos, self.mesh, layout=self.layout)
-        self.ids = ids
+            full = full_ids_from_positions(pos, self.mesh, layout=self.layout)  # [B, N], one all-gather
+            self.plan = plan_batch(self.layout, self.mesh.size(), document_ids=full, windows=self._windows(),
+                                   where="apply_context_parallel")
+        else:
+            self.ids = ids
+
+    def _windows(self) -> list:
+        return [self.window] if self.window is not None else [None]
+
+    def _agreed_plan(self, plan: DocumentLayout | None, ids, pos) -> DocumentLayout:
+        """The plan the forward was given, checked against the door and this rank's shard, the same on every
+        rank (one small all-gather, before any K/V moves): see Note [A plan at the model door]."""
+        rank, world = self.mesh.get_local_rank(), self.mesh.size()
+        error = _plan_error(plan, self.layout, world, rank, ids, pos if self.documents == "position_ids" else None)
+        agree_on_call(error, {"plan": plan.key if error is None else -1}, self.mesh.get_group(),
+                      what="apply_context_parallel")
+        return plan
+
+
+# Note [A plan at the model door]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The model door gets the batch already sharded, so it cannot place documents itself: a "documents"
+# placement depends on the full batch's ids, and the caller shards tokens, labels and positions by it
+# before the forward. So with ``layout="documents"`` the caller builds the plan (``document_layout``, from
+# the full ids: positions restarting at 0 give them as ``(positions == 0).cumsum(-1)``), shards the batch
+# with it (``shard_batch(..., layout=plan)``) and passes it to the forward as ``layout=plan``, a keyword the
+# hook takes away (only a ``DocumentLayout``: a model's own ``layout`` argument stays). The hook checks it
+# -- built for this CP size and a placement the door takes, the positions' and ids' document starts its
+# own -- and the ranks agree on it (its key: equal ids on every rank) before the first SDPA call. A named
+# layout needs no plan from the caller: from ``position_ids`` the hook gathers the start flags once and
+# builds the named placement's plan itself; from ``document_ids`` (this rank's shard) it passes them to
+# the ring as they are (no communication).
+
+
+def _plan_error(plan, layout: str, world: int, rank: int, ids, pos) -> str | None:
+    """This rank's problem with the plan a forward (or context) got, or None; ``ids`` / ``pos``: this rank's
+    shard of the batch's document ids / positions restarting at 0, checked against the plan when given."""
+    if plan is None:
+        return (f"apply_context_parallel(layout={layout!r}) needs each batch's plan: plan = "
+                f"cp_dtensor.document_layout(ids, {world}) from the full batch's ids (ids = (positions == 0)"
+                ".cumsum(-1) for positions restarting at 0), the batch sharded by it (cp_dtensor.shard_batch(..., "
+                "layout=plan)), and model(..., layout=plan).")
+    if plan.world != world:
+        return (f"this batch's plan was built for {plan.world} ranks; the CP mesh has {world}. Build it with "
+                f"cp_dtensor.document_layout(ids, {world}).")
+    if layout != "documents" and plan.placement != layout:
+        return (f"this batch's plan has placement {plan.placement!r}; the model's layout is {layout!r}. Build it "
+                f"with placement={layout!r}, or apply_context_parallel(..., layout={plan.placement!r}).")
+    for name, got in (("document_ids", ids), ("position_ids", pos)):
+        if got is None:
+            continue
+        if not isinstance(got, Tensor) or got.dim() not in (1, 2) or got.shape[-1] != plan.s_local:
+            return (f"{name} must be this rank's shard [B, {plan.s_local}] of the batch the plan was built for; "
+                    f"got {getattr(got, 'shape', type(got).__name__)}.")
+        got = got.detach().to("cpu", torch.int64).reshape(-1, plan.s_local)
+        want = plan.local_ids(rank) if name == "document_ids" else _starts(plan, rank)  # [B_plan, S]
+        if name == "position_ids":  # a position 0 exactly where the plan's documents start
+            got = (got == 0) | plan.local_positions(rank, plan.world, plan.seq_len).eq(0)  # a row may start mid-document
+        rows = max(got.shape[0], want.shape[0])
+        if (got.shape[0] not in (1, rows) or want.shape[0] not in (1, rows)
+                or not torch.equal(got.expand(rows, -1), want.expand(rows, -1))):
+            return (f"this rank's {name} are not the shard of the batch its plan was built for: build the plan "
+                    "from this batch's full ids and shard the batch with it (cp_dtensor.shard_batch(..., "
+                    "layout=plan)).")
+    return None
+
+
+def _starts(plan: DocumentLayout, rank: int) -> Tensor:
+    """bool [B, S]: where the tokens ``rank`` holds start a document (the plan's ids change; a row's first)."""
+    ids = plan.ids
+    new = torch.ones_like(ids, dtype=torch.bool)
+    new[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    return new.gather(1, plan.local_positions(rank, plan.world, plan.seq_len))
 
 
 def _heads(x) -> int | None:
@@ -211,10 +315,16 @@ def apply_context_parallel(
     Feed the model its local shard of each batch (``shard_batch``), including positions for RoPE;
     ``layout`` must match. Attention calls use ``is_causal`` and no dropout; masks come from:
 
+    * ``layout="documents"``: packed documents placed per batch (short ones whole on a rank). Build the
+      batch's plan from its full ids, ``plan = cp_dtensor.document_layout(ids, P, windows=[window_size])``,
+      shard the batch with it (``shard_batch(..., layout=plan)``) and call ``model(..., layout=plan)``:
+      every attention call of that forward uses it (Note [A plan at the model door]);
+
     * ``document_ids=`` given to the model's forward (a keyword the hook takes away before the model
       sees it): this rank's shard of the global [B, N] ids, non-decreasing (packed sequences);
     * ``documents="position_ids"``: ids derived from the forward's ``position_ids`` (or ``positions``)
-      that restart at 0 for every document, the Hugging Face packed-sequence convention;
+      that restart at 0 for every document, the Hugging Face packed-sequence convention (the full ids
+      from one all-gather of the start flags, then the batch's plan in ``layout``);
     * ``window_size=(left, right)``: a sliding window on every attention call.
 
     ``comm_dtype`` and ``kv_exchange`` are ``ring_attention``'s, for every attention call. An SDPA call with an explicit ``attn_mask`` or dropout raises on every rank before any K/V moves.
@@ -240,7 +350,12 @@ def apply_context_parallel(
         return apply_hf(model, mesh, layout=layout, documents=documents, comm_dtype=comm_dtype,
                         kv_exchange=kv_exchange, sequence_tiling=sequence_tiling)
     check_cp_mesh(mesh)
-    check_layout(layout)
+    if layout != "documents":  # See Note [A plan at the model door]
+        check_layout(layout)
+    elif comm_dtype is not None or kv_exchange != "ring":
+        raise ValueError(f"apply_context_parallel(layout='documents') sends each needed K/V row once in its own "
+                         f"dtype (Note [Document exchange]); got comm_dtype={comm_dtype}, kv_exchange={kv_exchange!r}. "
+                         "Drop them, or use a layout name.")
     tile = check_tile_size(sequence_tiling)
     tiled = [m for name, m in model.named_modules() if name.rpartition(".")[2] in _TILED] if tile else []
     if tile and not tiled:

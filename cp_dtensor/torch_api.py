@@ -43,6 +43,14 @@ puts them back in order. Both run under ``no_grad``.
   ``set_rotate_method`` is accepted and ignored: the exchange is ``kv_exchange=`` of each context.
 
 ``context_parallel_unshard`` is the inverse of the layout: the full tensors, in order, on every rank.
+
+Packed documents go through the batch's plan (Note [One plan per batch] in core/documents.py): at entry
+``plan_batch`` turns ``document_ids`` / ``position_ids`` (the full batch's) into one ``DocumentLayout`` --
+``layout="documents"`` places the documents themselves (short ones whole on a rank), a layout name keeps
+its order and carries the ids -- and every SDPA call of the context gets it as its ``layout``. Under
+``layout="documents"`` the buffers are sharded and ``context_parallel_unshard`` unshards by the plan,
+which the context yields (``with context_parallel(...) as plan``); its key joins the entry agreement, so
+ids that differ across ranks raise on every rank before any buffer changes.
 """
 
 from __future__ import annotations
@@ -58,6 +66,7 @@ from torch.distributed.tensor import DTensor
 from .core.agreement import agree_on_call
 from .core.batch import agree_local_shapes, gather_shards
 from .core.checks import check_cp_mesh, local_error
+from .core.documents import DocumentLayout, full_document_ids, plan_batch
 from .core.layout import LAYOUTS, layout_unit, shard_tensor
 from .model import RingSDPA
 
@@ -73,7 +82,7 @@ def context_parallel(
     buffers: Sequence[Tensor] | None = None,
     buffer_seq_dims: Sequence[int] | None = None,
     no_restore_buffers: set[Tensor] | None = None,
-    layout: str = "striped",
+    layout: str | DocumentLayout = "striped",
     document_ids: Tensor | None = None,
     position_ids: Tensor | None = None,
     window_size: tuple[int, int] | None = None,
@@ -90,7 +99,12 @@ def context_parallel(
     Beyond torch's arguments, all fixed for the context and the same on every rank:
 
     * ``layout``: "striped" (default), "headtail" (torch's order) or "contiguous". ``context_parallel_unshard``
-      needs the same.
+      needs the same. ``"documents"``: packed documents placed per batch from ``document_ids`` /
+      ``position_ids`` (short ones whole on a rank, long ones in head-tail pieces); the buffers are then
+      ``[B | 1, ...]`` with B the ids' rows (a table of ``[1, N]`` ids' plan shards anything along its seq
+      dim). The context yields the batch's plan -- ``with context_parallel(...) as plan`` -- for
+      ``context_parallel_unshard(..., layout=plan)``; a plan built beforehand (``cp_dtensor.document_layout``)
+      is accepted as ``layout`` too. See Note [One plan per batch] in core/documents.py.
     * ``document_ids``: full [B, N] (or [1, N], [N]) ids that never decrease: a query attends only to keys
       of its own document (packed sequences). ``position_ids``: full position ids restarting at 0 for
       every document, the documents derived from them (the Hugging Face packed-sequence convention).
@@ -100,6 +114,9 @@ def context_parallel(
 
     A call the ring cannot serve exactly -- an ``attn_mask``, ``dropout_p > 0`` -- raises ``ValueError``
     on every rank. Every rank raises alike, too, for bad arguments, before any buffer changes.
+
+    Yields the batch's plan: a ``DocumentLayout`` when the context has documents (or ``layout`` is
+    "documents"), else the layout name -- what ``context_parallel_unshard(..., layout=)`` takes.
     """
     check_cp_mesh(mesh)
     buffers = list(buffers or [])
@@ -107,27 +124,65 @@ def context_parallel(
     no_restore = set() if no_restore_buffers is None else no_restore_buffers
     error = _entry_error(mesh, buffers, dims, no_restore, layout, document_ids, position_ids, window_size,
                          comm_dtype, kv_exchange)
-    n = buffers[0].shape[dims[0]] if error is None and buffers else -1
-    agree_on_call(error, {"sequence length": n, "layout": LAYOUTS.index(layout) if layout in LAYOUTS else -1,
-                          "number of buffers": len(buffers)}, mesh.get_group(), what="context_parallel")
     rank, world = mesh.get_local_rank(), mesh.size()
-    mode = RingSDPA(mesh, layout, None if window_size is None else tuple(window_size), None,
-                    comm_dtype=comm_dtype, kv_exchange=kv_exchange)
-    mode.ids = _local_documents(document_ids, position_ids, layout, rank, world)
+    plan = None if error is None else layout
+    if error is None:  # See Note [One plan per batch] in core/documents.py
+        try:
+            plan = plan_batch(layout, world, document_ids=document_ids, position_ids=position_ids,
+                              windows=None if window_size is None else [tuple(window_size)], where="context_parallel")
+        except ValueError as e:
+            error = str(e)
+        else:
+            error = _plan_error(plan, buffers, dims, world, document_ids, position_ids)
+    n = buffers[0].shape[dims[0]] if error is None and buffers else -1
+    names = (*LAYOUTS, "documents")
+    agree_on_call(error, {"sequence length": n, "layout": names.index(layout) if layout in names else -1,
+                          "number of buffers": len(buffers), "plan": plan.key if isinstance(plan, DocumentLayout) else -1},
+                  mesh.get_group(), what="context_parallel")
+    planned = isinstance(plan, DocumentLayout)
+    by = plan if planned and plan.placement == "documents" else plan.placement if planned else layout  # buffers' order
+    mode = RingSDPA(mesh, plan.placement if planned else layout, None if window_size is None else tuple(window_size),
+                    None, comm_dtype=comm_dtype, kv_exchange=kv_exchange)
+    mode.plan = plan if planned else None  # every SDPA call of the context gets it (Note [A plan at the model door])
     with torch.no_grad():
         # See Note [Buffers swap their storage]: every shard is cut before any buffer changes
         kept = [None if any(b is x for x in no_restore) else _memory(b) for b in buffers]
-        shards = [shard_tensor(b, seq_dim=d, layout=layout, rank=rank, cp_size=world).clone() for b, d in zip(buffers, dims)]
+        shards = [shard_tensor(b, seq_dim=d, layout=by, rank=rank, cp_size=world).clone() for b, d in zip(buffers, dims)]
         for b, shard in zip(buffers, shards):
             b.set_(shard)
     try:
         with mode:
-            yield
+            yield plan
     finally:
         with torch.no_grad():
             for b, memory in zip(buffers, kept):
                 if memory is not None:
                     b.set_(*memory)
+
+
+def _plan_error(plan, buffers, dims, world: int, document_ids, position_ids) -> str | None:
+    """This rank's problem with the context's plan (a ``DocumentLayout``; a layout name has none here): the
+    buffers must be shardable by it, a plan given as ``layout`` must be of these ids."""
+    if not isinstance(plan, DocumentLayout):
+        return None
+    if plan.world != world:
+        return (f"context_parallel: the plan was built for {plan.world} ranks; the CP mesh has {world}. Build it "
+                f"with cp_dtensor.document_layout(ids, {world}).")
+    for i, (b, d) in enumerate(zip(buffers, dims)):
+        if b.shape[d] != plan.seq_len:
+            return (f"context_parallel: the plan covers {plan.seq_len} tokens; buffer {i} has {b.shape[d]} along "
+                    f"its seq dim {d}. Pass the full sequence.")
+        if plan.placement == "documents" and plan.batch > 1 and (d % b.dim() == 0 or b.shape[0] != plan.batch):
+            return (f"context_parallel(layout='documents'): each of the {plan.batch} rows has its own placement, so "
+                    f"every buffer is [{plan.batch}, ..., N, ...] (batch first, seq dim after it); buffer {i} has "
+                    f"shape {tuple(b.shape)} with seq dim {d}. Pass [1, N] ids for rows packed alike, or give "
+                    "such buffers (a RoPE table) their batch dim.")
+    given = full_document_ids(document_ids=document_ids, position_ids=position_ids, where="context_parallel")
+    if given is not None and (tuple(given.shape) not in ((1, plan.seq_len), tuple(plan.ids.shape))
+                              or not torch.equal(given.to("cpu", torch.int64).expand_as(plan.ids), plan.ids)):
+        return ("context_parallel: the plan passed as layout= was built from other document ids than the "
+                "document_ids / position_ids given; build it from this batch's ids, or pass only one of them.")
+    return None
 
 
 # Note [Buffers swap their storage]
@@ -152,8 +207,14 @@ def _memory(buffer: Tensor) -> tuple:
 def _entry_error(mesh, buffers, dims, no_restore, layout, document_ids, position_ids, window_size, comm_dtype,
                  kv_exchange) -> str | None:
     """This rank's first problem with ``context_parallel``'s arguments, or None (raised on every rank)."""
-    if layout not in LAYOUTS:
-        return f"context_parallel: unknown layout {layout!r}; expected one of {', '.join(LAYOUTS)}."
+    documents = layout == "documents" or isinstance(layout, DocumentLayout)
+    if not documents and layout not in LAYOUTS:
+        return (f"context_parallel: unknown layout {layout!r}; expected one of {', '.join(LAYOUTS)}, 'documents' "
+                "or a plan (cp_dtensor.document_layout).")
+    if documents and (comm_dtype is not None or kv_exchange != "ring"):
+        return (f"context_parallel(layout='documents') sends each needed K/V row once in its own dtype (Note "
+                f"[Document exchange]); got comm_dtype={comm_dtype}, kv_exchange={kv_exchange!r}. Drop them, or "
+                "use a layout name.")
     if len(buffers) != len(dims):
         return (f"context_parallel: buffer_seq_dims must give one sequence dim per buffer; got {len(buffers)} "
                 f"buffers and {len(dims)} dims.")
@@ -179,7 +240,7 @@ def _entry_error(mesh, buffers, dims, no_restore, layout, document_ids, position
     if len(set(lengths)) > 1:
         return (f"context_parallel: every buffer is one sequence of N tokens along its seq dim; got lengths "
                 f"{lengths} along dims {dims}. Slice longer buffers (e.g. a RoPE table) to the sequence length.")
-    unit = layout_unit(layout, mesh.size())
+    unit = mesh.size() if documents else layout_unit(layout, mesh.size())
     for name, t in (("buffers", lengths[0] if lengths else None), ("document_ids", document_ids),
                     ("position_ids", position_ids)):
         n = t if not isinstance(t, Tensor) else (t.shape[-1] if t.dim() in (1, 2) else None)
@@ -187,8 +248,9 @@ def _entry_error(mesh, buffers, dims, no_restore, layout, document_ids, position
             return (f"context_parallel: {name} must be an int64 or int32 tensor [B, N], [1, N] or [N] over the "
                     f"full sequence; got {t.dtype} of shape {tuple(t.shape)}.")
         if n is not None and n % unit:
-            return (f"context_parallel: the {layout} layout on {mesh.size()} ranks needs the sequence length "
-                    f"divisible by {unit}; {name} have {n}. Pad the batch to a multiple of {unit}.")
+            return (f"context_parallel: the {'documents' if documents else layout} layout on {mesh.size()} ranks "
+                    f"needs the sequence length divisible by {unit}; {name} have {n}. Pad the batch to a multiple "
+                    f"of {unit}.")
     given = [t.shape[-1] for t in (document_ids, position_ids) if t is not None]
     if lengths and given and given[0] != lengths[0]:
         return (f"context_parallel: the documents cover {given[0]} tokens, the buffers {lengths[0]}; pass the full "
@@ -205,17 +267,6 @@ def _entry_error(mesh, buffers, dims, no_restore, layout, document_ids, position
     return local_error(probe, probe, probe, "contiguous", False, None, comm_dtype, None, window_size)
 
 
-def _local_documents(document_ids, position_ids, layout: str, rank: int, world: int) -> Tensor | None:
-    """This rank's document ids [B | 1, S_local] from the full ids or positions (checked at entry)."""
-    if position_ids is not None:
-        document_ids = (position_ids == 0).long().cumsum(-1)  # a document starts at every position 0
-    if document_ids is None:
-        return None
-    ids = document_ids.reshape(-1, document_ids.shape[-1]).long()  # [B | 1, N]
-    # on the host once: the ring reads document ids there (a device copy would cost a sync per call)
-    return shard_tensor(ids, seq_dim=1, layout=layout, rank=rank, cp_size=world).cpu().contiguous()
-
-
 @torch.no_grad()
 def context_parallel_unshard(
     mesh: DeviceMesh,
@@ -223,20 +274,24 @@ def context_parallel_unshard(
     seq_dims: Sequence[int],
     load_balancer: None = None,
     *,
-    layout: str = "striped",
+    layout: str | DocumentLayout = "striped",
 ) -> list[Tensor]:
     """torch's ``context_parallel_unshard``: the full tensors, in global order, from every rank's
     ``layout`` shards (outputs, gradients) along ``seq_dims`` -- the inverse of ``context_parallel``'s
     sharding, so ``layout`` must be the context's. One all-gather per buffer; not differentiable (as
-    torch's). ``load_balancer`` is torch's argument, accepted as None only: pass ``layout=`` instead."""
+    torch's). ``load_balancer`` is torch's argument, accepted as None only: pass ``layout=`` instead. A
+    ``layout="documents"`` context's shards unshard by its plan: ``layout=plan``, the plan the context yielded."""
     check_cp_mesh(mesh)
     buffers, dims = list(buffers), list(seq_dims)
     error = None
     if load_balancer is not None:
         error = ("context_parallel_unshard: a torch load balancer does not apply to cp_dtensor's shards; pass "
                  "layout= (the one context_parallel used: 'headtail' is torch's head-tail order).")
-    elif layout not in LAYOUTS:
-        error = f"context_parallel_unshard: unknown layout {layout!r}; expected one of {', '.join(LAYOUTS)}."
+    elif layout == "documents":
+        error = ("context_parallel_unshard: a layout='documents' context's shards unshard by its plan: pass "
+                 "layout=plan, the plan the context yielded (with context_parallel(...) as plan).")
+    elif not isinstance(layout, (str, DocumentLayout)) or isinstance(layout, str) and layout not in LAYOUTS:
+        error = f"context_parallel_unshard: unknown layout {layout!r}; expected one of {', '.join(LAYOUTS)} or a plan."
     elif len(buffers) != len(dims):
         error = (f"context_parallel_unshard: seq_dims must give one dim per buffer; got {len(buffers)} buffers "
                  f"and {len(dims)} dims.")
@@ -246,6 +301,11 @@ def context_parallel_unshard(
                 error = f"context_parallel_unshard: buffer {i} is {type(b).__name__}, not a local tensor shard."
             elif not isinstance(d, int) or not -b.dim() <= d < b.dim():
                 error = f"context_parallel_unshard: buffer {i} has shape {tuple(b.shape)}; seq dim {d!r} is out of range."
+            elif isinstance(layout, DocumentLayout) and (
+                    b.shape[d] * mesh.size() != layout.seq_len or mesh.size() != layout.world
+                    or layout.batch > 1 and (d % b.dim() == 0 or b.shape[0] != layout.batch)):
+                error = (f"context_parallel_unshard: buffer {i} of shape {tuple(b.shape)} (seq dim {d}) on "
+                         f"{mesh.size()} ranks is no shard of {layout!r}; pass the plan its context yielded.")
             elif layout == "headtail" and b.shape[d] % 2:
                 error = (f"context_parallel_unshard: a headtail shard holds two chunks; buffer {i} has an odd "
                          f"length {b.shape[d]} along dim {d}.")
@@ -253,7 +313,8 @@ def context_parallel_unshard(
                 break
     # the same shapes, dtypes and dims on every rank, or the all-gathers below would not match
     agree_local_shapes(buffers if error is None else None, mesh, error, what="context_parallel_unshard",
-                       also={"seq dims": dims, "layout": layout}, name="buffers")
+                       also={"seq dims": dims, "layout": layout if isinstance(layout, str) else f"plan {layout.key:#x}"},
+                       name="buffers")
     return [gather_shards(b, mesh, seq_dim=d, layout=layout) for b, d in zip(buffers, dims)]
 
 

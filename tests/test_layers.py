@@ -16,7 +16,7 @@ _V03 = ("_cpu", "attention", "linear", "trainer", "main")
 LAYERS: list[tuple[str, set[str]]] = [
     ("private torch touch points, deprecation, torch-free layout facts",
      {"_compat", "_deprecated", "_extras", "checkpoint.manifest", "core.layout", "core.kernels", "core.linear_plan",
-      "core.documents"}),
+      "core.documents", "core.doc_plan"}),
     ("pure math; the network; a ring call's spec",
      {"core.masks", "core.wire", "core.comm", "tools.debug", "core.agreement", "core.spec",
       "core.tiling", "core.linear_steps"}),
@@ -26,7 +26,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("one step against one K/V block; the heads all-to-all", {"core.blocks", "core.ulysses"}),
     ("a document layout's blocks", {"core.doc_blocks"}),
     ("the exchanges; linear attention's state passing", {"core.ring", "core.allgather", "core.linear_attention",
-                                                           "core.linear_runs", "core.linear_conv", "core.doc_exchange"}),
+                                                           "core.linear_runs", "core.linear_conv", "core.doc_exchange",
+                                                           "core.doc_op"}),
     ("the front door; a batch's shards; the SDPA-on-DTensor rule; decoding against a sharded cache",
      {"core.attention", "core.batch", "dtensor.sdpa", "core.decode", "core"}),
     ("DTensor entry points", {"dtensor.sharding", "dtensor"}),

@@ -22,12 +22,13 @@ from .allgather import allgather_backward, allgather_forward
 from .blocks import Mask, sinks_grad
 from .checks import ring_preamble
 from .doc_exchange import document_attention
+from .doc_op import compiled_document_attention
 from .ordering import tie
 from .ring import ring_backward, ring_forward
 from .spec import RingSpec
 from .ulysses import gather_heads, kv_replicas, mesh_group, scatter_heads, union_order
 
-__all__ = ["ring_attention", "ring_spec", "run_ring_attention"]
+__all__ = ["plan_attention", "ring_attention", "ring_spec", "run_ring_attention"]
 
 _EXCHANGES = {"ring": (ring_forward, ring_backward), "allgather": (allgather_forward, allgather_backward)}
 
@@ -113,35 +114,38 @@ def ring_attention(
     be a multiple of U. See Note [Ulysses x ring] in ulysses.py.
     """
     if not isinstance(layout, str):  # a DocumentLayout: its own exchange (Note [Document exchange])
-        return _documents(q, k, v, layout, mesh=mesh, is_causal=is_causal, scale=scale, comm_dtype=comm_dtype,
-                          document_ids=document_ids, window_size=window_size, sinks=sinks, kv_exchange=kv_exchange)
+        return plan_attention(q, k, v, layout, mesh=mesh, is_causal=is_causal, scale=scale, comm_dtype=comm_dtype,
+                              document_ids=document_ids, window_size=window_size, sinks=sinks, kv_exchange=kv_exchange)
     spec = ring_spec(mesh, layout=layout, is_causal=is_causal, scale=scale, comm_dtype=comm_dtype,
                      window_size=window_size, kv_exchange=kv_exchange)
     return run_ring_attention(q, k, v, spec, document_ids=document_ids, sinks=sinks)
 
 
-def _documents(q, k, v, lay, *, mesh, **options) -> Tensor:
+def plan_attention(q: Tensor, k: Tensor, v: Tensor, lay, *, mesh, error: str | None = None, **options) -> Tensor:
     """``ring_attention`` with a ``DocumentLayout`` (``cp_dtensor.document_layout``) on a group or a mesh: a
     "documents" placement runs its exchange (doc_exchange.py); a named one the ring in that layout with the
-    plan's document ids (Note [One plan per batch] in documents.py)."""
+    plan's document ids (Note [One plan per batch] in documents.py). ``error``: a front door's own local
+    error, raised on every rank by the call's agreement (as ``run_ring_attention``'s)."""
     if lay.placement != "documents":
         ids = options.pop("document_ids")
         if ids is None:
-            ids = lay.local_ids(_cp_rank(mesh)).to(q.device)
+            ids = lay.local_ids(_cp_rank(mesh))  # on the host, where the ring reads ids (run_ring_attention)
         spec = ring_spec(mesh, layout=lay.placement, is_causal=options.pop("is_causal"), scale=options.pop("scale"),
                          comm_dtype=options.pop("comm_dtype"), window_size=options.pop("window_size"),
                          kv_exchange=options.pop("kv_exchange"))
         if spec.world * spec.ulysses != lay.world:
             raise ValueError(f"ring_attention: {lay!r} was built for {lay.world} ranks; the CP group has "
                              f"{spec.world * spec.ulysses}. Build the plan with this group's size.")
-        return run_ring_attention(q, k, v, spec, document_ids=ids, sinks=options.pop("sinks"))
-    group, two_d = mesh, False
+        return run_ring_attention(q, k, v, spec, document_ids=ids, sinks=options.pop("sinks"), error=error)
+    group, ulysses_group = mesh, None
     if isinstance(group, DeviceMesh):
-        group = mesh_group(group)
-        two_d = isinstance(group, DeviceMesh)
-        if two_d:
-            group = group.get_group(1)
-    return document_attention(q, k, v, lay, group=group, two_d=two_d, **options)
+        group = mesh_group(group)  # a 1-D mesh's group; a 2-D mesh stays (raises on any other)
+        if isinstance(group, DeviceMesh):
+            group, ulysses_group = group.get_group(1), group.get_group(0)
+    if torch.compiler.is_compiling():  # one custom op pair: Note [Compiled document exchange] in doc_op.py
+        return compiled_document_attention(q, k, v, lay, group=group, ulysses_group=ulysses_group, error=error,
+                                           **options)
+    return document_attention(q, k, v, lay, group=group, ulysses_group=ulysses_group, error=error, **options)
 
 
 def _cp_rank(mesh) -> int:

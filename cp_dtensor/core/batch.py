@@ -159,11 +159,19 @@ def document_ids_from_positions(positions: Tensor, mesh: DeviceMesh, *, layout: 
     that restart at 0 for every document: a document starts at every position 0 of the *global* sequence,
     so one all-gather of the start flags (one byte per token) gives every rank the global count."""
     check_cp_mesh(mesh)
-    cp, rank = mesh.size(), mesh.get_local_rank()
+    ids = full_ids_from_positions(positions, mesh, layout=layout)
+    return shard_tensor(ids, seq_dim=1, layout=layout, rank=mesh.get_local_rank(), cp_size=mesh.size()).contiguous()
+
+
+def full_ids_from_positions(positions: Tensor, mesh: DeviceMesh, *, layout: str = "striped") -> Tensor:
+    """The *full* batch's document ids [B, N] (the same on every rank) from this rank's ``layout`` shard of
+    position ids [B, S_local] that restart at 0 for every document: one all-gather of the start flags (one
+    byte per token). What a door that gets sharded positions builds its plan from (Note [One plan per
+    batch] in documents.py)."""
+    cp = mesh.size()
     starts = (positions == 0).to(torch.uint8).contiguous()  # [B, S_local]
     every = funcol.all_gather_single(starts, gather_dim=0, group=mesh).view(cp, *starts.shape)
     b, s = starts.shape
     full = torch.empty(b, cp * s, dtype=torch.int64, device=positions.device)
     full[:, global_order(layout, cp, cp * s).to(positions.device)] = every.permute(1, 0, 2).reshape(b, cp * s).long()
-    ids = full.cumsum(1)
-    return shard_tensor(ids, seq_dim=1, layout=layout, rank=rank, cp_size=cp).contiguous()
+    return full.cumsum(1)

@@ -76,7 +76,7 @@ _PER_RANK = ("id_min", "id_max")  # gathered alongside, allowed to differ betwee
 _ID_DTYPES = (torch.int64, torch.int32)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _HAS_TORCHAO = installed("float8")  # looked up once, not imported (_extras.py)
-_COMM_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
+COMM_DTYPES = _COMM_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def check_cp_mesh(cp_mesh) -> None:

@@ -1,45 +1,12 @@
 """The document layout: a per-batch placement of packed documents on the CP ranks, and its byte formula.
 
-Pure integer math; importing this module does not import torch (``cp-dtensor plan`` and the benchmark use
+Importing this module does not import torch (``cp-dtensor plan`` and the benchmark use
 it without torch). :func:`plan_row` places one row; :class:`DocumentLayout` (built by
 ``cp_dtensor.document_layout``) holds the placement of a whole ``[B, N]`` batch and is accepted wherever a
 layout name is (``local_positions``, ``shard_tensor`` / ``unshard_tensor``, ``shard_batch`` /
 ``unshard_batch``, ``ring_attention(..., layout=lay)``); its methods import torch when called.
 
-Note [Document placement]
-~~~~~~~~~~~~~~~~~~~~~~~~~
-Causal attention inside a document costs ``c(i) = sum over layers of min(i + 1, left + 1)`` kept pairs for
-the query at offset i of its document (``left`` unbounded for a global layer), so a document of L tokens
-costs ``F(L) = sum_{i < L} c(i)``, closed form (``_prefix_cost``). Every rank must hold exactly S = N / P
-tokens of the row (shapes stay equal) and about ``F_total / P`` of the work.
-
-The placement is a greedy pass over the documents, longest first:
-
-* a document that fits whole on a rank -- token room for it and work room within ``1 + tol`` of the
-  target -- goes whole to the least loaded such rank: its queries need no K/V from anywhere;
-* otherwise the rank with the most work room (the least loaded with token room) takes a *piece* of what is
-  left of the document, ``[lo, hi)``: ``h`` tokens from its head and ``t - h`` from its tail, with ``t``
-  the rank's token room (or the rest of the document). A piece's work falls as ``h`` grows (head tokens
-  are cheap, tail ones dear), so a binary search on ``h`` picks the piece whose work fills the rank's work
-  room as closely as it can without passing it (all head when even that passes it: the rank is then
-  over, but by the least). A long document so ends in head-tail pieces on as few ranks as its size and
-  the balance need (head-tail over all P ranks is the special case of a document that fills the row).
-
-Longest first leaves the short, cheap documents for last, where they fill the token rooms left with
-little work. A few large documents leave the greedy coarse (14 documents a row: one rank at 0.81 of the
-mean), so a last pass evens it out (``_rebalance``): the busiest rank swaps equally many tokens of a
-document it shares with a less busy one -- its latest queries of it for the other's earliest -- which
-moves work and keeps every token count, and adds no document between the two; swaps repeat until the
-busiest rank is within ``tol / 2`` of the mean or no swap helps; only when the greedy's busiest rank is
-over ``tol`` (its byte-lean placement stands otherwise). A rank's local order is increasing global position, as in every layout, so the local
-causal mask is the global one and ``shard_tensor`` is one gather.
-
-Note [Document exchange bytes]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-Rank r's queries need the key at position j, held by another rank, iff some query i of r's in j's
-document keeps it: ``lo <= j - i <= hi`` (causal: hi = 0; a window: lo = -left). Those rows, and only
-those, travel from their holder straight to r, once (all-to-all-v): ``needed_rows`` counts them. The
-striped ring sends (P - 1) * S rows per rank whatever the documents.
+The placement's math (Notes [Document placement], [Document exchange bytes]) is doc_plan.py.
 
 Note [One plan per batch]
 ~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -54,298 +21,17 @@ layout name keeps that layout's order and the plan carries the ids the ring mask
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .._deprecated import old_keywords
+from .doc_plan import Window, lengths_of, needed_rows, plan_row, rank_work, row_balance, window_lefts
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DocumentLayout", "document_layout", "full_document_ids", "plan_batch", "plan_row", "row_balance", "rank_work", "needed_rows", "lengths_of", "window_lefts"]
-
-Window = int | tuple[int, int] | None
-
-
-def window_lefts(windows: Any) -> tuple[int | None, ...]:
-    """The left reach of each attention layer: None (global), an int, or (left, right) -> left (-1: None)."""
-    if windows is None:
-        return (None,)
-    if isinstance(windows, (int, tuple)) and not isinstance(windows, bool) and not (
-            isinstance(windows, tuple) and any(isinstance(w, (tuple, list)) or w is None for w in windows)):
-        windows = [windows]
-    out = []
-    for w in windows:
-        if w is None:
-            out.append(None)
-        elif isinstance(w, int) and not isinstance(w, bool):
-            out.append(None if w < 0 else w)
-        elif isinstance(w, (tuple, list)) and len(w) == 2 and all(isinstance(x, int) for x in w):
-            out.append(None if w[0] < 0 else int(w[0]))
-        else:
-            raise ValueError(f"document_layout: windows lists each attention layer's window_size: None (global), an int "
-                             f"left reach or a (left, right) pair; got {w!r}.")
-    if not out:
-        raise ValueError("document_layout: windows is empty; pass None for one global layer.")
-    return tuple(out)
-
-
-def _prefix_cost(x: int, lefts: tuple[int | None, ...]) -> int:
-    """F(x) = sum_{i < x} sum over layers of min(i + 1, left + 1): the kept causal pairs of a document's first
-    x queries. See Note [Document placement]."""
-    total = 0
-    for left in lefts:
-        m = x if left is None else left + 1
-        if x <= m:
-            total += x * (x + 1) // 2
-        else:
-            total += m * (m + 1) // 2 + (x - m) * m
-    return total
-
-
-def _piece_cost(start: int, lo: int, hi: int, h: int, t: int, lefts) -> int:
-    """Work of the piece [lo, lo + h) + [hi - (t - h), hi) of the document starting at ``start``."""
-    f = _prefix_cost
-    return f(lo + h - start, lefts) - f(lo - start, lefts) + f(hi - start, lefts) - f(hi - (t - h) - start, lefts)
-
-
-def lengths_of(ids: list[int]) -> list[int]:
-    """Document lengths of one row of non-decreasing ids."""
-    out, prev = [], None
-    for x in ids:
-        if out and x == prev:
-            out[-1] += 1
-        else:
-            out.append(1)
-        prev = x
-    return out
-
-
-def plan_row(lengths: list[int], world: int, *, windows: Any = None, tol: float = 0.02, sand_share: int = 4,
-             small: int = 16) -> list[list[int]]:
-    """The global positions each of ``world`` ranks holds of one row of packed documents of ``lengths``
-    (sum N, a multiple of ``world``), each rank's sorted, N / world each. See Note [Document placement]."""
-    n = sum(lengths)
-    if world < 1 or n % world:
-        raise ValueError(f"document_layout needs the row length divisible by the CP degree ({world}); got {n}. "
-                         f"Pad the batch to a multiple of {world}.")
-    if any(length < 1 for length in lengths):
-        raise ValueError(f"document lengths must be positive; got {lengths}.")
-    lefts = window_lefts(windows)
-    s = n // world
-    starts = [0]
-    for length in lengths[:-1]:
-        starts.append(starts[-1] + length)
-    costs = [_prefix_cost(length, lefts) for length in lengths]
-    total = sum(costs)
-    target = total / world
-    # the density of the documents that will fill the last token rooms: see Note [Document placement]
-    sand = [d for d in range(len(lengths)) if costs[d] * sand_share <= target and lengths[d] * sand_share <= s]
-    rho = sum(costs[d] for d in sand) / max(1, sum(lengths[d] for d in sand))
-    room = [s] * world
-    load = [rho * s] * world  # effective load: the work held plus rho per token of room still to fill
-    held: list[list[tuple[int, int, int]]] = [[] for _ in range(world)]  # intervals [a, b) of document d per rank
-    for d in sorted(range(len(lengths)), key=lambda d: (-lengths[d], d)):
-        start = starts[d]
-        lo, hi = start, start + lengths[d]
-        while lo < hi:
-            rest = hi - lo
-            cost = _piece_cost(start, lo, hi, rest, rest, lefts)  # the whole rest
-            fits = [r for r in range(world) if room[r] >= rest and load[r] + cost - rho * rest <= target * (1 + tol)]
-            if not fits and cost * small <= target:  # a small document stays whole (its bytes would cost more)
-                fits = [r for r in range(world) if room[r] >= rest]
-            if fits:
-                r = min(fits, key=lambda r: (load[r], r))
-                h = t = rest
-            else:
-                r = min((r for r in range(world) if room[r] > 0), key=lambda r: (load[r], r))
-                h, t = _cut(start, lo, hi, room[r], target - load[r], rho, cost, lefts, last=sum(room) == room[r])
-            for iv in ((lo, lo + h, d), (hi - (t - h), hi, d)):
-                if iv[1] > iv[0]:
-                    held[r].append(iv)
-            load[r] += _piece_cost(start, lo, hi, h, t, lefts) - rho * t
-            room[r] -= t
-            lo, hi = lo + h, hi - (t - h)
-    held = _rebalance(held, starts, lefts, tol=tol)
-    out = []
-    for r in range(world):
-        pos = [p for a, b, _ in sorted(held[r]) for p in range(a, b)]
-        assert len(pos) == s, (r, len(pos), s)
-        out.append(pos)
-    return out
-
-
-def _rebalance(held: list[list[tuple[int, int, int]]], starts: list[int], lefts, *, tol: float, max_swaps: int = 64) -> list[list[tuple[int, int, int]]]:
-    """The greedy placement (``held``: intervals [a, b) of document d per rank), evened out when its busiest
-    rank is more than ``tol`` over the mean, by swaps of equally many tokens *inside* a document two ranks
-    share: the busier rank gives its latest queries of it and takes the other's earliest (a query's work
-    grows with its offset) -- work moves, token counts stay, no new document spans the two ranks. See
-    Note [Document placement]."""
-    world = len(held)
-
-    def cost(o: int) -> int:  # one query's kept pairs at offset o of its document, summed over the layers
-        return sum(o + 1 if left is None else min(o + 1, left + 1) for left in lefts)
-
-    spans: dict[int, set[int]] = {}
-    for r, ivs in enumerate(held):
-        for _, _, d in ivs:
-            spans.setdefault(d, set()).add(r)
-    split = {d for d, ranks in spans.items() if len(ranks) > 1}
-    mine: list[dict[int, list[int]]] = [{} for _ in range(world)]  # rank -> split document -> sorted offsets
-    load = [0] * world
-    for r, ivs in enumerate(held):
-        for a, b, d in ivs:
-            load[r] += _prefix_cost(b - starts[d], lefts) - _prefix_cost(a - starts[d], lefts)
-            if d in split:
-                mine[r].setdefault(d, []).extend(range(a - starts[d], b - starts[d]))
-    mean = sum(load) / world
-    if max(load) <= mean * (1 + tol):
-        return held
-    for offs in (o for m in mine for o in m.values()):
-        offs.sort()
-
-    def swap(a: int, b: int):
-        """The best swap from busier ``a`` to ``b``: (the pair's new max, document, k, work moved) or None."""
-        gap, best = load[a] - load[b], None
-        for d in mine[a].keys() & mine[b].keys():
-            give, take = mine[a][d][::-1], mine[b][d]  # a's latest first, b's earliest first
-            moved, k = 0, 0
-            for hi, lo in zip(give, take):
-                step = cost(hi) - cost(lo)
-                if step <= 0 or 2 * (moved + step) > gap + step:  # past the middle, or nothing to gain
-                    break
-                moved += step
-                k += 1
-            if k and (best is None or max(load[a] - moved, load[b] + moved) < best[0]):
-                best = (max(load[a] - moved, load[b] + moved), d, k, moved)
-        return best
-
-    for _ in range(max_swaps * world):
-        top = max(range(world), key=lambda r: (load[r], -r))
-        if load[top] <= mean * (1 + tol / 2):
-            break
-        # the busiest rank's best swap; else (no partner it shares a document with is less busy) the
-        # widest pair that can swap, so that work flows towards the busiest rank's partners first
-        pairs = [(top, b) for b in sorted(range(world), key=lambda r: load[r])]
-        pairs += sorted(((a, b) for a in range(world) for b in range(world) if load[a] > load[b]),
-                        key=lambda ab: load[ab[1]] - load[ab[0]])
-        for a, b in pairs:
-            if a != b and load[a] > load[b] and (found := swap(a, b)) is not None:
-                break
-        else:
-            break
-        _, d, k, moved = found
-        give, take = mine[a][d][len(mine[a][d]) - k:], mine[b][d][:k]
-        mine[a][d] = sorted(mine[a][d][: len(mine[a][d]) - k] + take)
-        mine[b][d] = sorted(mine[b][d][k:] + give)
-        load[a] -= moved
-        load[b] += moved
-    out = []
-    for r in range(world):
-        ivs = [iv for iv in held[r] if iv[2] not in split]
-        for d, offs in mine[r].items():
-            ivs += [(starts[d] + x, starts[d] + y, d) for x, y in _intervals(offs)]
-        out.append(ivs)
-    return out
-
-
-def _cut(start: int, lo: int, hi: int, room: int, budget: float, rho: float, cost: int, lefts, *, last: bool):
-    """(h, t): the piece of the rest [lo, hi) of a document that a rank with ``room`` tokens and ``budget``
-    effective work left takes -- h head tokens and t - h tail ones. See Note [Document placement]."""
-    rest = hi - lo
-    # about as many ranks as the work needs: a piece of rest / k tokens, k >= 2
-    k = max(2, math.ceil((cost - rho * rest) / max(budget, 1.0)))
-    t = rest if last else min(room, -(-rest // k))
-    if t == rest and not last and rest > 1:
-        t = rest - 1
-    t = max(1, t)
-    a, b = 0, t  # smallest h whose piece fits the budget (its cost falls as h grows)
-    while a < b:
-        mid = (a + b) // 2
-        if _piece_cost(start, lo, hi, mid, t, lefts) - rho * t <= budget:
-            b = mid
-        else:
-            a = mid + 1
-    if a == t and not last and _piece_cost(start, lo, hi, t, t, lefts) - rho * t > budget:
-        # even all head passes the budget: fewer head tokens, leaving the room to cheaper ones
-        a2, b2 = 1, t
-        while a2 < b2:
-            mid = (a2 + b2 + 1) // 2
-            if _piece_cost(start, lo, hi, mid, mid, lefts) - rho * mid <= budget:
-                a2 = mid
-            else:
-                b2 = mid - 1
-        return a2, a2
-    return a, t
-
-
-def rank_work(positions: list[list[int]], lengths: list[int], *, windows: Any = None) -> list[int]:
-    """Kept causal pairs of each rank's queries (summed over the layers of ``windows``)."""
-    lefts = window_lefts(windows)
-    offs = []
-    for length in lengths:
-        offs.extend(range(length))
-    out = []
-    for pos in positions:
-        out.append(sum(_prefix_cost(offs[p] + 1, lefts) - _prefix_cost(offs[p], lefts) for p in pos))
-    return out
-
-
-def row_balance(positions: list[list[int]], lengths: list[int], *, windows: Any = None) -> float:
-    """max / mean over ranks of :func:`rank_work`."""
-    w = rank_work(positions, lengths, windows=windows)
-    return max(w) * len(w) / sum(w)
-
-
-def _intervals(sorted_pos: list[int]) -> list[tuple[int, int]]:
-    out: list[list[int]] = []
-    for p in sorted_pos:
-        if out and out[-1][1] == p:
-            out[-1][1] = p + 1
-        else:
-            out.append([p, p + 1])
-    return [(a, b) for a, b in out]
-
-
-def needed_rows(positions: list[list[int]], lengths: list[int], *, is_causal: bool = True,
-                window: tuple[int, int] | None = None) -> list[int]:
-    """K/V rows each rank must receive for its queries under the mask (documents, causal, ``window``
-    (left, right)); see Note [Document exchange bytes]. Works for any placement (striped's positions too)."""
-    left, right = window if window is not None else (-1, -1)
-    lo = -left if left >= 0 else None
-    hi = right if right >= 0 else None
-    if is_causal:
-        hi = 0 if hi is None else min(hi, 0)
-    bounds, acc = [], 0
-    for length in lengths:
-        bounds.append((acc, acc + length))
-        acc += length
-    doc_of = []
-    for d, length in enumerate(lengths):
-        doc_of.extend([d] * length)
-    out = []
-    for pos in positions:
-        local = set(pos)
-        need: list[tuple[int, int]] = []
-        for a, b in _intervals(sorted(pos)):  # split each query interval by document
-            while a < b:
-                d = doc_of[a]
-                ds, de = bounds[d]
-                e = min(b, de)
-                k0 = ds if lo is None else max(ds, a + lo)
-                k1 = de if hi is None else min(de, e - 1 + hi + 1)
-                if k1 > k0:
-                    need.append((k0, k1))
-                a = e
-        count, cur = 0, -1
-        for k0, k1 in sorted(need):
-            k0 = max(k0, cur)
-            if k1 > k0:
-                count += sum(1 for j in range(k0, k1) if j not in local)
-                cur = k1
-        out.append(count)
-    return out
+__all__ = ["DocumentLayout", "Window", "document_layout", "full_document_ids", "plan_batch", "plan_row", "row_balance",
+           "rank_work", "needed_rows", "lengths_of", "window_lefts"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -361,6 +47,15 @@ class DocumentLayout:
     key: int = 0  #: a fingerprint of (order, ids): equal layouts on every rank agree on it
     placement: str = "documents"  #: "documents" (this module's plan) or a layout name kept with the ids
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
+    #: ``key`` as an int64 [1] tensor, what a compiled graph reads instead of the int (a graph input, so a
+    #: new batch does not recompile): see Note [Compiled document exchange] in doc_op.py. Always made from
+    #: ``key`` (not an argument: ``dataclasses.replace`` cannot carry a stale one)
+    key_tensor: Any = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        import torch
+
+        object.__setattr__(self, "key_tensor", torch.tensor([self.key], dtype=torch.int64))
 
     @property
     def batch(self) -> int:
@@ -415,7 +110,7 @@ def _gather(x, dim: int, idx, batch: int):
     from .layout import wrap_dim
 
     dim = wrap_dim(dim, x.dim())
-    if x.dim() == 1 or dim == 0:
+    if x.dim() == 1 or dim == 0 or batch == 1:  # a plan of one row orders every row alike (a [1, N] batch's)
         if batch != 1:
             raise ValueError(f"a document layout of {batch} rows shards tensors [B, ..., N, ...] along a dim after "
                              f"the batch; got shape {tuple(x.shape)} with seq_dim={dim}.")

@@ -20,6 +20,8 @@ travel in the input dtype.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -27,7 +29,7 @@ from .._extras import torchao_import_quiet
 from .comm import pack, unpack
 from .layout import FP8_SCALE_BYTES, payload_bytes  # the message size, stated once (torch-free, for tools/plan.py)
 
-__all__ = ["FP8_DTYPES", "FP8_SCALE_BYTES", "encode_kv", "decode_kv", "payload_bytes"]
+__all__ = ["FP8_DTYPES", "FP8_SCALE_BYTES", "encode_kv", "decode_kv", "encode_rows", "decode_rows", "payload_bytes"]
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -71,3 +73,33 @@ def decode_kv(buf: Tensor, k: Tensor, v: Tensor, comm_dtype: torch.dtype | None)
         return _dequantize_rows(kd, ke, comm_dtype, k.dtype), _dequantize_rows(vd, ve, comm_dtype, v.dtype)
     kb, vb = unpack(buf, k, v)
     return kb.to(k.dtype), vb.to(v.dtype)
+
+
+def encode_rows(k: Tensor, v: Tensor, comm_dtype: torch.dtype | None) -> Tensor:
+    """K/V token rows k [R, Hkv, Dqk], v [R, Hkv, Dv] as one [R, W] buffer, row r's bytes contiguous (an
+    all-to-all splits it by rows): in ``comm_dtype`` (None: as they are; float8: the data, then one
+    exponent byte per head of K and of V, ``payload_bytes`` a row)."""
+    r = k.shape[0]
+
+    def flat(x: Tensor) -> Tensor:
+        return x.reshape(r, math.prod(x.shape[1:]))
+
+    if comm_dtype is None or comm_dtype == k.dtype:
+        return torch.cat([flat(k), flat(v)], 1)
+    if comm_dtype in FP8_DTYPES:
+        (kd, ke), (vd, ve) = (_quantize_rows(x[None], comm_dtype) for x in (k, v))
+        return torch.cat([flat(x[0]) for x in (kd, vd, ke, ve)], 1)
+    return torch.cat([flat(k).to(comm_dtype), flat(v).to(comm_dtype)], 1)
+
+
+def decode_rows(buf: Tensor, hkv: int, dqk: int, dv: int, dtype: torch.dtype,
+                comm_dtype: torch.dtype | None) -> tuple[Tensor, Tensor]:
+    """The inverse of :func:`encode_rows`: k [R, Hkv, Dqk], v [R, Hkv, Dv] in ``dtype``."""
+    r = buf.shape[0]
+    nk, nv = hkv * dqk, hkv * dv
+    if comm_dtype in FP8_DTYPES:
+        kd, vd = buf[:, :nk].reshape(1, r, hkv, dqk), buf[:, nk : nk + nv].reshape(1, r, hkv, dv)
+        ke = buf[:, nk + nv : nk + nv + hkv].reshape(1, r, hkv, 1)
+        ve = buf[:, nk + nv + hkv :].reshape(1, r, hkv, 1)
+        return _dequantize_rows(kd, ke, comm_dtype, dtype)[0], _dequantize_rows(vd, ve, comm_dtype, dtype)[0]
+    return buf[:, :nk].reshape(r, hkv, dqk).to(dtype), buf[:, nk:].reshape(r, hkv, dv).to(dtype)

@@ -72,6 +72,22 @@ __all__ = [
 
 _HEADTAIL_SF = -1  # See Note [HeadTail placement]
 
+# Note [No document placement]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A document layout (core/documents.py) is a per-batch, per-row permutation of the sequence, so no
+# placement can carry it: a placement is one rule for every tensor of every batch, and DTensor's
+# propagation, redistribution and the SDPA rule read layouts from placements alone (Note [Layout
+# placements]). A DTensor placement would also have to hold the batch's ids and exchange plan, which
+# torch's placements (hashed, compared and cached by value) cannot. So the DTensor path refuses it by
+# name, with the same arguments -- so on every rank, before any communication -- and says where the
+# document layout lives: ring_attention with a plan, or the doors that build one per batch.
+DOCUMENTS_REFUSED = (
+    "the DTensor path has no document layout (got layout={layout}): a DocumentLayout is a per-batch placement "
+    "that no DTensor placement carries (Note [No document placement]). Use ring_attention(q, k, v, layout=plan) "
+    "on local shards with plan = cp_dtensor.document_layout(ids, P), or a door that builds the plan per batch: "
+    "cp_dtensor.apply_context_parallel(model, mesh, layout='documents') or "
+    "cp_dtensor.context_parallel(mesh, ..., layout='documents', document_ids=ids).")
+
 
 class HeadTail(_StridedShard):
     """Head-tail sequence sharding of tensor dim ``dim``: rank r of P holds chunks r and 2P-1-r of 2P.
@@ -149,7 +165,9 @@ def _layout_first(fn):
 @old_keywords("cp_dtensor.sequence_placement", cp="cp_size")
 def sequence_placement(dim: int, *, layout: str, seq_len: int, cp_size: int) -> Placement:
     """The placement of ``layout`` for tensor dim ``dim`` (non-negative) of length ``seq_len`` on ``cp_size``
-    ranks."""
+    ranks. A document layout has none: see Note [No document placement]."""
+    if layout == "documents" or not isinstance(layout, str):
+        raise ValueError(DOCUMENTS_REFUSED.format(layout=layout if isinstance(layout, str) else type(layout).__name__))
     check_seq_len(layout, cp_size, seq_len)
     if layout == "contiguous":
         return Shard(dim)

@@ -4,6 +4,7 @@ against the rows the masks need; bad input raising on every rank before K/V move
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import random
 
@@ -190,6 +191,50 @@ def test_document_layout_matches_float64_reference(world):
     run_ranks(world, _exact)
 
 
+def _two_d(rank, world):
+    """A (2, 2) mesh: heads all-to-all, then the exchange over the ring dim; and a named placement's ring."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, world // 2))
+    worst = 0.0
+    for i, c in enumerate(_cases(world)[:6]):
+        ids = torch.stack([_ids(ls) for ls in c["lengths"]])
+        b, n = ids.shape
+        g = torch.Generator().manual_seed(50 + i)
+        hq = max(c["hq"], 2)
+        q = torch.randn(b, hq, n, c["d"], generator=g, dtype=torch.float64)
+        k = torch.randn(b, c["hkv"], n, c["d"], generator=g, dtype=torch.float64)
+        v = torch.randn(b, c["hkv"], n, c["dv"], generator=g, dtype=torch.float64)
+        do = torch.randn(b, hq, n, c["dv"], generator=g, dtype=torch.float64)
+        sinks = torch.randn(hq, generator=g, dtype=torch.float64) if c["sinks"] else None
+        want = masked_reference(q, k, v, do, is_causal=c["causal"], document_ids=ids, window_size=c["window"], sinks=sinks)
+        for placement in ("documents", "headtail"):
+            lay = cp_dtensor.document_layout(ids, world, windows=[c["window"]], placement=placement)
+
+            def shard(x, dim=2):
+                return cp_dtensor.shard_tensor(x, seq_dim=dim, layout=lay, rank=rank, cp_size=world)
+
+            ql, kl, vl = (shard(x).float().requires_grad_() for x in (q, k, v))
+            sl = None if sinks is None else sinks.float().requires_grad_()
+            out = cp_dtensor.ring_attention(ql, kl, vl, mesh=mesh, layout=lay, is_causal=c["causal"],
+                                            window_size=c["window"], sinks=sl)
+            out.backward(shard(do).float())
+            errs = [abs_rel_err(a, shard(r)) for a, r in zip((out, ql.grad, kl.grad, vl.grad), want[:4])]
+            if sl is not None:
+                total = sl.grad.clone()
+                dist.all_reduce(total)
+                errs.append(abs_rel_err(total, want[4]))
+            assert max(errs) <= 2e-5, (rank, i, placement, errs)
+            worst = max(worst, *errs)
+    return worst
+
+
+def test_document_layout_on_a_2d_mesh_matches_float64_reference():
+    """(U, R) = (2, 2): the document exchange over the ring dim after the heads all-to-all, and a named
+    placement carried by the plan, forward + backward <= 2e-5 of float64 dense attention."""
+    run_ranks(4, _two_d)
+
+
 def _wire(rank, world):
     s, hkv, d = 2048 // 16, 1, 8  # S_local 128: a small batch with the same document statistics scaled
     lengths = lognormal_lengths(5, world * s, median=16)
@@ -218,6 +263,51 @@ def test_document_bytes_on_the_wire(world):
     assert sent == sum(need) * row  # each needed row once, nothing else
     assert sum(r[1] for r in per_rank) == sent  # dK/dV go back the same way
     assert sent <= 0.35 * sum(r[2] for r in per_rank)
+
+
+def _payload(rank, world):
+    """float8 / bf16 payloads: bytes per needed row by payload_bytes' formula, dK/dV back in the input dtype,
+    and float8's error within the ring's bar (test_payload.FP8_TOL) against float64."""
+    from test_payload import FP8, FP8_TOL
+
+    from cp_dtensor.core.layout import payload_bytes
+
+    s, hkv, hq, d = 32, 2, 4, 16
+    lengths = lognormal_lengths(7, world * s, median=12)
+    ids = _ids(lengths)[None]
+    lay = cp_dtensor.document_layout(ids, world)
+    g = torch.Generator().manual_seed(4)
+    q, k, v, do = (torch.randn(1, h, world * s, d, generator=g, dtype=torch.float64) for h in (hq, hkv, hkv, hq))
+    want = masked_reference(q, k, v, do, is_causal=True, document_ids=ids)
+    pos = [cp_dtensor.local_positions(layout=lay, rank=r, cp_size=world, seq_len=world * s)[0].tolist()
+           for r in range(world)]
+    need = sum(needed_rows(pos, lengths))
+    out = {}
+    for comm in (FP8, torch.bfloat16):
+        ql, kl, vl = (cp_dtensor.shard_tensor(x, seq_dim=2, layout=lay, rank=rank, cp_size=world).float().requires_grad_()
+                      for x in (q, k, v))
+        with CommBytes() as fwd:
+            o = cp_dtensor.ring_attention(ql, kl, vl, layout=lay, is_causal=True, comm_dtype=comm)
+        with CommBytes() as bwd:
+            o.backward(cp_dtensor.shard_tensor(do, seq_dim=2, layout=lay, rank=rank, cp_size=world).float())
+        shard = [cp_dtensor.shard_tensor(r, seq_dim=2, layout=lay, rank=rank, cp_size=world) for r in want[:4]]
+        errs = [((a.double() - r).abs().max() / r.abs().max()).item() for a, r in zip((o, ql.grad, kl.grad, vl.grad), shard)]
+        out[str(comm)] = (fwd.by_op["all_to_all_single"], bwd.by_op["all_to_all_single"], max(errs))
+    rows = dict(rows=need * hkv, head_dim=d)
+    return out, payload_bytes(**rows, itemsize=1, fp8=True), payload_bytes(**rows, itemsize=2), \
+        payload_bytes(**rows, itemsize=4), FP8_TOL
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="the float8 payload needs torchao ([float8])")
+def test_document_payload_in_float8_and_bf16():
+    per_rank = run_ranks(2, _payload)
+    fp8_bytes, bf16_bytes, fp32_bytes, tol = per_rank[0][1:]
+    for name, want_fwd, err_bar in (("torch.float8_e4m3fn", fp8_bytes, tol), ("torch.bfloat16", bf16_bytes, 1e-2)):
+        fwd = sum(r[0][name][0] for r in per_rank)
+        bwd = sum(r[0][name][1] for r in per_rank)
+        assert fwd == want_fwd, (name, fwd, want_fwd)  # each needed row once, in the payload's format
+        assert bwd == fp32_bytes, (name, bwd, fp32_bytes)  # dK/dV home in the input dtype
+        assert max(r[0][name][2] for r in per_rank) <= err_bar, (name, [r[0][name][2] for r in per_rank])
 
 
 def _bad(rank, world):
