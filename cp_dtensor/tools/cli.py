@@ -204,7 +204,7 @@ def format_documents(inp: _plan.PlanInput, docs: list, args: argparse.Namespace)
                    f"{x.needed_rows_max:>19,}  {_bytes(x.fwd_bytes_max):>22}  {x.balance:.3f}")
     out.append("  (rows: token positions whose K and V arrive, the busiest rank; vs ring: summed over ranks / the "
                "striped ring's; balance: max/mean kept causal pairs over ranks; the ring sends every block whatever "
-               "the documents, the document exchange only the rows the masks need, in --dtype)")
+               "the documents, the document exchange only the rows the masks need; both in --comm-dtype)")
     return "\n".join(out)
 
 

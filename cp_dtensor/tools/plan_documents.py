@@ -13,8 +13,8 @@ row's end). Per placement, per attention layer, per rank:
   head-tail, contiguous) sends every block whatever the documents: ``(steps - 1) * B * S`` (steps: P, or
   fewer under ``--window``; Note [Masked ring steps] in masks.py). The document layout's exchange sends
   exactly the rows the masks need (``documents.needed_rows``; Note [Document exchange bytes]), once, in the
-  input dtype (``comm_dtype`` does not reach it yet); the backward returns as many dK/dV rows, where the
-  ring sends K/V again plus the dK/dV hops (Note [Plan communication] in plan_ring.py).
+  payload's format (``comm_dtype``, as the ring); the backward returns as many dK/dV rows (in the input
+  dtype), where the ring sends K/V again plus the dK/dV hops (Note [Plan communication] in plan_ring.py).
 * needed rows: what the masks need under that placement -- what a zero-redundancy exchange would send.
 * balance: max / mean over ranks of the kept causal pairs, summed over the batch's rows and over the
   model's layers (``windows``: each layer's left reach, None global), ``documents.rank_work``.
@@ -172,14 +172,13 @@ def compare_placements(inp: PlanInput, rows: list[list[int]], *, windows=None) -
             work = [a + b for a, b in zip(work, rank_work(pos, lengths, windows=lefts))]
         if name == "documents":
             wire = need
-            fwd = payload_bytes(rows=max(wire) * inp.kv_heads, head_dim=inp.head_dim, itemsize=DTYPE_BYTES[inp.dtype])
             exchange, n_steps = "all-to-all-v", 1 if max(wire) else 0
         else:
             n_steps = ring_steps(PlanInput(**{**inp.__dict__, "layout": name, "mean_doc_len": None}))
             wire = [(n_steps - 1) * len(rows) * inp.s_local] * p
-            fwd = payload_bytes(rows=max(wire) * inp.kv_heads, head_dim=inp.head_dim,
-                                itemsize=DTYPE_BYTES[inp.comm_dtype], fp8=inp.comm_dtype == "fp8")
             exchange = "ring"
+        fwd = payload_bytes(rows=max(wire) * inp.kv_heads, head_dim=inp.head_dim, itemsize=DTYPE_BYTES[inp.comm_dtype],
+                            fp8=inp.comm_dtype == "fp8")  # the ring's and the exchange's payload alike
         out.append(DocPlacement(
             placement=name, exchange=exchange, steps=n_steps, wire_rows_max=max(wire), wire_rows_mean=sum(wire) / p,
             needed_rows_max=max(need), needed_rows_mean=sum(need) / p, ring_rows=ring_rows, fwd_bytes_max=fwd,

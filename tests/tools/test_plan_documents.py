@@ -141,6 +141,13 @@ def test_cli_doc_lengths(tmp_path, capsys):
     main([*base, "--windows", "none", "4"])
     text = capsys.readouterr().out
     assert "packed documents" in text and all(f"  {n} " in text for n in ("striped", "headtail", "contiguous", "documents"))
+    # a float8 payload: one byte a value plus one exponent byte a row of K and of V, on either exchange
+    main([*base, "--comm-dtype", "fp8", "--json"])
+    fp8 = {x["placement"]: x for x in json.loads(capsys.readouterr().out)["documents"]}
+    hkv, d = 2, 8  # --heads 2, no --kv-heads
+    assert got["documents"]["fwd_bytes_max"] == max(need) * hkv * 2 * d * 4
+    assert fp8["documents"]["fwd_bytes_max"] == max(need) * hkv * (2 * d + 2)
+    assert fp8["striped"]["fwd_bytes_max"] == 3 * 16 * hkv * (2 * d + 2)
     with pytest.raises(SystemExit):
         main([*base, "--mean-doc-len", "8"])
     assert "not both" in capsys.readouterr().err
