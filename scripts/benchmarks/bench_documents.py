@@ -181,6 +181,7 @@ def plot(points: list[dict], path: str, world: int = 4, s_local: int = 2048, bal
     import matplotlib
 
     matplotlib.use("Agg")
+    matplotlib.rcParams["svg.hashsalt"] = "bench_documents"  # the same figures write the same file
     import matplotlib.pyplot as plt
 
     xs, xb = [p["mean_len"] for p in points], [p["mean_len_balance"] for p in points]
