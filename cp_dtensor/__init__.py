@@ -33,7 +33,7 @@ _EXPORTS = {
     "ring_attention": "core.attention",
     "sharded_cache_attention": "core.decode",
     "sharded_delta_rule": "core.linear_attention",
-    "sharded_causal_conv1d": "core.linear_attention",
+    "sharded_causal_conv1d": "core.linear_conv",
     "shard_tensor": "core.layout",
     "unshard_tensor": "core.layout",
     "local_positions": "core.layout",
@@ -130,7 +130,8 @@ if TYPE_CHECKING:  # what IDEs, type checkers and the API reference see; at run 
     from .core.decode import sharded_cache_attention
     from .core.documents import DocumentLayout, document_layout
     from .core.layout import local_positions, shard_tensor, unshard_tensor
-    from .core.linear_attention import sharded_causal_conv1d, sharded_delta_rule
+    from .core.linear_attention import sharded_delta_rule
+    from .core.linear_conv import sharded_causal_conv1d
     from .core.tiling import linear_cross_entropy
     from .dtensor.placements import HeadTail, Striped, sequence_placement
     from .dtensor.sdpa import install_sdpa_dispatch, sdpa_options, uninstall_sdpa_dispatch

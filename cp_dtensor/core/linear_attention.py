@@ -4,6 +4,9 @@ causal conv on sequence shards, exact, by passing affine state summaries between
 The attention kernel itself is the caller's (transformers' torch kernels, or fla's on CUDA); this
 module cuts each rank's tokens into its contiguous runs, calls the kernel on each, all-gathers one
 small affine summary per run and folds them in global order. See Note [Linear attention under CP].
+This module holds the delta rule and the Notes; the conv is linear_conv.py, the runs, the checks and the
+differentiable all-gather both share are linear_runs.py, the torch-free byte formulas linear_plan.py, the
+decode steps linear_steps.py (all re-exported here, their old home).
 
 Note [Linear attention under CP]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -138,17 +141,14 @@ is above fp32's rounding of the tensors without the cancellation (measured <= 4e
 
 from __future__ import annotations
 
-import zlib
-
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
 from .._deprecated import old_keywords
 from .agreement import Rules, agree
-from .comm import all_gather, all_gather_host, host_group, reduce_scatter, wait
 from .layout import LAYOUTS
+from .linear_conv import sharded_causal_conv1d  # noqa: F401 -- re-exported: its old home
 from .linear_plan import (  # noqa: F401 -- re-exported: their old home
     _CONV_FIELDS,
     _DELTA_FIELDS,
@@ -159,6 +159,19 @@ from .linear_plan import (  # noqa: F401 -- re-exported: their old home
     conv_halo_bytes,
     linear_state_bytes,
 )
+from .linear_runs import (  # noqa: F401 -- run_starts / run_owner re-exported: their old home
+    _FLOATS,
+    _crc,
+    _describe,
+    _gather,
+    _gather_last_ids,
+    _group,
+    _ids_error,
+    _layout_error,
+    _Tie,
+    run_owner,
+    run_starts,
+)
 from .linear_steps import causal_conv1d_step, delta_rule_step  # noqa: F401 -- re-exported: their old home
 
 __all__ = [
@@ -166,93 +179,12 @@ __all__ = [
     "linear_state_bytes", "run_owner", "run_starts", "sharded_causal_conv1d", "sharded_delta_rule",
 ]
 
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _OWNED = ("initial_state", "output_final_state", "cu_seqlens")
-_ACTIVATIONS = (None, "silu", "swish")
-
-
-
-# -- the group, the runs and the agreement --------------------------------------------------------------
-
-
-def _group(group) -> tuple[dist.ProcessGroup | None, int, int]:
-    """(group, rank, world); None: no process group, one rank."""
-    if group is not None and hasattr(group, "get_group"):  # a DeviceMesh
-        if group.ndim != 1:
-            raise ValueError(f"linear attention needs a 1-D CP mesh; got a {group.ndim}-D mesh {group.mesh_dim_names}.")
-        group = group.get_group()
-    if group is None:
-        if not dist.is_initialized():
-            return None, 0, 1
-        group = dist.group.WORLD
-    return group, dist.get_rank(group), dist.get_world_size(group)
-
-
-def run_starts(layout: str, rank: int, world: int, s_local: int) -> list[tuple[int, int]]:
-    """(local start, global run index) of each of this rank's runs, each s_local // runs long."""
-    if layout == "contiguous":
-        return [(0, rank)]
-    return [(0, rank), (s_local // 2, 2 * world - 1 - rank)]
-
-
-def run_owner(layout: str, world: int, j: int) -> tuple[int, int]:
-    """(rank, local run) holding global run ``j``."""
-    if layout == "contiguous" or j < world:
-        return j, 0
-    return 2 * world - 1 - j, 1
-
-
 _run_starts, _owner = run_starts, run_owner  # this module's own short names
-
-
-def _crc(text: str) -> int:
-    return zlib.crc32(text.encode())
-
-
-def _describe(field: str, value: int):
-    """A fingerprint entry as the caller wrote it."""
-    if value < 0:
-        return "invalid"
-    if field == "layout":
-        return repr(LAYOUTS[value])
-    if field in ("dtype", "weight_dtype"):
-        return _FLOATS[value]
-    if field == "activation":
-        return repr(_ACTIVATIONS[value])
-    if field in ("kernel", "kernel_kwargs"):
-        return f"#{value & 0xFFFF:04x}"
-    return value
-
 
 # one all-gather of every rank's fingerprint, the same ValueError on every rank when any rank's local checks
 # failed or the ranks differ: Note [One agreement] in agreement.py (run eagerly, between the compiled parts)
 _DELTA_RULES = Rules("sharded_delta_rule", _DELTA_FIELDS, describe=_describe)
-_CONV_RULES = Rules("sharded_causal_conv1d", _CONV_FIELDS, describe=_describe)
-
-
-def _layout_error(what: str, layout, s_local: int) -> str | None:
-    try:
-        check_linear_layout(layout)
-    except ValueError as e:
-        return f"{what}: {e}"
-    if layout == "headtail" and s_local % 2:
-        return (f"{what}: the headtail layout holds two equal runs per rank; got S_local = {s_local} (odd). Pad the "
-                "sequence to a multiple of 2 * P.")
-    if s_local < 1:
-        return f"{what}: empty shard (S_local = 0)."
-    return None
-
-
-def _ids_error(what: str, ids, batch: int, s_local: int) -> str | None:
-    if ids is None:
-        return None
-    if not isinstance(ids, Tensor) or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-        got = ids.dtype if isinstance(ids, Tensor) else type(ids).__name__
-        return f"{what}: document_ids must be an integer tensor [B, S_local]; got {got}."
-    if tuple(ids.shape) != (batch, s_local):
-        return (f"{what}: document_ids must be this rank's shard [B, S_local] = [{batch}, {s_local}], sharded like "
-                f"the tokens; got shape {tuple(ids.shape)}.")
-    return None
 
 
 def _delta_error(kernel, q, k, v, g, beta, layout, ids, kernel_kwargs) -> str | None:
@@ -298,48 +230,6 @@ def _check_delta(kernel, q, k, v, g, beta, layout, ids, l2norm, kernel_kwargs, g
               _crc(f"{getattr(kernel, '__module__', '')}.{getattr(kernel, '__qualname__', type(kernel).__name__)}"),
               _crc(repr(sorted(kernel_kwargs.items())))]
     agree(_DELTA_RULES, fp, err, group)
-
-
-def _gather_last_ids(ids: Tensor, starts, run_len: int, group, world: int) -> Tensor:
-    """The id of every run's last token, on the host: [P, B, runs] (int64)."""
-    last = ids[:, [s0 + run_len - 1 for s0, _ in starts]].to("cpu", torch.int64)
-    if world == 1:
-        return last.unsqueeze(0)
-    return all_gather_host(last.contiguous(), host_group(group))
-
-
-class _AllGather(torch.autograd.Function):
-    """Differentiable all-gather of a flat buffer: [n] -> [P * n]; backward: the sum-reduce-scatter of the
-    gradient (each rank's copy feeds that rank's loss). See Note [Linear attention under CP]."""
-
-    @staticmethod
-    def forward(ctx, buf: Tensor, group: dist.ProcessGroup) -> Tensor:
-        ctx.group = group
-        return wait(all_gather(buf, group), group)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return wait(reduce_scatter(grad.contiguous(), ctx.group), ctx.group), None
-
-
-class _Tie(torch.autograd.Function):
-    """``out`` unchanged, whose backward also hands ``dep`` a zero gradient: a rank whose output does not read
-    the gathered buffer (rank 0 of the contiguous layout, runs that all start documents) still runs the
-    all-gather's backward, the reduce-scatter every other rank waits in."""
-
-    @staticmethod
-    def forward(ctx, out: Tensor, dep: Tensor) -> Tensor:
-        ctx.dep = (dep.shape, dep.dtype)
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        shape, dtype = ctx.dep
-        return grad, grad.new_zeros(shape, dtype=dtype)
-
-
-def _gather(buf: Tensor, group, world: int) -> Tensor:
-    return buf if world == 1 else _AllGather.apply(buf.contiguous(), group)
 
 
 # -- the delta rule ------------------------------------------------------------------------------------
@@ -448,103 +338,3 @@ def sharded_delta_rule(
     out = result[0] if len(result) == 1 else torch.cat(result, 1)
     out = _Tie.apply(out, every) if world > 1 and all(u is None for _, u, _, _ in outs) else out
     return (out, state) if output_final_state else out
-
-
-# -- the short causal conv -----------------------------------------------------------------------------
-
-
-def _conv_error(x, weight, bias, activation, layout, ids) -> str | None:
-    what = "sharded_causal_conv1d"
-    for name, t in (("x", x), ("weight", weight)):
-        if not isinstance(t, Tensor) or t.dtype not in _FLOATS:
-            return f"{what}: {name} must be a floating tensor; got {getattr(t, 'dtype', type(t).__name__)}."
-    if x.dim() != 3:
-        return f"{what}: x must be [B, C, S_local] (transformers' causal_conv1d_fn layout); got {tuple(x.shape)}."
-    b, c, s = x.shape
-    if weight.dim() != 2 or weight.shape[0] != c or weight.shape[1] < 1:
-        return f"{what}: weight must be [C, K] = [{c}, K]; got {tuple(weight.shape)}."
-    if bias is not None and (not isinstance(bias, Tensor) or tuple(bias.shape) != (c,)):
-        return f"{what}: bias must be None or [C] = [{c}]; got {getattr(bias, 'shape', type(bias).__name__)}."
-    if activation not in _ACTIVATIONS:
-        return f"{what}: activation must be None, 'silu' or 'swish'; got {activation!r}."
-    return _layout_error(what, layout, s) or _ids_error(what, ids, b, s)
-
-
-@torch.compiler.disable
-def _check_conv(x, weight, bias, activation, layout, ids, group, world: int) -> None:
-    err = _conv_error(x, weight, bias, activation, layout, ids)
-    fp = [-1] * len(_CONV_FIELDS)
-    if err is None:
-        fp = [*x.shape, weight.shape[1], _FLOATS.index(x.dtype), _FLOATS.index(weight.dtype), int(bias is not None),
-              _ACTIVATIONS.index(activation), LAYOUTS.index(layout), int(ids is not None)]
-    agree(_CONV_RULES, fp, err, group)
-
-
-@old_keywords("cp_dtensor.sharded_causal_conv1d", group="mesh")
-def sharded_causal_conv1d(
-    x: Tensor, weight: Tensor, bias: Tensor | None = None, activation: str | None = None, *, mesh, layout: str,
-    document_ids: Tensor | None = None, output_final_state: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
-    """The depthwise causal conv (then ``activation``) over the global sequence, on this rank's shard
-    x [B, C, S_local]; weight [C, K]; bias [C] or None. Each run takes a halo of the K - 1 tokens before
-    it in global order (zeros at the sequence start); with ``document_ids`` no tap crosses a document
-    boundary. Computes in weight's dtype, returns x's (as transformers' causal_conv1d_fn). See Note
-    [Linear attention under CP].
-
-    ``output_final_state=True`` also returns the conv state decoding continues from: the sequence's last K
-    inputs x [B, C, K] in x's dtype (zeros before the sequence start; raw, as transformers' cache and fla keep
-    them), the same on every rank -- from the halo's all-gather, one column more per run (Note [Prefill for
-    decoding])."""
-    group, rank, world = _group(mesh)
-    _check_conv(x, weight, bias, activation, layout, document_ids, group, world)
-
-    b, c, s = x.shape
-    kk = weight.shape[1]
-    starts = _run_starts(layout, rank, world, s)
-    run_len = s // len(starts)
-    t = min(run_len, kk - 1)  # the halo's width
-    tg = min(run_len, kk) if output_final_state else t  # the gathered tails' width
-    runs = [x[..., s0:s0 + run_len] for s0, _ in starts]
-    n = world * len(starts)
-    order = [_owner(layout, world, j) for j in range(n)]
-    if tg:  # every run's last tg tokens, in global order: [B, C, n * t] (the halo) and [B, C, n * tg]
-        tails = torch.stack([r[..., run_len - tg:] for r in runs])
-        every = _gather(tails.flatten(), group, world).view(world, len(starts), b, c, tg)
-        halo_src = torch.cat([every[r, i, ..., tg - t:] for r, i in order], -1)
-    if document_ids is not None:
-        ids = document_ids.to("cpu", torch.int64)
-    if document_ids is not None and t:
-        id_tails = ids[:, [s0 + run_len - t + i for s0, _ in starts for i in range(t)]].view(b, len(starts), t).transpose(0, 1)
-        every_ids = (id_tails.unsqueeze(0) if world == 1 else
-                     all_gather_host(id_tails.contiguous(), host_group(group))).view(world, len(starts), b, t)
-        halo_ids = torch.cat([every_ids[r, i] for r, i in order], -1)  # [B, n * t]
-    w = weight
-    outs = []
-    for (s0, j), run in zip(starts, runs):
-        lo = max(0, j * t - (kk - 1))
-        halo = halo_src[..., lo:j * t] if t else run[..., :0]
-        pad = kk - 1 - halo.shape[-1]  # zeros before the sequence start
-        xe = F.pad(torch.cat([halo, run], -1).to(weight.dtype), (pad, 0))  # [B, C, K - 1 + L]
-        if document_ids is None:
-            out = F.conv1d(xe, w.unsqueeze(1), bias, groups=c)
-        else:
-            # tap i of output p reads xe[p + i]: kept iff that token is in p's document (never before the start)
-            ide = torch.cat([torch.full((b, pad), -1, dtype=torch.int64),
-                             halo_ids[:, lo:j * t] if t else ids[:, :0], ids[:, s0:s0 + run_len]], -1)
-            real = torch.arange(ide.shape[1]) >= pad
-            keep = [((ide[:, i:i + run_len] == ide[:, kk - 1:]) & real[i:i + run_len]).to(x.device) for i in range(kk)]
-            out = sum(xe[..., i:i + run_len] * w[:, i, None] * keep[i][:, None, :].to(xe.dtype) for i in range(kk))
-            if bias is not None:
-                out = out + bias[:, None]
-        if activation is not None:
-            out = F.silu(out)
-        outs.append(out.to(x.dtype))
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, -1)
-    if tg and world > 1 and (not t or all(j == 0 for _, j in starts)):  # the output reads no halo: see _Tie
-        out = _Tie.apply(out, every)
-    if not output_final_state:
-        return out
-    # the last K inputs: the last run's tail when it holds K, else every run whole (tg = run_len)
-    need = -(-kk // tg)  # ceil(K / tg) runs hold the last K inputs
-    last = torch.cat([every[r, i] for r, i in order[-need:]], -1)[..., -kk:]
-    return out, F.pad(last, (kk - last.shape[-1], 0))

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from . import plan as _plan
+from . import plan_documents as _plan_documents
 from . import plan_model as _plan_model
 
 __all__ = ["main", "build_parser"]
@@ -52,6 +53,14 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
                    "(flash-attn's (W, 0)); steps no rank needs are not sent")
     p.add_argument("--mean-doc-len", type=_tokens, help="packed documents of this mean length (block-causal): "
                    "fewer kept pairs, the same K/V bytes")
+    p.add_argument("--doc-lengths", metavar="FILE|DIST",
+                   help="packed documents: a file of lengths (one a line, or whitespace separated; packed in order "
+                   "into --batch rows of --seq-len) or a distribution, lognormal:median=1000,sigma=1.2[,seed=0,cap=C] "
+                   "or fixed:length=L; adds bytes, balance and steps of striped, headtail, contiguous and documents")
+    p.add_argument("--windows", nargs="+", metavar="W", type=_window,
+                   help="with --doc-lengths: every attention layer's left window ('none' for a global layer), "
+                   "e.g. --windows none 4096; the balance and the document placement count them all "
+                   "(default: the one layer of --window)")
     p.add_argument("--link-gbps", type=float, help="ring link bandwidth per rank, GB/s (1e9 B/s)")
     p.add_argument("--tflops", type=float, help="sustained attention throughput, TFLOP/s")
     p.add_argument("--mem-budget-gib", type=float, help="per-rank memory budget (GiB): report the smallest CP that fits")
@@ -63,6 +72,18 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--inter-gbps", type=float, help="per-rank link between islands, GB/s (with --island)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.set_defaults(func=_cmd_plan)
+
+
+def _window(text: str) -> int | None:
+    if text.lower() in ("none", "global", "-1"):
+        return None
+    try:
+        w = int(text)
+    except ValueError:
+        w = -1
+    if w < 0:
+        raise argparse.ArgumentTypeError(f"a layer's window is 'none' (global) or a token count >= 0; got {text!r}")
+    return w
 
 
 def _head_dim(args: argparse.Namespace) -> int:
@@ -95,6 +116,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             raise ValueError(f"no CP up to {args.max_cp} fits {args.mem_budget_gib} GiB per rank.")
     inp = _plan.PlanInput(cp=cp, **fields)
     result = _plan.make_plan(inp, mem_budget_gib=args.mem_budget_gib, max_cp=args.max_cp)
+    docs = None
+    if args.windows is not None and args.doc_lengths is None:
+        raise ValueError("--windows lists the layers for --doc-lengths; give --doc-lengths too (or use --window).")
+    if args.doc_lengths is not None:
+        if args.mean_doc_len is not None:
+            raise ValueError("give the documents once: --doc-lengths or --mean-doc-len, not both.")
+        rows = _plan_documents.doc_rows(_plan_documents.parse_doc_lengths(args.doc_lengths), inp.seq_len, inp.batch)
+        docs = _plan_documents.compare_placements(inp, rows, windows=args.windows)
     exchanges = best = None
     if args.island is not None or args.intra_gbps is not None or args.inter_gbps is not None:
         if None in (args.island, args.intra_gbps, args.inter_gbps):
@@ -107,9 +136,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         if exchanges is not None:
             d["exchanges"] = [dataclasses.asdict(x) | {"total_s": x.total_s} for x in exchanges]
             d["recommended"] = None if best is None else best.name
+        if docs is not None:
+            d["documents"] = [dataclasses.asdict(x) | {"vs_ring": x.vs_ring} for x in docs]
         print(json.dumps(d))
     else:
         print(format_plan(result))
+        if docs is not None:
+            print()
+            print(format_documents(inp, docs, args))
         if exchanges is not None:
             print()
             print(format_exchanges(inp, exchanges, best, args))
@@ -117,7 +151,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def format_exchanges(inp: _plan.PlanInput, exchanges: list, best, args: argparse.Namespace) -> str:
-    """The K/V exchange comparison: one row per way to move K/V (Note [Plan exchanges] in tools/plan.py)."""
+    """The K/V exchange comparison: one row per way to move K/V (Note [Plan exchanges] in tools/plan_exchanges.py)."""
     out = [
         f"K/V exchanges on {inp.cp} ranks, islands of {args.island} at {args.intra_gbps:g} GB/s, "
         f"{args.inter_gbps:g} GB/s between, {inp.tflops:g} TFLOP/s (per rank per layer, fwd+bwd)",
@@ -156,6 +190,22 @@ def _flops(n: float) -> str:
 
 def _secs(s: float) -> str:
     return f"{s * 1e3:,.3f} ms"
+
+
+def format_documents(inp: _plan.PlanInput, docs: list, args: argparse.Namespace) -> str:
+    """The packed documents' table: one row per placement (Note [Plan documents] in tools/plan_documents.py)."""
+    wins = args.windows if args.windows is not None else [inp.window]
+    out = [f"packed documents ({args.doc_lengths}), {inp.batch} row{'s' if inp.batch > 1 else ''} of {inp.seq_len:,}; "
+           f"per rank per layer, forward; balance over layers {['global' if w is None else w for w in wins]}",
+           f"  {'placement':<11}{'exchange':<14}{'steps':>5}  {'K/V rows on the wire':>21}  {'vs ring':>7}  "
+           f"{'rows the masks need':>19}  {'fwd bytes':>22}  balance"]
+    for x in docs:
+        out.append(f"  {x.placement:<11}{x.exchange:<14}{x.steps:>5}  {x.wire_rows_max:>21,}  {x.vs_ring:>7.3f}  "
+                   f"{x.needed_rows_max:>19,}  {_bytes(x.fwd_bytes_max):>22}  {x.balance:.3f}")
+    out.append("  (rows: token positions whose K and V arrive, the busiest rank; vs ring: summed over ranks / the "
+               "striped ring's; balance: max/mean kept causal pairs over ranks; the ring sends every block whatever "
+               "the documents, the document exchange only the rows the masks need; both in --comm-dtype)")
+    return "\n".join(out)
 
 
 def _row(label: str, text: str) -> str:

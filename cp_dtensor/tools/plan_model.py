@@ -6,7 +6,7 @@ Note [Plan model memory]
 Per rank, one forward + backward of a Llama-shaped decoder (H hidden, I the SwiGLU width, L layers, V the
 vocabulary) on S = N / P tokens, in the compute dtype (e bytes) unless stated:
 
-* attention: Note [Plan memory] in plan.py (q, k, v, out, lse saved per layer; one layer's ring working set);
+* attention: Note [Plan memory] in plan_ring.py (q, k, v, out, lse saved per layer; one layer's ring working set);
 * each layer's other saved activations: 4 H e a token (the two norms' outputs, the two residual inputs)
   and the SwiGLU's 4 I e (gate, up, silu(gate), their product). Tiled (``sequence_tiling``): the MLP
   saves nothing of its own (each tile is recomputed), and one tile of T tokens holds ~6 I e a token

@@ -1,4 +1,4 @@
-"""The planner's K/V exchange comparison (Note [Plan exchanges] in tools/plan.py): bytes are the wire
+"""The planner's K/V exchange comparison (Note [Plan exchanges] in tools/plan_exchanges.py): bytes are the wire
 formulas the multi-rank tests count on the wire, times follow the overlap model by hand, and the
 recommendation follows the times and the memory budget."""
 
