@@ -48,69 +48,73 @@ __all__ = ["agree_call", "call_error", "document_attention", "exchange_of", "exc
            "union_layout"]
 
 
-def _needed(lay: DocumentLayout, lo: int | None, hi: int | None) -> Tensor:
-    """bool [P, B, N]: rank r's queries keep some pair with the key at global position j (its own included)."""
-    world, n, s = lay.world, lay.seq_len, lay.s_local
-    ids = lay.ids  # [B, N]
-    b = ids.shape[0]
+def _starts(lay: DocumentLayout) -> Tensor:
+    """int64 [B, N]: the position where each token's document starts."""
+    ids, n = lay.ids, lay.seq_len
     pos = torch.arange(n)
-    new = torch.ones(b, n, dtype=torch.bool)
+    new = torch.ones(ids.shape, dtype=torch.bool)
     new[:, 1:] = ids[:, 1:] != ids[:, :-1]
-    start = torch.where(new, pos, torch.zeros((), dtype=torch.int64)).cummax(1).values  # [B, N] document start
-    out = torch.zeros(world, b, n, dtype=torch.bool)
-    for r in range(world):
-        qpos = lay.order[:, r * s : (r + 1) * s]  # [B, S], sorted
-        first = start if hi is None else torch.maximum(start, pos - hi)  # the earliest query that may keep j
-        idx = torch.searchsorted(qpos, first)  # [B, N]: the first query at or after it
-        ok = idx < s
-        i = qpos.gather(1, idx.clamp(max=s - 1))
-        keep = ok & (ids.gather(1, i) == ids)
-        if lo is not None:
-            keep &= pos - i >= lo
-        out[r] = keep
-    return out
+    return torch.where(new, pos, torch.zeros((), dtype=torch.int64)).cummax(1).values
+
+
+def _needs(lay: DocumentLayout, r: int, keys: Tensor, start: Tensor, lo: int | None, hi: int | None) -> Tensor:
+    """bool [B, M]: rank r's queries keep some pair with the key at each global position of ``keys`` [B, M]
+    (Note [Document exchange bytes] in doc_plan.py): the first query of r's at or after the earliest that may
+    keep it (its document's start, or key - hi), if that query is in the key's document and within lo."""
+    s = lay.s_local
+    qpos = lay.order[:, r * s : (r + 1) * s].contiguous()  # [B, S], sorted
+    first = start.gather(1, keys)
+    if hi is not None:
+        first = torch.maximum(first, keys - hi)
+    idx = torch.searchsorted(qpos, first)  # [B, M]
+    i = qpos.gather(1, idx.clamp(max=s - 1))
+    keep = (idx < s) & (lay.ids.gather(1, i) == lay.ids.gather(1, keys))
+    if lo is not None:
+        keep &= keys - i >= lo
+    return keep
 
 
 def exchange_plan(lay: DocumentLayout, rank: int, is_causal: bool, window) -> dict:
     """The exchange of ``rank`` under the mask (Note [Document exchange]), cached on the layout: the local
     rows it sends to each peer (``send``: flat b * S + i indices, peer-major; ``send_splits``), the rows it
     receives (``recv_splits``; per batch row b, ``rows[b]``: indices into the received buffer and ``pos[b]``:
-    their global positions), ``total``: the rows every rank receives, summed (0: no collective at all)."""
+    their global positions), ``total``: 1 when some document spans ranks (then every rank joins the
+    all-to-all, possibly with nothing to send), else 0 (no collective at all; the same on every rank).
+    O(N log S) host work a rank: its own keys against each peer's queries, every key against its own."""
     lo, hi = mask_bounds(is_causal, window)
     key = (rank, lo, hi)
     if key in lay._cache:
         return lay._cache[key]
-    world, s = lay.world, lay.s_local
-    need = _needed(lay, lo, hi)  # [P, B, N]
+    world, s, b = lay.world, lay.s_local, lay.batch
+    start = _starts(lay)
     owner = torch.empty_like(lay.order)
-    slot = torch.empty_like(lay.order)
-    ar = torch.arange(lay.seq_len).expand_as(lay.order)
-    owner.scatter_(1, lay.order, ar // s)
-    slot.scatter_(1, lay.order, ar % s)
-    b = lay.batch
-    flat = slot + torch.arange(b)[:, None] * s  # [B, N]: a row's flat index in its holder's [B * S] rows
-    send, send_splits, recv_splits, recv_pos, total = [], [], [], [], 0
+    owner.scatter_(1, lay.order, (torch.arange(lay.seq_len) // s).expand_as(lay.order))
+    mine = lay.order[:, rank * s : (rank + 1) * s]  # [B, S]
+    flat = torch.arange(b * s).view(b, s)  # a row's flat index in this rank's [B * S] rows
+    send, send_splits, recv_splits, recv_pos = [], [], [], []
+    need = _needs(lay, rank, torch.arange(lay.seq_len).expand(b, -1), start, lo, hi)  # [B, N]: what I need
     for peer in range(world):
-        out_rows = need[peer] & (owner == rank)  # what peer needs from me
-        send_splits.append(int(out_rows.sum()) if peer != rank else 0)
-        if peer != rank:
-            send.append(flat[out_rows])  # row-major over (b, position): ascending position per b
-        in_rows = need[rank] & (owner == peer)
-        recv_splits.append(int(in_rows.sum()) if peer != rank else 0)
-        if peer != rank:
-            bb, jj = torch.nonzero(in_rows, as_tuple=True)
-            recv_pos.append((bb, jj))
-        total += int((need[peer] & (owner != peer)).sum())
+        if peer == rank:
+            send_splits.append(0)
+            recv_splits.append(0)
+            continue
+        out_rows = _needs(lay, peer, mine, start, lo, hi)  # what peer needs of mine, [B, S]
+        send_splits.append(int(out_rows.sum()))
+        send.append(flat[out_rows])  # row-major over (b, position): ascending position per b
+        in_rows = need & (owner == peer)
+        recv_splits.append(int(in_rows.sum()))
+        recv_pos.append(torch.nonzero(in_rows, as_tuple=True))  # the same order as the peer sends them
     if recv_pos:
         bb = torch.cat([x[0] for x in recv_pos])
         jj = torch.cat([x[1] for x in recv_pos])
     else:
         bb = jj = torch.zeros(0, dtype=torch.int64)
     rows = [torch.nonzero(bb == r, as_tuple=True)[0] for r in range(b)]
+    spans = bool((owner != owner.gather(1, start)).any())  # a document on more than one rank
     plan = {
         "send": torch.cat(send) if send else torch.zeros(0, dtype=torch.int64),
         "send_splits": send_splits, "recv_splits": recv_splits,
-        "rows": rows, "pos": [jj[r] for r in rows], "total": total // 1, "bounds": (lo, hi),
+        "rows": rows, "pos": [jj[r] for r in rows], "total": int(spans), "bounds": (lo, hi),
     }
     lay._cache[key] = plan
     return plan

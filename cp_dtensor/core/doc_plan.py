@@ -25,12 +25,15 @@ The placement is a greedy pass over the documents, longest first:
 
 Longest first leaves the short, cheap documents for last, where they fill the token rooms left with
 little work. A few large documents leave the greedy coarse (14 documents a row: one rank at 0.81 of the
-mean), so a last pass evens it out (``_rebalance``): the busiest rank swaps equally many tokens of a
-document it shares with a less busy one -- its latest queries of it for the other's earliest -- which
-moves work and keeps every token count, and adds no document between the two; swaps repeat until the
-busiest rank is within ``tol / 2`` of the mean or no swap helps; only when the greedy's busiest rank is
-over ``tol`` (its byte-lean placement stands otherwise). A rank's local order is increasing global position, as in every layout, so the local
-causal mask is the global one and ``shard_tensor`` is one gather.
+mean), so a last pass evens it out (``_rebalance``): the busiest rank and a less busy one that share a
+document cut their tokens of it again -- the busier keeps as many tokens as it had, the window of their
+union whose work evens the pair (a query's work grows with its offset), the other the rest. Work moves,
+every token count stays, no document is added between the two, and a document stays a few runs however
+often it is re-cut (the kernels run once per run pair, so fragments would cost time). Re-cuts repeat until
+the busiest rank is within ``tol / 2`` of the mean or none helps; only when the greedy's busiest rank is
+over ``tol`` (its byte-lean placement stands otherwise). A rank's local order is increasing global
+position, as in every layout, so the local causal mask is the global one and ``shard_tensor`` is one
+gather.
 
 Note [Document exchange bytes]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -149,7 +152,7 @@ def plan_row(lengths: list[int], world: int, *, windows: Any = None, tol: float 
             load[r] += _piece_cost(start, lo, hi, h, t, lefts) - rho * t
             room[r] -= t
             lo, hi = lo + h, hi - (t - h)
-    held = _rebalance(held, starts, lefts, tol=tol)
+    held = _rebalance(_defragment(held, starts, lengths, lefts), starts, lefts, tol=tol)
     out = []
     for r in range(world):
         pos = [p for a, b, _ in sorted(held[r]) for p in range(a, b)]
@@ -158,76 +161,165 @@ def plan_row(lengths: list[int], world: int, *, windows: Any = None, tol: float 
     return out
 
 
-def _rebalance(held: list[list[tuple[int, int, int]]], starts: list[int], lefts, *, tol: float, max_swaps: int = 64) -> list[list[tuple[int, int, int]]]:
+def _defragment(held: list[list[tuple[int, int, int]]], starts: list[int], lengths: list[int],
+                lefts) -> list[list[tuple[int, int, int]]]:
+    """``held`` with every document that several ranks share cut again into nested head-tail pieces, one
+    pair per rank (outermost first: the rank holding its first token), each rank keeping its token count
+    and about its work in it. The greedy's pieces may alternate between two ranks many times (one rank's
+    room filled a few tokens at a time: hundreds of runs), and the kernels run once per run pair."""
+    world = len(held)
+    pieces: dict[int, dict[int, list[tuple[int, int]]]] = {}
+    for r, ivs in enumerate(held):
+        for a, b, d in ivs:
+            pieces.setdefault(d, {}).setdefault(r, []).append((a, b))
+    out = [[iv for iv in held[r] if len(pieces[iv[2]]) == 1] for r in range(world)]
+    for d, by_rank in pieces.items():
+        if len(by_rank) == 1:
+            continue
+        start = starts[d]
+        count = {r: sum(b - a for a, b in ivs) for r, ivs in by_rank.items()}
+        work = {r: sum(_prefix_cost(b - start, lefts) - _prefix_cost(a - start, lefts) for a, b in ivs)
+                for r, ivs in by_rank.items()}
+        order = sorted(by_rank, key=lambda r: min(a for a, _ in by_rank[r]))  # the outermost piece first
+        lo, hi = start, start + lengths[d]
+        for i, r in enumerate(order):
+            t = count[r]
+            if i == len(order) - 1:
+                h = t  # the innermost rank takes what is left: [lo, hi)
+            else:
+                a_, b_ = 0, t  # the smallest h whose piece's work is at most the rank's (it falls as h grows)
+                while a_ < b_:
+                    mid = (a_ + b_) // 2
+                    if _piece_cost(start, lo, hi, mid, t, lefts) <= work[r]:
+                        b_ = mid
+                    else:
+                        a_ = mid + 1
+                h = a_
+            for iv in ((lo, lo + h, d), (hi - (t - h), hi, d)):
+                if iv[1] > iv[0]:
+                    out[r].append(iv)
+            lo, hi = lo + h, hi - (t - h)
+    return out
+
+
+def _union(x: list[tuple[int, int]], y: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The union of two disjoint sorted interval lists, sorted, touching intervals joined."""
+    out: list[list[int]] = []
+    for lo, hi in sorted(x + y):
+        if out and out[-1][1] == lo:
+            out[-1][1] = hi
+        else:
+            out.append([lo, hi])
+    return [(lo, hi) for lo, hi in out]
+
+
+def _offset(ivs: list[tuple[int, int]], i: int) -> tuple[int, int]:
+    """(interval index, offset) of the i-th token of the sorted intervals ``ivs`` (i may be their count)."""
+    seen = 0
+    for j, (lo, hi) in enumerate(ivs):
+        if i < seen + hi - lo:
+            return j, lo + i - seen
+        seen += hi - lo
+    return len(ivs), ivs[-1][1] if ivs else 0
+
+
+def _window(ivs: list[tuple[int, int]], i: int, n: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """(tokens [i, i + n) of the sorted intervals ``ivs``, the rest), both as sorted intervals."""
+    inside, rest, seen = [], [], 0
+    for lo, hi in ivs:
+        a, b = max(lo, lo + i - seen), min(hi, lo + i + n - seen)
+        if a < b:
+            inside.append((a, b))
+            rest += [iv for iv in ((lo, a), (b, hi)) if iv[1] > iv[0]]
+        else:
+            rest.append((lo, hi))
+        seen += hi - lo
+    return inside, rest
+
+
+def _rebalance(held: list[list[tuple[int, int, int]]], starts: list[int], lefts, *, tol: float,
+               max_cuts: int = 8) -> list[list[tuple[int, int, int]]]:
     """The greedy placement (``held``: intervals [a, b) of document d per rank), evened out when its busiest
-    rank is more than ``tol`` over the mean, by swaps of equally many tokens *inside* a document two ranks
-    share: the busier rank gives its latest queries of it and takes the other's earliest (a query's work
-    grows with its offset) -- work moves, token counts stay, no new document spans the two ranks. See
-    Note [Document placement]."""
+    rank is more than ``tol`` over the mean, by re-cutting a document two ranks share (``recut``): work
+    moves, token counts stay, no new document spans the two ranks. See Note [Document placement]. Interval
+    arithmetic throughout (a document is a few runs), at most ``max_cuts * world`` re-cuts."""
     world = len(held)
 
-    def cost(o: int) -> int:  # one query's kept pairs at offset o of its document, summed over the layers
-        return sum(o + 1 if left is None else min(o + 1, left + 1) for left in lefts)
+    def work(ivs: list[tuple[int, int]]) -> int:  # kept pairs of the queries at these offsets of a document
+        return sum(_prefix_cost(hi, lefts) - _prefix_cost(lo, lefts) for lo, hi in ivs)
 
     spans: dict[int, set[int]] = {}
     for r, ivs in enumerate(held):
         for _, _, d in ivs:
             spans.setdefault(d, set()).add(r)
     split = {d for d, ranks in spans.items() if len(ranks) > 1}
-    mine: list[dict[int, list[int]]] = [{} for _ in range(world)]  # rank -> split document -> sorted offsets
+    mine: list[dict[int, list[tuple[int, int]]]] = [{} for _ in range(world)]  # rank -> split doc -> offsets
     load = [0] * world
     for r, ivs in enumerate(held):
         for a, b, d in ivs:
             load[r] += _prefix_cost(b - starts[d], lefts) - _prefix_cost(a - starts[d], lefts)
             if d in split:
-                mine[r].setdefault(d, []).extend(range(a - starts[d], b - starts[d]))
+                mine[r][d] = _union(mine[r].get(d, []), [(a - starts[d], b - starts[d])])
     mean = sum(load) / world
     if max(load) <= mean * (1 + tol):
         return held
-    for offs in (o for m in mine for o in m.values()):
-        offs.sort()
 
-    def swap(a: int, b: int):
-        """The best swap from busier ``a`` to ``b``: (the pair's new max, document, k, work moved) or None."""
+    def window_work(union: list[tuple[int, int]], pre: list[int], i: int, n: int) -> int:
+        """Work of tokens [i, i + n) of ``union`` (``pre``: the work before each of its intervals)."""
+        (j0, o0), (j1, o1) = _offset(union, i), _offset(union, i + n)
+        at = lambda j, o: pre[j] + (_prefix_cost(o, lefts) - _prefix_cost(union[j][0], lefts) if j < len(union) else 0)  # noqa: E731
+        return at(j1, o1) - at(j0, o0)
+
+    def recut(a: int, b: int):
+        """The best re-cut from busier ``a`` to ``b``: (the pair's new max, document, a's new intervals, b's,
+        work moved) or None. The two ranks' tokens of a document they share, U (sorted), are cut again: ``a``
+        keeps as many as it had, a window U[i : i + n] (work grows with i), ``b`` the rest -- so repeated
+        re-cuts never fragment a document into more than a few runs."""
         gap, best = load[a] - load[b], None
         for d in mine[a].keys() & mine[b].keys():
-            give, take = mine[a][d][::-1], mine[b][d]  # a's latest first, b's earliest first
-            moved, k = 0, 0
-            for hi, lo in zip(give, take):
-                step = cost(hi) - cost(lo)
-                if step <= 0 or 2 * (moved + step) > gap + step:  # past the middle, or nothing to gain
-                    break
-                moved += step
-                k += 1
-            if k and (best is None or max(load[a] - moved, load[b] + moved) < best[0]):
-                best = (max(load[a] - moved, load[b] + moved), d, k, moved)
+            union = _union(mine[a][d], mine[b][d])
+            pre = [0]
+            for lo, hi in union:
+                pre.append(pre[-1] + _prefix_cost(hi, lefts) - _prefix_cost(lo, lefts))
+            n = sum(hi - lo for lo, hi in mine[a][d])
+            have = work(mine[a][d])
+            want = have - gap / 2  # a's work in d that evens the pair
+            lo_i, hi_i = 0, sum(hi - lo for lo, hi in union) - n  # the smallest i whose window reaches it
+            while lo_i < hi_i:
+                mid = (lo_i + hi_i) // 2
+                if window_work(union, pre, mid, n) >= want:
+                    hi_i = mid
+                else:
+                    lo_i = mid + 1
+            for i in {max(0, lo_i - 1), lo_i}:
+                moved = have - window_work(union, pre, i, n)
+                top = max(load[a] - moved, load[b] + moved)
+                if moved > 0 and top < load[a] and (best is None or top < best[0]):
+                    best = (top, d, *_window(union, i, n), moved)
         return best
 
-    for _ in range(max_swaps * world):
+    for _ in range(max_cuts * world):
         top = max(range(world), key=lambda r: (load[r], -r))
         if load[top] <= mean * (1 + tol / 2):
             break
-        # the busiest rank's best swap; else (no partner it shares a document with is less busy) the
-        # widest pair that can swap, so that work flows towards the busiest rank's partners first
+        # the busiest rank's best re-cut; else (no partner it shares a document with is less busy) the
+        # widest pairs that can re-cut, so that work flows towards the busiest rank's partners first
         pairs = [(top, b) for b in sorted(range(world), key=lambda r: load[r])]
-        pairs += sorted(((a, b) for a in range(world) for b in range(world) if load[a] > load[b]),
-                        key=lambda ab: load[ab[1]] - load[ab[0]])
+        pairs += sorted(((a, b) for a in range(world) for b in range(world) if load[a] > load[b] and mine[a].keys()
+                         & mine[b].keys()), key=lambda ab: load[ab[1]] - load[ab[0]])[: 4 * world]
         for a, b in pairs:
-            if a != b and load[a] > load[b] and (found := swap(a, b)) is not None:
+            if a != b and load[a] > load[b] and (found := recut(a, b)) is not None:
                 break
         else:
             break
-        _, d, k, moved = found
-        give, take = mine[a][d][len(mine[a][d]) - k:], mine[b][d][:k]
-        mine[a][d] = sorted(mine[a][d][: len(mine[a][d]) - k] + take)
-        mine[b][d] = sorted(mine[b][d][k:] + give)
+        _, d, mine[a][d], mine[b][d], moved = found
         load[a] -= moved
         load[b] += moved
     out = []
     for r in range(world):
         ivs = [iv for iv in held[r] if iv[2] not in split]
         for d, offs in mine[r].items():
-            ivs += [(starts[d] + x, starts[d] + y, d) for x, y in _intervals(offs)]
+            ivs += [(starts[d] + x, starts[d] + y, d) for x, y in offs if y > x]
         out.append(ivs)
     return out
 
