@@ -30,7 +30,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("DTensor entry points", {"dtensor.sharding", "dtensor"}),
     ("integrations", {"hf.attention", "hf.cache", "hf.tiling", "hf.generate", "hf.linear", "hf.state", "hf.trainer", "hf.collator", "hf",
                       "checkpoint.dcp", "checkpoint"}
-     | {f"titan.shared.{m}" for m in ("options", "cpu", "data", "float8", "heads", "inner")} | {"titan.shared"}
+     | {f"titan.shared.{m}" for m in ("options", "cpu", "data", "float8", "heads", "inner", "plan")} | {"titan.shared"}
      | {f"titan.v02.{m}" for m in _V02} | {"titan.v02"}
      | {f"titan.v03.{m}" for m in _V03} | {"titan.v03"} | {"titan", "titan.config", "titan.config_registry",
                                                           "titan.train"}),

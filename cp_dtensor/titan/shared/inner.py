@@ -47,10 +47,11 @@ class RingInner(nn.Module):
         return self._sinks_of is not None
 
     def ring(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, heads_dim: int, ids, window, is_causal: bool,
-             scale: float | None, score_mod=None, out_transform=None) -> torch.Tensor:
+             scale: float | None, score_mod=None, out_transform=None, plan=None) -> torch.Tensor:
         """The ring on q, k, v whose heads are dim ``heads_dim`` (1: [B, H, S, D]; 2: [B, S, H, D]); the
         output in the same layout (and, under TP, the same DTensor placement) as q. ``out_transform``
-        (0.3's gpt_oss) runs on the local heads, with :func:`infinite_lse`."""
+        (0.3's gpt_oss) runs on the local heads, with :func:`infinite_lse`. ``plan``: the step's plan the
+        mask carries (a ``DocumentLayout``; None: ``self.layout``): Note [One plan per torchtitan batch]."""
         if score_mod is not None:
             raise NotImplementedError(f"cp_dtensor ring attention takes no flex score_mod; {self.version}'s models "
                                       "pass none.")
@@ -66,7 +67,7 @@ class RingInner(nn.Module):
         if heads_dim == 2:  # [B, S_local, H, D] -> [B, H, S_local, D]
             q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))
         out = ring_attention(
-            q, k, v, mesh=self.group, layout=self.layout, is_causal=is_causal, scale=scale, comm_dtype=self.comm_dtype,
+            q, k, v, mesh=self.group, layout=self.layout if plan is None else plan, is_causal=is_causal, scale=scale, comm_dtype=self.comm_dtype,
             document_ids=ids, window_size=window, sinks=sinks, kv_exchange=self.kv_exchange,
         )  # [B, Hq (/ TP), S_local, Dv]
         if heads_dim == 2:

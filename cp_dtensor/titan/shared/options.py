@@ -26,7 +26,8 @@ class CPDTensor:
     """Context parallelism through cp_dtensor's ring attention (active when context_parallel_degree > 1)."""
 
     layout: str = "striped"
-    """How the sequence is split over the CP ranks: "striped", "headtail" or "contiguous"."""
+    """How the sequence is split over the CP ranks: "striped", "headtail", "contiguous", or "documents" (the
+    batch's documents placed per batch from its document masks: Note [One plan per torchtitan batch])."""
 
     comm_dtype: str | None = None
     """dtype of the K/V blocks on the ring, e.g. "float8_e4m3fn" (about half of bf16's bytes); unset: the input dtype."""
@@ -38,9 +39,9 @@ class CPDTensor:
     """How K/V reach every rank of the ring: "ring" (P - 1 hops) or "allgather" (one gather; Note [All-gather K/V])."""
 
     def __post_init__(self):
-        if self.layout not in LAYOUTS:
+        if self.layout not in (*LAYOUTS, "documents"):
             raise ValueError(
-                f"[cp_dtensor] layout must be one of {', '.join(LAYOUTS)}; got {self.layout!r}. "
+                f"[cp_dtensor] layout must be one of {', '.join(LAYOUTS)}, documents; got {self.layout!r}. "
                 'Set e.g. layout = "striped" in the TOML or pass --cp_dtensor.layout striped.'
             )
         if self.comm_dtype is not None and self.comm_dtype not in COMM_DTYPES:
@@ -55,6 +56,15 @@ class CPDTensor:
         if self.kv_exchange not in KV_EXCHANGES:
             raise ValueError(f"[cp_dtensor] kv_exchange must be one of {', '.join(KV_EXCHANGES)}; got "
                              f'{self.kv_exchange!r}. Set kv_exchange = "ring" (or "allgather") in the TOML.')
+
+        if self.layout == "documents":  # the document exchange: Note [Document exchange] in core/doc_exchange.py
+            clash = [f"{name} = {value!r}" for name, value, default in (
+                ("comm_dtype", self.comm_dtype, None), ("ulysses_degree", self.ulysses_degree, 1),
+                ("kv_exchange", self.kv_exchange, "ring")) if value != default]
+            if clash:
+                raise ValueError(f'[cp_dtensor] layout = "documents" has its own exchange (each needed K/V row sent '
+                                 f"once, in the input dtype, over a 1-D CP group); it does not take {', '.join(clash)}. "
+                                 "Remove those keys, or use a named layout with them.")
 
     @property
     def comm_torch_dtype(self) -> torch.dtype | None:

@@ -47,10 +47,10 @@ from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from ..._compat import TITAN03_CP_STEP
-from ...core.layout import layout_unit
 from ..shared.cpu import init_as_unsharded, unsharded_template, use_for_loop_experts, use_sum_reduction_on_gloo
 from ..shared.heads import ulysses_mesh, ulysses_shard_index
 from ..shared.options import CPDTensor
+from ..shared.plan import DOCUMENTS, titan_unit
 from ._cpu import experts_in_param_dtype
 from .attention import RingInnerAttention, ring_masks, shard_cp_batch
 from .linear import HYBRID, apply_hybrid, check_hybrid, hybrid_masks, is_hybrid, without_cp
@@ -123,13 +123,16 @@ def check_config(config: Any, world_size: int) -> None:
         unsupported.append("--parallelism.pipeline_parallel_degree > 1")
     if par.expert_parallel_degree > 1:
         unsupported.append("--parallelism.expert_parallel_degree > 1")
+    if section.layout == DOCUMENTS and tp > 1:  # Note [One plan per torchtitan batch]
+        unsupported.append("--cp_dtensor.layout documents with --parallelism.tensor_parallel_degree > 1 (not served "
+                           "yet; use a named layout)")
     if unsupported:
         raise ValueError("cp_dtensor context parallelism (torchtitan 0.3) does not support: " + "; ".join(unsupported)
                          + ". Change these or run torchtitan without the plugin.")
     sp = tp if par.enable_sequence_parallel else 1  # sequence parallelism splits each CP rank's tokens over TP
     if cp == 1 and sp == 1:
         return
-    unit = 1 if cp == 1 else layout_unit(section.layout, cp)
+    unit = 1 if cp == 1 else titan_unit(section.layout, cp)
     titan = sp * (1 if cp == 1 else 2 * cp)  # torchtitan's own rule (its Trainer checks it after the process group)
     factors = " * ".join(([] if cp == 1 else ["2 * CP"]) + ([] if sp == 1 else ["TP (sequence parallelism)"]))
     rules = ([] if cp == 1 else [f"the {section.layout} layout on {cp} CP ranks needs a multiple of {unit}"]) + [

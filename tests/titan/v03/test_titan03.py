@@ -95,7 +95,8 @@ def test_resume_cp2_checkpoint_at_cp1(tmp_path, tmp_path_factory):
 
 @_SLOW
 @pytest.mark.parametrize("flags", [["--cp_dtensor.kv_exchange", "allgather"], ["--cp_dtensor.ulysses_degree", "2"],
-                                   ["--cp_dtensor.layout", "contiguous"]], ids=["allgather", "ulysses2", "contiguous"])
+                                   ["--cp_dtensor.layout", "contiguous"], ["--cp_dtensor.layout", "documents"]],
+                         ids=["allgather", "ulysses2", "contiguous", "documents"])
 def test_cp2_options_match_cp1(flags, tmp_path, tmp_path_factory):
     _assert_close(_losses(_run(2, tmp_path, "llama3", *flags)), _cp1("llama3", tmp_path_factory))
 
@@ -292,7 +293,8 @@ def test_moe_experts_compute_in_param_dtype_on_cpu(kind):
 
 def _gpt_oss_attention(rank, world):
     # gpt_oss's attention layers (sinks; sliding window on even layers, documents on all) at CP = 1 (the ring
-    # on this rank alone) and CP = 2: the outputs and the parameter gradients must agree
+    # on this rank alone) and CP = 2, striped and --cp_dtensor.layout documents (one plan of the batch's two
+    # documents, 50 and 78 tokens: the first whole on a rank): the outputs and the parameter gradients must agree
     import torch
     import torch.distributed as dist
     from torchtitan.models.gpt_oss import model_registry
@@ -316,13 +318,14 @@ def _gpt_oss_attention(rank, world):
             return dist.group.WORLD
 
     results = []
-    for cp_mesh in (None, _Mesh()):
-        apply_ring_attention(model, cp_mesh, CPDTensor())
+    for cp_mesh, layout in ((None, "striped"), (_Mesh(), "striped"), (_Mesh(), "documents")):
+        apply_ring_attention(model, cp_mesh, CPDTensor(layout=layout))
         model.zero_grad()
         extra = {"positions": positions.clone(), "attention_masks": ring_masks(cfg, positions)}
-        xs = x
+        xs, plan = x, layout
         if cp_mesh is not None:
-            xs, _, extra = shard_cp_batch(x, x, extra, layout="striped", rank=rank, cp_size=world)
+            xs, _, extra = shard_cp_batch(x, x, extra, layout=layout, rank=rank, cp_size=world)
+            plan = extra["attention_masks"]["basic_mask"].plan or layout  # the step's plan (documents)
         blocks = list(model.layers.values())[:2]  # a sliding-window layer and a full one
         assert [b.attn_mask_key for b in blocks] == ["sliding_window_mask", "basic_mask"]
         outs = [b.attention(xs, extra["attention_masks"][b.attn_mask_key], extra["positions"]) for b in blocks]
@@ -331,14 +334,16 @@ def _gpt_oss_attention(rank, world):
         if cp_mesh is not None:
             for t in grads.values():
                 dist.all_reduce(t)
-        results.append(([o.detach() for o in outs], grads))
-    (ref_outs, ref_grads), (outs, grads) = results
+        results.append(([o.detach() for o in outs], grads, plan))
+    (ref_outs, ref_grads, _), *runs = results
     assert any("sinks" in n for n in grads)
-    for ref, out in zip(ref_outs, outs):
-        torch.testing.assert_close(out, shard_tensor(ref, seq_dim=1, layout="striped", rank=rank, cp_size=world),
-                                   rtol=1e-5, atol=1e-6)
-    for n, g in grads.items():
-        torch.testing.assert_close(g, ref_grads[n], rtol=1e-4, atol=1e-5, msg=n)
+    assert not isinstance(runs[1][2], str), "layout documents: the masks carry the step's plan"
+    for outs, grads, plan in runs:
+        for ref, out in zip(ref_outs, outs):
+            torch.testing.assert_close(out, shard_tensor(ref, seq_dim=1, layout=plan, rank=rank, cp_size=world),
+                                       rtol=1e-5, atol=1e-6)
+        for n, g in grads.items():
+            torch.testing.assert_close(g, ref_grads[n], rtol=1e-4, atol=1e-5, msg=n)
     return True
 
 
@@ -387,7 +392,7 @@ def test_plugin_config_defaults_and_flags(capsys):
     with pytest.raises(SystemExit):  # tyro reports the section's __post_init__ error and exits
         _config("llama3", "--cp_dtensor.layout", "zigzag")
     err = " ".join(capsys.readouterr().err.replace("│", " ").split())  # tyro wraps its message in a box
-    assert "layout must be one of striped, headtail, contiguous; got 'zigzag'" in err
+    assert "layout must be one of striped, headtail, contiguous, documents; got 'zigzag'" in err
 
 
 @pytest.mark.parametrize(("flags", "world", "message"), [
@@ -411,6 +416,10 @@ def test_plugin_config_defaults_and_flags(capsys):
       "132"], 4, r"torchtitan a multiple of 2 \* CP \* TP \(sequence parallelism\) = 8. Use a multiple of 8"),
     (["--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2",
       "--parallelism.expert_parallel_degree", "2"], 4, r"does not support: --parallelism.expert_parallel_degree > 1"),
+    (["--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2", "--cp_dtensor.layout",
+      "documents"], 4, r"does not support: --cp_dtensor.layout documents with --parallelism.tensor_parallel_degree > 1"),
+    (["--parallelism.context_parallel_degree", "4", "--cp_dtensor.layout", "documents", "--training.seq_len", "132"], 4,
+     r"the documents layout on 4 CP ranks needs a multiple of 4 and torchtitan a multiple of 2 \* CP = 8"),
 ])
 def test_start_up_checks(flags, world, message):
     from cp_dtensor.titan.v03 import check_config
