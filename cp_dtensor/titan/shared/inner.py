@@ -55,6 +55,11 @@ class RingInner(nn.Module):
         if score_mod is not None:
             raise NotImplementedError(f"cp_dtensor ring attention takes no flex score_mod; {self.version}'s models "
                                       "pass none.")
+        layout = self.layout if plan is None else plan
+        if layout == "documents":  # See Note [One plan per torchtitan batch]: the masks bring the step's plan
+            raise ValueError("cp_dtensor ring attention: layout documents needs the batch's plan, and this call's mask "
+                             "carries none. The plugin's batch sharding (shard_cp_batch) makes it; shard the batch "
+                             "through it, with the model's own masks.")
         sinks = None if self._sinks_of is None else self._sinks_of.sinks
         if isinstance(sinks, DTensor):  # gpt_oss under TP: sinks [Hq] placed Shard(0), q holds those local heads
             if sinks.placements != (Shard(0),):
@@ -67,7 +72,7 @@ class RingInner(nn.Module):
         if heads_dim == 2:  # [B, S_local, H, D] -> [B, H, S_local, D]
             q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))
         out = ring_attention(
-            q, k, v, mesh=self.group, layout=self.layout if plan is None else plan, is_causal=is_causal, scale=scale, comm_dtype=self.comm_dtype,
+            q, k, v, mesh=self.group, layout=layout, is_causal=is_causal, scale=scale, comm_dtype=self.comm_dtype,
             document_ids=ids, window_size=window, sinks=sinks, kv_exchange=self.kv_exchange,
         )  # [B, Hq (/ TP), S_local, Dv]
         if heads_dim == 2:

@@ -52,6 +52,7 @@ def check_config(job_config: Any, world_size: int) -> None:
             f"Launch a multiple of {cp} ranks or change [parallelism] context_parallel_degree."
         )
     _check_ulysses(job_config, cp, tp)
+    _check_tiling(job_config)
     if cp == 1:
         return
     layout = cp_section(job_config).layout
@@ -98,6 +99,25 @@ def check_config(job_config: Any, world_size: int) -> None:
             "cp_dtensor context parallelism does not support: " + "; ".join(unsupported)
             + ". Turn these off or set context_parallel_degree = 1."
         )
+
+
+def _check_tiling(job_config: Any) -> None:
+    # Note [Sequence tiling in torchtitan]: the loss reads the head's unsharded weights after its forward
+    section = getattr(job_config, "cp_dtensor", None)
+    if section is None or section.tile_size is None:
+        return
+    par = job_config.parallelism
+    clash = []
+    if getattr(par, "fsdp_reshard_after_forward", "default") == "always":
+        clash.append('[parallelism] fsdp_reshard_after_forward = "always" (the tiled loss uses the LM head\'s '
+                     "unsharded weights after its forward)")
+    if par.pipeline_parallel_degree > 1:
+        clash.append("[parallelism] pipeline_parallel_degree > 1")
+    if par.tensor_parallel_degree > 1:
+        clash.append("tensor_parallel_degree > 1 (TP shards the LM head over the vocabulary; not served yet)")
+    if clash:
+        raise ValueError("[cp_dtensor] sequence_tiling does not support " + "; ".join(clash)
+                         + ". Change these or remove sequence_tiling.")
 
 
 def _documents_unsupported(name: str, flavor: str, tp: int) -> list[str]:

@@ -97,12 +97,14 @@ def apply_ring_attention(model: nn.Module, cp_mesh, cfg: CPDTensor) -> nn.Module
         group = ulysses_mesh(cp_mesh, cfg.ulysses_degree)
     else:
         group = cp_mesh.get_group()
+    # CP = 1: every layout is the identity on one rank; "documents" plans only sharded batches (no plan at CP = 1)
+    layout = "striped" if cp_mesh is None and cfg.layout == "documents" else cfg.layout
     for attn in attention_modules(model):
         mask_key = None
         if attn_type == "flex" and hasattr(attn, "use_rope"):  # llama4 passes its whole {"rope", "nope"} dict
             mask_key = "rope" if attn.use_rope else "nope"
         attn.inner_attention = RingAttention(
-            group=group, layout=cfg.layout, comm_dtype=cfg.comm_torch_dtype, mask_key=mask_key,
+            group=group, layout=layout, comm_dtype=cfg.comm_torch_dtype, mask_key=mask_key,
             kv_exchange=cfg.kv_exchange,
             sinks_of=attn if isinstance(getattr(attn, "sinks", None), nn.Parameter) else None,
         )

@@ -714,3 +714,100 @@ def test_tp_refused_for_moe_families(family):
     with pytest.raises(ValueError, match=rf"tensor_parallel_degree > 1 with {family} \(its TP = 2 gradients"):
         check_config(_config(family, *flags), world_size=4)
     check_config(_config(family, "--parallelism.context_parallel_degree", "2"), world_size=2)  # CP alone: served
+
+
+# ---- --cp_dtensor.sequence_tiling (Note [Sequence tiling in torchtitan]) ----
+
+def _tiled_03(rank, world):
+    # llama3's debug model (float64) at CP = 1 and CP = 2 (documents), head + loss and MLPs tiled (tile 5):
+    # the loss and every gradient equal the plain model's with F.cross_entropy over its full logits
+    import torch
+    import torch.distributed as dist
+    from torchtitan.components.loss import CrossEntropyLoss
+    from torchtitan.models.llama3 import model_registry
+
+    from cp_dtensor.titan.shared.options import CPDTensor
+    from cp_dtensor.titan.shared.tiling import apply_sequence_tiling
+    from cp_dtensor.titan.v03.attention import ring_masks, shard_cp_batch
+    from cp_dtensor.titan.v03.tiling import tiled_loss_config
+    from cp_dtensor.titan.v03.trainer import apply_ring_attention
+
+    cfg = model_registry("debugmodel").model
+    g = torch.Generator().manual_seed(1)
+    n = 64
+    tokens = torch.randint(0, 500, (1, n), generator=g)
+    labels = torch.randint(0, 500, (1, n), generator=g)
+    labels[0, :5] = -100
+    positions = torch.cat([torch.arange(20), torch.arange(44)]).unsqueeze(0)  # two documents
+
+    class _Mesh:
+        def get_group(self):
+            return dist.group.WORLD
+
+    results = []
+    for cp_mesh, tile in ((None, None), (None, 5), (_Mesh(), 5)):
+        model = _cpu_model(cfg).double()
+        apply_ring_attention(model, cp_mesh, CPDTensor(layout="documents"))
+        extra = {"positions": positions.clone(), "attention_masks": ring_masks(cfg, positions)}
+        x, y = tokens, labels
+        if cp_mesh is not None:
+            x, y, extra = shard_cp_batch(tokens, labels, extra, layout="documents", rank=rank, cp_size=world)
+        if tile is None:  # the reference: the full head's logits [1, N, V] and F.cross_entropy
+            logits = model(x, **extra)
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum") / 7
+        else:
+            apply_sequence_tiling(model, tile, head_name="lm_head")
+            pred = model(x, **extra)
+            assert pred.shape[-1] == model.lm_head.in_features, "the head must pass the hidden states on"
+            loss, _ = tiled_loss_config(CrossEntropyLoss.Config(), tile).build()(pred, y, torch.tensor(7.0))
+        loss.backward()
+        grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+        if cp_mesh is not None:
+            loss = loss.detach().clone()
+            for t in (loss, *grads.values()):
+                dist.all_reduce(t)
+        results.append((loss.detach(), grads))
+    (want, want_grads), *runs = results
+    for loss, grads in runs:
+        torch.testing.assert_close(loss, want, rtol=1e-10, atol=0)
+        assert set(grads) == set(want_grads)
+        for k, g in grads.items():
+            torch.testing.assert_close(g, want_grads[k], rtol=1e-9, atol=1e-12, msg=k)
+    return True
+
+
+def test_sequence_tiling_matches_untiled():
+    import cp_dtensor.titan  # noqa: F401  (imports torchtitan before the ranks fork)
+    from _dist import run_ranks
+
+    assert run_ranks(2, _tiled_03) == [True, True]
+
+
+def test_sequence_tiling_config_and_refusals():
+    from torchtitan.components.loss import ChunkedLossWrapper, MSELoss
+
+    from cp_dtensor.titan.v03 import check_config
+    from cp_dtensor.titan.v03.tiling import TiledCrossEntropyLoss, tiled_loss_config
+
+    assert _config("llama3", "--cp_dtensor.sequence_tiling=64").cp_dtensor.tile_size == 64
+    assert _config("llama3").cp_dtensor.tile_size is None
+    assert tiled_loss_config(_config("llama3").loss, 64).build().tiled is not None
+    assert isinstance(tiled_loss_config(_config("llama3").loss, 64).build(), TiledCrossEntropyLoss)
+    assert isinstance(_config("llama3").loss, ChunkedLossWrapper.Config)  # 0.3's default, replaced by the tiles
+    with pytest.raises(ValueError, match=r"sequence_tiling tiles torchtitan's CrossEntropyLoss .* this job's loss is "
+                                         r"MSELoss.Config"):
+        tiled_loss_config(MSELoss.Config(), 64)
+    with pytest.raises(ValueError, match=r"sequence_tiling with --parallelism.tensor_parallel_degree > 1"):
+        check_config(_config("llama3", "--cp_dtensor.sequence_tiling=64", "--parallelism.tensor_parallel_degree", "2"),
+                     world_size=2)
+    from cp_dtensor.titan.shared.options import CPDTensor
+
+    with pytest.raises(ValueError, match=r"\[cp_dtensor\] sequence_tiling must be True, False or a positive int"):
+        CPDTensor(sequence_tiling=0)
+
+
+@_SLOW
+def test_cp2_tiled_job_matches_cp1(tmp_path, tmp_path_factory):
+    out = _run(2, tmp_path, "llama3", "--cp_dtensor.sequence_tiling=32")
+    assert "cp_dtensor: sequence tiling, 32 tokens a tile: the LM head + loss and" in out
+    _assert_close(_losses(out), _cp1("llama3", tmp_path_factory))
