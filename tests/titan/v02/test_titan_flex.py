@@ -196,3 +196,33 @@ def test_documents_layout_matches_dense_reference(case):
     # documents of 1, 2, 31, 7 and 23 tokens, row 1 one document), the batch, positions and masks sharded with it
     missing = run_ranks(2, _cp2_matches_reference, case, "documents")
     assert missing == [[], []], f"parameters without a gradient under CP: {missing}"
+
+
+def _other_batch_on_one_rank(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from cp_dtensor.titan import CPDTensor, apply_ring_attention
+    from cp_dtensor.titan.v02.attention import shard_cp_batch
+
+    family, flavor, overrides = CASES["llama3_flex"]
+    model = _model(family, flavor, overrides)
+    tokens, labels = _batch()
+    if rank == 1:  # this CP rank read other documents: its plan differs from rank 0's
+        tokens[0, 50] = EOS
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    apply_ring_attention(model, mesh, CPDTensor(layout="documents"))
+    masks = model.get_attention_masks(tokens, types.SimpleNamespace(eos_id=EOS))
+    x, _, kw = shard_cp_batch(tokens, labels, {"attention_masks": masks}, mesh, torch.device("cpu"), layout="documents")
+    try:
+        model(x, **kw)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_documents_layout_with_different_batches_raises_on_every_rank():
+    # every CP rank must read the same batch; a rank whose documents differ makes another plan, which the ring's
+    # agreement catches on every rank before any K/V moves (no hang, nothing silently wrong)
+    errors = run_ranks(2, _other_batch_on_one_rank)
+    assert errors[0] is not None and errors[0] == errors[1], errors
+    assert "needs the same layout key on every rank" in errors[0], errors
