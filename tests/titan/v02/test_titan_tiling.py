@@ -170,12 +170,14 @@ def test_non_linear_head_is_refused_by_name():
         apply_sequence_tiling(model, 8)
 
 
-@slow("two end-to-end torchtitan runs (~60 s on 2 CPU cores)")
-def test_cp2_tiled_job_matches_cp1_untiled(tmp_path):
-    # the whole job: FSDP over the CP ranks (the head's unsharded weight in the loss), 4 steps
+@slow("two end-to-end torchtitan runs (~60-100 s on 2 CPU cores)")
+@pytest.mark.parametrize("flags", [[], ["--compile.enable"]], ids=["eager", "compiled"])
+def test_cp2_tiled_job_matches_cp1_untiled(flags, tmp_path):
+    # the whole job: FSDP over the CP ranks (the head's unsharded weight in the loss), 4 steps; compiled: torchtitan
+    # compiles each block (fullgraph) with its tiled, checkpointed MLP inside
     ref = step_losses(torchrun(1, tmp_path / "cp1", "--parallelism.context_parallel_degree", "1",
                                "--training.steps", "4"), last=4)
     out = torchrun(2, tmp_path / "cp2", "--parallelism.context_parallel_degree", "2", "--cp_dtensor.sequence_tiling=64",
-                   "--training.steps", "4")
+                   "--training.steps", "4", *flags)
     assert "cp_dtensor: sequence tiling, 64 tokens a tile: the LM head + loss and 6 MLPs" in out
     assert step_losses(out, last=4) == pytest.approx(ref, rel=1e-5)
