@@ -333,8 +333,9 @@ def test_shard_cp_batch_documents_refuses_masks_without_documents():
         (["--parallelism.tensor_parallel_degree", "2"], 4, r'"documents" with tensor_parallel_degree > 1'),
         (["--parallelism.context_parallel_degree", "4", "--training.seq_len", "250"], 4,
          r"documents layout on 4 CP ranks needs a multiple of 4"),
+        (["--compile.enable"], 2, r'"documents" with \[compile\] enable for the model \(the document exchange'),
     ],
-    ids=["sdpa", "llama4", "tp", "seq_len"],
+    ids=["sdpa", "llama4", "tp", "seq_len", "compile"],
 )
 def test_bad_documents_config_is_rejected(overrides, world, message):
     from cp_dtensor.titan import check_config
@@ -358,9 +359,10 @@ def test_documents_layout_refuses_other_exchanges(key):
 def test_cp2_documents_layout_matches_cp1(tmp_path):
     # [cp_dtensor] layout = "documents" on the block_causal flex flavor (the tiny data packs eos-separated
     # documents into every row): the plan of each batch's documents, all steps' losses equal CP = 1's
+    flags: list[str] = []
     flex = ["--model.flavor", "debugmodel_flex_attn", "--training.steps", str(STEPS)]
     ref = _losses(_torchrun(1, tmp_path / "cp1", "--parallelism.context_parallel_degree", "1", *flex))
     out = _torchrun(2, tmp_path / "cp2", "--parallelism.context_parallel_degree", "2", "--cp_dtensor.layout",
-                    "documents", *flex)
+                    "documents", *flex, *flags)
     assert "Applied cp_dtensor ring attention (layout=documents)" in out
     _assert_close(_losses(out), ref)

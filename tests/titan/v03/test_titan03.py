@@ -418,6 +418,8 @@ def test_plugin_config_defaults_and_flags(capsys):
       "--parallelism.expert_parallel_degree", "2"], 4, r"does not support: --parallelism.expert_parallel_degree > 1"),
     (["--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2", "--cp_dtensor.layout",
       "documents"], 4, r"does not support: --cp_dtensor.layout documents with --parallelism.tensor_parallel_degree > 1"),
+    (["--parallelism.context_parallel_degree", "2", "--cp_dtensor.layout", "documents", "--compile.enable"], 2,
+     r"--cp_dtensor.layout documents with --compile.enable for the model"),
     (["--parallelism.context_parallel_degree", "4", "--cp_dtensor.layout", "documents", "--training.seq_len", "132"], 4,
      r"the documents layout on 4 CP ranks needs a multiple of 4 and torchtitan a multiple of 2 \* CP = 8"),
 ])
