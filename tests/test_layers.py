@@ -12,7 +12,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "cp_dtensor"
 # Bottom to top. A module may import modules of its own layer or a lower one; the cycle check keeps
 # each layer's own imports a DAG. A package's __init__ sits with its modules' top layer.
 _V02 = ("config", "attention", "families", "flex", "resume", "spec", "validate", "trainer")
-_V03 = ("_cpu", "attention", "linear", "trainer", "main")
+_V03 = ("_cpu", "attention", "linear", "trainer", "main", "tiling")
 LAYERS: list[tuple[str, set[str]]] = [
     ("private torch touch points, deprecation, torch-free layout facts",
      {"_compat", "_deprecated", "_extras", "checkpoint.manifest", "core.layout", "core.kernels", "core.linear_plan",
@@ -33,7 +33,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("DTensor entry points", {"dtensor.sharding", "dtensor"}),
     ("integrations", {"hf.attention", "hf.cache", "hf.documents", "hf.tiling", "hf.generate", "hf.linear", "hf.state", "hf.trainer", "hf.collator", "hf",
                       "checkpoint.dcp", "checkpoint"}
-     | {f"titan.shared.{m}" for m in ("options", "cpu", "data", "float8", "heads", "inner")} | {"titan.shared"}
+     | {f"titan.shared.{m}" for m in ("options", "cpu", "data", "float8", "heads", "inner", "plan", "tiling")} | {"titan.shared"}
      | {f"titan.v02.{m}" for m in _V02} | {"titan.v02"}
      | {f"titan.v03.{m}" for m in _V03} | {"titan.v03"} | {"titan", "titan.config", "titan.config_registry",
                                                           "titan.train"}),

@@ -47,13 +47,19 @@ class RingInner(nn.Module):
         return self._sinks_of is not None
 
     def ring(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, heads_dim: int, ids, window, is_causal: bool,
-             scale: float | None, score_mod=None, out_transform=None) -> torch.Tensor:
+             scale: float | None, score_mod=None, out_transform=None, plan=None) -> torch.Tensor:
         """The ring on q, k, v whose heads are dim ``heads_dim`` (1: [B, H, S, D]; 2: [B, S, H, D]); the
         output in the same layout (and, under TP, the same DTensor placement) as q. ``out_transform``
-        (0.3's gpt_oss) runs on the local heads, with :func:`infinite_lse`."""
+        (0.3's gpt_oss) runs on the local heads, with :func:`infinite_lse`. ``plan``: the step's plan the
+        mask carries (a ``DocumentLayout``; None: ``self.layout``): Note [One plan per torchtitan batch]."""
         if score_mod is not None:
             raise NotImplementedError(f"cp_dtensor ring attention takes no flex score_mod; {self.version}'s models "
                                       "pass none.")
+        layout = self.layout if plan is None else plan
+        if layout == "documents":  # See Note [One plan per torchtitan batch]: the masks bring the step's plan
+            raise ValueError("cp_dtensor ring attention: layout documents needs the batch's plan, and this call's mask "
+                             "carries none. The plugin's batch sharding (shard_cp_batch) makes it; shard the batch "
+                             "through it, with the model's own masks.")
         sinks = None if self._sinks_of is None else self._sinks_of.sinks
         if isinstance(sinks, DTensor):  # gpt_oss under TP: sinks [Hq] placed Shard(0), q holds those local heads
             if sinks.placements != (Shard(0),):
@@ -66,7 +72,7 @@ class RingInner(nn.Module):
         if heads_dim == 2:  # [B, S_local, H, D] -> [B, H, S_local, D]
             q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))
         out = ring_attention(
-            q, k, v, mesh=self.group, layout=self.layout, is_causal=is_causal, scale=scale, comm_dtype=self.comm_dtype,
+            q, k, v, mesh=self.group, layout=layout, is_causal=is_causal, scale=scale, comm_dtype=self.comm_dtype,
             document_ids=ids, window_size=window, sinks=sinks, kv_exchange=self.kv_exchange,
         )  # [B, Hq (/ TP), S_local, Dv]
         if heads_dim == 2:

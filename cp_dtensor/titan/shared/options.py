@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ...core.layout import LAYOUTS
+from ...core.tiling import check_tile_size
 from ...core.wire import KV_EXCHANGES  # kv_exchange values, as ring_attention(kv_exchange=...) takes them
 
 __all__ = ["COMM_DTYPES", "CPDTensor"]
@@ -26,7 +27,8 @@ class CPDTensor:
     """Context parallelism through cp_dtensor's ring attention (active when context_parallel_degree > 1)."""
 
     layout: str = "striped"
-    """How the sequence is split over the CP ranks: "striped", "headtail" or "contiguous"."""
+    """How the sequence is split over the CP ranks: "striped", "headtail", "contiguous", or "documents" (the
+    batch's documents placed per batch from its document masks: Note [One plan per torchtitan batch])."""
 
     comm_dtype: str | None = None
     """dtype of the K/V blocks on the ring, e.g. "float8_e4m3fn" (about half of bf16's bytes); unset: the input dtype."""
@@ -37,10 +39,14 @@ class CPDTensor:
     kv_exchange: str = "ring"
     """How K/V reach every rank of the ring: "ring" (P - 1 hops) or "allgather" (one gather; Note [All-gather K/V])."""
 
+    sequence_tiling: bool | int = False
+    """The LM head + cross-entropy and the MLPs in sequence tiles (true: 1024 tokens a tile, or an int): no
+    [S_local, vocab] logits in forward or backward (Note [Sequence tiling in torchtitan])."""
+
     def __post_init__(self):
-        if self.layout not in LAYOUTS:
+        if self.layout not in (*LAYOUTS, "documents"):
             raise ValueError(
-                f"[cp_dtensor] layout must be one of {', '.join(LAYOUTS)}; got {self.layout!r}. "
+                f"[cp_dtensor] layout must be one of {', '.join(LAYOUTS)}, documents; got {self.layout!r}. "
                 'Set e.g. layout = "striped" in the TOML or pass --cp_dtensor.layout striped.'
             )
         if self.comm_dtype is not None and self.comm_dtype not in COMM_DTYPES:
@@ -55,6 +61,25 @@ class CPDTensor:
         if self.kv_exchange not in KV_EXCHANGES:
             raise ValueError(f"[cp_dtensor] kv_exchange must be one of {', '.join(KV_EXCHANGES)}; got "
                              f'{self.kv_exchange!r}. Set kv_exchange = "ring" (or "allgather") in the TOML.')
+
+        try:
+            check_tile_size(self.sequence_tiling)
+        except ValueError as e:
+            raise ValueError(f"[cp_dtensor] {e} Set sequence_tiling = true (or e.g. 2048) in the TOML, pass "
+                             "--cp_dtensor.sequence_tiling 2048, or remove the key.") from None
+        if self.layout == "documents":  # the document exchange: Note [Document exchange] in core/doc_exchange.py
+            clash = [f"{name} = {value!r}" for name, value, default in (
+                ("comm_dtype", self.comm_dtype, None), ("ulysses_degree", self.ulysses_degree, 1),
+                ("kv_exchange", self.kv_exchange, "ring")) if value != default]
+            if clash:
+                raise ValueError(f'[cp_dtensor] layout = "documents" has its own exchange (each needed K/V row sent '
+                                 f"once, in the input dtype, over a 1-D CP group); it does not take {', '.join(clash)}. "
+                                 "Remove those keys, or use a named layout with them.")
+
+    @property
+    def tile_size(self) -> int | None:
+        """Tokens per tile of ``sequence_tiling`` (None: off)."""
+        return check_tile_size(self.sequence_tiling)
 
     @property
     def comm_torch_dtype(self) -> torch.dtype | None:

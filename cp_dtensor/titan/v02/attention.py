@@ -5,7 +5,8 @@ Note [CP batch and positions]
 Every CP rank of a data-parallel group reads the same full batch; before the forward each keeps its
 ``layout`` shard of the sequence dimension of inputs [B, N] and labels [B, N] (N = seq_len), so each
 rank holds S_local = N / P tokens. RoPE must rotate a token by its *global* position, so the model
-also receives ``positions`` [1, S_local] = ``local_positions(layout, rank, P, N)``; llama3, llama4,
+also receives ``positions`` [1, S_local] = ``local_positions(layout, rank, P, N)`` ([B, S_local] under the documents
+layout, whose rows place their documents apart: Note [One plan per torchtitan batch]); llama3, llama4,
 qwen3 and deepseek_v3 index their RoPE tables with them (``positions`` is a forward argument there;
 gpt_oss, which has none, is handled in families.py). A flex flavor's masks (``RingMask``, Note [Flex
 masks as ring masks] in flex.py) carry global document ids [B, N]; they are sharded in the same layout.
@@ -26,13 +27,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ...core.layout import check_seq_len, local_positions, shard_tensor
 from ..shared.heads import (
     ulysses_mesh,  # noqa: F401  (the old path cp_dtensor.titan.attention's name)
     ulysses_shard_index,
 )
 from ..shared.inner import RingInner, infinite_lse
-from .flex import RingMask, shard_masks
+from ..shared.plan import check_titan_seq_len, rope_positions, shard_rows
+from .flex import RingMask, mask_plan, shard_masks
 
 __all__ = ["RingAttention", "shard_cp_batch"]
 
@@ -61,17 +62,17 @@ class RingAttention(RingInner):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         # q, k: [B, Hq | Hkv, S_local, Dqk]; v: [B, Hkv, S_local, Dv] (GQA when Hq > Hkv, whatever enable_gqa says)
         mask = block_mask[self.mask_key] if isinstance(block_mask, dict) else block_mask
-        ids, window = None, None
+        ids, window, plan = None, None, None
         if mask is not None:
             if not isinstance(mask, RingMask):
                 raise TypeError(f"cp_dtensor ring attention got a {type(mask).__name__} mask; it needs the plugin's "
                                 "RingMask (Note [Flex masks as ring masks]). Apply the plugin to the whole model.")
-            ids, window, is_causal = mask.ids, mask.window_size, mask.is_causal
+            ids, window, is_causal, plan = mask.ids, mask.window_size, mask.is_causal, mask.plan
         if return_lse and not self.has_sinks:
             raise NotImplementedError("cp_dtensor ring attention returns an lse only for gpt_oss-style sinks "
                                       "(Note [gpt_oss sinks] in families.py); this model asked for one without sinks.")
         out = self.ring(q, k, v, heads_dim=1, ids=ids, window=window, is_causal=is_causal, scale=scale,
-                        score_mod=score_mod)  # [B, Hq, S_local, Dv]; See Note [TP heads into the ring]
+                        score_mod=score_mod, plan=plan)  # [B, Hq, S_local, Dv]; See Note [TP heads into the ring]
         # gpt_oss rescales by sigmoid(lse - sinks) itself: See Note [gpt_oss sinks] in families.py
         return (out, infinite_lse(out)) if return_lse else out
 
@@ -95,17 +96,20 @@ def shard_cp_batch(
     Same signature as torchtitan's ``prepare_context_parallel_input`` (whose place it takes), plus
     ``layout`` and ``ulysses`` (the U of Note [Ulysses in torchtitan]: the shard is then that of
     ``ulysses_shard_index``); ``load_balancer_type`` is ignored: the layout decides the balance.
-    inputs, labels: [B, N] -> [B, S_local]; adds extra_kwargs["positions"]: [1, S_local]; the ids of
-    extra_kwargs["attention_masks"] (RingMask or a dict of them): [B, N] -> [B, S_local].
+    inputs, labels: [B, N] -> [B, S_local]; adds extra_kwargs["positions"]: [1, S_local] ([B, S_local] under
+    ``layout="documents"``); the ids of extra_kwargs["attention_masks"] (RingMask or a dict of them): [B, N] ->
+    [B, S_local]. ``layout="documents"`` plans the batch's documents from those masks first (Note [One plan
+    per torchtitan batch] in titan/shared/plan.py) and shards everything with that plan.
     """
     rank, world = cp_mesh.get_local_rank(), cp_mesh.size()
     rank = ulysses_shard_index(rank, world, ulysses)  # this rank's 1-D shard index; = rank when ulysses == 1
     seq_len = inputs.shape[1]
     # e.g. a validation seq_len that the start-up check did not see
-    check_seq_len(layout, world, seq_len, fix="Change [training]/[validation] seq_len.")
-    if extra_kwargs.get("attention_masks") is not None:
-        extra_kwargs["attention_masks"] = shard_masks(extra_kwargs["attention_masks"], layout=layout, rank=rank, world=world)
-    inputs = shard_tensor(inputs, seq_dim=1, layout=layout, rank=rank, cp_size=world)
-    labels = shard_tensor(labels, seq_dim=1, layout=layout, rank=rank, cp_size=world)
-    extra_kwargs["positions"] = local_positions(layout=layout, rank=rank, cp_size=world, seq_len=seq_len).to(device).unsqueeze(0)
+    check_titan_seq_len(layout, world, seq_len, fix="Change [training]/[validation] seq_len.")
+    masks = extra_kwargs.get("attention_masks")
+    plan = mask_plan(masks, layout=layout, world=world)  # once per batch: Note [One plan per torchtitan batch]
+    if masks is not None:
+        extra_kwargs["attention_masks"] = shard_masks(masks, layout=plan, rank=rank, world=world)
+    inputs, labels = shard_rows(inputs, plan, rank, world), shard_rows(labels, plan, rank, world)
+    extra_kwargs["positions"] = rope_positions(plan, rank, world, seq_len).to(device)
     return inputs, labels, extra_kwargs

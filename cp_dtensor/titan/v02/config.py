@@ -8,8 +8,8 @@ annotations`` here: tyro resolves the field types in torchtitan's namespace.)
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...core.layout import layout_unit
 from ..shared.options import COMM_DTYPES, CPDTensor
+from ..shared.plan import DOCUMENTS, titan_unit
 
 __all__ = ["COMM_DTYPES", "FAMILIES", "CPDTensor", "JobConfig", "check_config", "cp_section"]
 
@@ -52,10 +52,11 @@ def check_config(job_config: Any, world_size: int) -> None:
             f"Launch a multiple of {cp} ranks or change [parallelism] context_parallel_degree."
         )
     _check_ulysses(job_config, cp, tp)
+    _check_tiling(job_config)
     if cp == 1:
         return
     layout = cp_section(job_config).layout
-    unit = layout_unit(layout, cp)
+    unit = titan_unit(layout, cp)
     seq_len = training.seq_len
     if seq_len % (unit * tp) != 0:
         why = f"the {layout} layout on {cp} CP ranks needs a multiple of {unit}"
@@ -91,11 +92,51 @@ def check_config(job_config: Any, world_size: int) -> None:
     elif (attn := _attn_type(name, job_config.model.flavor)) not in ("sdpa", "flex"):
         unsupported.append(f'[model] flavor = "{job_config.model.flavor}" with attn_type "{attn}" (the ring serves '
                            '"sdpa" and "flex" flavors, e.g. "debugmodel", "debugmodel_flex_attn")')
+    if layout == DOCUMENTS and not unsupported:
+        unsupported.extend(_documents_unsupported(name, job_config.model.flavor, tp))
+        comp = getattr(job_config, "compile", None)
+        if comp is not None and comp.enable and "model" in comp.components:
+            unsupported.append('layout = "documents" with [compile] enable for the model (the document exchange plans '
+                               "its rows from the batch's ids on the host: not traceable yet; compile the loss only, "
+                               "or use a named layout)")
     if unsupported:
         raise ValueError(
             "cp_dtensor context parallelism does not support: " + "; ".join(unsupported)
             + ". Turn these off or set context_parallel_degree = 1."
         )
+
+
+def _check_tiling(job_config: Any) -> None:
+    # Note [Sequence tiling in torchtitan]: the loss reads the head's unsharded weights after its forward
+    section = getattr(job_config, "cp_dtensor", None)
+    if section is None or section.tile_size is None:
+        return
+    par = job_config.parallelism
+    clash = []
+    if getattr(par, "fsdp_reshard_after_forward", "default") == "always":
+        clash.append('[parallelism] fsdp_reshard_after_forward = "always" (the tiled loss uses the LM head\'s '
+                     "unsharded weights after its forward)")
+    if par.pipeline_parallel_degree > 1:
+        clash.append("[parallelism] pipeline_parallel_degree > 1")
+    if par.tensor_parallel_degree > 1:
+        clash.append("tensor_parallel_degree > 1 (TP shards the LM head over the vocabulary; not served yet)")
+    if clash:
+        raise ValueError("[cp_dtensor] sequence_tiling does not support " + "; ".join(clash)
+                         + ". Change these or remove sequence_tiling.")
+
+
+def _documents_unsupported(name: str, flavor: str, tp: int) -> list[str]:
+    # layout = "documents" plans the documents of the batch's block_causal masks: Note [One plan per torchtitan batch]
+    args = _flavor_args(name, flavor)
+    out = []
+    if getattr(args, "attn_type", "sdpa") != "flex" or getattr(args, "attn_mask_type", "causal") != "block_causal":
+        out.append(f'layout = "documents" with [model] {name} flavor "{flavor}" (its masks mark no documents: the '
+                   'documents come from a flex flavor with attn_mask_type = "block_causal", e.g. "debugmodel_flex_attn")')
+    if getattr(args, "every_n_layers_nope", None) is not None:
+        out.append('layout = "documents" with llama4\'s chunked attention (its RoPE layers mask chunks, not documents)')
+    if tp > 1:
+        out.append('layout = "documents" with tensor_parallel_degree > 1 (not served yet; use a named layout)')
+    return out
 
 
 def _check_ulysses(job_config: Any, cp: int, tp: int) -> None:

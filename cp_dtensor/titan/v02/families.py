@@ -16,7 +16,8 @@ wrapper -- with ``block_mask=`` the model's mask on flex flavors. So CP needs on
    FlexAttention has no CPU backward, and CP = 1 and CP = P compute the same masks this way.
 3. RoPE by global position: the batch carries ``positions`` (Note [CP batch and positions]). gpt_oss's
    forward takes none and slices its RoPE table ``[0:S]``; a forward pre-hook takes ``positions`` and
-   gives the model, for that forward, the table's rows at those positions (``_rope_rows_by_position``).
+   gives the model, for that forward, the table's rows at those positions (``_rope_rows_by_position``);
+   per-row positions [B, S_local] (the documents layout) give each row its own rows (``_per_row_rope``).
 
 Note [gpt_oss sinks]
 ~~~~~~~~~~~~~~~~~~~~
@@ -96,12 +97,14 @@ def apply_ring_attention(model: nn.Module, cp_mesh, cfg: CPDTensor) -> nn.Module
         group = ulysses_mesh(cp_mesh, cfg.ulysses_degree)
     else:
         group = cp_mesh.get_group()
+    # CP = 1: every layout is the identity on one rank; "documents" plans only sharded batches (no plan at CP = 1)
+    layout = "striped" if cp_mesh is None and cfg.layout == "documents" else cfg.layout
     for attn in attention_modules(model):
         mask_key = None
         if attn_type == "flex" and hasattr(attn, "use_rope"):  # llama4 passes its whole {"rope", "nope"} dict
             mask_key = "rope" if attn.use_rope else "nope"
         attn.inner_attention = RingAttention(
-            group=group, layout=cfg.layout, comm_dtype=cfg.comm_torch_dtype, mask_key=mask_key,
+            group=group, layout=layout, comm_dtype=cfg.comm_torch_dtype, mask_key=mask_key,
             kv_exchange=cfg.kv_exchange,
             sinks_of=attn if isinstance(getattr(attn, "sinks", None), nn.Parameter) else None,
         )
@@ -128,20 +131,49 @@ def _rope_rows_by_position(model: nn.Module) -> None:
     def take(module, args, kwargs):
         positions = kwargs.pop("positions", None)
         if positions is not None:
-            if positions.shape[0] != 1:
-                raise ValueError(f"{type(module).__name__}: per-sample positions {list(positions.shape)} are not supported; "
-                                 "cp_dtensor passes one row [1, S_local].")
             table = getattr(module, name)
-            saved.append(table)
-            setattr(module, name, table[positions[0]])  # [S_local, ...]: row i is global position positions[0, i]
+            swap = None
+            if positions.shape[0] != 1:  # the documents layout: rows hold different positions
+                swap = _per_row_rope(module, positions.shape)
+            saved.append((table, swap))
+            setattr(module, name, table[positions[0]] if swap is None else table[positions])  # [(B,) S_local, ...]
         return args, kwargs
 
     def restore(module, args, output):
         if saved:
-            setattr(module, name, saved.pop())
+            table, swap = saved.pop()
+            setattr(module, name, table)
+            if swap is not None:
+                swap()
 
     model.register_forward_pre_hook(take, with_kwargs=True)
     model.register_forward_hook(restore, always_call=True)
+
+
+def _per_row_rope(model: nn.Module, shape) -> callable:
+    """gpt_oss's ``reshape_for_broadcast`` takes one table row per position ([S, 2 Dh]); under the documents
+    layout every row of the batch holds other positions, so for the forward its module's function takes a
+    table [B, S, 2 Dh] as [B, S, 1, 2 Dh] (broadcast over heads). Returns the undo."""
+    import sys
+
+    module = sys.modules[type(model).__module__]
+    original = getattr(module, "reshape_for_broadcast", None)
+    if original is None:
+        raise ValueError(f"{type(model).__name__}: per-row positions {list(shape)} (the documents layout) need its "
+                         "module's reshape_for_broadcast, which it has not. Use a named layout or local_batch_size = 1.")
+
+    @functools.wraps(original)
+    def per_row(rope_cache, x):
+        if rope_cache.dim() == 3:  # [B, S, 2 Dh]: row b's table at its positions
+            return rope_cache.view(rope_cache.shape[0], rope_cache.shape[1], 1, rope_cache.shape[2])
+        return original(rope_cache, x)
+
+    module.reshape_for_broadcast = per_row
+
+    def undo() -> None:
+        module.reshape_for_broadcast = original
+
+    return undo
 
 
 def apply_family_fixes(model: nn.Module) -> None:

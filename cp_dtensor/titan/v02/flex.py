@@ -32,14 +32,15 @@ gpt_oss's ``block_causal`` basic mask is torchtitan's document mask *without* th
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from ...core.layout import shard_tensor
+from ..shared.plan import batch_plan, check_mask_ids, shard_rows
 
-__all__ = ["RingMask", "document_ids", "chunk_ids", "ring_masks", "shard_masks"]
+__all__ = ["RingMask", "document_ids", "chunk_ids", "ring_masks", "mask_plan", "shard_masks"]
 
 
 class RingMask(BlockMask):
@@ -48,20 +49,23 @@ class RingMask(BlockMask):
     ids: Tensor | None  # [B, N] global, or [B, S_local] after shard_masks; None: no documents
     is_causal: bool
     window_size: tuple[int, int] | None
+    plan: Any  # None, or the step's DocumentLayout after shard_masks: Note [One plan per torchtitan batch]
 
     @classmethod
-    def make(cls, ids: Tensor | None, *, is_causal: bool = True, window_size: tuple[int, int] | None = None) -> RingMask:
+    def make(cls, ids: Tensor | None, *, is_causal: bool = True, window_size: tuple[int, int] | None = None,
+             plan: Any = None) -> RingMask:
         one = torch.zeros(1, 1, 1, dtype=torch.int32)  # a single-block BlockMask, never used by any kernel
         mask = cls.from_kv_blocks(one, one.unsqueeze(-1), BLOCK_SIZE=1, seq_lengths=(1, 1), compute_q_blocks=False)
-        mask.ids, mask.is_causal, mask.window_size = ids, is_causal, window_size
+        mask.ids, mask.is_causal, mask.window_size, mask.plan = ids, is_causal, window_size, plan
         return mask
 
-    def with_ids(self, ids: Tensor | None) -> RingMask:
-        return RingMask.make(ids, is_causal=self.is_causal, window_size=self.window_size)
+    def with_ids(self, ids: Tensor | None, plan: Any = None) -> RingMask:
+        return RingMask.make(ids, is_causal=self.is_causal, window_size=self.window_size, plan=plan)
 
     def __repr__(self) -> str:
         ids = None if self.ids is None else f"ids{list(self.ids.shape)}"
-        return f"RingMask({ids}, is_causal={self.is_causal}, window_size={self.window_size})"
+        plan = "" if self.plan is None else f", plan={self.plan!r}"
+        return f"RingMask({ids}, is_causal={self.is_causal}, window_size={self.window_size}{plan})"
 
     __str__ = __repr__
 
@@ -104,18 +108,40 @@ def ring_masks(model, input_batch: Tensor, tokenizer, extra_inputs=None):
     return RingMask.make(docs)
 
 
-def shard_masks(masks, *, layout: str, rank: int, world: int):
-    """``masks`` (a RingMask or a dict of them) with every [B, N] id tensor replaced by its layout shard."""
-    def one(m: RingMask) -> RingMask:
-        if m.ids is None:
-            return m
-        return m.with_ids(shard_tensor(m.ids, seq_dim=1, layout=layout, rank=rank, cp_size=world).contiguous())
-
+def _as_dict(masks) -> dict[str, RingMask]:
     if isinstance(masks, RingMask):
-        return one(masks)
+        return {"": masks}
     if isinstance(masks, dict) and all(isinstance(m, RingMask) for m in masks.values()):
-        return {k: one(m) for k, m in masks.items()}
+        return masks
     raise NotImplementedError(
         f"cp_dtensor cannot shard attention masks of type {type(masks).__name__}: only the ring's own masks "
         "(RingMask). The plugin replaces the model's get_attention_masks when it applies the ring; was it applied?")
 
+
+def mask_plan(masks, *, layout: str, world: int):
+    """The step's plan from the full batch's masks (Note [One plan per torchtitan batch]): ``layout`` for a
+    name; for "documents" the ``DocumentLayout`` of the masks' documents, balanced over their windows."""
+    if layout != "documents":
+        return layout
+    found = {} if masks is None else _as_dict(masks)
+    docs = found.get("nope", found.get("basic_mask", next(iter(found.values()), None)))  # llama4 / gpt_oss / one
+    windows = [m.window_size for m in found.values()] or None  # gpt_oss: a global layer beside a window layer
+    plan = batch_plan(layout, world, None if docs is None else docs.ids, windows=windows)
+    for key, m in found.items():
+        check_mask_ids(plan, m.ids, repr(key) if key else "model's")
+    return plan
+
+
+def shard_masks(masks, *, layout, rank: int, world: int):
+    """``masks`` (a RingMask or a dict of them) with every [B, N] id tensor replaced by its shard in ``layout``
+    (a name, or the step's plan, which each mask then carries to the ring)."""
+    plan = None if isinstance(layout, str) else layout
+
+    def one(m: RingMask) -> RingMask:
+        if m.ids is None:
+            return m.with_ids(None, plan)
+        return m.with_ids(shard_rows(m.ids, layout, rank, world), plan)
+
+    if isinstance(masks, RingMask):
+        return one(masks)
+    return {k: one(m) for k, m in _as_dict(masks).items()}

@@ -65,6 +65,7 @@ from ..shared.cpu import (
     use_param_dtype,
     use_sum_reduction_on_gloo,
 )
+from ..shared.tiling import apply_sequence_tiling, tiled_loss
 from .attention import RingAttention, shard_cp_batch
 from .config import FAMILIES, CPDTensor, check_config, cp_section
 from .families import (
@@ -140,6 +141,11 @@ def parallelize_with_ring(model: nn.Module, parallel_dims, job_config, *, titan_
     # CPU: Note [torchtitan on CPU] 6; pipeline stages keep torchtitan's per-stage seeds
     template = None if parallel_dims.pp_enabled else unsharded_template(model)
     apply_family_fixes(model)
+    tile = getattr(getattr(job_config, "cp_dtensor", None), "tile_size", None)
+    if tile is not None:  # before the family's AC / compile / FSDP wrap the blocks: Note [Sequence tiling in torchtitan]
+        tiled, whole = apply_sequence_tiling(model, tile)
+        logger.info(f"cp_dtensor: sequence tiling, {tile} tokens a tile: the LM head + loss and {tiled} MLPs"
+                    + (f" ({whole} MoE layers whole)" if whole else ""))
 
     flex = getattr(model.model_args, "attn_type", "sdpa") == "flex"
     with contextlib.ExitStack() as stack:
@@ -189,7 +195,19 @@ def train_spec(family: str):
         flavors[name] = args
     spec.model_args = flavors
     spec.build_validator_fn = build_ring_validator  # see Note [Validation under CP] in validate.py
+    spec.build_loss_fn = _tiled_loss_builder(spec.build_loss_fn)
     return spec
+
+
+def _tiled_loss_builder(build):
+    # the spec's loss, tiled with the head when [cp_dtensor] sequence_tiling is on: Note [Sequence tiling in torchtitan]
+    @functools.wraps(build)
+    def wrapped(job_config, *args, **kwargs):
+        loss_fn = build(job_config, *args, **kwargs)
+        tile = getattr(getattr(job_config, "cp_dtensor", None), "tile_size", None)
+        return loss_fn if tile is None else tiled_loss(loss_fn, tile)
+
+    return wrapped
 
 
 def _refusing_cp(parallelize_fn):

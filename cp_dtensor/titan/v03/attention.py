@@ -43,8 +43,9 @@ from typing import Any
 
 import torch
 
-from ...core.layout import check_seq_len, shard_tensor
+from ...core.documents import full_document_ids
 from ..shared.inner import RingInner
+from ..shared.plan import batch_plan, check_mask_ids, check_titan_seq_len, shard_rows
 
 __all__ = ["RingDocs", "RingInnerAttention", "ring_masks", "shard_cp_batch"]
 
@@ -55,11 +56,13 @@ class RingDocs:
 
     ids: torch.Tensor  # [B, N] document ids (global), or [B, S_local] after shard_cp_batch; non-decreasing along N
     window_size: tuple[int, int] | None = None  # gpt_oss sliding window W: (W - 1, 0)
+    plan: Any = None  # the step's DocumentLayout after shard_cp_batch: Note [One plan per torchtitan batch]
 
 
 def document_ids(positions: torch.Tensor) -> torch.Tensor:
-    """[B, N] positions (0 where a document starts) -> [B, N] int64 document ids (0.3's own rule)."""
-    return torch.cumsum((positions == 0).to(torch.int64), dim=1)
+    """[B, N] positions (0 where a document starts) -> [B, N] int64 document ids (0.3's own rule; the one
+    derivation every door uses: ``full_document_ids``, Note [One plan per batch] in core/documents.py)."""
+    return full_document_ids(position_ids=positions, where="torchtitan 0.3")
 
 
 def ring_masks(model_config, positions: torch.Tensor):
@@ -83,20 +86,31 @@ def ring_masks(model_config, positions: torch.Tensor):
 def shard_cp_batch(inputs: torch.Tensor, labels: torch.Tensor, extra: dict[str, Any], *, layout: str, rank: int,
                    cp_size: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
     """This CP rank's share of a batch (Note [0.3 inner attention as the ring]): inputs, labels and
-    positions [B, N] -> [B, S_local]; every ``RingDocs`` id tensor alike. 0.2.2's glue has the same name
+    positions [B, N] -> [B, S_local]; every ``RingDocs`` id tensor alike. ``layout="documents"`` first plans
+    the batch's documents from the masks' full ids (Note [One plan per torchtitan batch] in
+    titan/shared/plan.py), shards everything with that plan and hands it to the ring in the masks. 0.2.2's glue has the same name
     (``v02.attention.shard_cp_batch``, in torchtitan's own signature); the public ``cp_dtensor.shard_batch``
     shards any batch structure over a mesh."""
     world = cp_size
-    check_seq_len(layout, world, inputs.shape[1], fix="Change --training.seq_len (or the validator's seq_len).")
+    check_titan_seq_len(layout, world, inputs.shape[1], fix="Change --training.seq_len (or the validator's seq_len).")
+    masks = extra.get("attention_masks")
+    found = {"": masks} if isinstance(masks, RingDocs) else dict(masks or {})
+    ids = next((m.ids for m in found.values()), None)
+    if ids is None and extra.get("positions") is not None:
+        ids = document_ids(extra["positions"])
+    windows = [m.window_size for m in found.values()] or None  # gpt_oss: a global layer beside a window layer
+    plan = batch_plan(layout, world, ids, windows=windows)  # once per batch: Note [One plan per torchtitan batch]
+    for key, m in found.items():
+        check_mask_ids(plan, m.ids, repr(key) if key else "model's")
+    carried = None if isinstance(plan, str) else plan
 
     def shard(x: torch.Tensor) -> torch.Tensor:
-        return shard_tensor(x, seq_dim=1, layout=layout, rank=rank, cp_size=world).contiguous()
+        return shard_rows(x, plan, rank, world)
 
-    masks = extra.get("attention_masks")
     if isinstance(masks, RingDocs):
-        extra["attention_masks"] = dataclasses.replace(masks, ids=shard(masks.ids))
+        extra["attention_masks"] = dataclasses.replace(masks, ids=shard(masks.ids), plan=carried)
     elif isinstance(masks, dict):
-        extra["attention_masks"] = {k: dataclasses.replace(m, ids=shard(m.ids)) for k, m in masks.items()}
+        extra["attention_masks"] = {k: dataclasses.replace(m, ids=shard(m.ids), plan=carried) for k, m in masks.items()}
     if extra.get("positions") is not None:
         extra["positions"] = shard(extra["positions"])
     return shard(inputs), shard(labels), extra
@@ -114,19 +128,19 @@ class RingInnerAttention(RingInner):
                 scale: float | None = None, enable_gqa: bool = False, out_transform=None, score_mod=None,
                 **kwargs) -> torch.Tensor:
         # q: [B, S_local, Hq, Dqk]; k: [B, S_local, Hkv, Dqk]; v: [B, S_local, Hkv, Dv]
-        ids, window = None, None
+        ids, window, plan = None, None, None
         if attention_masks is not None:
             if not isinstance(attention_masks, RingDocs):
                 raise TypeError(f"cp_dtensor ring attention got a {type(attention_masks).__name__} mask; it needs "
                                 "the plugin's RingDocs (Note [0.3 inner attention as the ring]). Train through "
                                 "cp_dtensor's trainer (python -m cp_dtensor.titan.train).")
-            ids, window = attention_masks.ids, attention_masks.window_size
+            ids, window, plan = attention_masks.ids, attention_masks.window_size, attention_masks.plan
         if out_transform is not None and not self.has_sinks:
             raise NotImplementedError("cp_dtensor ring attention hands out_transform an lse only for gpt_oss-style "
                                       "sinks (Note [0.3 inner attention as the ring]); this model has none.")
         # See Note [0.3 TP heads into the ring]: the adapter runs the ring on this TP rank's heads
         return self.ring(q, k, v, heads_dim=2, ids=ids, window=window, is_causal=True, scale=scale,
-                         score_mod=score_mod, out_transform=out_transform)  # [B, S_local, Hq (/ TP), Dv]
+                         score_mod=score_mod, out_transform=out_transform, plan=plan)  # [B, S_local, Hq (/ TP), Dv]
 
 
 def __getattr__(name: str):

@@ -47,13 +47,15 @@ from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from ..._compat import TITAN03_CP_STEP
-from ...core.layout import layout_unit
 from ..shared.cpu import init_as_unsharded, unsharded_template, use_for_loop_experts, use_sum_reduction_on_gloo
 from ..shared.heads import ulysses_mesh, ulysses_shard_index
 from ..shared.options import CPDTensor
+from ..shared.plan import DOCUMENTS, titan_unit
+from ..shared.tiling import apply_sequence_tiling
 from ._cpu import experts_in_param_dtype
 from .attention import RingInnerAttention, ring_masks, shard_cp_batch
 from .linear import HYBRID, apply_hybrid, check_hybrid, hybrid_masks, is_hybrid, without_cp
+from .tiling import tiled_loss_config
 
 __all__ = ["FAMILIES", "CPTrainer", "as_cp_config", "check_config"]
 
@@ -123,13 +125,26 @@ def check_config(config: Any, world_size: int) -> None:
         unsupported.append("--parallelism.pipeline_parallel_degree > 1")
     if par.expert_parallel_degree > 1:
         unsupported.append("--parallelism.expert_parallel_degree > 1")
+    if section.tile_size is not None:  # Note [Sequence tiling in torchtitan]
+        if tp > 1:
+            unsupported.append("--cp_dtensor.sequence_tiling with --parallelism.tensor_parallel_degree > 1 (TP shards "
+                               "the LM head over the vocabulary; not served yet)")
+        if getattr(par, "fsdp_reshard_after_forward", "default") == "always":
+            unsupported.append("--cp_dtensor.sequence_tiling with --parallelism.fsdp_reshard_after_forward always (the "
+                               "tiled loss uses the LM head's unsharded weights after its forward)")
+    if section.layout == DOCUMENTS and tp > 1:  # Note [One plan per torchtitan batch]
+        unsupported.append("--cp_dtensor.layout documents with --parallelism.tensor_parallel_degree > 1 (not served "
+                           "yet; use a named layout)")
+    if section.layout == DOCUMENTS and cp > 1 and config.compile.enable and "model" in config.compile.components:
+        unsupported.append("--cp_dtensor.layout documents with --compile.enable for the model (the document exchange "
+                           "plans its rows from the batch's ids on the host: not traceable yet; use a named layout)")
     if unsupported:
         raise ValueError("cp_dtensor context parallelism (torchtitan 0.3) does not support: " + "; ".join(unsupported)
                          + ". Change these or run torchtitan without the plugin.")
     sp = tp if par.enable_sequence_parallel else 1  # sequence parallelism splits each CP rank's tokens over TP
     if cp == 1 and sp == 1:
         return
-    unit = 1 if cp == 1 else layout_unit(section.layout, cp)
+    unit = 1 if cp == 1 else titan_unit(section.layout, cp)
     titan = sp * (1 if cp == 1 else 2 * cp)  # torchtitan's own rule (its Trainer checks it after the process group)
     factors = " * ".join(([] if cp == 1 else ["2 * CP"]) + ([] if sp == 1 else ["TP (sequence parallelism)"]))
     rules = ([] if cp == 1 else [f"the {section.layout} layout on {cp} CP ranks needs a multiple of {unit}"]) + [
@@ -205,6 +220,8 @@ def apply_ring_attention(model: nn.Module, cp_mesh: DeviceMesh | None, section: 
         group = cp_mesh.get_group()
     if is_hybrid(model.config):
         return apply_hybrid(model, group, section)  # Note [qwen3_5 under the 0.3 plugin]
+    # CP = 1: every layout is the identity on one rank; "documents" plans only sharded batches (no plan at CP = 1)
+    layout = "striped" if cp_mesh is None and section.layout == "documents" else section.layout
     ring = []
     for i, block in model.layers.items():
         attn = getattr(block, "attention", None)
@@ -213,7 +230,7 @@ def apply_ring_attention(model: nn.Module, cp_mesh: DeviceMesh | None, section: 
                              "linear-attention layer?); the ring serves full-attention decoders. Set "
                              "--parallelism.context_parallel_degree 1 and run torchtitan without the plugin.")
         sinks = attn if isinstance(getattr(attn, "sinks", None), nn.Parameter) else None
-        attn.inner_attention = RingInnerAttention(group=group, layout=section.layout, comm_dtype=section.comm_torch_dtype,
+        attn.inner_attention = RingInnerAttention(group=group, layout=layout, comm_dtype=section.comm_torch_dtype,
                                                   kv_exchange=section.kv_exchange, sinks_of=sinks)
         ring.append(attn.inner_attention)
     return ring
@@ -262,6 +279,10 @@ def parallelize_with_ring(model: nn.Module, *, titan_fn, section: CPDTensor, par
     if n := _experts_return_input_dtype(model):
         logger.info(f"cp_dtensor: {n} gpt_oss expert modules return their input's dtype (fp32 training)")
     cp_mesh = parallel_dims.get_mesh("cp") if parallel_dims.cp_enabled else None
+    if section.tile_size is not None:  # Note [Sequence tiling in torchtitan] (titan/shared/tiling.py)
+        tiled, whole = apply_sequence_tiling(model, section.tile_size, head_name="lm_head")
+        logger.info(f"cp_dtensor: sequence tiling, {section.tile_size} tokens a tile: the LM head + loss and {tiled} "
+                    "MLPs" + (f" ({whole} MoE layers whole)" if whole else ""))
     if parallel_dims.tp_enabled:
         _retie_after_parallelize(model)
     ring = apply_ring_attention(model, cp_mesh, section)
@@ -298,6 +319,8 @@ class CPTrainer(Trainer):
 
     def __init__(self, config: Config):
         check_config(config, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        if config.cp_dtensor.tile_size is not None:  # the loss is built before the model: see v03/tiling.py
+            config.loss = tiled_loss_config(config.loss, config.cp_dtensor.tile_size)
         spec = config.model_spec
         if not getattr(spec.parallelize_fn, "_cp_dtensor", False):
             fn = functools.partial(parallelize_with_ring, titan_fn=spec.parallelize_fn, section=config.cp_dtensor)

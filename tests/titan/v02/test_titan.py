@@ -177,7 +177,7 @@ def test_gpu_example_configs_parse(name):
 def test_unknown_layout_is_rejected():
     from cp_dtensor.titan import CPDTensor
 
-    with pytest.raises(ValueError, match=r"layout must be one of striped, headtail, contiguous; got 'diagonal'"):
+    with pytest.raises(ValueError, match=r"layout must be one of striped, headtail, contiguous, documents; got 'diagonal'"):
         CPDTensor(layout="diagonal")
 
 
@@ -269,3 +269,100 @@ def test_varlen_attention_flavor_is_rejected():
         model = Transformer(llama3_args["debugmodel_varlen_attn"])
     with pytest.raises(ValueError, match=r'supports attn_type "sdpa" and "flex"; this model flavor uses "varlen"'):
         apply_ring_attention(model, None, CPDTensor())
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_shard_cp_batch_documents_plans_the_batch_once(world):
+    # layout = "documents": one plan from the full batch's block_causal documents shards tokens, labels, RoPE
+    # positions and the mask ids alike. Reference: the token at global position p is inputs[b, p]; every
+    # position is held exactly once (where the planner puts them: tests/core/test_documents.py).
+    import torch
+
+    from cp_dtensor.core.documents import DocumentLayout
+    from cp_dtensor.titan.v02.attention import shard_cp_batch
+    from cp_dtensor.titan.v02.flex import RingMask
+
+    g = torch.Generator().manual_seed(0)
+    n = 64
+    inputs = torch.randint(0, 1000, (2, n), generator=g)
+    labels = torch.randint(0, 1000, (2, n), generator=g)
+    starts = [[0, 3, 5, 40, 47], [0, 60]]  # row 0: documents of 3, 2, 35, 7, 17 tokens; row 1: 60 and 4
+    ids = torch.zeros(2, n, dtype=torch.long)
+    for b, row in enumerate(starts):
+        for s in row[1:]:
+            ids[b, s:] += 1
+    held = [[] for _ in range(2)]
+    for rank in range(world):
+        masks = {"basic_mask": RingMask.make(ids), "sliding_window_mask": RingMask.make(ids, window_size=(7, 0))}
+        x, y, kw = shard_cp_batch(inputs, labels, {"attention_masks": masks}, _FakeCPMesh(rank, world),
+                                  torch.device("cpu"), layout="documents")
+        pos = kw["positions"]
+        assert pos.shape == x.shape == y.shape == (2, n // world)
+        assert torch.equal(x, inputs.gather(1, pos)) and torch.equal(y, labels.gather(1, pos))
+        for m in kw["attention_masks"].values():
+            assert isinstance(m.plan, DocumentLayout) and m.plan is kw["attention_masks"]["basic_mask"].plan
+            assert torch.equal(m.ids, ids.gather(1, pos))
+        assert kw["attention_masks"]["sliding_window_mask"].window_size == (7, 0)
+        for b in range(2):
+            held[b].append(set(pos[b].tolist()))
+    for b in range(2):
+        assert sorted(p for h in held[b] for p in h) == list(range(n))
+
+
+def test_shard_cp_batch_documents_refuses_masks_without_documents():
+    import torch
+
+    from cp_dtensor.titan.v02.attention import shard_cp_batch
+    from cp_dtensor.titan.v02.flex import RingMask
+
+    x = torch.zeros(1, 8, dtype=torch.long)
+    with pytest.raises(ValueError, match=r'layout = "documents" needs the batch\'s documents'):
+        shard_cp_batch(x, x, {}, _FakeCPMesh(0, 2), torch.device("cpu"), layout="documents")
+    ids = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]])
+    chunks = {"rope": RingMask.make(ids * 2 + torch.arange(8) // 4), "nope": RingMask.make(ids)}  # llama4's
+    with pytest.raises(ValueError, match=r"the 'rope' mask masks by other ids"):
+        shard_cp_batch(x, x, {"attention_masks": chunks}, _FakeCPMesh(0, 2), torch.device("cpu"), layout="documents")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "world", "message"),
+    [
+        (["--model.flavor", "debugmodel"], 2, r'layout = "documents" with \[model\] llama3 flavor "debugmodel" \(its '
+         r"masks mark no documents"),
+        (["--model.name", "llama4", "--model.flavor", "debugmodel_irope"], 2, r"llama4's chunked attention"),
+        (["--parallelism.tensor_parallel_degree", "2"], 4, r'"documents" with tensor_parallel_degree > 1'),
+        (["--parallelism.context_parallel_degree", "4", "--training.seq_len", "250"], 4,
+         r"documents layout on 4 CP ranks needs a multiple of 4"),
+        (["--compile.enable"], 2, r'"documents" with \[compile\] enable for the model \(the document exchange'),
+    ],
+    ids=["sdpa", "llama4", "tp", "seq_len", "compile"],
+)
+def test_bad_documents_config_is_rejected(overrides, world, message):
+    from cp_dtensor.titan import check_config
+
+    cfg = _parse(CONFIG, "--cp_dtensor.layout", "documents", "--model.flavor", "debugmodel_flex_attn", *overrides)
+    with pytest.raises(ValueError, match=message):
+        check_config(cfg, world_size=world)
+
+
+@pytest.mark.parametrize("key", [["--cp_dtensor.comm_dtype", "bfloat16"], ["--cp_dtensor.kv_exchange", "allgather"],
+                                 ["--cp_dtensor.ulysses_degree", "2"]], ids=["comm_dtype", "kv_exchange", "ulysses"])
+def test_documents_layout_refuses_other_exchanges(key):
+    from cp_dtensor.titan import CPDTensor
+
+    name, value = key[0].split(".")[1], key[1]
+    with pytest.raises(ValueError, match=rf'layout = "documents" has its own exchange .* does not take {name}'):
+        CPDTensor(layout="documents", **{name: int(value) if value.isdigit() else value})
+
+
+@_E2E
+def test_cp2_documents_layout_matches_cp1(tmp_path):
+    # [cp_dtensor] layout = "documents" on the block_causal flex flavor (the tiny data packs eos-separated
+    # documents into every row): the plan of each batch's documents, all steps' losses equal CP = 1's
+    flags: list[str] = []
+    flex = ["--model.flavor", "debugmodel_flex_attn", "--training.steps", str(STEPS)]
+    ref = _losses(_torchrun(1, tmp_path / "cp1", "--parallelism.context_parallel_degree", "1", *flex))
+    out = _torchrun(2, tmp_path / "cp2", "--parallelism.context_parallel_degree", "2", "--cp_dtensor.layout",
+                    "documents", *flex, *flags)
+    assert "Applied cp_dtensor ring attention (layout=documents)" in out
+    _assert_close(_losses(out), ref)

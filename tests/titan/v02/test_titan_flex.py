@@ -118,10 +118,15 @@ def _reference(model, family: str, tokens, labels):
     return logits.detach(), {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
 
 
+def _masks(masks) -> list:
+    return list(masks.values()) if isinstance(masks, dict) else [masks]
+
+
 def _cp2_matches_reference(rank, world, case, layout):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    from cp_dtensor.core.documents import DocumentLayout
     from cp_dtensor.titan import CPDTensor, apply_ring_attention
     from cp_dtensor.titan.v02.attention import shard_cp_batch
 
@@ -135,8 +140,11 @@ def _cp2_matches_reference(rank, world, case, layout):
     masks = model.get_attention_masks(tokens, types.SimpleNamespace(eos_id=EOS))
     x, y, kw = shard_cp_batch(tokens, labels, {"attention_masks": masks}, mesh, torch.device("cpu"), layout=layout)
     logits = model(x, **kw)
-    pos = kw["positions"][0]
-    torch.testing.assert_close(logits, ref_logits[:, pos], rtol=1e-9, atol=1e-9)
+    pos = kw["positions"].expand(B, -1)  # [B, S_local]: per row under the documents layout
+    if layout == "documents":
+        assert all(isinstance(m.plan, DocumentLayout) for m in _masks(kw["attention_masks"]))
+    want = ref_logits.gather(1, pos[..., None].expand(-1, -1, ref_logits.shape[-1]))
+    torch.testing.assert_close(logits, want, rtol=1e-9, atol=1e-9)
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")
     loss.backward()
     for name, p in model.named_parameters():
@@ -179,3 +187,42 @@ def test_documents_are_torchtitans():
     same = chunks[:, :, None] == chunks[:, None, :]
     want = (ids[:, :, None] == ids[:, None, :]) & ((q // 16) == (k // 16))
     assert torch.equal(same, want)
+
+
+@pytest.mark.parametrize("case", ["llama3_flex", "gpt_oss_block_causal", pytest.param("qwen3_flex", marks=slow()),
+                                  pytest.param("deepseek_v3_flex", marks=slow())])
+def test_documents_layout_matches_dense_reference(case):
+    # [cp_dtensor] layout = "documents": one plan per batch from the block_causal masks' documents (row 0 packed
+    # documents of 1, 2, 31, 7 and 23 tokens, row 1 one document), the batch, positions and masks sharded with it
+    missing = run_ranks(2, _cp2_matches_reference, case, "documents")
+    assert missing == [[], []], f"parameters without a gradient under CP: {missing}"
+
+
+def _other_batch_on_one_rank(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from cp_dtensor.titan import CPDTensor, apply_ring_attention
+    from cp_dtensor.titan.v02.attention import shard_cp_batch
+
+    family, flavor, overrides = CASES["llama3_flex"]
+    model = _model(family, flavor, overrides)
+    tokens, labels = _batch()
+    if rank == 1:  # this CP rank read other documents: its plan differs from rank 0's
+        tokens[0, 50] = EOS
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    apply_ring_attention(model, mesh, CPDTensor(layout="documents"))
+    masks = model.get_attention_masks(tokens, types.SimpleNamespace(eos_id=EOS))
+    x, _, kw = shard_cp_batch(tokens, labels, {"attention_masks": masks}, mesh, torch.device("cpu"), layout="documents")
+    try:
+        model(x, **kw)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_documents_layout_with_different_batches_raises_on_every_rank():
+    # every CP rank must read the same batch; a rank whose documents differ makes another plan, which the ring's
+    # agreement catches on every rank before any K/V moves (no hang, nothing silently wrong)
+    errors = run_ranks(2, _other_batch_on_one_rank)
+    assert errors[0] is not None and errors[0] == errors[1], errors
+    assert "needs the same layout key on every rank" in errors[0], errors

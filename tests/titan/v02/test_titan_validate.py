@@ -145,3 +145,15 @@ def test_validation_cp2_matches_cp1(toml, tmp_path):
     cp2 = _validation_losses(torchrun(2, tmp_path / "cp2", "--parallelism.context_parallel_degree", "2",
                                        *_VALIDATION, config=config))
     assert cp2 == pytest.approx(cp1, rel=2e-5), f"{toml}: validation CP=2 {cp2} vs CP=1 {cp1}"
+
+
+@slow("two torchrun jobs (~60 s each on 2 CPU cores)")
+def test_validation_documents_and_tiling_cp2_match_cp1(tmp_path):
+    # the validator shards through the same plan (layout documents) and computes the spec's (tiled) loss
+    config = CONFIGS / "llama3_flex_debug.toml"
+    cp1 = _validation_losses(torchrun(1, tmp_path / "cp1", "--parallelism.context_parallel_degree", "1",
+                                       *_VALIDATION, config=config))
+    cp2 = _validation_losses(torchrun(2, tmp_path / "cp2", "--parallelism.context_parallel_degree", "2",
+                                       "--cp_dtensor.layout", "documents", "--cp_dtensor.sequence_tiling=64",
+                                       *_VALIDATION, config=config))
+    assert cp2 == pytest.approx(cp1, rel=2e-5), f"validation CP=2 documents + tiling {cp2} vs CP=1 {cp1}"

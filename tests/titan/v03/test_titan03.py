@@ -95,7 +95,8 @@ def test_resume_cp2_checkpoint_at_cp1(tmp_path, tmp_path_factory):
 
 @_SLOW
 @pytest.mark.parametrize("flags", [["--cp_dtensor.kv_exchange", "allgather"], ["--cp_dtensor.ulysses_degree", "2"],
-                                   ["--cp_dtensor.layout", "contiguous"]], ids=["allgather", "ulysses2", "contiguous"])
+                                   ["--cp_dtensor.layout", "contiguous"], ["--cp_dtensor.layout", "documents"]],
+                         ids=["allgather", "ulysses2", "contiguous", "documents"])
 def test_cp2_options_match_cp1(flags, tmp_path, tmp_path_factory):
     _assert_close(_losses(_run(2, tmp_path, "llama3", *flags)), _cp1("llama3", tmp_path_factory))
 
@@ -292,7 +293,8 @@ def test_moe_experts_compute_in_param_dtype_on_cpu(kind):
 
 def _gpt_oss_attention(rank, world):
     # gpt_oss's attention layers (sinks; sliding window on even layers, documents on all) at CP = 1 (the ring
-    # on this rank alone) and CP = 2: the outputs and the parameter gradients must agree
+    # on this rank alone) and CP = 2, striped and --cp_dtensor.layout documents (one plan of the batch's two
+    # documents, 50 and 78 tokens: the first whole on a rank): the outputs and the parameter gradients must agree
     import torch
     import torch.distributed as dist
     from torchtitan.models.gpt_oss import model_registry
@@ -316,13 +318,14 @@ def _gpt_oss_attention(rank, world):
             return dist.group.WORLD
 
     results = []
-    for cp_mesh in (None, _Mesh()):
-        apply_ring_attention(model, cp_mesh, CPDTensor())
+    for cp_mesh, layout in ((None, "striped"), (_Mesh(), "striped"), (_Mesh(), "documents")):
+        apply_ring_attention(model, cp_mesh, CPDTensor(layout=layout))
         model.zero_grad()
         extra = {"positions": positions.clone(), "attention_masks": ring_masks(cfg, positions)}
-        xs = x
+        xs, plan = x, layout
         if cp_mesh is not None:
-            xs, _, extra = shard_cp_batch(x, x, extra, layout="striped", rank=rank, cp_size=world)
+            xs, _, extra = shard_cp_batch(x, x, extra, layout=layout, rank=rank, cp_size=world)
+            plan = extra["attention_masks"]["basic_mask"].plan or layout  # the step's plan (documents)
         blocks = list(model.layers.values())[:2]  # a sliding-window layer and a full one
         assert [b.attn_mask_key for b in blocks] == ["sliding_window_mask", "basic_mask"]
         outs = [b.attention(xs, extra["attention_masks"][b.attn_mask_key], extra["positions"]) for b in blocks]
@@ -331,14 +334,16 @@ def _gpt_oss_attention(rank, world):
         if cp_mesh is not None:
             for t in grads.values():
                 dist.all_reduce(t)
-        results.append(([o.detach() for o in outs], grads))
-    (ref_outs, ref_grads), (outs, grads) = results
+        results.append(([o.detach() for o in outs], grads, plan))
+    (ref_outs, ref_grads, _), *runs = results
     assert any("sinks" in n for n in grads)
-    for ref, out in zip(ref_outs, outs):
-        torch.testing.assert_close(out, shard_tensor(ref, seq_dim=1, layout="striped", rank=rank, cp_size=world),
-                                   rtol=1e-5, atol=1e-6)
-    for n, g in grads.items():
-        torch.testing.assert_close(g, ref_grads[n], rtol=1e-4, atol=1e-5, msg=n)
+    assert not isinstance(runs[1][2], str), "layout documents: the masks carry the step's plan"
+    for outs, grads, plan in runs:
+        for ref, out in zip(ref_outs, outs):
+            torch.testing.assert_close(out, shard_tensor(ref, seq_dim=1, layout=plan, rank=rank, cp_size=world),
+                                       rtol=1e-5, atol=1e-6)
+        for n, g in grads.items():
+            torch.testing.assert_close(g, ref_grads[n], rtol=1e-4, atol=1e-5, msg=n)
     return True
 
 
@@ -387,7 +392,7 @@ def test_plugin_config_defaults_and_flags(capsys):
     with pytest.raises(SystemExit):  # tyro reports the section's __post_init__ error and exits
         _config("llama3", "--cp_dtensor.layout", "zigzag")
     err = " ".join(capsys.readouterr().err.replace("│", " ").split())  # tyro wraps its message in a box
-    assert "layout must be one of striped, headtail, contiguous; got 'zigzag'" in err
+    assert "layout must be one of striped, headtail, contiguous, documents; got 'zigzag'" in err
 
 
 @pytest.mark.parametrize(("flags", "world", "message"), [
@@ -411,6 +416,12 @@ def test_plugin_config_defaults_and_flags(capsys):
       "132"], 4, r"torchtitan a multiple of 2 \* CP \* TP \(sequence parallelism\) = 8. Use a multiple of 8"),
     (["--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2",
       "--parallelism.expert_parallel_degree", "2"], 4, r"does not support: --parallelism.expert_parallel_degree > 1"),
+    (["--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2", "--cp_dtensor.layout",
+      "documents"], 4, r"does not support: --cp_dtensor.layout documents with --parallelism.tensor_parallel_degree > 1"),
+    (["--parallelism.context_parallel_degree", "2", "--cp_dtensor.layout", "documents", "--compile.enable"], 2,
+     r"--cp_dtensor.layout documents with --compile.enable for the model"),
+    (["--parallelism.context_parallel_degree", "4", "--cp_dtensor.layout", "documents", "--training.seq_len", "132"], 4,
+     r"the documents layout on 4 CP ranks needs a multiple of 4 and torchtitan a multiple of 2 \* CP = 8"),
 ])
 def test_start_up_checks(flags, world, message):
     from cp_dtensor.titan.v03 import check_config
@@ -705,3 +716,100 @@ def test_tp_refused_for_moe_families(family):
     with pytest.raises(ValueError, match=rf"tensor_parallel_degree > 1 with {family} \(its TP = 2 gradients"):
         check_config(_config(family, *flags), world_size=4)
     check_config(_config(family, "--parallelism.context_parallel_degree", "2"), world_size=2)  # CP alone: served
+
+
+# ---- --cp_dtensor.sequence_tiling (Note [Sequence tiling in torchtitan]) ----
+
+def _tiled_03(rank, world):
+    # llama3's debug model (float64) at CP = 1 and CP = 2 (documents), head + loss and MLPs tiled (tile 5):
+    # the loss and every gradient equal the plain model's with F.cross_entropy over its full logits
+    import torch
+    import torch.distributed as dist
+    from torchtitan.components.loss import CrossEntropyLoss
+    from torchtitan.models.llama3 import model_registry
+
+    from cp_dtensor.titan.shared.options import CPDTensor
+    from cp_dtensor.titan.shared.tiling import apply_sequence_tiling
+    from cp_dtensor.titan.v03.attention import ring_masks, shard_cp_batch
+    from cp_dtensor.titan.v03.tiling import tiled_loss_config
+    from cp_dtensor.titan.v03.trainer import apply_ring_attention
+
+    cfg = model_registry("debugmodel").model
+    g = torch.Generator().manual_seed(1)
+    n = 64
+    tokens = torch.randint(0, 500, (1, n), generator=g)
+    labels = torch.randint(0, 500, (1, n), generator=g)
+    labels[0, :5] = -100
+    positions = torch.cat([torch.arange(20), torch.arange(44)]).unsqueeze(0)  # two documents
+
+    class _Mesh:
+        def get_group(self):
+            return dist.group.WORLD
+
+    results = []
+    for cp_mesh, tile in ((None, None), (None, 5), (_Mesh(), 5)):
+        model = _cpu_model(cfg).double()
+        apply_ring_attention(model, cp_mesh, CPDTensor(layout="documents"))
+        extra = {"positions": positions.clone(), "attention_masks": ring_masks(cfg, positions)}
+        x, y = tokens, labels
+        if cp_mesh is not None:
+            x, y, extra = shard_cp_batch(tokens, labels, extra, layout="documents", rank=rank, cp_size=world)
+        if tile is None:  # the reference: the full head's logits [1, N, V] and F.cross_entropy
+            logits = model(x, **extra)
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum") / 7
+        else:
+            apply_sequence_tiling(model, tile, head_name="lm_head")
+            pred = model(x, **extra)
+            assert pred.shape[-1] == model.lm_head.in_features, "the head must pass the hidden states on"
+            loss, _ = tiled_loss_config(CrossEntropyLoss.Config(), tile).build()(pred, y, torch.tensor(7.0))
+        loss.backward()
+        grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+        if cp_mesh is not None:
+            loss = loss.detach().clone()
+            for t in (loss, *grads.values()):
+                dist.all_reduce(t)
+        results.append((loss.detach(), grads))
+    (want, want_grads), *runs = results
+    for loss, grads in runs:
+        torch.testing.assert_close(loss, want, rtol=1e-10, atol=0)
+        assert set(grads) == set(want_grads)
+        for k, g in grads.items():
+            torch.testing.assert_close(g, want_grads[k], rtol=1e-9, atol=1e-12, msg=k)
+    return True
+
+
+def test_sequence_tiling_matches_untiled():
+    import cp_dtensor.titan  # noqa: F401  (imports torchtitan before the ranks fork)
+    from _dist import run_ranks
+
+    assert run_ranks(2, _tiled_03) == [True, True]
+
+
+def test_sequence_tiling_config_and_refusals():
+    from torchtitan.components.loss import ChunkedLossWrapper, MSELoss
+
+    from cp_dtensor.titan.v03 import check_config
+    from cp_dtensor.titan.v03.tiling import TiledCrossEntropyLoss, tiled_loss_config
+
+    assert _config("llama3", "--cp_dtensor.sequence_tiling=64").cp_dtensor.tile_size == 64
+    assert _config("llama3").cp_dtensor.tile_size is None
+    assert tiled_loss_config(_config("llama3").loss, 64).build().tiled is not None
+    assert isinstance(tiled_loss_config(_config("llama3").loss, 64).build(), TiledCrossEntropyLoss)
+    assert isinstance(_config("llama3").loss, ChunkedLossWrapper.Config)  # 0.3's default, replaced by the tiles
+    with pytest.raises(ValueError, match=r"sequence_tiling tiles torchtitan's CrossEntropyLoss .* this job's loss is "
+                                         r"MSELoss.Config"):
+        tiled_loss_config(MSELoss.Config(), 64)
+    with pytest.raises(ValueError, match=r"sequence_tiling with --parallelism.tensor_parallel_degree > 1"):
+        check_config(_config("llama3", "--cp_dtensor.sequence_tiling=64", "--parallelism.tensor_parallel_degree", "2"),
+                     world_size=2)
+    from cp_dtensor.titan.shared.options import CPDTensor
+
+    with pytest.raises(ValueError, match=r"\[cp_dtensor\] sequence_tiling must be True, False or a positive int"):
+        CPDTensor(sequence_tiling=0)
+
+
+@_SLOW
+def test_cp2_tiled_job_matches_cp1(tmp_path, tmp_path_factory):
+    out = _run(2, tmp_path, "llama3", "--cp_dtensor.sequence_tiling=32")
+    assert "cp_dtensor: sequence tiling, 32 tokens a tile: the LM head + loss and" in out
+    _assert_close(_losses(out), _cp1("llama3", tmp_path_factory))

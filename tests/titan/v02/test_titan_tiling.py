@@ -1,0 +1,183 @@
+"""``[cp_dtensor] sequence_tiling`` under torchtitan 0.2.2 (Note [Sequence tiling in torchtitan]).
+
+Reference: torchtitan's own llama3 model (float64, its full ``output`` head, dense attention under its own
+block_causal mask) and ``F.cross_entropy`` summed over the tokens (torchtitan's reduction) at CP = 1, no
+plugin code. The plugin's tiled model (tile 5:
+ragged tiles of the 32 / 64 tokens a rank holds) at CP = 1 and at CP = 2 (ring, striped and documents)
+must give the same loss (summed over the CP ranks) to 1e-10 relative and the same gradients of every
+parameter -- the head, the embeddings, the MLPs -- to 1e-9, and the head must never produce V columns.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import types
+
+import pytest
+import torch
+
+if importlib.util.find_spec("torchtitan") is None:
+    pytest.skip("torchtitan is not installed", allow_module_level=True)
+from _titan_run import skip_unless_titan  # noqa: E402
+
+skip_unless_titan((0, 2))
+
+from _tiers import slow  # noqa: E402
+
+import cp_dtensor.titan  # noqa: E402, F401  before any torchtitan import: see Note [torchtitan on CPU]
+from _dist import run_ranks  # noqa: E402
+from _titan_run import CONFIG, step_losses, torchrun  # noqa: E402
+
+B, N, EOS, TILE = 2, 64, 1, 5
+
+
+def _model():
+    from torchtitan.models.llama3 import Transformer, llama3_args
+
+    args = copy.deepcopy(llama3_args["debugmodel_flex_attn"])
+    args.n_layers, args.vocab_size = 2, 512
+    torch.manual_seed(0)
+    model = Transformer(args)
+    with torch.no_grad():
+        model.init_weights(buffer_device=torch.device("cpu"))
+    return model.double()
+
+
+def _batch():
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(2, 500, (B, N), generator=g)
+    tokens[0, [5, 20, 41]] = EOS  # packed documents (block_causal)
+    labels = torch.randint(2, 500, (B, N), generator=g)
+    labels[1, :7] = -100  # ignored tokens
+    return tokens, labels
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _tiled_matches_untiled(rank, world):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torchtitan.components.loss import cross_entropy_loss
+
+    from cp_dtensor.titan import CPDTensor, apply_ring_attention
+    from cp_dtensor.titan.shared.tiling import apply_sequence_tiling, tiled_loss
+    from cp_dtensor.titan.v02.attention import shard_cp_batch
+
+    tokens, labels = _batch()
+    eos = types.SimpleNamespace(eos_id=EOS)
+    ref = _model()
+    # reference: torchtitan's model with dense float64 attention under its own block_causal mask_mod
+    from test_titan_flex import _DenseFlex  # the flex tests' independent reference attention
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from cp_dtensor.titan.v02.families import attention_modules
+
+    module = importlib.import_module(type(ref).__module__)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(module, "create_attention_mask", lambda *a, **k: create_block_mask(*a, **k, device="cpu"))
+        masks = ref.get_attention_masks(tokens, eos)
+    for attn in attention_modules(ref):
+        attn.inner_attention = _DenseFlex(None)
+    logits = ref(tokens, attention_masks=masks)  # [B, N, V] float64 (torchtitan's loss would upcast to fp32 only)
+    want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum", ignore_index=-100)
+    want.backward()
+    want_grads = _grads(ref)
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    runs = []
+    for cp_mesh, layout in ((None, "documents"), (mesh, "striped"), (mesh, "documents")):  # CP = 1: no plan needed
+        model = _model()
+        apply_ring_attention(model, cp_mesh, CPDTensor(layout=layout))
+        apply_sequence_tiling(model, TILE)
+        loss_fn = tiled_loss(cross_entropy_loss, TILE)
+        kw = {"attention_masks": model.get_attention_masks(tokens, eos)}
+        x, y = tokens, labels
+        if cp_mesh is not None:
+            x, y, kw = shard_cp_batch(tokens, labels, kw, mesh, torch.device("cpu"), layout=layout)
+        pred = model(x, **kw)
+        assert pred.shape == (B, x.shape[1], model.model_args.dim), "the head must pass the hidden states on"
+        loss = loss_fn(pred, y)
+        loss.backward()
+        grads = _grads(model)
+        if cp_mesh is not None:
+            loss = loss.detach().clone()
+            dist.all_reduce(loss)
+            for g in grads.values():
+                dist.all_reduce(g)
+        runs.append((layout, cp_mesh is not None, loss.detach(), grads))
+    for layout, cp, loss, grads in runs:
+        what = f"{layout} at CP = {world if cp else 1}"
+        torch.testing.assert_close(loss, want.detach(), rtol=1e-10, atol=0, msg=lambda m: f"{what}: {m}")
+        assert set(grads) == set(want_grads), what
+        for name, g in grads.items():
+            torch.testing.assert_close(g, want_grads[name], rtol=1e-9, atol=1e-12, msg=lambda m: f"{what}, {name}: {m}")
+    return True
+
+
+def test_tiled_head_loss_and_mlps_match_untiled():
+    assert run_ranks(2, _tiled_matches_untiled) == [True, True]
+
+
+@pytest.mark.parametrize("value", [0, -3, 2.5, "yes"])
+def test_bad_tile_size_is_rejected(value):
+    from cp_dtensor.titan import CPDTensor
+
+    with pytest.raises(ValueError, match=r"\[cp_dtensor\] sequence_tiling must be True, False or a positive int"):
+        CPDTensor(sequence_tiling=value)
+
+
+def test_tile_size_from_the_toml_and_flags():
+    from torchtitan.config import ConfigManager
+
+    parse = ConfigManager().parse_args
+    assert parse(["--job.config_file", str(CONFIG)]).cp_dtensor.tile_size is None
+    assert parse(["--job.config_file", str(CONFIG), "--cp_dtensor.sequence_tiling=64"]).cp_dtensor.tile_size == 64
+    assert parse(["--job.config_file", str(CONFIG), "--cp_dtensor.sequence_tiling=True"]).cp_dtensor.tile_size == 1024
+
+
+@pytest.mark.parametrize(("flags", "world", "message"), [
+    (["--parallelism.fsdp_reshard_after_forward", "always"], 2, r'fsdp_reshard_after_forward = "always"'),
+    (["--parallelism.tensor_parallel_degree", "2"], 4, r"tensor_parallel_degree > 1 \(TP shards the LM head"),
+])
+def test_tiling_refuses_what_it_cannot_serve(flags, world, message):
+    from torchtitan.config import ConfigManager
+
+    from cp_dtensor.titan import check_config
+
+    cfg = ConfigManager().parse_args(["--job.config_file", str(CONFIG), "--cp_dtensor.sequence_tiling=64", *flags])
+    with pytest.raises(ValueError, match=r"\[cp_dtensor\] sequence_tiling does not support .*" + message):
+        check_config(cfg, world_size=world)
+
+
+def test_loss_without_the_tiled_head_raises():
+    from torchtitan.components.loss import cross_entropy_loss
+
+    from cp_dtensor.titan.shared.tiling import tiled_loss
+
+    with pytest.raises(ValueError, match="did not come through the plugin's tiled LM head"):
+        tiled_loss(cross_entropy_loss, 8)(torch.randn(1, 4, 16), torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_non_linear_head_is_refused_by_name():
+    from cp_dtensor.titan.shared.tiling import apply_sequence_tiling
+
+    model = torch.nn.Module()
+    model.output = torch.nn.Identity()
+    with pytest.raises(ValueError, match=r"Module.output is Identity, not an nn.Linear"):
+        apply_sequence_tiling(model, 8)
+
+
+@slow("two end-to-end torchtitan runs (~60-100 s on 2 CPU cores)")
+@pytest.mark.parametrize("flags", [[], ["--compile.enable"]], ids=["eager", "compiled"])
+def test_cp2_tiled_job_matches_cp1_untiled(flags, tmp_path):
+    # the whole job: FSDP over the CP ranks (the head's unsharded weight in the loss), 4 steps; compiled: torchtitan
+    # compiles each block (fullgraph) with its tiled, checkpointed MLP inside
+    ref = step_losses(torchrun(1, tmp_path / "cp1", "--parallelism.context_parallel_degree", "1",
+                               "--training.steps", "4"), last=4)
+    out = torchrun(2, tmp_path / "cp2", "--parallelism.context_parallel_degree", "2", "--cp_dtensor.sequence_tiling=64",
+                   "--training.steps", "4", *flags)
+    assert "cp_dtensor: sequence tiling, 64 tokens a tile: the LM head + loss and 6 MLPs" in out
+    assert step_losses(out, last=4) == pytest.approx(ref, rel=1e-5)
