@@ -6,7 +6,8 @@ The layers, bottom to top (imports point down only; ``tests/test_layers.py`` che
   cross-rank agreement, the front door ``ring_attention``, decoding, linear attention. torch only.
 * ``dtensor/`` -- the sequence layouts as DTensor placements, the SDPA-on-DTensor rule, relayouts.
 * ``checkpoint/`` -- sequence-sharded checkpoints (DCP, safetensors) that reshard between CP sizes.
-* ``model.py`` (own models), ``torch_api.py`` (torch's ``context_parallel`` API), ``hf/`` (transformers),
+* ``doors.py`` (the whole-model door: ``nn/`` for own models or ``hf/``), ``torch_api.py`` (torch's
+  ``context_parallel`` API), ``hf/`` (transformers),
   ``titan/`` (torchtitan 0.2.2 and 0.3) -- the integrations; ``tools/`` -- the planner, the CLI, debugging.
 
 Importing the package changes nothing and imports no torch: each public name loads its module on first
@@ -51,10 +52,10 @@ _EXPORTS = {
     "to_mesh": "dtensor.sharding",
     "unshard_sequence": "dtensor.sharding",
     # a batch's shards; own models
-    "apply_context_parallel": "model",
+    "apply_context_parallel": "doors",
     "document_ids_from_positions": "core.batch",
-    "reduce_gradients": "model",
-    "remove_context_parallel": "model",
+    "reduce_gradients": "nn.sdpa_mode",
+    "remove_context_parallel": "doors",
     "shard_batch": "core.batch",
     "linear_cross_entropy": "core.tiling",
     "unshard_batch": "core.batch",
@@ -133,10 +134,11 @@ if TYPE_CHECKING:  # what IDEs, type checkers and the API reference see; at run 
     from .core.linear_attention import sharded_delta_rule
     from .core.linear_conv import sharded_causal_conv1d
     from .core.tiling import linear_cross_entropy
+    from .doors import apply_context_parallel, remove_context_parallel
     from .dtensor.placements import HeadTail, Striped, sequence_placement
     from .dtensor.sdpa import install_sdpa_dispatch, sdpa_options, uninstall_sdpa_dispatch
     from .dtensor.sharding import relayout, shard_sequence, to_mesh, unshard_sequence
-    from .model import apply_context_parallel, reduce_gradients, remove_context_parallel
+    from .nn.sdpa_mode import reduce_gradients
     from .tools.debug import CommBytes
     from .torch_api import context_parallel, context_parallel_unshard
 

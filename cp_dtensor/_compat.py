@@ -38,7 +38,7 @@ also hash ``mesh.get_coordinate()`` (this rank's coordinate on every mesh dim, s
 group too), and so every DTensor graph AOTAutograd caches is keyed by the rank it was traced on. Nothing
 else reads ``_stable_hash`` in torch 2.13-2.15 (DTensor sharding propagation uses ``__hash__``). The cost:
 one compile per rank (which happens anyway: the ranks trace concurrently) and one AOTAutograd cache entry
-per rank instead of one shared (wrong) one. A model under ``apply_context_parallel`` (model.py)
+per rank instead of one shared (wrong) one. A model under ``apply_context_parallel`` (nn/sdpa_mode.py)
 compiles to the local ring's graph with ``DTensor.from_local`` and the mesh in Dynamo's graph; torch
 2.13's AOTAutograd cache bypasses that graph or keys its mesh input differently in every process, and
 Inductor's FX graph cache, which sees the rank-specific ring, serves it: safe without the patch.
@@ -152,7 +152,7 @@ PRIVATE_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("torch.ops._c10d_functional", "wait_tensor", None),
     ("torch.distributed.distributed_c10d", "_resolve_process_group", None),  # a pybind builtin: no signature
     ("torch.utils._python_dispatch", "TorchDispatchMode.__torch_dispatch__", ("self", "func", "types", "args", "kwargs")),
-    # model.py: nn.MultiheadAttention's SDPA under context parallelism (Note [SDPA inside multi_head_attention_forward])
+    # nn/sdpa_mode.py: nn.MultiheadAttention's SDPA under context parallelism (Note [SDPA inside multi_head_attention_forward])
     ("torch.nn.functional", "multi_head_attention_forward", ("query", "key", "value")),
     # titan/v02/spec.py: Note [How the plugin hooks torchtitan]
     (TITAN_CP, TITAN_CP_INPUT, ("inputs", "labels", "extra_kwargs", "cp_mesh", "device", "load_balancer_type")),
@@ -390,7 +390,7 @@ def generation_stopping_criteria(model, wrap: Callable[[Any], Any]) -> Iterator[
 # A TorchFunctionMode runs its handler with itself popped from the mode stack, so a Python-level torch
 # function the mode passes on runs its body without the mode: ``F.multi_head_attention_forward`` (every
 # ``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer``) calls ``scaled_dot_product_attention``
-# inside, where model.py's ``RingSDPA`` would never see it -- attention within this rank's shard only,
+# inside, where nn/sdpa_mode.py's ``RingSDPA`` would never see it -- attention within this rank's shard only,
 # silently. The function looks SDPA up by its global name in torch.nn.functional (torch 2.13-2.15;
 # tests/test_compat.py checks it), so ``with_sdpa`` runs the same code object with that one name bound
 # to the ring, in a copy of the globals: torch's module is not touched, other threads see nothing.
@@ -406,7 +406,7 @@ def with_sdpa(fn: Callable, sdpa: Callable) -> Callable:
 
 
 def flex_attention_op() -> object | None:
-    """The flex_attention higher-order op as a TorchFunctionMode sees it (``func``), or None: model.py
+    """The flex_attention higher-order op as a TorchFunctionMode sees it (``func``), or None: nn/sdpa_mode.py
     refuses it under context parallelism (it would attend within one rank's shard)."""
     import torch.nn.attention.flex_attention  # noqa: F401  (registers the op)
 

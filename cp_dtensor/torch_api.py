@@ -22,7 +22,7 @@ puts them back in order. Both run under ``no_grad``.
   leaf that requires grad is sharded and restored too (torch's ``resize_`` refuses it). Its ``.grad``
   is left as is on exit -- after a backward inside the context, the gradient of this rank's shard,
   which ``context_parallel_unshard`` turns into the full gradient (torch's own tests do exactly this).
-* SDPA: while the context is open a ``TorchFunctionMode`` (model.py's ``RingSDPA``, Note [Module
+* SDPA: while the context is open a ``TorchFunctionMode`` (nn/sdpa_mode.py's ``RingSDPA``, Note [Module
   context parallel]) turns each ``F.scaled_dot_product_attention`` on plain tensors into
   ``ring_attention`` on the same shards, forward and backward: ``is_causal``, ``scale``,
   ``enable_gqa``; q, k, v [B, H, S_local, D] (seq dim 2, as torch's). A mode rather than a patch: a
@@ -68,7 +68,7 @@ from .core.batch import agree_local_shapes, gather_shards
 from .core.checks import check_cp_mesh, local_error
 from .core.documents import DocumentLayout, full_document_ids, plan_batch
 from .core.layout import LAYOUTS, layout_unit, shard_tensor
-from .model import RingSDPA
+from .nn.sdpa_mode import RingSDPA
 
 __all__ = ["context_parallel", "context_parallel_unshard", "set_rotate_method"]
 

@@ -31,13 +31,15 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("the front door; a batch's shards; the SDPA-on-DTensor rule; decoding against a sharded cache",
      {"core.attention", "core.batch", "dtensor.sdpa", "core.decode", "core"}),
     ("DTensor entry points", {"dtensor.sharding", "dtensor"}),
+    ("own models: the SDPA mode's hooks", {"nn.sdpa_mode", "nn"}),
     ("integrations", {"hf.attention", "hf.cache", "hf.documents", "hf.tiling", "hf.generate", "hf.linear", "hf.state", "hf.trainer", "hf.collator", "hf",
                       "checkpoint.dcp", "checkpoint"}
      | {f"titan.shared.{m}" for m in ("options", "cpu", "data", "float8", "heads", "inner", "plan", "tiling")} | {"titan.shared"}
      | {f"titan.v02.{m}" for m in _V02} | {"titan.v02"}
      | {f"titan.v03.{m}" for m in _V03} | {"titan.v03"} | {"titan", "titan.config", "titan.config_registry",
                                                           "titan.train"}),
-    ("whole models (hands transformers models to hf/); torch's context-parallel API", {"model", "torch_api"}),
+    ("the one door for whole models (hf/ or nn/); torch's context-parallel API",
+     {"doors", "torch_api"}),
     ("the package and the CLI", {"", "tools.cli", "tools"}),
 ]
 

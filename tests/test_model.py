@@ -13,8 +13,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.debug import CommDebugMode
 
 from cp_dtensor.core.batch import shard_batch, unshard_batch
+from cp_dtensor.doors import apply_context_parallel, reduce_gradients
 from cp_dtensor.dtensor.sdpa import install_sdpa_dispatch
-from cp_dtensor.model import apply_context_parallel, reduce_gradients
 from _dist import run_ranks
 from _ref import rel_err
 

@@ -6,7 +6,7 @@ The path of a call: ``ring_attention`` -> ``ring_spec`` (once) -> ``run_ring_att
 ``checks.ring_preamble`` (every rank alike, before any K/V moves) -> on a 2-D mesh the heads all-to-all
 (ulysses.py) -> ``_RingAttention`` -> the exchange's forward (ring.py: rotations; allgather.py: one
 all-gather) -> blocks.py per block -> ops.py's kernels. Integrations that check more of the call
-themselves (hf/, model.py) build the spec with ``ring_spec`` and call ``run_ring_attention`` with their
+themselves (hf/, nn/sdpa_mode.py) build the spec with ``ring_spec`` and call ``run_ring_attention`` with their
 own local ``error`` and prior agreement.
 """
 

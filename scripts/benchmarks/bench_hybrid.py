@@ -76,8 +76,8 @@ def saved_bytes(step, params) -> int:
 def _rank(rank: int, world: int, n: int, batch: int, repeats: int, layout: str) -> dict:
     import torch.distributed as dist
 
+    from cp_dtensor.doors import shard_batch
     from cp_dtensor.hf import attention as hf
-    from cp_dtensor.model import shard_batch
 
     torch.set_num_threads(1)
     bench_mem._libc_live_memory()

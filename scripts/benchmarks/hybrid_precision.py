@@ -86,7 +86,7 @@ def batch(seed: int, b: int, n: int):
 def run(m, tokens, weights, *, mesh=None, layout="headtail"):
     """(logits [B, N, V] float64, {name: grad float64}) of sum(logits * weights), whole or under CP."""
     from cp_dtensor.core.batch import shard_batch, unshard_batch
-    from cp_dtensor.model import reduce_gradients
+    from cp_dtensor.doors import reduce_gradients
 
     n = tokens.shape[1]
     positions = torch.arange(n).expand_as(tokens)

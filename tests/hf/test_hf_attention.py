@@ -29,8 +29,8 @@ from transformers import (  # noqa: E402
 )
 
 from cp_dtensor.core.batch import shard_batch, unshard_batch  # noqa: E402
+from cp_dtensor.doors import apply_context_parallel, reduce_gradients  # noqa: E402
 from cp_dtensor.hf import attention as hf  # noqa: E402
-from cp_dtensor.model import apply_context_parallel, reduce_gradients  # noqa: E402
 
 TOL = 1e-5  # fp32, relative to the largest magnitude
 LAYOUTS = ("striped", "headtail", "contiguous")

@@ -17,8 +17,8 @@ pytest.importorskip("transformers")
 import test_hf_tiling as tiling  # noqa: E402  (its tiny models, batch and CP=1 reference)
 
 from cp_dtensor.core.batch import shard_batch  # noqa: E402
+from cp_dtensor.doors import reduce_gradients  # noqa: E402
 from cp_dtensor.hf import attention as hf  # noqa: E402
-from cp_dtensor.model import reduce_gradients  # noqa: E402
 
 
 def _compiled(rank: int, world: int, backend: str, cases) -> list[str]:

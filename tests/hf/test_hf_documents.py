@@ -32,8 +32,8 @@ from transformers import (  # noqa: E402
 from cp_dtensor import hf  # noqa: E402
 from cp_dtensor.core.batch import shard_batch, unshard_batch  # noqa: E402
 from cp_dtensor.core.documents import document_layout  # noqa: E402
+from cp_dtensor.doors import reduce_gradients  # noqa: E402
 from cp_dtensor.hf.documents import model_windows  # noqa: E402
-from cp_dtensor.model import reduce_gradients  # noqa: E402
 
 TOL = 1e-5  # fp32, relative to the largest magnitude
 N, V = 32, 64

@@ -30,9 +30,9 @@ from transformers import (  # noqa: E402
 
 import cp_dtensor  # noqa: E402
 from cp_dtensor.core.batch import shard_batch  # noqa: E402
+from cp_dtensor.doors import reduce_gradients  # noqa: E402
 from cp_dtensor.hf import attention as hf  # noqa: E402
 from cp_dtensor.hf.tiling import apply_sequence_tiling, remove_sequence_tiling  # noqa: E402
-from cp_dtensor.model import reduce_gradients  # noqa: E402
 
 LOSS_TOL, GRAD_TOL = 1e-5, 1e-4  # issue #43's bars: relative to the reference (the largest magnitude for grads)
 N, V, B = 48, 96, 2

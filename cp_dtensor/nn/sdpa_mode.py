@@ -1,4 +1,5 @@
-"""Context parallelism for whole models whose attention modules call ``F.scaled_dot_product_attention``.
+"""Context parallelism for whole models whose attention modules call ``F.scaled_dot_product_attention``
+(own models; a transformers model goes to hf/ -- doors.py chooses: Note [One door for whole models]).
 
 Note [Module context parallel]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -50,21 +51,17 @@ from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from ._compat import flex_attention_op, with_sdpa
-from ._deprecated import old_keywords
-from .core.agreement import agree_on_call
-from .core.attention import plan_attention, ring_spec, run_ring_attention
-from .core.batch import document_ids_from_positions, full_ids_from_positions, shard_batch, unshard_batch
-from .core.checks import check_cp_mesh, options_error
-from .core.documents import DocumentLayout, document_layout, plan_batch
-from .core.layout import check_layout
-from .core.tiling import check_tile_size, tiled_forward
-from .dtensor.sharding import unshard_sequence  # noqa: F401  (the old path cp_dtensor.module's name)
+from .._compat import flex_attention_op, with_sdpa
+from .._deprecated import old_keywords
+from ..core.agreement import agree_on_call
+from ..core.attention import plan_attention, ring_spec, run_ring_attention
+from ..core.batch import full_ids_from_positions
+from ..core.checks import check_cp_mesh, options_error
+from ..core.documents import DocumentLayout, document_layout, plan_batch
+from ..core.layout import check_layout
+from ..core.tiling import check_tile_size, tiled_forward
 
-__all__ = [
-    "RingSDPA", "apply_context_parallel", "reduce_gradients", "remove_context_parallel",
-    "document_ids_from_positions", "shard_batch", "unshard_batch",  # from core.batch, here for the old module path
-]
+__all__ = ["RingSDPA", "applied", "apply_own_model", "reduce_gradients", "remove_own_model"]
 
 
 _MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
@@ -280,10 +277,6 @@ def _heads(x) -> int | None:
     return x.shape[1] if isinstance(x, Tensor) and x.dim() == 4 else None
 
 
-def _is_transformers_model(model: nn.Module) -> bool:
-    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.") for c in type(model).__mro__)
-
-
 _ATTR = "_cp_dtensor_mode"  # the RingSDPA on the model and every submodule
 
 
@@ -306,52 +299,13 @@ def _exit(module: nn.Module, *_) -> None:
         mode.__exit__(None, None, None)
 
 
-@old_keywords("cp_dtensor.apply_context_parallel", cp_mesh="mesh")
-def apply_context_parallel(
+def apply_own_model(
     model: nn.Module, mesh: DeviceMesh, *, layout: str = "striped", window_size: tuple[int, int] | None = None,
     documents: str | None = None, comm_dtype: torch.dtype | None = None, kv_exchange: str = "ring",
     sequence_tiling: bool | int = False,
 ) -> nn.Module:
-    """Run ``model``'s ``F.scaled_dot_product_attention`` calls as ring attention over ``mesh`` (the 1-D
-    CP mesh).
-
-    Feed the model its local shard of each batch (``shard_batch``), including positions for RoPE;
-    ``layout`` must match. Attention calls use ``is_causal`` and no dropout; masks come from:
-
-    * ``layout="documents"``: packed documents placed per batch (short ones whole on a rank). Build the
-      batch's plan from its full ids, ``plan = cp_dtensor.document_layout(ids, P, windows=[window_size])``,
-      shard the batch with it (``shard_batch(..., layout=plan)``) and call ``model(..., layout=plan)``:
-      every attention call of that forward uses it (Note [A plan at the model door]);
-
-    * ``document_ids=`` given to the model's forward (a keyword the hook takes away before the model
-      sees it): this rank's shard of the global [B, N] ids, non-decreasing (packed sequences);
-    * ``documents="position_ids"``: ids derived from the forward's ``position_ids`` (or ``positions``)
-      that restart at 0 for every document, the Hugging Face packed-sequence convention (the full ids
-      from one all-gather of the start flags, then the batch's plan in ``layout``);
-    * ``window_size=(left, right)``: a sliding window on every attention call.
-
-    ``comm_dtype`` and ``kv_exchange`` are ``ring_attention``'s, for every attention call. An SDPA call with an explicit ``attn_mask`` or dropout raises on every rank before any K/V moves.
-    See Note [Module context parallel]. Returns ``model``, changed in place (forward hooks only).
-
-    A Hugging Face transformers model goes to ``cp_dtensor.hf.apply_context_parallel`` instead: its
-    masks come from what the model declares (windows per layer, sinks, padding, packed position ids),
-    not from SDPA calls whose masks transformers built from local shapes.
-
-    ``sequence_tiling=True`` (or an int: tokens per tile; True is 1024): every submodule named ``mlp``,
-    ``feed_forward``, ``ffn`` or ``moe`` (token-wise, [B, S_local, ...] in and out) runs in sequence tiles,
-    each recomputed in backward; compute the loss with ``cp_dtensor.linear_cross_entropy(hidden,
-    head.weight, labels, num_items_in_batch=...)`` so the [S_local, vocab] logits never exist. A
-    transformers model gets its head and loss tiled too (``cp_dtensor.hf.apply_context_parallel``).
-    See Note [Sequence tiling] in core/tiling.py.
-    """
-    if _is_transformers_model(model):  # See Note [transformers under CP] in hf/attention.py
-        if window_size is not None:
-            raise ValueError(f"a transformers model declares its own windows (config.sliding_window / layer_types); "
-                             f"got window_size={window_size!r}. Drop window_size.")
-        from .hf import apply_context_parallel as apply_hf  # transformers is installed: the model is one of its
-
-        return apply_hf(model, mesh, layout=layout, documents=documents, comm_dtype=comm_dtype,
-                        kv_exchange=kv_exchange, sequence_tiling=sequence_tiling)
+    """``cp_dtensor.apply_context_parallel`` for a model that is not a transformers one (doors.py
+    dispatches): the SDPA mode's hooks. See Note [Module context parallel]."""
     check_cp_mesh(mesh)
     if layout != "documents":  # See Note [A plan at the model door]
         check_layout(layout)
@@ -392,20 +346,14 @@ def _tiled_forward(module: nn.Module, x: Tensor, *args, **kwargs):
                          what=type(module).__name__, **kwargs)
 
 
-def remove_context_parallel(model: nn.Module) -> nn.Module:
-    """Take context parallelism off ``model``, in place, and return the plain module: undoes
-    ``apply_context_parallel`` (its hooks and state) and, for a transformers model,
-    ``cp_dtensor.hf.apply_context_parallel`` (hooks, state, the generate() wrapper, and each config's
-    attention implementation as it was). Weights are untouched. For a plain copy that leaves the CP model
-    as it is: ``remove_context_parallel(copy.deepcopy(model))``."""
-    mode = getattr(model, _ATTR, None)
-    if mode is None:
-        if getattr(model, "_cp_dtensor_hf", None) is not None:
-            from .hf.state import remove_context_parallel as remove_hf
+def applied(model: nn.Module) -> bool:
+    """Whether ``apply_own_model`` changed ``model`` (or a module holding it)."""
+    return getattr(model, _ATTR, None) is not None
 
-            return remove_hf(model)
-        raise ValueError(f"{type(model).__name__} is not a model context parallelism was applied to "
-                         "(cp_dtensor.apply_context_parallel / cp_dtensor.hf.apply_context_parallel).")
+
+def remove_own_model(model: nn.Module) -> nn.Module:
+    """``cp_dtensor.remove_context_parallel`` of a model ``apply_own_model`` changed (doors.py dispatches)."""
+    mode = getattr(model, _ATTR)
     if mode.depth:
         raise ValueError("remove_context_parallel was called inside the model's forward; call it after.")
     if mode.root is not model:
