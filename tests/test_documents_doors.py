@@ -153,6 +153,11 @@ def _model_door(mesh, base, tokens, labels) -> None:
     loss = _loss(logits, lab)
     loss.backward()
     _compare(f"model door P={world} documents [1, N] plan", mesh, model, loss, full, want)
+    # comm_dtype reaches the document exchange: bf16 rows, logits within bf16's rounding of the reference
+    model = cp_dtensor.apply_context_parallel(copy.deepcopy(base), mesh, layout="documents", documents="position_ids",
+                                              comm_dtype=torch.bfloat16)
+    half = cp_dtensor.unshard_batch(model(tok, positions=pos, cp_layout=plan).detach(), mesh, layout=plan)
+    assert 0 < (half - full).abs().max() <= 2e-2 * full.abs().max(), (half - full).abs().max()
 
     # bad input: raises on every rank, before any K/V moves
     model = cp_dtensor.apply_context_parallel(copy.deepcopy(base), mesh, layout="documents", documents="position_ids")
@@ -173,8 +178,8 @@ def _model_door(mesh, base, tokens, labels) -> None:
     falling[1, -1] = 0
     _raises_everywhere("decreasing ids", lambda: cp_dtensor.document_layout(falling, world), "must not decrease")
     _raises_everywhere("N not divisible", lambda: cp_dtensor.document_layout(ids[:, : N - 1], world), "divisible")
-    with pytest.raises(ValueError, match="comm_dtype"):
-        cp_dtensor.apply_context_parallel(TinyLM(), mesh, layout="documents", comm_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="kv_exchange"):
+        cp_dtensor.apply_context_parallel(TinyLM(), mesh, layout="documents", kv_exchange="allgather")
 
     class Own(nn.Module):  # a model's own `layout` argument (not a plan) reaches the model
         def forward(self, x, layout="rows"):

@@ -340,7 +340,8 @@ def _planned(state: HFState, query, key, value, attention_mask, err, causal, sca
     elif err is not None:  # a later layer's own error (window, softcap): from the model, the same on every rank
         raise ValueError(err)
     out = ring_attention(query, key, value, mesh=group, layout=plan, is_causal=causal, scale=scaling,
-                         window_size=window, sinks=sinks, document_ids=kwargs.get("document_ids"))
+                         window_size=window, sinks=sinks, document_ids=kwargs.get("document_ids"),
+                         comm_dtype=state.comm_dtype)
     return out.transpose(1, 2).contiguous()
 
 

@@ -55,13 +55,13 @@ KWARG = "cp_layout"  # the model call's keyword for the batch's plan: model(**sh
 
 
 def check_model_layout(layout: str, *, comm_dtype=None, kv_exchange: str = "ring") -> str:
-    """A model's ``layout=``: a named layout or "documents" (whose exchange has its own wire: no comm_dtype,
-    no kv_exchange). The same on every rank: raises before any communication."""
+    """A model's ``layout=``: a named layout or "documents" (whose exchange is its own: no kv_exchange;
+    ``comm_dtype`` applies to its rows). The same on every rank: raises before any communication."""
     if layout == "documents":
-        if comm_dtype is not None or kv_exchange != "ring":
-            raise ValueError("layout='documents' sends each needed K/V row once in its own dtype (Note [Document "
-                             f"exchange] in core/doc_exchange.py); got comm_dtype={comm_dtype!r}, "
-                             f"kv_exchange={kv_exchange!r}. Drop them, or use a named layout.")
+        if kv_exchange != "ring":
+            raise ValueError("layout='documents' sends each needed K/V row once by its own exchange (Note [Document "
+                             f"exchange] in core/doc_exchange.py); got kv_exchange={kv_exchange!r}. Drop it, or use a "
+                             "named layout.")
         return layout
     if layout not in LAYOUTS:
         raise ValueError(f"unknown sequence layout {layout!r}; expected one of {', '.join(LAYOUTS)} or 'documents'.")

@@ -309,10 +309,10 @@ def apply_own_model(
     check_cp_mesh(mesh)
     if layout != "documents":  # See Note [A plan at the model door]
         check_layout(layout)
-    elif comm_dtype is not None or kv_exchange != "ring":
-        raise ValueError(f"apply_context_parallel(layout='documents') sends each needed K/V row once in its own "
-                         f"dtype (Note [Document exchange]); got comm_dtype={comm_dtype}, kv_exchange={kv_exchange!r}. "
-                         "Drop them, or use a layout name.")
+    elif kv_exchange != "ring":
+        raise ValueError(f"apply_context_parallel(layout='documents') sends each needed K/V row once by its own "
+                         f"exchange (Note [Document exchange]); got kv_exchange={kv_exchange!r}. Drop it, or use a "
+                         "layout name.")
     tile = check_tile_size(sequence_tiling)
     tiled = [m for name, m in model.named_modules() if name.rpartition(".")[2] in _TILED] if tile else []
     if tile and not tiled:

@@ -233,7 +233,7 @@ def _check_errors(rank: int, world: int) -> None:
     _expect_error(lambda: hf.plan_batch(model, position_ids=positions, attention_mask=middle), "padding inside")
     # what the document exchange does not take, when CP is applied
     _expect_error(lambda: hf.apply_context_parallel(copy.deepcopy(base), mesh, layout="documents",
-                                                    comm_dtype=torch.bfloat16), "Drop them")
+                                                    kv_exchange="allgather"), "Drop it")
     _expect_error(lambda: hf.apply_context_parallel(copy.deepcopy(base), mesh, layout="document"), "or 'documents'")
     hybrid = copy.deepcopy(base)  # linear-attention layers pass state along the sequence: headtail / contiguous
     hybrid.config.layer_types = ["full_attention", "linear_attention"]
