@@ -94,11 +94,6 @@ def check_config(job_config: Any, world_size: int) -> None:
                            '"sdpa" and "flex" flavors, e.g. "debugmodel", "debugmodel_flex_attn")')
     if layout == DOCUMENTS and not unsupported:
         unsupported.extend(_documents_unsupported(name, job_config.model.flavor, tp))
-        comp = getattr(job_config, "compile", None)
-        if comp is not None and comp.enable and "model" in comp.components:
-            unsupported.append('layout = "documents" with [compile] enable for the model (the document exchange plans '
-                               "its rows from the batch's ids on the host: not traceable yet; compile the loss only, "
-                               "or use a named layout)")
     if unsupported:
         raise ValueError(
             "cp_dtensor context parallelism does not support: " + "; ".join(unsupported)

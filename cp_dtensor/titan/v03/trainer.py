@@ -135,9 +135,6 @@ def check_config(config: Any, world_size: int) -> None:
     if section.layout == DOCUMENTS and tp > 1:  # Note [One plan per torchtitan batch]
         unsupported.append("--cp_dtensor.layout documents with --parallelism.tensor_parallel_degree > 1 (not served "
                            "yet; use a named layout)")
-    if section.layout == DOCUMENTS and cp > 1 and config.compile.enable and "model" in config.compile.components:
-        unsupported.append("--cp_dtensor.layout documents with --compile.enable for the model (the document exchange "
-                           "plans its rows from the batch's ids on the host: not traceable yet; use a named layout)")
     if unsupported:
         raise ValueError("cp_dtensor context parallelism (torchtitan 0.3) does not support: " + "; ".join(unsupported)
                          + ". Change these or run torchtitan without the plugin.")
