@@ -5,7 +5,6 @@ against the rows the masks need; bad input raising on every rank before K/V move
 from __future__ import annotations
 
 import importlib.util
-import math
 import random
 
 import pytest
@@ -15,18 +14,9 @@ import torch.distributed as dist
 import cp_dtensor
 from cp_dtensor.core.documents import needed_rows, plan_row, rank_work, row_balance
 from cp_dtensor.tools.debug import CommBytes
+from cp_dtensor.tools.plan_documents import lognormal_lengths  # the planner's and the benchmark's batches
 from _dist import run_ranks
 from _ref import abs_rel_err, masked_reference
-
-
-def lognormal_lengths(seed: int, n: int, *, median: float = 1000.0, sigma: float = 1.2, cap: int | None = None) -> list[int]:
-    """Packed documents of log-normal lengths (at most ``cap``) filling a row of n tokens (the last one cut)."""
-    rng, out, total = random.Random(seed), [], 0
-    while total < n:
-        length = min(n - total, cap or n, max(1, int(rng.lognormvariate(math.log(median), sigma))))
-        out.append(length)
-        total += length
-    return out
 
 
 def _ids(lengths: list[int]) -> torch.Tensor:
@@ -67,7 +57,7 @@ def test_balance_on_packed_lognormal_documents(world):
     reached 1.083 on seed 6 at P = 4 (14 documents); the swaps bring every seed under 1.04."""
     worst, worst_w = 0.0, 0.0
     for seed in range(12):
-        lengths = lognormal_lengths(seed, world * 8192)
+        lengths = lognormal_lengths(seed, world * 8192, 1000.0)
         worst = max(worst, row_balance(plan_row(lengths, world), lengths))
         wins = [None, 4096]
         worst_w = max(worst_w, row_balance(plan_row(lengths, world, windows=wins), lengths, windows=wins))
@@ -139,6 +129,27 @@ def _cases(world: int) -> list[dict]:
     ]
 
 
+def _errors(lay, rank, world, c, full, want, *, mesh=None, document_ids=None) -> list[float]:
+    """fp32 forward + backward of this rank's shards under ``lay`` against the float64 reference ``want``
+    (out, dq, dk, dv, and the sinks' gradient summed over the ranks)."""
+    q, k, v, do, sinks = full
+
+    def shard(x):
+        return cp_dtensor.shard_tensor(x, seq_dim=2, layout=lay, rank=rank, cp_size=world)
+
+    ql, kl, vl = (shard(x).float().requires_grad_() for x in (q, k, v))
+    sl = None if sinks is None else sinks.float().requires_grad_()
+    out = cp_dtensor.ring_attention(ql, kl, vl, mesh=mesh, layout=lay, is_causal=c["causal"], window_size=c["window"],
+                                    sinks=sl, document_ids=document_ids)
+    out.backward(shard(do).float())
+    errs = [abs_rel_err(a, shard(r)) for a, r in zip((out, ql.grad, kl.grad, vl.grad), want[:4])]
+    if sl is not None:
+        total = sl.grad.clone()
+        dist.all_reduce(total)
+        errs.append(abs_rel_err(total, want[4]))
+    return errs
+
+
 def _exact(rank, world):
     worst = 0.0
     for i, c in enumerate(_cases(world)):
@@ -157,16 +168,7 @@ def _exact(rank, world):
         def shard(x, dim=2):
             return cp_dtensor.shard_tensor(x, seq_dim=dim, layout=lay, rank=rank, cp_size=world)
 
-        ql, kl, vl = (shard(x).float().requires_grad_() for x in (q, k, v))
-        sl = None if sinks is None else sinks.float().requires_grad_()
-        out = cp_dtensor.ring_attention(ql, kl, vl, layout=lay, is_causal=c["causal"], window_size=c["window"],
-                                        sinks=sl, document_ids=shard(ids, 1) if i % 2 else None)
-        out.backward(shard(do).float())
-        errs = [abs_rel_err(a, shard(r)) for a, r in zip((out, ql.grad, kl.grad, vl.grad), want[:4])]
-        if sl is not None:
-            total = sl.grad.clone()
-            dist.all_reduce(total)
-            errs.append(abs_rel_err(total, want[4]))
+        errs = _errors(lay, rank, world, c, (q, k, v, do, sinks), want, document_ids=shard(ids, 1) if i % 2 else None)
         assert max(errs) <= 2e-5, (world, rank, i, errs)
         worst = max(worst, *errs)
         # the layout's shards put back together are the batch
@@ -211,19 +213,7 @@ def _two_d(rank, world):
         for placement in ("documents", "headtail"):
             lay = cp_dtensor.document_layout(ids, world, windows=[c["window"]], placement=placement)
 
-            def shard(x, dim=2):
-                return cp_dtensor.shard_tensor(x, seq_dim=dim, layout=lay, rank=rank, cp_size=world)
-
-            ql, kl, vl = (shard(x).float().requires_grad_() for x in (q, k, v))
-            sl = None if sinks is None else sinks.float().requires_grad_()
-            out = cp_dtensor.ring_attention(ql, kl, vl, mesh=mesh, layout=lay, is_causal=c["causal"],
-                                            window_size=c["window"], sinks=sl)
-            out.backward(shard(do).float())
-            errs = [abs_rel_err(a, shard(r)) for a, r in zip((out, ql.grad, kl.grad, vl.grad), want[:4])]
-            if sl is not None:
-                total = sl.grad.clone()
-                dist.all_reduce(total)
-                errs.append(abs_rel_err(total, want[4]))
+            errs = _errors(lay, rank, world, c, (q, k, v, do, sinks), want, mesh=mesh)
             assert max(errs) <= 2e-5, (rank, i, placement, errs)
             worst = max(worst, *errs)
     return worst
