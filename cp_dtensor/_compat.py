@@ -159,8 +159,9 @@ PRIVATE_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("torchtitan.models.llama3.infra.parallelize", TITAN_CP_STEP, ("attention_modules", "cp_mesh", "attention_type")),
     # titan/shared/cpu.py: Note [torchtitan on CPU] (TITAN_MOE_KERNELS needs triton to import: not checked here)
     *((module, name, None) for module, names in TITAN_DEVICE_HOLDERS.items() for name in names),
-    # titan/shared/float8.py: Note [float8 training on CPU]
+    # titan/shared/float8.py: Note [float8 training on CPU], Note [The float8 gemm on CPU] (torchao's config in .config)
     (TITAN_FLOAT8, "has_cuda_capability", ("major", "minor")),
+    (TITAN_FLOAT8, "Float8LinearConverter.__init__", ("self", "job_config", "parallel_dims")),
 )
 
 # torchtitan 0.3 (titan/v03/): the rows below are checked when torchtitan 0.3 is installed (the newest leg),
@@ -200,8 +201,9 @@ TITAN03_PRIVATE_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     # titan/v03/_cpu.py: Note [torchtitan 0.3 on CPU]
     *((module, name, None) for module, names in TITAN03_DEVICE_HOLDERS.items() for name in names),
     *((module, f"{name}.forward", ("self", "x_RD", "num_tokens_per_expert_E")) for module, name in TITAN03_BF16_EXPERTS),
-    # titan/shared/float8.py: Note [float8 training on CPU]
+    # titan/shared/float8.py: Note [float8 training on CPU], Note [The float8 gemm on CPU] (.config, .torchao_config)
     (TITAN03_FLOAT8, "has_cuda_capability", ("major", "minor")),
+    (TITAN03_FLOAT8, "Float8LinearConverter.__init__", ("self", "config")),
 )
 # titan/v03/linear.py: Note [qwen3_5 under the 0.3 plugin]. Checked where torchtitan 0.3 and fla (which
 # torchtitan's qwen3_5 model module imports) are installed; the layer test runs them (tests/titan/v03/test_titan03.py).

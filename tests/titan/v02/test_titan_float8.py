@@ -24,6 +24,7 @@ effect on the loss (5e-4). Measured (rowwise): 2.3e-5 at step 1, <= 9.1e-5 after
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
@@ -34,7 +35,11 @@ from _tiers import exhaustive, slow
 from _dist import run_ranks
 from test_titan import CONFIG, _from_seed, _losses, _parse, _torchrun, seed_ckpt  # noqa: F401  (fixture)
 
-F8 = ["--model.converters", "quantize.linear.float8", "--quantize.linear.float8.recipe_name", "rowwise"]
+# torchao's emulated gemm (Note [The float8 gemm on CPU]): the recipe's scales and float8 rounding, the product in
+# fp32, at a speed that does not depend on the host's oneDNN fp8 path; the real gemm: test_real_cpu_float8_gemm
+F8 = ["--model.converters", "quantize.linear.float8", "--quantize.linear.float8.recipe_name", "rowwise",
+      "--quantize.linear.float8.emulate"]
+EMULATED = "float8 linears on CPU use torchao's emulated gemm (recipe rowwise kept"
 PAYLOAD = ["--cp_dtensor.comm_dtype", "float8_e4m3fn"]
 STEP1_RTOL = 1e-5  # identical per-token math: the fp32 tests' print-resolution bar
 FP8_LOSS_EFFECT = 5e-4  # |L_float8 - L_fp32| / L at step 1, measured 4.2e-4 (rowwise) .. 5.2e-4 (tensorwise)
@@ -57,6 +62,7 @@ def cp1_float8(seed_ckpt, tmp_path_factory) -> list[float]:
     out = _torchrun(1, tmp_path_factory.mktemp("cp1_f8"), "--parallelism.context_parallel_degree", "1", *F8,
                     *_from_seed(seed_ckpt))
     assert "Float8 training active with recipe rowwise" in out and "float8 linears run on CPU" in out
+    assert EMULATED in out
     return _losses(out)
 
 
@@ -64,6 +70,7 @@ def cp1_float8(seed_ckpt, tmp_path_factory) -> list[float]:
 def cp2_float8(seed_ckpt, tmp_path_factory) -> list[float]:
     out = _torchrun(2, tmp_path_factory.mktemp("cp2_f8"), *F8, *_from_seed(seed_ckpt))
     assert "Applied cp_dtensor ring attention (layout=striped) to the model; K/V ring payload as the input" in out
+    assert out.count(EMULATED) == 2  # one line a rank
     return _losses(out)
 
 
@@ -108,7 +115,7 @@ def test_cp4_float8_matches_cp1(seed_ckpt, cp1_float8, tmp_path):
 @_ALL
 def test_cp2_float8_tensorwise_within_float8_noise(seed_ckpt, tmp_path):
     # tensorwise scales come from each rank's local amax: CP re-rounds, see the module docstring
-    tw = ["--model.converters", "quantize.linear.float8"]
+    tw = ["--model.converters", "quantize.linear.float8", "--quantize.linear.float8.emulate"]
     ref = _losses(_torchrun(1, tmp_path / "cp1", "--parallelism.context_parallel_degree", "1", *tw,
                             *_from_seed(seed_ckpt)))
     losses = _losses(_torchrun(2, tmp_path / "cp2", *tw, *_from_seed(seed_ckpt)))
@@ -175,15 +182,98 @@ def test_float8_converter_builds_on_cpu_even_compiled():
     from torchtitan.components.quantization.float8 import Float8LinearConverter
     from torchtitan.distributed import ParallelDims
 
+    from cp_dtensor.titan.shared.float8 import SCALED_MM_LIMIT, cpu_scaled_mm_cost
+
     if torch.accelerator.is_available():
         pytest.skip("the hook applies only without an accelerator")
     cfg = _parse(CONFIG, "--model.converters", "quantize.linear.float8", "--compile.enable")
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
     converter = Float8LinearConverter(cfg, dims)
-    assert converter.enabled and not converter.config.emulate
+    ratio, _ = cpu_scaled_mm_cost()  # the real gemm where this CPU runs it fast: Note [The float8 gemm on CPU]
+    assert converter.enabled and converter.config.emulate == (ratio is None or ratio > SCALED_MM_LIMIT)
     model = torch.nn.Sequential(torch.nn.Linear(32, 32, bias=False))
     converter.convert(model)
     assert type(model[0]).__name__ == "Float8Linear"
     x = torch.randn(16, 32, requires_grad=True)
     model(x).sum().backward()  # float8 forward and backward on the CPU
     assert x.grad is not None and model[0].weight.grad is not None
+
+
+def _converter(monkeypatch, cost, *flags):
+    """torchtitan's float8 converter built on CPU with the probe answering ``cost``; (converter, warnings)."""
+    from torchtitan.components.quantization.float8 import Float8LinearConverter
+    from torchtitan.distributed import ParallelDims
+
+    import cp_dtensor.titan.shared.float8 as f8
+
+    warned: list[str] = []
+    monkeypatch.setattr(f8, "cpu_scaled_mm_cost", lambda: cost)
+    monkeypatch.setattr(f8.logger, "warning", warned.append)
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+    return Float8LinearConverter(_parse(CONFIG, "--model.converters", "quantize.linear.float8", *flags), dims), warned
+
+
+@pytest.mark.parametrize(("cost", "flags", "emulated", "warns"), [
+    ((2.4, "fast"), (), False, False),  # the real gemm where the host runs it at a few fp32 matmuls
+    ((900.0, "oneDNN's reference path"), (), True, True),  # unusably slow: emulate, one warning
+    ((None, "cannot create the primitive"), (), True, True),
+    ((2.4, "fast"), ("--quantize.linear.float8.emulate",), True, False),  # asked for: no probe, no warning
+], ids=["fast", "slow", "missing", "asked"])
+@pytest.mark.parametrize("recipe", ["rowwise", None])
+def test_cpu_float8_gemm_choice(monkeypatch, cost, flags, emulated, warns, recipe):
+    # Note [The float8 gemm on CPU]: emulation keeps the recipe (torchtitan 0.2.2 would drop emulate with one)
+    from torchao.float8 import Float8LinearConfig
+
+    if torch.accelerator.is_available():
+        pytest.skip("the choice applies only without an accelerator")
+    named = ("--quantize.linear.float8.recipe_name", recipe) if recipe else ()
+    converter, warned = _converter(monkeypatch, cost, *flags, *named)
+    want = Float8LinearConfig.from_recipe_name(recipe) if recipe else Float8LinearConfig()
+    assert converter.config == dataclasses.replace(want, emulate=emulated)
+    assert len(warned) == warns and (not warns or cost[1] in warned[0] and "emulated gemm" in warned[0])
+
+
+@slow("the real CPU fp8 gemm: seconds where oneDNN's fp8 path is slow")
+def test_real_cpu_float8_gemm_equals_emulated():
+    # What this measures: torch._scaled_mm on this CPU (oneDNN's fp8 gemm, whatever its speed) computes
+    # torchao's rowwise Float8Linear forward and backward as the emulated gemm does, to fp32 summation order:
+    # both multiply the same float8-rounded, power-of-two-scaled operands. Tiny, so it fits any host.
+    from torchao.float8 import Float8LinearConfig
+    from torchao.float8.float8_linear import Float8Linear
+
+    torch.manual_seed(0)
+    x, gy = torch.randn(32, 64), torch.randn(32, 64)  # one grad_output for both: float8 rounds the same inputs
+    lin = torch.nn.Linear(64, 64, bias=False)
+    outs = []
+    for emulate in (False, True):
+        cfg = dataclasses.replace(Float8LinearConfig.from_recipe_name("rowwise"), emulate=emulate)
+        f8 = Float8Linear.from_float(torch.nn.Linear(64, 64, bias=False), config=cfg)
+        f8.weight.data.copy_(lin.weight.data)
+        xi = x.clone().requires_grad_()
+        y = f8(xi)
+        y.backward(gy)
+        outs.append((y.detach(), xi.grad, f8.weight.grad))
+    # the real gemm rounds its products to bf16 on this path (torchao's rowwise output); the emulated one keeps
+    # fp32: they differ by about bf16's rounding, 2^-9 of the largest element (measured <= 2.9e-3; 2^-8 allowed)
+    errs = [((real - emulated).abs().max() / emulated.abs().max()).item() for real, emulated in zip(*outs)]
+    print(f"real vs emulated CPU float8 gemm (out, dx, dW): rel {[f'{e:.1e}' for e in errs]}")  # shown with -s
+    assert max(errs) <= 2**-8, errs
+    ref = x @ lin.weight.t()
+    err = ((outs[0][0] - ref).abs().max() / ref.abs().max()).item()
+    assert 1e-3 < err < 0.1, err  # float8 rounding ran (e4m3: a few per cent), not an fp32 matmul
+
+
+def test_float8_moe_grouped_gemm_still_refused_on_cpu():
+    # Bad input: a float8 recipe this host cannot run. torch._scaled_grouped_mm has no CPU kernel, so the
+    # plugin's yes answers the dense linears' converter only (Note [float8 training on CPU]): the grouped-GEMM
+    # converter keeps torchtitan's refusal, raised on every rank when the trainer builds its converters
+    from torchtitan.components.quantization.float8 import Float8GroupedMMConverter, has_cuda_capability
+    from torchtitan.distributed import ParallelDims
+
+    if torch.accelerator.is_available():
+        pytest.skip("the refusal applies only without an accelerator")
+    cfg = _parse(CONFIG, "--model.converters", "quantize.grouped_mm.float8")
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+    with pytest.raises(ValueError, match="Float8 MoE training only supported on SM89 or later"):
+        Float8GroupedMMConverter(cfg, dims)
+    assert not has_cuda_capability(8, 9)  # the module's own check is torchtitan's outside the dense build
