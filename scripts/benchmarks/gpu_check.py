@@ -55,7 +55,7 @@ from cp_dtensor.core.layout import LAYOUTS  # noqa: E402
 DEFAULTS = dict(ranks=(4, 2), ring_seq_len=(2048, 64), seq_len=(131072, 256), check_seq_len=(8192, 128),
                 mem_seq_len=(32768, 64), q_heads=(32, 4), kv_heads=(8, 2), head_dim=(128, 16), iters=(3, 1),
                 model_seq_len=(512, 64), stall_seq_len=(1024, 1024), model_limit_s=(60, 120), stall_limit_s=(90, 180),
-                ring_timeout=(240, 240), models_timeout=(240, 420), stall_s=(30, 60), tiling_tokens=(8192, 256),
+                ring_timeout=(240, 240), models_timeout=(200, 420), stall_s=(30, 60), tiling_tokens=(8192, 256),
                 tiling_vocab=(32768, 512), tiling_hidden=(1024, 64), tiling_tile=(1024, 64))
 
 

@@ -176,8 +176,8 @@ def test_memory_against_measured_peaks():
     the planner within 15% of each."""
     rows = [  # N, P, Hq, Hkv, D, dtype, device, measured MiB (the largest rank)
         (32768, 4, 32, 8, 128, "bf16", "cuda", 1091),
-        (8192, 4, 8, 2, 128, "bf16", "cpu", 46.4),
-        (8192, 2, 8, 8, 64, "fp32", "cpu", 112.6),
+        (8192, 4, 8, 2, 128, "bf16", "cpu", 46.2),
+        (8192, 2, 8, 8, 64, "fp32", "cpu", 112.5),
     ]
     for n, p, hq, hkv, d, dtype, device, measured in rows:
         plan = P.memory_bytes(P.PlanInput(seq_len=n, cp=p, q_heads=hq, kv_heads=hkv, head_dim=d, dtype=dtype,
