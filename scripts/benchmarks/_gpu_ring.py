@@ -238,7 +238,11 @@ def compile_case(cfg, rank, world, device):
         res.update({f"{m} vs eager": compare(a, b) for m, a, b in zip(("out", "dq", "dk", "dv"), results["compiled"], results["eager"])})
         record("compile", _verdict(row, res, TOL[dtype]))
     except Exception as e:  # noqa: BLE001 -- reported as a failed row
-        record("compile", dict(row, worst=float("inf"), ok=False, error=last_line(e)))
+        # on CPU a torch whose compiled ring cp_dtensor refuses (naming that torch) is a refusal, not a failure
+        version = torch.__version__.split("+")[0].rsplit(".", 1)[0]  # "2.11"
+        refused = device.type == "cpu" and isinstance(e, (ValueError, NotImplementedError)) and version in str(e)
+        record("compile", dict(row, worst=None if refused else float("inf"), ok=refused,
+                               status="refused on this torch" if refused else "error", error=last_line(e)))
 
 
 _SYNC_MESSAGE = "called a synchronizing CUDA operation"  # torch's warning per sync in "warn" mode
