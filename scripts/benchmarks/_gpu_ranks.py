@@ -76,6 +76,7 @@ def _rank_main(rank, world, init, cfg, target, files):
     code = 0
     stacks, results = open(files[rank][0], "w"), open(files[rank][1], "w")
     _GROUP_FILES.update(stacks=stacks, results=results)
+    faulthandler.enable(file=stacks, all_threads=True)  # a fatal signal (an abort in a CUDA call) dumps too
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     faulthandler.dump_traceback_later(cfg["stall_s"], repeat=True, file=stacks)
     try:
@@ -92,6 +93,8 @@ def _rank_main(rank, world, init, cfg, target, files):
         code = 1
     finally:
         faulthandler.cancel_dump_traceback_later()
+        faulthandler.unregister(signal.SIGUSR1)
+        faulthandler.disable()
         if dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
@@ -111,7 +114,8 @@ def _read(path: str) -> list[dict]:
 
 def run_group(name: str, target, cfg: dict, world: int, *, timeout: float, start_method: str = "spawn") -> dict:
     """``target(cfg, rank, world, device)`` on ``world`` processes (one gloo group; spawn: CUDA cannot cross
-    a fork), each recording its results (:func:`record`). Returns ``status`` ("ok", "crashed" or "stalled"),
+    a fork), each recording its results (:func:`record`). Returns ``status`` ("ok", "crashed": a rank raised
+    or died of a signal, or "stalled": ranks still running at the deadline),
     ``ranks``: every rank's recorded rows, ``stacks``: the stack files of the ranks that did not finish
     (stalled) or crashed, and ``seconds``. See the stall watchdog in the module docstring."""
     ctx = mp.get_context(start_method)
@@ -139,8 +143,9 @@ def run_group(name: str, target, cfg: dict, world: int, *, timeout: float, start
                 p.kill()
             p.join()
         ranks = [_read(files[r][1]) for r in range(world)]
-        crashed = [r for r in range(world) if any(x["section"] == "_crash" for x in ranks[r])]
-        unfinished = [r for r in range(world) if not any(x["section"] in ("_done", "_crash") for x in ranks[r])]
+        died = [r for r in range(world) if r not in alive and procs[r].exitcode != 0]  # an exception or a signal
+        crashed = [r for r in range(world) if r in died or any(x["section"] == "_crash" for x in ranks[r])]
+        unfinished = [r for r in alive if not any(x["section"] in ("_done", "_crash") for x in ranks[r])]
         stacks = {}
         for r in sorted(set(crashed) | set(unfinished)):
             with open(files[r][0]) as f:
@@ -186,7 +191,9 @@ def stall_summary(group: dict) -> list[str]:
         starts = [ln for ln in text.splitlines() if "] start " in ln]
         doing = starts[-1].split("] start ", 1)[1] if starts else "(before its first case)"
         dumps = text.count("most recent call first")
+        crash = [x for x in group["ranks"][r] if x["section"] == "_crash"]
         lines += [f"- rank {r}: {'crashed' if r in group['crashed'] else 'stalled'} in `{doing}`; {dumps} stack "
-                  "dump(s) (identical innermost frames across dumps: a hang; moving frames: slowness)", "",
-                  "```", *text.splitlines()[-60:], "```", ""]
+                  "dump(s) (identical innermost frames across dumps: a hang; moving frames: slowness)"
+                  + (f"; {crash[0]['error']}" if crash else ""), "",
+                  "```", *(crash[0]["trace"].splitlines()[-30:] if crash else []), *text.splitlines()[-60:], "```", ""]
     return lines

@@ -42,12 +42,16 @@ def _smoke(tmp_path, *extra):
 
 
 def test_cpu_smoke_runs_every_section(tmp_path):
-    res, md = _smoke(tmp_path, "--skip", "compile", "models")
+    res, md = _smoke(tmp_path, "--skip", "compile", "models", "--layouts", "striped")  # the rest: slow tier
+    _check_smoke(res, md, ["striped"])
+
+
+def _check_smoke(res, md, layouts):
     assert res["ok"] and res["config"]["ranks"] == 2 and res["ring_group"]["status"] == "ok"
     # (a) every layout x case and the document exchange on the cases with documents, each rank against
     # float64 within its dtype's tolerance, none exact by accident, nothing non-finite
     ring = _module("_gpu_ring")
-    want = {(lay, c[0]) for lay in LAYOUTS for c in ring.RING_CASES} | {("documents", c[0]) for c in ring.DOC_CASES}
+    want = {(lay, c[0]) for lay in layouts for c in ring.RING_CASES} | {("documents", c[0]) for c in ring.DOC_CASES}
     assert {(r["layout"], r["case"]) for r in res["ring"]} == want and len(res["ring"]) == len(want)
     for r in res["ring"]:
         assert r["ok"] and len(r["per_rank_worst"]) == 2 and all(0 < w <= r["tol"] for w in r["per_rank_worst"]), r
@@ -68,19 +72,19 @@ def test_cpu_smoke_runs_every_section(tmp_path):
     assert mem["planned"] == memory_bytes(PlanInput(seq_len=mem["seq_len"], cp=2, head_dim=mem["head_dim"], q_heads=mem["q_heads"],
                                                     kv_heads=mem["kv_heads"], dtype="bf16", device="cpu"))
     # (c) the simulation is checked, then timed per layout; (f) tiling against float64
-    assert [r["layout"] for r in res["simulation"]] == list(LAYOUTS) and all(r["ok"] for r in res["simulation"])
-    assert [r["layout"] for r in res["overhead"]] == list(LAYOUTS) and all(r["ratio"] > 0 for r in res["overhead"])
+    assert [r["layout"] for r in res["simulation"]] == layouts and all(r["ok"] for r in res["simulation"])
+    assert [r["layout"] for r in res["overhead"]] == layouts and all(r["ratio"] > 0 for r in res["overhead"])
     assert set(res["tiling"]["rows"]) == {"untiled", "tiled"} and res["tiling"]["ok"]
-    assert res["compile"] == [] and res["models"] == []
     for part in ("## (a)", "## (b)", "## (c)", "## (d)", "## (f)", "PASS", " / "):
         assert part in md
 
 
-@slow("the whole --cpu-smoke: the compiled ring and the transformers models (~2 minutes on 2 cores)")
+@slow("the whole --cpu-smoke: every layout, the compiled ring and the transformers models (~2 minutes on 2 cores)")
 def test_cpu_smoke_whole(tmp_path):
     t0 = time.perf_counter()
     res, md = _smoke(tmp_path)
-    assert res["ok"] and res["models_group"]["status"] == "ok", md
+    _check_smoke(res, md, list(LAYOUTS))
+    assert res["models_group"]["status"] == "ok", md
     (c,) = res["compile"]
     assert c["ok"] and c["per_rank_worst"][0] > 0 and "out vs eager" in c["errors"]
     cases = [r["case"] for r in res["models"]]
@@ -144,6 +148,24 @@ def test_stall_is_stopped_with_every_ranks_stacks():
     assert all(text.count("most recent call first") >= 2 for text in g["stacks"].values())  # repeated dumps
     md = "\n".join(ranks.stall_summary(g))
     assert "rank 0: stalled in `the stalled case`" in md and "rank 1: stalled" in md
+
+
+def _boom(cfg, rank, world, device):
+    """Rank 1 raises; rank 0 waits for it in a collective."""
+    if rank == 1:
+        raise RuntimeError("boom on rank 1")
+    torch.distributed.all_reduce(torch.ones(1))
+
+
+def test_crash_stops_the_group_with_the_tracebacks():
+    ranks = _module("_gpu_ranks")
+    torch.set_num_threads(1)
+    g = ranks.run_group("boom", _boom, dict(device="cpu", threads=1, stall_s=30, collective_timeout=120), 2,
+                        timeout=60, start_method="fork")
+    # rank 0's collective fails too once gloo sees its peer gone (or it is stopped at once): never a wait
+    assert g["status"] == "crashed" and 1 in g["crashed"] and sorted(g["stacks"]) == [0, 1] and g["seconds"] < 30
+    (crash,) = [x for x in g["ranks"][1] if x["section"] == "_crash"]
+    assert "boom on rank 1" in crash["error"] and "_boom" in crash["trace"]
 
 
 def test_watch_syncs_counts_syncs_not_torchs_notices():
