@@ -65,6 +65,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tflops", type=float, help="sustained attention throughput, TFLOP/s")
     p.add_argument("--mem-budget-gib", type=float, help="per-rank memory budget (GiB): report the smallest CP that fits")
     p.add_argument("--reserved-gib", type=float, default=0.0, help="per-rank memory not modelled (weights, optimizer, ...)")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                   help="where the kernels run: their transient memory differs (default cuda)")
     p.add_argument("--max-cp", type=int, default=4096, help="largest CP the budget search tries (default 4096)")
     p.add_argument("--island", type=int, help="compare K/V exchanges (ring, allgather, U x R): ranks per fast "
                    "island (a node's NVLink); needs --intra-gbps, --inter-gbps, --tflops")
@@ -105,6 +107,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         kv_heads=args.q_heads if args.kv_heads is None else args.kv_heads, dtype=args.dtype, comm_dtype=args.comm_dtype,
         layout=args.layout, batch=args.batch, layers=args.layers,
         causal=args.causal, window=args.window, mean_doc_len=args.mean_doc_len, link_gbps=args.link_gbps, tflops=args.tflops, reserved_gib=args.reserved_gib,
+        device=args.device,
     )
     cp = args.cp
     if cp is None:

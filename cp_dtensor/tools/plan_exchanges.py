@@ -124,8 +124,8 @@ def _allgather_memory(inp: PlanInput) -> int:
     the whole sequence's K/V (and the [P, K/V] dK/dV buffers)."""
     m = memory_bytes(inp)
     kv, dkv, p = kv_step_bytes(inp), dkv_step_bytes(inp), inp.cp
-    fwd = m["forward_working_set"] - 2 * kv + p * kv
-    bwd = m["backward_working_set"] - 2 * kv - 3 * dkv + p * kv + p * dkv
+    fwd = m["forward_working_set"] - m["forward_messages"] + p * kv
+    bwd = m["backward_working_set"] - m["backward_messages"] + p * kv + p * dkv
     return m["saved_all_layers"] + max(fwd, bwd) + m["reserved"]
 
 

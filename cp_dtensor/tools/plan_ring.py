@@ -27,19 +27,34 @@ judged with the maximum over ranks of each step's work.
 
 Note [Plan memory]
 ~~~~~~~~~~~~~~~~~~
-What ring attention itself holds on a rank, in the compute dtype unless stated:
+What ring attention itself holds on a rank, counted from ring.py / blocks.py / kernels.py, in the compute
+dtype (e bytes) unless stated; Q = B S Hq D and KV = 2 B S Hkv D elements, L = 4 B Hq S bytes (lse):
 
 * saved for backward, every layer: q, k, v, out, and lse (fp32);
 * one layer's ring working set, the larger of
-  forward:  2 K/V step buffers (in use + arriving), the fp32 out and lse accumulators, and the
-            block's own output before it is merged;
-  backward: 2 K/V step buffers, 2 dK/dV accumulators in flight (leaving + arriving), this step's
-            dK/dV share, the owner's fp32 dK/dV, fp32 dQ, dO, and the kernel's fresh dQ, dK, dV of
-            one block. On CPU the ring calls the backward kernel per group of KV heads (Note
-            [Backward in head chunks] in blocks.py), so there the last term is smaller than modelled.
+  forward:  the K/V block in use and the one arriving (P > 1), the fp32 out and lse accumulators, the
+            block's own out and lse before the merge and, below fp32, the merge's fp32 copy of that out;
+  backward: dO, the fp32 dQ and the fp32 [dK | dV] of the own block, the ring's messages (below), and
+            the kernel's transient while one block's backward runs (below).
+* the backward's messages (Note [One message per backward step] in ring.py), at the worst step: P = 2,
+  the K/V block in use and the one arriving and this step's dK/dV share (2 kv + 1 dkv); P = 3, the block
+  in use and three dK/dV buffers (leaving, arriving, this step's); P >= 4, step 2's block in use, the
+  [dK/dV | K/V] message leaving and the one arriving, and this step's share (3 kv + 3 dkv).
+* the kernel's transient, per ``device``:
+  cuda, flash (bf16/fp16, D <= 256): the fresh dq, dk, dv; the contiguous [B, S, H, D] copies torch's
+            flash backward makes of dO and out (the ring hands them [B, H, S, D]); flash's fp32 dq
+            accumulator; with GQA its dK and dV expanded to Hq heads before the sum; its fp32 rowsum
+            (L). That is (Q + KV) e + 2 Q e + 4 Q + (2 Q e with GQA) + L -- the largest single term.
+  cuda, memory-efficient (fp32): one call per KV group, every group's grads kept for the concatenation:
+            2 (Q + KV) e, and one group's g-fold K/V copies and expanded dK/dV, 4 Q e / Hkv. (Not yet
+            measured on a GPU.)
+  cpu:      the backward runs per KV head (Note [Backward in head chunks] in blocks.py): one head's
+            fresh grads and the kernel's contiguous copy of its dO, ((Q + KV) e + Q e) / Hkv.
 
-Weights, optimizer state, MLP/norm activations, kernel workspace and allocator slack are not
-modelled: pass them as ``reserved_gib``.
+Calibration (docs/planner.md, scripts/benchmarks/bench_planner_memory.py and gpu_check.py's section (d)):
+within 8% of the measured peak of one striped fwd+bwd on an H200 (N = 32768, P = 4, Hq 32, Hkv 8,
+D 128, bf16: 1091 MiB measured) and on CPU at two shapes. Weights, optimizer state, MLP/norm activations,
+allocator slack and whatever else a model holds are not modelled: pass them as ``reserved_gib``.
 """
 
 from __future__ import annotations
@@ -126,6 +141,8 @@ class PlanInput:
     """Sustained attention throughput in TFLOP/s (1e12 FLOP/s)."""
     reserved_gib: float = 0.0
     """Memory per rank taken by everything not modelled (weights, optimizer, other activations)."""
+    device: str = "cuda"
+    """Where the kernels run, "cuda" or "cpu": their transient memory differs (Note [Plan memory])."""
 
     def __post_init__(self) -> None:
         if self.comm_dtype is None:
@@ -152,6 +169,8 @@ class PlanInput:
                 raise ValueError(f"{name} must be {'>= 0' if name == 'window' else '>= 1'} or None; got {getattr(self, name)}.")
         if self.window is not None and not self.causal:
             raise ValueError("window models a causal sliding window (flash-attn's (window, 0)); drop --no-causal.")
+        if self.device not in ("cuda", "cpu"):
+            raise ValueError(f"device must be 'cuda' or 'cpu'; got {self.device!r}.")
         if self.reserved_gib < 0:
             raise ValueError(f"reserved_gib must be >= 0; got {self.reserved_gib}.")
 
@@ -173,6 +192,26 @@ def dkv_step_bytes(inp: PlanInput) -> int:
     return payload_bytes(rows=rows, head_dim=inp.head_dim, itemsize=DTYPE_BYTES[inp.dtype])
 
 
+def _message_bytes(inp: PlanInput) -> tuple[int, int]:
+    """(forward, backward) bytes of the ring's messages at their worst step; see Note [Plan memory]."""
+    kv, dkv, p = kv_step_bytes(inp), dkv_step_bytes(inp), ring_steps(inp)
+    if p == 1:
+        return 0, 0
+    bwd = {2: 2 * kv + dkv, 3: kv + 3 * dkv}.get(p, 3 * kv + 3 * dkv)
+    return 2 * kv, bwd
+
+
+def _kernel_bytes(inp: PlanInput, q: int, kv: int, lse: int) -> int:
+    """The kernel's transient in one block's backward (q, kv: elements); see Note [Plan memory]."""
+    e = DTYPE_BYTES[inp.dtype]
+    if inp.device == "cpu":
+        return ((q + kv) * e + q * e) // inp.kv_heads
+    if inp.dtype in ("bf16", "fp16") and inp.head_dim <= 256 and inp.head_dim % 8 == 0:  # flash
+        expanded = 2 * q * e if inp.q_heads != inp.kv_heads else 0
+        return (q + kv) * e + 2 * q * e + 4 * q + expanded + lse
+    return 2 * (q + kv) * e + 4 * q * e // inp.kv_heads  # memory-efficient, per KV group
+
+
 def memory_bytes(inp: PlanInput) -> dict[str, int]:
     """Per-rank memory of ring attention; see Note [Plan memory]."""
     b, s, d, e = inp.batch, inp.s_local, inp.head_dim, DTYPE_BYTES[inp.dtype]
@@ -180,10 +219,10 @@ def memory_bytes(inp: PlanInput) -> dict[str, int]:
     kv = 2 * b * s * inp.kv_heads * d  # elements of k and v together
     lse = b * inp.q_heads * s * 4
     saved = (2 * q + kv) * e + lse
-    kv_buf = kv_step_bytes(inp)
-    fwd_work = 2 * kv_buf + q * 4 + lse + q * e
-    kernel_grads = (q + kv) * e
-    bwd_work = 2 * kv_buf + 3 * dkv_step_bytes(inp) + kv * 4 + q * 4 + q * e + kernel_grads
+    fwd_msgs, bwd_msgs = _message_bytes(inp)
+    upcast = q * 4 if e < 4 else 0  # the merge's fp32 copy of the block's out
+    fwd_work = fwd_msgs + q * 4 + lse + q * e + lse + upcast
+    bwd_work = q * e + q * 4 + kv * 4 + bwd_msgs + _kernel_bytes(inp, q, kv, lse)
     work = max(fwd_work, bwd_work)
     reserved = int(inp.reserved_gib * GIB)
     return {
@@ -191,6 +230,8 @@ def memory_bytes(inp: PlanInput) -> dict[str, int]:
         "saved_all_layers": saved * inp.layers,
         "forward_working_set": fwd_work,
         "backward_working_set": bwd_work,
+        "forward_messages": fwd_msgs,
+        "backward_messages": bwd_msgs,
         "reserved": reserved,
         "total": saved * inp.layers + work + reserved,
     }

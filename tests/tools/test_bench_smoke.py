@@ -1,4 +1,4 @@
-"""The pure parts of scripts/benchmarks/bench_ring.py and scripts/benchmarks/gpu_check.py, against independent references."""
+"""The pure parts of scripts/benchmarks/bench_ring.py and scripts/benchmarks/gpu_check.py (_gpu_sim.py, _gpu_ring.py), against independent references."""
 
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ from cp_dtensor.tools.plan import PlanInput, make_plan
 
 SCRIPTS = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "benchmarks")
 sys.path.insert(0, SCRIPTS)
+import _gpu_ring as gpu_ring  # noqa: E402
+import _gpu_sim as gpu_sim  # noqa: E402
+
 import _bench_mem as bench_mem  # noqa: E402
 import _bench_work as bench_work  # noqa: E402
-import gpu_check  # noqa: E402
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -82,14 +84,14 @@ def test_simulated_ring_matches_float64(layout):
     g = torch.Generator().manual_seed(0)
     q, do = (torch.randn(1, 4, 48, 16, generator=g) for _ in range(2))
     k, v = (torch.randn(1, 2, 48, 16, generator=g) for _ in range(2))
-    ref = gpu_check.reference(q, k, v, do, is_causal=True, scale=0.25)[:4]
-    by_group = gpu_check.reference_by_group(q, k, v, do, scale=0.25, dtype=torch.float64)
+    ref = gpu_ring.reference(q, k, v, do, is_causal=True)[:4]  # scale D ** -0.5 = 0.25
+    by_group = gpu_sim.reference_by_group(q, k, v, do, scale=0.25, dtype=torch.float64)
     for x, r in zip(by_group, ref):
-        assert gpu_check.abs_rel_err(x, r) < 1e-12
+        assert gpu_sim.abs_rel_err(x, r) < 1e-12
     for world in (1, 3, 4):
-        got = gpu_check.simulate(q, k, v, do, layout=layout, world=world, scale=0.25)
+        got = gpu_sim.simulate(q, k, v, do, layout=layout, world=world, scale=0.25)
         for name, x, r in zip(("out", "dq", "dk", "dv"), got, ref):
-            assert gpu_check.abs_rel_err(x, r) < 2e-5, (layout, world, name)
+            assert gpu_sim.abs_rel_err(x, r) < 2e-5, (layout, world, name)
 
 
 def test_tile_pairs_counts_whole_kv_tiles():

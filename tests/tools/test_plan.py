@@ -147,33 +147,64 @@ def test_flops_hand_formula():
 def test_memory_exercise_1_by_hand():
     m = P.memory_bytes(P.PlanInput(**EX1, layers=4, reserved_gib=1))
     s = 16384
-    q, kv, lse = s * 64 * 128 * 2, 2 * s * 8 * 128 * 2, 64 * s * 4
+    q, kv, lse = s * 64 * 128 * 2, 2 * s * 8 * 128 * 2, 64 * s * 4  # bytes of q (= out = dO), k + v, lse
     assert m["saved_per_layer"] == 2 * q + kv + lse == 580 * MiB
-    # K/V in flight, three bf16 dK/dV buffers (leaving, arriving, this step's share), fp32 dK/dV,
-    # fp32 dq, dout, and the kernel's bf16 dq, dk, dv of one block
-    bwd = 2 * 64 * MiB + 3 * (2 * s * 8 * 128 * 2) + 2 * s * 8 * 128 * 4 + s * 64 * 128 * 4 + q + q + kv
-    assert m["backward_working_set"] == bwd == 1536 * MiB
-    assert m["forward_working_set"] == 2 * 64 * MiB + s * 64 * 128 * 4 + lse + q == 896 * MiB + lse
-    assert m["total"] == 4 * 580 * MiB + 1536 * MiB + GiB
+    # dO, fp32 dq, fp32 own [dk | dv]; P >= 4: the block in use, [dK/dV | K/V] leaving and arriving, this
+    # step's share (6 K/V-sized bf16 buffers); flash's backward: fresh dq dk dv, contiguous dO and out,
+    # fp32 dq accumulator, dK/dV expanded to 64 heads, fp32 rowsum
+    kernel = (q + kv) + 2 * q + 2 * q + 2 * q + lse
+    bwd = q + 2 * q + 2 * kv + 6 * kv + kernel
+    assert m["backward_messages"] == 6 * kv and m["backward_working_set"] == bwd == 3136 * MiB + lse
+    # the block in use and the one arriving, fp32 out and lse, the block's out and lse, its fp32 copy
+    assert m["forward_working_set"] == 2 * kv + 2 * q + lse + q + lse + 2 * q == 1408 * MiB + 2 * lse
+    assert m["total"] == 4 * 580 * MiB + bwd + GiB
+
+
+def test_memory_messages_by_ring_size():
+    """The backward's messages at their worst step (Note [Plan memory]): none alone, then by P."""
+    base = dict(seq_len=4800, head_dim=64, q_heads=4, kv_heads=2, dtype="fp32")
+    kv = 2 * 2 * 64 * 4  # bytes of one token's k + v
+    for p, want in ((1, 0), (2, 3), (3, 4), (4, 6), (8, 6)):
+        m = P.memory_bytes(P.PlanInput(**base, cp=p))
+        assert m["backward_messages"] == want * kv * (4800 // p), p
+        assert m["forward_messages"] == (2 * kv * (4800 // p) if p > 1 else 0)
+
+
+def test_memory_against_measured_peaks():
+    """The calibration table of docs/planner.md: one striped causal fwd+bwd per rank, measured (the H200's
+    torch.cuda.max_memory_allocated, gpu_check.py (d); CPU resident peaks, bench_planner_memory.py) --
+    the planner within 15% of each."""
+    rows = [  # N, P, Hq, Hkv, D, dtype, device, measured MiB (the largest rank)
+        (32768, 4, 32, 8, 128, "bf16", "cuda", 1091),
+        (8192, 4, 8, 2, 128, "bf16", "cpu", 46.2),
+        (8192, 2, 8, 8, 64, "fp32", "cpu", 112.5),
+    ]
+    for n, p, hq, hkv, d, dtype, device, measured in rows:
+        plan = P.memory_bytes(P.PlanInput(seq_len=n, cp=p, q_heads=hq, kv_heads=hkv, head_dim=d, dtype=dtype,
+                                          device=device))["total"] / MiB
+        assert abs(plan / measured - 1) <= 0.15, (n, p, device, plan, measured)
+    with pytest.raises(ValueError, match="device"):
+        P.PlanInput(seq_len=8, cp=1, head_dim=8, q_heads=1, kv_heads=1, device="tpu")
 
 
 def _hand_total(n, p, d=128, hq=32, hkv=8, layers=32, e=2):
     s = n // p
     saved = (2 * s * hq * d + 2 * s * hkv * d) * e + hq * s * 4
-    q, kv = s * hq * d, 2 * s * hkv * d  # elements
-    fwd = 2 * kv * e + q * 4 + hq * s * 4 + q * e
-    # K/V held + arriving, dK/dV leaving + arriving + this step's, fp32 dK/dV, fp32 dq, dout, kernel dq dk dv
-    bwd = 2 * kv * e + 3 * kv * e + kv * 4 + q * 4 + q * e + (q + kv) * e
+    q, kv, lse = s * hq * d, 2 * s * hkv * d, hq * s * 4  # elements, elements, bytes
+    fwd = (2 * kv * e if p > 1 else 0) + q * 4 + lse + q * e + lse + q * 4
+    msgs = {1: 0, 2: 3, 3: 4}.get(p, 6) * kv * e
+    kernel = (q + kv) * e + 2 * q * e + q * 4 + 2 * q * e + lse  # CUDA flash, GQA
+    bwd = q * e + q * 4 + kv * 4 + msgs + kernel
     return layers * saved + max(fwd, bwd)
 
 
 def test_smallest_cp_search():
     n = P.parse_tokens("128k")
     base = dict(seq_len=n, cp=1, head_dim=128, q_heads=32, kv_heads=8, layers=32)
-    # by hand the total is 88.5 GiB / P: 64 GiB of q and out, 16 GiB of k and v, 0.5 GiB of lse saved
-    # over 32 layers, plus an 8 GiB backward working set
-    assert _hand_total(n, 1) == 88.5 * GiB and _hand_total(n, 8) == 88.5 / 8 * GiB
-    for budget, want in ((12.0, 8), (6.0, 16), (88.5, 1)):
+    # by hand at P = 1: 64 GiB of q and out, 16 GiB of k and v, 0.5 GiB of lse saved over 32 layers, and
+    # an 11.5 GiB backward working set (4 GiB of dO and fp32 dq, 1 GiB of fp32 dK/dV, 6.5 GiB in flash)
+    assert _hand_total(n, 1) == (80.5 + 11.5) * GiB + 32 * 128 * 1024 * 4
+    for budget, want in ((12.0, 8), (6.0, 16), (92.1, 1)):
         assert want == next(p for p in range(1, 4097) if n % p == 0 and _hand_total(n, p) <= budget * GiB)
         assert P.smallest_cp(P.PlanInput(**base), mem_budget_gib=budget) == want
     assert P.smallest_cp(P.PlanInput(**base), mem_budget_gib=12.0, max_cp=4) is None
