@@ -18,7 +18,7 @@ require("hf", "cp_dtensor.hf (transformers generate() under context parallelism)
 
 from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLayer  # noqa: E402
 
-__all__ = ["GenerateCall", "ReplicatedLinearLayer", "ShardedCache", "ShardedCacheLayer", "cache_bytes"]
+__all__ = ["GenerateCall", "ReplicatedLinearLayer", "ShardedCache", "ShardedCacheLayer", "cache_bytes", "token_fingerprint"]
 
 _GROW = 32  # columns added to a layer's buffer at a time while decoding
 
@@ -62,7 +62,6 @@ class GenerateCall:
     cache: ShardedCache | None = None  #: this rank's share of the KV cache
     step: _Step | None = None  #: what the base model's pre-hook decided for the current forward
     prompt: tuple[int, int] | None = None  #: (prompt length N, internal pad columns) of the prefill
-    held: list[int] | None = None  #: how many tokens each rank's cache holds
 
 
 class ShardedCacheLayer(CacheLayerMixin):
@@ -175,12 +174,40 @@ class ReplicatedLinearLayer(LinearAttentionLayer):
 class ShardedCache(Cache):
     """A transformers ``Cache`` under CP: :class:`ShardedCacheLayer` s holding this rank's tokens only, and for
     the layers in ``linear`` (a hybrid model's linear-attention layers) :class:`ReplicatedLinearLayer` s
-    holding the full states."""
+    holding the full states. ``maker`` (P, this rank, layout) names the CP run that fills it; ``held`` (each
+    rank's token count, the same list on every rank) and ``tokens`` (a fingerprint of the token ids and mask
+    it holds, [B] int64) let a later generate() continue it (Note [Continuing a sharded cache] in hf/turns.py)."""
 
-    def __init__(self, call: GenerateCall | None, num_layers: int, linear=()):
+    def __init__(self, call: GenerateCall | None, num_layers: int, linear=(), *,
+                 maker: tuple[int, int, str] | None = None):
         positions = _Positions()  # shared: every layer holds the same slots
         super().__init__(layers=[ReplicatedLinearLayer(call) if i in set(linear) else ShardedCacheLayer(call, positions)
                                  for i in range(num_layers)])
+        self.maker = maker
+        self.linear = tuple(sorted(set(linear)))
+        self.held: list[int] | None = None  # tokens each rank's share holds, set by the first (prefill) forward
+        self.seen = 0  # columns of the global sequence the cache holds
+        self.tokens: Tensor | None = None  # [B] int64: fingerprint of those columns' ids and mask (turns.py)
+
+    def bind(self, call: GenerateCall) -> None:
+        """Let ``call`` (a generate() call continuing this cache) fill it."""
+        for layer in self.layers:
+            layer._call = call
+
+    def note_tokens(self, ids: Tensor, real: Tensor) -> None:
+        """Record the ``ids`` [B, n] (``real`` [B, n]: not padding) a forward adds at columns seen .. seen + n."""
+        part = token_fingerprint(ids, real, self.seen)
+        self.tokens = part if self.tokens is None else self.tokens + part
+        self.seen += ids.shape[1]
+
+
+def token_fingerprint(ids: Tensor, real: Tensor, start: int = 0) -> Tensor:
+    """A cheap fingerprint per row of token ids [B, n] and their padding mask ``real`` [B, n] at global columns
+    ``start ..``: [B] int64, a sum over columns (wrapping), so the fingerprints of consecutive pieces add up to the
+    whole's. Computed where the ids live (no device sync)."""
+    col = torch.arange(start + 1, start + ids.shape[1] + 1, dtype=torch.int64, device=ids.device)
+    x = ids.long() * 2 + real.long() + 1  # [B, n]
+    return (x * (col * 1000003 + 7) + x * x * (col * 998244353 + 11)).sum(1)
 
 
 def cache_bytes(cache: Cache) -> int:
