@@ -215,9 +215,11 @@ def sharded_cache_attention(
                   window_size=window_size, sinks=sinks)
 
 
-def attend(q, k, v, *, q_positions, k_positions, group, world: int, scale, window_size, sinks) -> Tensor:
+def attend(q, k, v, *, q_positions, k_positions, group, world: int, scale, window_size, sinks,
+           padding: Tensor | None = None) -> Tensor:
     """:func:`sharded_cache_attention` after its checks: for callers whose replicated inputs agree by
-    construction (generate() under CP, where every rank computes the new tokens' q alike)."""
+    construction (generate() under CP, where every rank computes the new tokens' q alike). ``padding`` [B, T]
+    bool: queries of padding columns, which may see no key (their output is then 0) instead of raising."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     b, hq, t, dv = q.shape[0], q.shape[1], q.shape[2], v.shape[3]
@@ -230,6 +232,8 @@ def attend(q, k, v, *, q_positions, k_positions, group, world: int, scale, windo
             out, lse = _merge(every[..., :dv], every[..., dv])
         if sinks is None:
             blind = torch.isinf(lse[:, 0])  # [B, T]; the masks do not depend on the head
+            if padding is not None:
+                blind &= ~padding.to(blind.device)
             if bool(blind.any()):  # every rank holds the same merged lse: every rank raises
                 row, col = torch.nonzero(blind)[0].tolist()
                 raise ValueError(

@@ -47,12 +47,14 @@ class _Positions:
 class _Step:
     """What the base model's pre-hook decided for this forward, read by the cache layers and attention."""
 
-    def __init__(self, kind: str, positions: Tensor, keep: Tensor, columns: int, q_positions: Tensor | None = None):
+    def __init__(self, kind: str, positions: Tensor, keep: Tensor, columns: int, q_positions: Tensor | None = None,
+                 q_padding: Tensor | None = None):
         self.kind = kind  # "prefill" or "decode"
         self.positions = positions  # [B, n]: global positions of the columns this rank keeps (-1: padding)
         self.keep = keep  # [n]: which of this forward's (local) columns this rank keeps
         self.columns = columns  # columns this forward adds to the global sequence
         self.q_positions = q_positions  # decode: [B, T] positions of the new tokens
+        self.q_padding = q_padding  # decode: [B, T] bool, the new columns that are padding (a prefill chunk's)
 
 
 @dataclass(eq=False)

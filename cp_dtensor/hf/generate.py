@@ -144,7 +144,7 @@ def _base_pre_hook(module, args, kwargs):
     cache.note_tokens(ids, real)
     keep = torch.nonzero(torch.tensor(owners) == rank).flatten()
     kpos = pos.masked_fill(~real, -1).index_select(1, keep.to(ids.device))
-    call.step = _Step("decode", kpos, keep, n, q_positions=pos.contiguous())
+    call.step = _Step("decode", kpos, keep, n, q_positions=pos.contiguous(), q_padding=~real)
     state.decoding = decode_attention  # what the attention function runs instead of the ring (registered here)
     return args, kwargs
 
@@ -192,7 +192,8 @@ def decode_attention(state: HFState, module: nn.Module, query: Tensor, key: Tens
     if err is not None:
         raise ValueError(err)
     out = attend(query, key, value, q_positions=q_pos, k_positions=k_pos, group=state.mesh.get_group(),
-                 world=state.mesh.size(), scale=scaling, window_size=window, sinks=sinks)
+                 world=state.mesh.size(), scale=scaling, window_size=window, sinks=sinks,
+                 padding=call.step.q_padding)
     return out.transpose(1, 2).contiguous()
 
 

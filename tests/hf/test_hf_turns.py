@@ -86,7 +86,7 @@ def _check_turns(rank: int, world: int) -> int:
 
 CHUNKED = [  # (model, layout, batch, prompt length, left padding, prefill_chunk_size)
     ("llama", "striped", 2, 70, [5, 0], 16),  # the issue's case
-    ("mistral", "striped", 2, 29, [0, 3], 8),  # window 6 < chunk boundaries' reach
+    ("mistral", "striped", 2, 29, [17, 0], 8),  # window 6 across chunk edges; a chunk all padding in row 0
     ("gpt-oss", "headtail", 1, 23, None, 5),
     ("llama", "striped", 1, 9, None, 16),  # one chunk: the plain prefill
 ]
