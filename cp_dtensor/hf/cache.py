@@ -7,6 +7,7 @@ time while decoding) and the full recurrent / conv states of a hybrid's linear-a
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -104,6 +105,9 @@ class ShardedCacheLayer(CacheLayerMixin):
         if step is None:
             raise ValueError("a cp_dtensor ShardedCache is filled by model.generate() under CP only; pass no cache "
                              "to a plain forward, or call generate().")
+        if step.kind == "pass-kv":  # kept after the attention's gather (keep_new): Note [Pass-KV turns]
+            self.columns += step.columns
+            return key_states, value_states
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         keep = step.keep.to(key_states.device)
@@ -113,6 +117,10 @@ class ShardedCacheLayer(CacheLayerMixin):
         if step.kind == "prefill":  # the ring runs on this rank's shard as it came (pads included)
             return key_states, value_states
         return self.keys, self.values
+
+    def keep_new(self, k: Tensor, v: Tensor, positions: Tensor) -> None:
+        """A pass-KV forward's new columns this rank keeps: k [B, Hkv, m, D], v, positions [B, m]."""
+        self._append(k, v, positions)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return (self.columns + query_length if self.columns else query_length), 0
@@ -190,6 +198,11 @@ class ShardedCache(Cache):
         self.held: list[int] | None = None  # tokens each rank's share holds, set by the first (prefill) forward
         self.seen = 0  # columns of the global sequence the cache holds
         self.tokens: Tensor | None = None  # [B] int64: fingerprint of those columns' ids and mask (turns.py)
+        self.runs: Counter[str] = Counter()  # forwards by kind: "prefill", "decode" (pass-Q), "pass-kv"
+
+    def _kind(self) -> str:
+        layer = self.layers[0]
+        return layer._call.step.kind if layer._call is not None and layer._call.step is not None else "?"
 
     def bind(self, call: GenerateCall) -> None:
         """Let ``call`` (a generate() call continuing this cache) fill it."""
@@ -197,7 +210,9 @@ class ShardedCache(Cache):
             layer._call = call
 
     def note_tokens(self, ids: Tensor, real: Tensor) -> None:
-        """Record the ``ids`` [B, n] (``real`` [B, n]: not padding) a forward adds at columns seen .. seen + n."""
+        """Record the ``ids`` [B, n] (``real`` [B, n]: not padding) a forward adds at columns seen .. seen + n,
+        and the kind of the forward (``runs``)."""
+        self.runs[self._kind()] += 1
         part = token_fingerprint(ids, real, self.seen)
         self.tokens = part if self.tokens is None else self.tokens + part
         self.seen += ids.shape[1]

@@ -89,6 +89,7 @@ from .cache import GenerateCall, ShardedCache, _Step  # noqa: E402
 from .cache import ShardedCacheLayer as ShardedCacheLayer  # noqa: E402  (a name of the old path cp_dtensor.hf_generate)
 from .cache import cache_bytes as cache_bytes  # noqa: E402  (a name of the old path cp_dtensor.hf_generate)
 from .documents import ring_layout  # noqa: E402
+from .pass_kv import pass_kv_attention, pass_kv_step, turn_mode  # noqa: E402
 from .state import ATTR, HFState  # noqa: E402
 from .turns import cache_facts, continuation_error  # noqa: E402
 
@@ -134,6 +135,10 @@ def _base_pre_hook(module, args, kwargs):
         if mask is not None or pad:
             kwargs["attention_mask"] = shard(padded(real.long(), 0))
         return args, kwargs
+    if turn_mode(state, module, cache, b, n) == "pass-kv":  # a long turn or chunk: Note [Pass-KV turns] in pass_kv.py
+        pass_kv_step(state, call, cache, ids, pos, real, kwargs)
+        state.decoding = pass_kv_attention
+        return args, kwargs
     # decode, a later turn or prefill chunk (pass-Q: Note [Continuing a sharded cache] in turns.py): each new
     # column goes to the rank holding the fewest tokens (the lowest on ties) -- for the striped layout exactly
     # column mod P; after another layout's prefill it evens out the shares
@@ -141,10 +146,10 @@ def _base_pre_hook(module, args, kwargs):
     for _ in range(n):
         owners.append(min(range(cp), key=lambda r: (cache.held[r], r)))
         cache.held[owners[-1]] += 1
-    cache.note_tokens(ids, real)
     keep = torch.nonzero(torch.tensor(owners) == rank).flatten()
     kpos = pos.masked_fill(~real, -1).index_select(1, keep.to(ids.device))
     call.step = _Step("decode", kpos, keep, n, q_positions=pos.contiguous(), q_padding=~real)
+    cache.note_tokens(ids, real)
     state.decoding = decode_attention  # what the attention function runs instead of the ring (registered here)
     return args, kwargs
 
@@ -152,7 +157,7 @@ def _base_pre_hook(module, args, kwargs):
 def _base_post_hook(module, args, kwargs, output):
     state: HFState = getattr(module, ATTR)
     call = state.generating
-    if call is None or call.step is None or call.step.kind != "prefill":
+    if call is None or call.step is None or call.step.kind not in ("prefill", "pass-kv"):
         return output
     n, pad = call.prompt
     keep = state.keep_logits

@@ -32,9 +32,10 @@ per-row fingerprint updated by every forward: an edited history is refused); and
 (C, each rank's share, the fingerprint) are part of the call's fingerprint, so ranks passing different
 caches or conversations raise alike.
 
-Pass-KV -- the new tokens sharded in the layout and ring-attended -- is what a first turn's prefill does.
-For a turn on a non-empty cache the rule of :func:`turn_plan` says which of the two moves fewer bytes;
-this tree runs pass-Q for every turn on a non-empty cache (see docs/inference.md, "Multi-turn").
+*Pass-KV* -- the new tokens sharded in the layout, the K/V moving instead of the queries' results -- is what
+a first turn's ring prefill does. For a forward of T > 1 new tokens on a non-empty cache, :func:`turn_plan`
+says which of the two sends fewer bytes, from global facts only (the same on every rank), and the pre-hook
+runs that one: Note [Pass-KV turns] in pass_kv.py. A decode step (T = 1) and a hybrid's turns are pass-Q.
 """
 
 from __future__ import annotations
@@ -102,26 +103,28 @@ def cache_facts(cache) -> tuple:
 class TurnPlan:
     """Bytes one rank sends per attention layer for a turn of ``new`` tokens after ``cached`` ones, both ways."""
 
-    pass_q: int  #: this tree's pass-Q: the [out | lse] all-gather of the replicated queries
-    pass_kv: int  #: a ring over every token's K/V shard (the new and the cached ones)
-    mode: str  #: "pass-q" or "pass-kv": which sends fewer bytes
-    runs: str  #: what this tree runs for the turn
+    pass_q: int  #: pass-Q: the [out | lse] all-gather of the replicated queries' partial results
+    pass_kv: int  #: pass-KV: the all-gather of every rank's K/V (its cache share and its shard of the new)
+    mode: str  #: "pass-q" or "pass-kv": which sends fewer bytes (the ring prefill when nothing is cached)
 
 
 def turn_plan(*, new: int, cached: int, cp: int, batch: int, q_heads: int, kv_heads: int, head_dim: int,
-              value_dim: int | None = None, kv_bytes: int = 2) -> TurnPlan:
-    """The bytes rule of Note [Continuing a sharded cache] (docs/inference.md, "Multi-turn"): per rank and layer,
+              value_dim: int | None = None, kv_bytes: int = 2, largest_share: int | None = None,
+              unit: int = 1) -> TurnPlan:
+    """The bytes rule of Note [Continuing a sharded cache] (docs/inference.md, "Multi-turn"): what one rank
+    sends per attention layer for ``new`` = T tokens after ``cached`` = C, as the code sends it,
 
-    * pass-Q (as run here): (P - 1) * B * Hq * T * (Dv + 1) * 4 -- independent of the cached C;
-    * pass-KV: every rank's share of the K/V of all C + T tokens goes round the ring,
-      (P - 1) / P * B * (C + T) * Hkv * (Dqk + Dv) * kv_bytes.
+    * pass-Q: (P - 1) * B * Hq * T * (Dv + 1) * 4 -- independent of C;
+    * pass-KV: (P - 1) * B * (S_max + T_local) * Hkv * (Dqk + Dv) * kv_bytes, S_max the largest rank's share
+      of the C cached tokens (``largest_share``; ceil(C / P) by default: the shares are balanced) and
+      T_local = T padded to the layout ``unit``, over P -- about (P - 1) / P of all C + T tokens' K/V.
 
     With Dqk = Dv = D, pass-KV sends fewer bytes when T / (C + T) > kv_bytes * Hkv / (2 * P * Hq) (about):
-    for a first turn (C = 0) always; a follow-up of a few hundred tokens after a long conversation is pass-Q.
-    An empty cache (a first turn, a chunked prefill's first chunk) runs the ring prefill, which is pass-KV;
-    ``runs`` says so."""
+    a first turn (C = 0; the ring prefill), a long document added to a short conversation; a follow-up of a
+    few hundred tokens after a long conversation is pass-Q and never sends the cached K/V."""
     dv = head_dim if value_dim is None else value_dim
     pq = (cp - 1) * batch * q_heads * new * (dv + 1) * 4
-    pkv = (cp - 1) * batch * (cached + new) * kv_heads * (head_dim + dv) * kv_bytes // cp
-    mode = "pass-kv" if pkv < pq else "pass-q"
-    return TurnPlan(pq, pkv, mode, "pass-kv (ring prefill)" if cached == 0 else "pass-q")
+    share = -(-cached // cp) if largest_share is None else largest_share
+    local = -(-new // unit) * unit // cp
+    pkv = (cp - 1) * batch * (share + local) * kv_heads * (head_dim + dv) * kv_bytes
+    return TurnPlan(pq, pkv, "pass-kv" if cached == 0 or pkv < pq else "pass-q")

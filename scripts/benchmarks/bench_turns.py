@@ -1,7 +1,8 @@
 """A second turn of a conversation under CP on CPU ranks: T new tokens after C cached ones, continuing the
-sequence-sharded cache (pass-Q, Note [Continuing a sharded cache] in cp_dtensor/hf/turns.py), CP=2 vs CP=1.
+sequence-sharded cache (pass-Q or pass-KV by the bytes rule: Note [Continuing a sharded cache] in
+cp_dtensor/hf/turns.py), CP=2 vs CP=1.
 
-    .venv/bin/python scripts/benchmarks/bench_turns.py                        # C = 1k, 4k, 16k; T = 32
+    .venv/bin/python scripts/benchmarks/bench_turns.py                        # C = 1k, 4k, 16k; T = 32, 2048
     .venv/bin/python scripts/benchmarks/bench_turns.py --cached 512 2048 --new 8 64
 
 The Llama shape of bench_decode.py (2 layers, hidden 512, 8 query / 2 KV heads, head 64, fp32, random
@@ -10,7 +11,7 @@ and T - 1 more (generate with the cache, one token: exactly the turn's forward).
 turn's wall and CPU time, the bytes it sends (``CommBytes``), and, for comparison, re-prefilling the whole
 conversation of C + T tokens without the cache. ``cp1`` is the plain model continuing transformers'
 DynamicCache in one process; ``cp2`` is ``apply_context_parallel`` on 2 ranks (striped). The planner's
-choice (``turn_plan``: pass-Q or pass-KV by bytes) is printed next to what runs. The same script runs on
+choice (``turn_plan``: pass-Q or pass-KV by bytes) is printed next to what ran (``cache.runs``). The same script runs on
 CUDA ranks unchanged but for the gloo backend. Writes bench_out/turns.json.
 """
 
@@ -55,6 +56,7 @@ def _turn(model, cached: int, new: int, world: int) -> dict:
     again = _gen(model, convo)  # the whole conversation again, no cache
     redo = time.perf_counter() - t0
     return dict(turn_s=wall, turn_cpu_s=cpu, sent=meter.sent, redo_s=redo, token=int(out.sequences[0, -1]),
+                ran=sorted({"decode": "pass-q"}.get(k, k) for k in out.cache.runs if k != "prefill") if world > 1 else [],
                 logits=out.logits[0][0].tolist(), redo_equal=bool(torch.equal(again.sequences, out.sequences)))
 
 
@@ -76,11 +78,12 @@ def rank_main(rank: int, world: int, cached: list[int], new: list[int]) -> dict:
 
 
 def main() -> None:
+    from cp_dtensor.core.layout import layout_unit
     from cp_dtensor.hf.turns import turn_plan
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cached", type=int, nargs="+", default=[1024, 4096, 16384])
-    parser.add_argument("--new", type=int, nargs="+", default=[32])
+    parser.add_argument("--new", type=int, nargs="+", default=[32, 2048])
     parser.add_argument("--out", default="bench_out/turns.json")
     args = parser.parse_args()
     runs = {}
@@ -91,24 +94,25 @@ def main() -> None:
                                              "head_dim"))
     print(f"\nload average {os.getloadavg()}")
     print("| C | T | turn ms cp1 / cp2 | cp2÷cp1 | re-prefill ms cp2 | bytes/rank/layer cp2 | pass-Q formula | "
-          "pass-KV would send | planner picks | runs | token equal | max logit diff |")
+          "pass-KV formula | planner picks | ran | token equal | max logit diff |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     rows = {}
     for c in args.cached:
         for t in args.new:
             key = f"{c},{t}"
             one, two = runs[1][0][key], [r[key] for r in runs[2]]
-            plan = turn_plan(new=t, cached=c, cp=2, batch=1, q_heads=hq, kv_heads=hkv, head_dim=d, kv_bytes=4)
+            plan = turn_plan(new=t, cached=c, cp=2, batch=1, q_heads=hq, kv_heads=hkv, head_dim=d, kv_bytes=4,
+                             unit=layout_unit("striped", 2))
             turn2 = max(r["turn_s"] for r in two)
             diff = max(abs(a - b) for a, b in zip(one["logits"], two[0]["logits"]))
             row = dict(turn_cp1_s=one["turn_s"], turn_cp2_s=turn2, ratio=turn2 / one["turn_s"],
                        redo_cp2_s=max(r["redo_s"] for r in two), sent_per_layer=two[0]["sent"] / layers,
-                       pass_q=plan.pass_q, pass_kv=plan.pass_kv, mode=plan.mode, runs=plan.runs,
+                       pass_q=plan.pass_q, pass_kv=plan.pass_kv, mode=plan.mode, ran=two[0]["ran"],
                        token_equal=all(r["token"] == one["token"] for r in two), max_logit_diff=diff)
             rows[key] = row
             print(f"| {c} | {t} | {1e3 * one['turn_s']:.0f} / {1e3 * turn2:.0f} | {row['ratio']:.2f} | "
                   f"{1e3 * row['redo_cp2_s']:.0f} | {row['sent_per_layer']:.0f} | {plan.pass_q} | {plan.pass_kv} | "
-                  f"{plan.mode} | {plan.runs} | {row['token_equal']} | {diff:.1e} |")
+                  f"{plan.mode} | {'+'.join(row['ran'])} | {row['token_equal']} | {diff:.1e} |")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(dict(shape=SHAPE, rows=rows, runs={str(k): v for k, v in runs.items()}), f, indent=1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections import Counter
 
 import pytest
 import torch
@@ -23,16 +24,18 @@ transformers.logging.set_verbosity_error()
 
 from transformers import DynamicCache  # noqa: E402
 
+from cp_dtensor.core.layout import layout_unit  # noqa: E402
 from cp_dtensor.hf import attention as hf  # noqa: E402
 from cp_dtensor.hf.turns import turn_plan  # noqa: E402
 from cp_dtensor.tools.debug import CommBytes  # noqa: E402
 
 V = 96
 TURNS = [  # (model, layout, left padding of the first turn's prompt, its length, follow-ups' lengths)
-    ("llama", "striped", [3, 0], 13, (5, 4)),  # GQA
-    ("mistral", "striped", [0, 4], 11, (5, 3)),  # window 6: the new tokens' windows reach into the cached turns
+    # short follow-ups run pass-Q; one of 30 after ~30 cached runs pass-KV
+    ("llama", "striped", [3, 0], 13, (5, 30)),  # GQA
+    ("mistral", "striped", [0, 4], 11, (5, 29)),  # window 6: the new tokens' windows reach into the cached turns
     ("gpt-oss", "striped", [2, 0], 13, (4, 2)),  # sinks, per-layer windows, MoE
-    ("llama", "headtail", [1, 0], 9, (7,)),  # another layout's cache
+    ("llama", "headtail", [1, 0], 9, (7, 25)),  # another layout's cache
 ]
 
 
@@ -51,11 +54,10 @@ def _share_bound(out, world: int, where: str) -> None:
 
 
 def _check_turns(rank: int, world: int) -> int:
-    """Every case at P=2; at P=3 the first three models' second turns (the default tier's time)."""
+    """Every case at P=2; at P=3 the first three (the default tier's time)."""
     mesh = init_device_mesh("cpu", (world,))
-    checked = 0
+    checked, runs = 0, Counter()
     for i, (name, layout, pad, n, follow) in enumerate(TURNS if world == 2 else TURNS[:3]):
-        follow = follow if world == 2 else follow[:1]
         base = _model(name)
         ref_model, model = copy.deepcopy(base), hf.apply_context_parallel(copy.deepcopy(base), mesh, layout=layout)
         ids, mask = _prompt(i, 2, n, pad)
@@ -73,6 +75,8 @@ def _check_turns(rank: int, world: int) -> int:
             _check_cache(out, rank, world, where)
             _share_bound(out, world, where)
             checked += 1
+        runs += out.cache.runs
+    assert runs["pass-kv"] > 0 and runs["decode"] > 0, runs  # both ways of running a turn were checked
     # transformers' older keyword past_key_values= too, and a conversation that is the cache's plus one token
     base = _model("llama")
     ref_model, model = copy.deepcopy(base), hf.apply_context_parallel(copy.deepcopy(base), mesh)
@@ -126,7 +130,21 @@ def _check_bytes(rank: int, world: int) -> None:
     plan = turn_plan(new=6, cached=144, cp=world, batch=1, q_heads=cfg.num_attention_heads,
                      kv_heads=cfg.num_key_value_heads, head_dim=cfg.hidden_size // cfg.num_attention_heads)
     assert long == cfg.num_hidden_layers * plan.pass_q, (long, plan)  # the formula, per layer
-    assert plan.mode == "pass-q" and plan.runs == "pass-q", plan
+    assert plan.mode == "pass-q", plan
+    # a long turn on a short conversation: pass-KV, by the formula (+ the cache positions, once a forward)
+    ids = torch.randint(1, V, (2, 12), generator=torch.Generator().manual_seed(1))
+    out = _generate(model, ids, None, max_new_tokens=1)
+    with CommBytes() as cb:
+        again = _generate(model, torch.cat([out.sequences, ids.flip(1), ids], 1), None, cache=out.cache,
+                          max_new_tokens=1)
+    plan = turn_plan(new=25, cached=12, cp=world, batch=2, q_heads=cfg.num_attention_heads,
+                     kv_heads=cfg.num_key_value_heads, head_dim=cfg.hidden_size // cfg.num_attention_heads, kv_bytes=4,
+                     unit=layout_unit("striped", world))
+    assert plan.mode == "pass-kv" and again.cache.runs["pass-kv"] == 1, (plan, again.cache.runs)
+    positions = (world - 1) * 2 * math.ceil(12 / world) * 8  # the cache shares' positions, once
+    head = (world - 1) * 2 * cfg.hidden_size * 4  # the row the LM head reads, as after a prefill
+    assert cb.sent == cfg.num_hidden_layers * plan.pass_kv + positions + head, (cb.sent, dict(cb.by_op), plan)
+    assert plan.pass_kv < plan.pass_q, plan
 
 
 def _expect(match: str, fn) -> None:
@@ -204,4 +222,4 @@ def test_turns_and_chunked_prefill_match_cp1(world):
     2 with left padding) and prefill_chunk_size (16 on a 70-token prompt, ...) vs CP=1; at P=2 also the bytes of
     a 6-token turn after 48 and 144 cached tokens, and the refusals."""
     checked, *_ = run_ranks(world, _all)
-    assert checked == (8 + len(CHUNKED) if world == 2 else 5), checked
+    assert checked == (9 + len(CHUNKED) if world == 2 else 8), checked
