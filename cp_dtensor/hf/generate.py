@@ -26,6 +26,11 @@ generate a :class:`ShardedCache` -- a transformers ``Cache`` whose layers hold o
   hence identical logits on every rank; what the ranks decide from them is agreed as Note [Agreed
   stopping and sampling] says, so every rank stops at the same step.
 
+* a later call with the cache this one returns (a second turn), or a prefill chunk after the first, runs
+  its new columns into the cache as a decode step of T tokens (pass-Q) or, when that sends fewer bytes,
+  sharded in the layout (pass-KV): Note [Continuing a sharded cache] in hf/turns.py, Note [Pass-KV turns]
+  in hf/pass_kv.py.
+
 Windows and sinks come from the layer as in Note [transformers under CP] (hf/attention.py); masks are by the
 positions generate computes (``cumsum(attention_mask) - 1``), which equal transformers' column rule for
 left padding. Keys outside a sliding window stay in the cache (masked, not dropped).

@@ -1,9 +1,9 @@
 """Continuing generate()'s sharded cache under CP (hf/turns.py, Note [Continuing a sharded cache]): a second and
 third turn of a conversation, and ``prefill_chunk_size``, against the same model at CP=1 in the same process
 (transformers continuing its own DynamicCache, or prefilling unchunked): greedy tokens identical, every step's
-logits within 1e-4; each rank's cache within one token of the mean; the bytes of a turn independent of the
-conversation's length (by the formula); a cache or conversation that cannot be continued raises on every rank
-before any communication."""
+logits within 1e-4; each rank's cache within one token of the mean; both ways of running a turn (pass-Q, pass-KV)
+exercised; the bytes of a pass-Q turn independent of the conversation's length, and of both modes by the formula;
+a cache or conversation that cannot be continued raises on every rank before any communication."""
 
 from __future__ import annotations
 
