@@ -14,6 +14,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.distributed as dist
+from _tiers import slow
 from test_hf_generate import _check_cache, _compare, _generate, _model, _prompt, _same_on_every_rank
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -53,11 +54,11 @@ def _share_bound(out, world: int, where: str) -> None:
     assert s <= math.ceil(total / world), (where, s, total)
 
 
-def _check_turns(rank: int, world: int) -> int:
+def _check_turns(rank: int, world: int, full: bool) -> int:
     """Every case at P=2; at P=3 the first three (the default tier's time)."""
     mesh = init_device_mesh("cpu", (world,))
     checked, runs = 0, Counter()
-    for i, (name, layout, pad, n, follow) in enumerate(TURNS if world == 2 else TURNS[:3]):
+    for i, (name, layout, pad, n, follow) in enumerate(TURNS if full else TURNS[:3]):
         base = _model(name)
         ref_model, model = copy.deepcopy(base), hf.apply_context_parallel(copy.deepcopy(base), mesh, layout=layout)
         ids, mask = _prompt(i, 2, n, pad)
@@ -96,9 +97,9 @@ CHUNKED = [  # (model, layout, batch, prompt length, left padding, prefill_chunk
 ]
 
 
-def _check_chunked(rank: int, world: int) -> int:
+def _check_chunked(rank: int, world: int, full: bool) -> int:
     mesh = init_device_mesh("cpu", (world,))
-    for i, (name, layout, b, n, pad, chunk) in enumerate(CHUNKED if world == 2 else CHUNKED[:1]):
+    for i, (name, layout, b, n, pad, chunk) in enumerate(CHUNKED if full else CHUNKED[:1]):
         base = _model(name)
         ids, mask = _prompt(20 + i, b, n, pad)
         ref = _generate(copy.deepcopy(base), ids, mask)  # CP=1, unchunked
@@ -107,7 +108,7 @@ def _check_chunked(rank: int, world: int) -> int:
         where = f"{name} {layout} P={world} N={n} chunk={chunk}"
         _compare(out, ref, where)
         _check_cache(out, rank, world, where)
-    return len(CHUNKED) if world == 2 else 1
+    return len(CHUNKED) if full else 1
 
 
 def _turn_bytes(model, cached: int, new: int) -> int:
@@ -207,9 +208,9 @@ def _check_hybrid(rank: int, world: int) -> None:
              f"qwen3_next P={world} chunked")
 
 
-def _all(rank: int, world: int) -> int:
-    n = _check_turns(rank, world) + _check_chunked(rank, world)
-    if world == 2:
+def _all(rank: int, world: int, full: bool) -> int:
+    n = _check_turns(rank, world, full) + _check_chunked(rank, world, full)
+    if full:
         _check_hybrid(rank, world)
         _check_bytes(rank, world)
         _check_refusals(rank, world)
@@ -221,5 +222,13 @@ def test_turns_and_chunked_prefill_match_cp1(world):
     """Turns 2 and 3 (GQA Llama, Mistral window spanning the turns, gpt-oss sinks + MoE, a headtail cache; batch
     2 with left padding) and prefill_chunk_size (16 on a 70-token prompt, ...) vs CP=1; at P=2 also the bytes of
     a 6-token turn after 48 and 144 cached tokens, and the refusals."""
-    checked, *_ = run_ranks(world, _all)
+    checked, *_ = run_ranks(world, _all, world == 2)
     assert checked == (9 + len(CHUNKED) if world == 2 else 8), checked
+
+
+@slow("every case at P = 3 and 4")
+@pytest.mark.parametrize("world", [3, 4])
+def test_turns_every_case_more_ranks(world):
+    """The default test's every case (turns, chunks, the hybrid, bytes, refusals) at P = 3 and 4."""
+    checked, *_ = run_ranks(world, _all, True, timeout=600.0)
+    assert checked == 9 + len(CHUNKED), checked
