@@ -1,6 +1,6 @@
 """Pass-KV for a turn on a non-empty sharded cache: the new tokens sharded in the layout, every rank's K/V
-(its cache share and its shard of the new tokens) gathered once per layer, each rank attending its queries
-to all of them by global position. Chosen per forward by the bytes rule of Note [Continuing a sharded cache]
+(its cache share and its shard of the new tokens) passed round the ring once per layer, each rank attending
+its queries to every block by global position. Chosen per forward by the bytes rule of Note [Continuing a sharded cache]
 (hf/turns.py): when the new tokens are a large share of the conversation.
 
 Note [Pass-KV turns]
@@ -11,13 +11,15 @@ A turn of T new tokens after C cached ones, in pass-KV (hf/generate.py's pre-hoo
 * the pre-hook pads the T columns on the left to the layout unit (pad columns: position -1, never a key,
   their queries padding) and gives each rank its layout shard, as a prefill does; the layers run on the
   shard: each rank computes T / P tokens, not T;
-* each attention layer all-gathers every rank's [cache share, padded to the largest share's S_max | new
-  shard] K and V in one buffer ((P - 1) * B * (S_max + T_local) * Hkv * (Dqk + Dv) * e bytes per rank:
-  about (P - 1) / P of all C + T tokens' K/V); the cache shares' positions are gathered once per forward,
-  in the pre-hook. Each rank then attends its queries to all the keys, causally by global position, with
-  the window and sinks (core/decode.py's :func:`attend` with one rank: no merge);
-* each new column's K/V are kept by the rank holding the fewest tokens (the lowest on ties), taken from
-  the gathered buffer -- the balance rule of decoding, so every share stays within one of the mean;
+* each attention layer passes every rank's block -- [cache share, padded to the largest share's S_max |
+  new shard] K and V in one buffer -- round the ring (core/comm.py's RingComm, the next block in flight
+  while this one is attended): (P - 1) * B * (S_max + T_local) * Hkv * (Dqk + Dv) * e bytes per rank,
+  about (P - 1) / P of all C + T tokens' K/V; a rank holds two blocks at a time, not the whole cache.
+  The cache shares' positions are gathered once per forward, in the pre-hook. Each rank attends its
+  queries to each block causally by global position, with the window, and merges the partials by the
+  stable log-sum-exp rule; sinks join once (core/decode.py's :func:`attend_blocks`);
+* each new column's K/V are kept by the rank holding the fewest tokens (the lowest on ties), copied from
+  the block it arrives in -- the balance rule of decoding, so every share stays within one of the mean;
 * a hook after the base model gathers the hidden rows the LM head reads, as after a prefill.
 
 Served for models without linear-attention layers (a hybrid's linear layers would need their state passed
@@ -33,8 +35,8 @@ from .._extras import require
 
 require("hf", "cp_dtensor.hf (transformers generate() under context parallelism)")
 
-from ..core.comm import all_gather, wait  # noqa: E402
-from ..core.decode import attend  # noqa: E402
+from ..core.comm import RingComm, all_gather, pack, unpack, wait  # noqa: E402
+from ..core.decode import attend_blocks  # noqa: E402
 from ..core.layout import global_order, layout_unit, shard_tensor  # noqa: E402
 from .cache import ShardedCache, _Step  # noqa: E402
 from .documents import ring_layout  # noqa: E402
@@ -115,19 +117,28 @@ def pass_kv_attention(state: HFState, module: nn.Module, query: Tensor, key: Ten
     call = state.generating
     step, layer, cp = call.step, call.cache.layers[module.layer_idx], state.mesh.size()
     plan = step.pass_kv
-    b, hkv, local = key.shape[0], key.shape[1], key.shape[2]
-    d, dv = key.shape[3], value.shape[3]
+    s = plan.s_max + key.shape[2]  # S' = S_max + T_local: one rank's block
     grow = lambda x: torch.nn.functional.pad(x, (0, 0, 0, plan.s_max - x.shape[2]))  # noqa: E731  [B, Hkv, S_max, *]
     k_own, v_own = torch.cat([grow(layer.keys), key], 2), torch.cat([grow(layer.values), value.to(key.dtype)], 2)
-    mine = torch.cat([k_own.reshape(-1), v_own.reshape(-1)])  # one buffer: [K | V]
-    group = state.mesh.get_group()
-    every = wait(all_gather(mine, group), group).view(cp, -1)  # [P, B*Hkv*S'*(D + Dv)]
-    s = plan.s_max + local
-    split = b * hkv * s * d
-    k_all = every[:, :split].view(cp, b, hkv, s, d).permute(1, 2, 0, 3, 4).reshape(b, hkv, cp * s, d)
-    v_all = every[:, split:].view(cp, b, hkv, s, dv).permute(1, 2, 0, 3, 4).reshape(b, hkv, cp * s, dv)
-    out = attend(query, k_all.to(query.dtype), v_all.to(query.dtype), q_positions=step.q_positions,
-                 k_positions=plan.k_positions, group=None, world=1, scale=scaling, window_size=window, sinks=sinks,
-                 padding=step.q_padding)
-    layer.keep_new(k_all.index_select(2, plan.src), v_all.index_select(2, plan.src), step.positions)
+    kept_k = key.new_empty(*key.shape[:2], len(plan.src), key.shape[3])  # the new columns this rank keeps
+    kept_v = value.new_empty(*value.shape[:2], len(plan.src), value.shape[3])
+    ring = RingComm(state.mesh.get_group())
+
+    def blocks():  # every rank's block in ring order, one in flight while the current one is attended
+        buf = pack(k_own, v_own)  # [K | V] flat
+        for i in range(cp):
+            nxt = ring.rotate(buf) if i < cp - 1 else None
+            src = ring.src_at(i)
+            k_blk, v_blk = unpack(buf, k_own, v_own)
+            at = torch.nonzero(plan.src // s == src).flatten()  # kept columns that came from rank src
+            if len(at):
+                cols = plan.src.index_select(0, at) % s
+                kept_k[:, :, at], kept_v[:, :, at] = k_blk.index_select(2, cols), v_blk.index_select(2, cols)
+            yield k_blk.to(query.dtype), v_blk.to(query.dtype), plan.k_positions[:, src * s:(src + 1) * s]
+            if nxt is not None:
+                buf = ring.wait(nxt)
+
+    out = attend_blocks(query, blocks(), q_positions=step.q_positions, scale=scaling, window_size=window,
+                        sinks=sinks, padding=step.q_padding)
+    layer.keep_new(kept_k, kept_v, step.positions)
     return out.transpose(1, 2).contiguous()
