@@ -113,9 +113,9 @@ def _base_pre_hook(module, args, kwargs):
             call.step = None
         return args, kwargs
     if call is None or cache is not call.cache:  # the same on every rank: no collective is pending
-        raise ValueError("a cp_dtensor ShardedCache is filled by the model.generate() call that made it; pass no "
-                         "cache to a forward (the cache generate() returns holds this rank's tokens only and cannot "
-                         "be continued).")
+        raise ValueError("a cp_dtensor ShardedCache is filled by model.generate() under CP only; pass no cache to a "
+                         "forward. To continue a conversation, pass the cache to model.generate(ids, cache=...) with "
+                         "the whole conversation on every rank.")
     ids, mask, pos = kwargs.get("input_ids"), kwargs.get("attention_mask"), kwargs.get("position_ids")
     if ids is None or args or pos is None or kwargs.get("inputs_embeds") is not None:
         raise ValueError("generate() under CP passes input_ids, position_ids and the cache by keyword; got another call.")

@@ -181,6 +181,9 @@ def _check_refusals(rank: int, world: int) -> None:
     _expect("batch 2, but input_ids has 1", lambda: go(out.cache, ids2[:1], mask2[:1]))
     _expect("both cache= and past_key_values=", lambda: _generate(model, ids2, mask2, cache=out.cache,
                                                                   past_key_values=out.cache))
+    with torch.no_grad():  # a forward given the cache (a hand-written loop): generate() continues it, not a forward
+        _expect("pass no cache to a forward", lambda: model(input_ids=ids2[:, -2:], position_ids=torch.arange(
+            12, 14)[None].expand(2, 2), cache=out.cache))
     # on one rank only: refused on every rank
     _expect("refused the call on rank", lambda: go(DynamicCache() if rank == world - 1 else out.cache))
     _expect("same call on every rank", lambda: go(out.cache if rank == 0 else None))
