@@ -215,9 +215,11 @@ def sharded_cache_attention(
                   window_size=window_size, sinks=sinks)
 
 
-def attend(q, k, v, *, q_positions, k_positions, group, world: int, scale, window_size, sinks) -> Tensor:
+def attend(q, k, v, *, q_positions, k_positions, group, world: int, scale, window_size, sinks,
+           padding: Tensor | None = None) -> Tensor:
     """:func:`sharded_cache_attention` after its checks: for callers whose replicated inputs agree by
-    construction (generate() under CP, where every rank computes the new tokens' q alike)."""
+    construction (generate() under CP, where every rank computes the new tokens' q alike). ``padding`` [B, T]
+    bool: queries of padding columns, which may see no key (their output is then 0) instead of raising."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     b, hq, t, dv = q.shape[0], q.shape[1], q.shape[2], v.shape[3]
@@ -228,15 +230,41 @@ def attend(q, k, v, *, q_positions, k_positions, group, world: int, scale, windo
             mine = torch.cat([out, lse[..., None]], -1).reshape(-1)  # [B*Hq*T*(Dv+1)]: [out | lse]
             every = wait(all_gather(mine, group), group).view(world, b, hq, t, dv + 1)
             out, lse = _merge(every[..., :dv], every[..., dv])
-        if sinks is None:
-            blind = torch.isinf(lse[:, 0])  # [B, T]; the masks do not depend on the head
-            if bool(blind.any()):  # every rank holds the same merged lse: every rank raises
-                row, col = torch.nonzero(blind)[0].tolist()
-                raise ValueError(
-                    f"{_NAME}: the query at q_positions[{row}, {col}] = {int(q_positions[row, col])} sees no key on "
-                    f"any rank (causal 0 <= j <= i, window {window_size}, empty slots -1). Give it a key (its own "
-                    "K/V in the cache) or pass sinks."
-                )
-        else:  # sinks join the softmax once: out * sigmoid(lse - sink)
-            out = out * torch.sigmoid(lse - sinks.to(dtype)[None, :, None])[..., None]
+        return _finish(q, out, lse, q_positions, window_size, sinks, padding, dtype)
+
+
+def attend_blocks(q: Tensor, blocks, *, q_positions: Tensor, scale, window_size, sinks,
+                  padding: Tensor | None = None) -> Tensor:
+    """q [B, Hq, T, Dqk] against K/V blocks that arrive one at a time -- ``blocks`` yields (k [B, Hkv, S_i, Dqk],
+    v [B, Hkv, S_i, Dv], k_positions [B, S_i]), e.g. from a ring -- each attended by global position as in
+    :func:`attend`, the partials merged by the stable log-sum-exp rule in the order they came. No
+    communication of its own. Returns [B, Hq, T, Dv] in q's dtype."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    window = None if window_size is None else tuple(window_size)
+    outs, lses = [], []
+    with torch.no_grad():
+        for k, v, k_positions in blocks:
+            out, lse = _partial(q, k, v, q_positions.to(q.device), k_positions.to(q.device), scale, window, dtype)
+            outs.append(out)
+            lses.append(lse)
+        out, lse = _merge(torch.stack(outs), torch.stack(lses))
+        return _finish(q, out, lse, q_positions, window_size, sinks, padding, dtype)
+
+
+def _finish(q, out, lse, q_positions, window_size, sinks, padding, dtype) -> Tensor:
+    """The merged output: a query that sees no key raises (unless padding); sinks join once."""
+    if sinks is None:
+        blind = torch.isinf(lse[:, 0])  # [B, T]; the masks do not depend on the head
+        if padding is not None:
+            blind &= ~padding.to(blind.device)
+        if bool(blind.any()):  # every rank holds the same merged lse: every rank raises
+            row, col = torch.nonzero(blind)[0].tolist()
+            raise ValueError(
+                f"{_NAME}: the query at q_positions[{row}, {col}] = {int(q_positions[row, col])} sees no key on "
+                f"any rank (causal 0 <= j <= i, window {window_size}, empty slots -1). Give it a key (its own "
+                "K/V in the cache) or pass sinks."
+            )
+    else:  # sinks join the softmax once: out * sigmoid(lse - sink)
+        out = out * torch.sigmoid(lse - sinks.to(dtype)[None, :, None])[..., None]
     return out.to(q.dtype)

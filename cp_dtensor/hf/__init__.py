@@ -7,6 +7,8 @@
   plan, ``model(**shard, cp_layout=plan)`` (documents.py: one plan per batch, every layer uses it).
 * ``model.generate(...)`` then runs under CP: a ring prefill into a sequence-sharded KV cache, then
   decoding from it (generate.py); hybrids keep their linear layers' full states (``ReplicatedLinearLayer``).
+  The cache it returns continues a conversation (``generate(..., cache=out.cache)``) and ``prefill_chunk_size``
+  fills it chunk by chunk: pass-Q or pass-KV by the bytes each sends (turns.py, pass_kv.py).
 * ``apply_sequence_tiling(model, tile_size=...)`` (or ``sequence_tiling=`` of ``apply_context_parallel``): the LM
   head + loss and the MLPs in sequence tiles, no [S_local, vocab] logits (tiling.py).
 * ``remove_context_parallel(model)``: the plain model back (state.py: the one owner of a model's CP state).

@@ -7,6 +7,7 @@ time while decoding) and the full recurrent / conv states of a hybrid's linear-a
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +19,7 @@ require("hf", "cp_dtensor.hf (transformers generate() under context parallelism)
 
 from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLayer  # noqa: E402
 
-__all__ = ["GenerateCall", "ReplicatedLinearLayer", "ShardedCache", "ShardedCacheLayer", "cache_bytes"]
+__all__ = ["GenerateCall", "ReplicatedLinearLayer", "ShardedCache", "ShardedCacheLayer", "cache_bytes", "token_fingerprint"]
 
 _GROW = 32  # columns added to a layer's buffer at a time while decoding
 
@@ -47,12 +48,14 @@ class _Positions:
 class _Step:
     """What the base model's pre-hook decided for this forward, read by the cache layers and attention."""
 
-    def __init__(self, kind: str, positions: Tensor, keep: Tensor, columns: int, q_positions: Tensor | None = None):
+    def __init__(self, kind: str, positions: Tensor, keep: Tensor, columns: int, q_positions: Tensor | None = None,
+                 q_padding: Tensor | None = None):
         self.kind = kind  # "prefill" or "decode"
         self.positions = positions  # [B, n]: global positions of the columns this rank keeps (-1: padding)
         self.keep = keep  # [n]: which of this forward's (local) columns this rank keeps
         self.columns = columns  # columns this forward adds to the global sequence
         self.q_positions = q_positions  # decode: [B, T] positions of the new tokens
+        self.q_padding = q_padding  # decode: [B, T] bool, the new columns that are padding (a prefill chunk's)
 
 
 @dataclass(eq=False)
@@ -62,7 +65,6 @@ class GenerateCall:
     cache: ShardedCache | None = None  #: this rank's share of the KV cache
     step: _Step | None = None  #: what the base model's pre-hook decided for the current forward
     prompt: tuple[int, int] | None = None  #: (prompt length N, internal pad columns) of the prefill
-    held: list[int] | None = None  #: how many tokens each rank's cache holds
 
 
 class ShardedCacheLayer(CacheLayerMixin):
@@ -103,6 +105,9 @@ class ShardedCacheLayer(CacheLayerMixin):
         if step is None:
             raise ValueError("a cp_dtensor ShardedCache is filled by model.generate() under CP only; pass no cache "
                              "to a plain forward, or call generate().")
+        if step.kind == "pass-kv":  # kept after the attention's gather (keep_new): Note [Pass-KV turns]
+            self.columns += step.columns
+            return key_states, value_states
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         keep = step.keep.to(key_states.device)
@@ -112,6 +117,10 @@ class ShardedCacheLayer(CacheLayerMixin):
         if step.kind == "prefill":  # the ring runs on this rank's shard as it came (pads included)
             return key_states, value_states
         return self.keys, self.values
+
+    def keep_new(self, k: Tensor, v: Tensor, positions: Tensor) -> None:
+        """A pass-KV forward's new columns this rank keeps: k [B, Hkv, m, D], v, positions [B, m]."""
+        self._append(k, v, positions)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return (self.columns + query_length if self.columns else query_length), 0
@@ -175,12 +184,47 @@ class ReplicatedLinearLayer(LinearAttentionLayer):
 class ShardedCache(Cache):
     """A transformers ``Cache`` under CP: :class:`ShardedCacheLayer` s holding this rank's tokens only, and for
     the layers in ``linear`` (a hybrid model's linear-attention layers) :class:`ReplicatedLinearLayer` s
-    holding the full states."""
+    holding the full states. ``maker`` (P, this rank, layout) names the CP run that fills it; ``held`` (each
+    rank's token count, the same list on every rank) and ``tokens`` (a fingerprint of the token ids and mask
+    it holds, [B] int64) let a later generate() continue it (Note [Continuing a sharded cache] in hf/turns.py)."""
 
-    def __init__(self, call: GenerateCall | None, num_layers: int, linear=()):
+    def __init__(self, call: GenerateCall | None, num_layers: int, linear=(), *,
+                 maker: tuple[int, int, str] | None = None):
         positions = _Positions()  # shared: every layer holds the same slots
         super().__init__(layers=[ReplicatedLinearLayer(call) if i in set(linear) else ShardedCacheLayer(call, positions)
                                  for i in range(num_layers)])
+        self.maker = maker
+        self.linear = tuple(sorted(set(linear)))
+        self.held: list[int] | None = None  # tokens each rank's share holds, set by the first (prefill) forward
+        self.seen = 0  # columns of the global sequence the cache holds
+        self.tokens: Tensor | None = None  # [B] int64: fingerprint of those columns' ids and mask (turns.py)
+        self.runs: Counter[str] = Counter()  # forwards by kind: "prefill", "decode" (pass-Q), "pass-kv"
+
+    def _kind(self) -> str:
+        layer = self.layers[0]
+        return layer._call.step.kind if layer._call is not None and layer._call.step is not None else "?"
+
+    def bind(self, call: GenerateCall) -> None:
+        """Let ``call`` (a generate() call continuing this cache) fill it."""
+        for layer in self.layers:
+            layer._call = call
+
+    def note_tokens(self, ids: Tensor, real: Tensor) -> None:
+        """Record the ``ids`` [B, n] (``real`` [B, n]: not padding) a forward adds at columns seen .. seen + n,
+        and the kind of the forward (``runs``)."""
+        self.runs[self._kind()] += 1
+        part = token_fingerprint(ids, real, self.seen)
+        self.tokens = part if self.tokens is None else self.tokens + part
+        self.seen += ids.shape[1]
+
+
+def token_fingerprint(ids: Tensor, real: Tensor, start: int = 0) -> Tensor:
+    """A cheap fingerprint per row of token ids [B, n] and their padding mask ``real`` [B, n] at global columns
+    ``start ..``: [B] int64, a sum over columns (wrapping), so the fingerprints of consecutive pieces add up to the
+    whole's. Computed where the ids live (no device sync)."""
+    col = torch.arange(start + 1, start + ids.shape[1] + 1, dtype=torch.int64, device=ids.device)
+    x = ids.long() * 2 + real.long() + 1  # [B, n]
+    return (x * (col * 1000003 + 7) + x * x * (col * 998244353 + 11)).sum(1)
 
 
 def cache_bytes(cache: Cache) -> int:

@@ -26,6 +26,11 @@ generate a :class:`ShardedCache` -- a transformers ``Cache`` whose layers hold o
   hence identical logits on every rank; what the ranks decide from them is agreed as Note [Agreed
   stopping and sampling] says, so every rank stops at the same step.
 
+* a later call with the cache this one returns (a second turn), or a prefill chunk after the first, runs
+  its new columns into the cache as a decode step of T tokens (pass-Q) or, when that sends fewer bytes,
+  sharded in the layout (pass-KV): Note [Continuing a sharded cache] in hf/turns.py, Note [Pass-KV turns]
+  in hf/pass_kv.py.
+
 Windows and sinks come from the layer as in Note [transformers under CP] (hf/attention.py); masks are by the
 positions generate computes (``cumsum(attention_mask) - 1``), which equal transformers' column rule for
 left padding. Keys outside a sliding window stay in the cache (masked, not dropped).
@@ -89,7 +94,9 @@ from .cache import GenerateCall, ShardedCache, _Step  # noqa: E402
 from .cache import ShardedCacheLayer as ShardedCacheLayer  # noqa: E402  (a name of the old path cp_dtensor.hf_generate)
 from .cache import cache_bytes as cache_bytes  # noqa: E402  (a name of the old path cp_dtensor.hf_generate)
 from .documents import ring_layout  # noqa: E402
+from .pass_kv import pass_kv_attention, pass_kv_step, turn_mode  # noqa: E402
 from .state import ATTR, HFState  # noqa: E402
+from .turns import cache_facts, continuation_error  # noqa: E402
 
 __all__ = ["AgreedStopping", "decode_attention", "enable_generate", "generate"]
 
@@ -106,9 +113,9 @@ def _base_pre_hook(module, args, kwargs):
             call.step = None
         return args, kwargs
     if call is None or cache is not call.cache:  # the same on every rank: no collective is pending
-        raise ValueError("a cp_dtensor ShardedCache is filled by the model.generate() call that made it; pass no "
-                         "cache to a forward (the cache generate() returns holds this rank's tokens only and cannot "
-                         "be continued).")
+        raise ValueError("a cp_dtensor ShardedCache is filled by model.generate() under CP only; pass no cache to a "
+                         "forward. To continue a conversation, pass the cache to model.generate(ids, cache=...) with "
+                         "the whole conversation on every rank.")
     ids, mask, pos = kwargs.get("input_ids"), kwargs.get("attention_mask"), kwargs.get("position_ids")
     if ids is None or args or pos is None or kwargs.get("inputs_embeds") is not None:
         raise ValueError("generate() under CP passes input_ids, position_ids and the cache by keyword; got another call.")
@@ -127,20 +134,27 @@ def _base_pre_hook(module, args, kwargs):
         call.step = _Step("prefill", kpos, keep, n)
         call.prompt = (n, pad)
         every = global_order(ring_layout(state), cp, n + pad).view(cp, -1)  # [P, S_local]: each rank's columns
-        call.held = (every >= pad).sum(1).tolist()  # the prompt tokens each rank keeps
+        cache.held = (every >= pad).sum(1).tolist()  # the prompt tokens each rank keeps
+        cache.note_tokens(ids, real)
         kwargs["input_ids"], kwargs["position_ids"] = shard(padded(ids, 0)), shard(padded(pos, 0))
         if mask is not None or pad:
             kwargs["attention_mask"] = shard(padded(real.long(), 0))
         return args, kwargs
-    # decode: each new column goes to the rank holding the fewest tokens (the lowest on ties) -- for the
-    # striped layout exactly column mod P; after another layout's prefill it evens out the shares
+    if turn_mode(state, module, cache, b, n) == "pass-kv":  # a long turn or chunk: Note [Pass-KV turns] in pass_kv.py
+        pass_kv_step(state, call, cache, ids, pos, real, kwargs)
+        state.decoding = pass_kv_attention
+        return args, kwargs
+    # decode, a later turn or prefill chunk (pass-Q: Note [Continuing a sharded cache] in turns.py): each new
+    # column goes to the rank holding the fewest tokens (the lowest on ties) -- for the striped layout exactly
+    # column mod P; after another layout's prefill it evens out the shares
     owners = []
     for _ in range(n):
-        owners.append(min(range(cp), key=lambda r: (call.held[r], r)))
-        call.held[owners[-1]] += 1
+        owners.append(min(range(cp), key=lambda r: (cache.held[r], r)))
+        cache.held[owners[-1]] += 1
     keep = torch.nonzero(torch.tensor(owners) == rank).flatten()
     kpos = pos.masked_fill(~real, -1).index_select(1, keep.to(ids.device))
-    call.step = _Step("decode", kpos, keep, n, q_positions=pos.contiguous())
+    call.step = _Step("decode", kpos, keep, n, q_positions=pos.contiguous(), q_padding=~real)
+    cache.note_tokens(ids, real)
     state.decoding = decode_attention  # what the attention function runs instead of the ring (registered here)
     return args, kwargs
 
@@ -148,7 +162,7 @@ def _base_pre_hook(module, args, kwargs):
 def _base_post_hook(module, args, kwargs, output):
     state: HFState = getattr(module, ATTR)
     call = state.generating
-    if call is None or call.step is None or call.step.kind != "prefill":
+    if call is None or call.step is None or call.step.kind not in ("prefill", "pass-kv"):
         return output
     n, pad = call.prompt
     keep = state.keep_logits
@@ -188,7 +202,8 @@ def decode_attention(state: HFState, module: nn.Module, query: Tensor, key: Tens
     if err is not None:
         raise ValueError(err)
     out = attend(query, key, value, q_positions=q_pos, k_positions=k_pos, group=state.mesh.get_group(),
-                 world=state.mesh.size(), scale=scaling, window_size=window, sinks=sinks)
+                 world=state.mesh.size(), scale=scaling, window_size=window, sinks=sinks,
+                 padding=call.step.q_padding)
     return out.transpose(1, 2).contiguous()
 
 
@@ -289,10 +304,8 @@ def _generate_error(model, args, kwargs) -> tuple[str | None, tuple, object]:
         return "generate() under CP takes input_ids, not inputs_embeds.", (), None
     if not isinstance(ids, Tensor) or ids.dim() != 2 or ids.dtype != torch.long:
         return f"generate() under CP needs input_ids as a [B, N] int64 tensor; got {type(ids).__name__}.", (), None
-    for name in ("cache", "past_key_values"):
-        if kwargs.get(name) is not None:
-            return (f"generate() under CP builds its own sequence-sharded cache; got {name}=. Pass no cache (the "
-                    "returned one holds this rank's tokens only and cannot be continued).", (), None)
+    if kwargs.get("cache") is not None and kwargs.get("past_key_values") is not None:
+        return "generate() was passed both cache= and past_key_values=; pass one (cache=).", (), None
     for name in ("assistant_model", "prefix_allowed_tokens_fn", "negative_prompt_ids", "custom_generate"):
         if kwargs.get(name) is not None:
             return f"generate() under CP does not serve {name}= (assisted / constrained / guided decoding).", (), None
@@ -308,8 +321,9 @@ def _generate_error(model, args, kwargs) -> tuple[str | None, tuple, object]:
     err = _cache_errors(model, kwargs, config)
     if err is not None:
         return err, (), config
-    if getattr(config, "prefill_chunk_size", None) is not None:
-        return "generate() under CP prefills the whole prompt with the ring; drop prefill_chunk_size.", (), config
+    chunk = getattr(config, "prefill_chunk_size", None)
+    if chunk is not None and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1):
+        return f"prefill_chunk_size must be a positive int or None; got {chunk!r}.", (), config
     if getattr(config, "prompt_lookup_num_tokens", None) is not None or getattr(config, "penalty_alpha", None):
         return "generate() under CP does not serve prompt lookup or contrastive search.", (), config
     for name, why in _REFUSED_OPTIONS.items():
@@ -329,12 +343,33 @@ def _generate_error(model, args, kwargs) -> tuple[str | None, tuple, object]:
     if kwargs.get("position_ids") is not None:
         return ("generate() under CP computes position_ids from the attention_mask; do not pass position_ids.", (),
                 config)
+    cache = _given_cache(kwargs)
+    if cache is not None:  # a later turn: Note [Continuing a sharded cache] in turns.py
+        state: HFState = getattr(model, ATTR)
+        text = model.config.get_text_config(decoder=True)
+        err = continuation_error(cache, maker=_maker(state), layers=text.num_hidden_layers, linear=_linear(text),
+                                 ids=ids, mask=mask)
+        if err is not None:
+            return err, (), config
     # every option but max_time (whose decision is rank 0's: Note [Agreed stopping and sampling]); synced_gpus:
     # transformers all-reduces over the default group each step when it is on -- on every rank or on none
     settings = tuple(sorted((k, _plain_repr(v)) for k, v in config.to_dict().items() if k != "max_time"))
     given = kwargs.get("attention_mask")
     return None, (tuple(ids.shape), digest(ids.cpu()), digest(None if given is None else given.cpu()), settings,
-                  repr(kwargs.get("synced_gpus"))), config
+                  repr(kwargs.get("synced_gpus")), cache_facts(cache)), config
+
+
+def _given_cache(kwargs: dict):
+    return kwargs.get("cache", kwargs.get("past_key_values"))
+
+
+def _maker(state: HFState) -> tuple[int, int, str]:
+    return state.mesh.size(), state.mesh.get_local_rank(), ring_layout(state)
+
+
+def _linear(text) -> list[int]:
+    """The linear-attention layers of a hybrid's text config."""
+    return [i for i, t in enumerate(getattr(text, "layer_types", None) or ()) if t == "linear_attention"]
 
 
 def _plain_repr(value) -> str:
@@ -345,7 +380,7 @@ def _plain_repr(value) -> str:
 
 # the wrapper's call agreement (Note [One agreement] in core/agreement.py): _generate_error's fingerprint
 _CALL = Rules(
-    "generate() under CP", ("input_ids shape", "input_ids", "attention_mask", "options", "synced_gpus"),
+    "generate() under CP", ("input_ids shape", "input_ids", "attention_mask", "options", "synced_gpus", "cache"),
     refused="{what} refused the call on rank(s) {rank_list}: {error}",
     differ="{what} needs the same call on every rank of the CP group -- the full, unsharded input_ids and "
            "attention_mask and the same generation options -- but the ranks differ (a sharded prompt?). Pass every "
@@ -383,8 +418,13 @@ def generate(model: nn.Module, *args, **kwargs):
         kwargs = {**kwargs, "cache_implementation": None}
     call = GenerateCall()
     text = model.config.get_text_config(decoder=True)
-    linear = [i for i, t in enumerate(getattr(text, "layer_types", None) or ()) if t == "linear_attention"]
-    call.cache = ShardedCache(call, text.num_hidden_layers, linear)
+    given = _given_cache(kwargs)
+    if given is None:
+        call.cache = ShardedCache(call, text.num_hidden_layers, _linear(text), maker=_maker(state))
+    else:  # a later turn (agreed and checked above): Note [Continuing a sharded cache] in turns.py
+        call.cache = given
+        given.bind(call)
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("cache", "past_key_values")}
     state.generating = call
     try:
         if sampling:

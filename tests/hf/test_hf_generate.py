@@ -173,7 +173,7 @@ def _check_refusals(rank: int, world: int) -> None:
     _expect("cache_implementation", lambda: gen(cache_implementation="static"))
     _expect("assistant_model", lambda: gen(assistant_model=base))
     _expect("output_hidden_states", lambda: gen(output_hidden_states=True))
-    _expect("builds its own", lambda: gen(cache=ShardedCache(None, 2)))
+    _expect("empty ShardedCache", lambda: gen(cache=ShardedCache(None, 2)))
     right = torch.ones(2, 9, dtype=torch.long)
     right[1, -2:] = 0
     _expect("left padding", lambda: _generate(model, ids, right))

@@ -181,7 +181,7 @@ def _check_refusals(rank: int, world: int) -> int:
     _expect("cache_implementation", lambda: gen(cache_implementation="static"))
     _expect("assistant_model", lambda: gen(assistant_model=base))
     _expect("output_hidden_states", lambda: gen(output_hidden_states=True))
-    _expect("builds its own", lambda: gen(cache=ShardedCache(None, 4, [0, 1, 3])))
+    _expect("empty ShardedCache", lambda: gen(cache=ShardedCache(None, 4, [0, 1, 3])))
     right = torch.ones(2, 9, dtype=torch.long)
     right[1, -2:] = 0
     _expect("left padding", lambda: _generate(model, ids, right))
@@ -198,7 +198,7 @@ def _check_refusals(rank: int, world: int) -> int:
                  lambda: cache.batch_repeat_interleave(2), lambda: cache.batch_select_indices(torch.tensor([0])),
                  lambda: cache.activate_past_recording()):
         _expect("cannot be cropped", call)
-    _expect("builds its own", lambda: gen(cache=cache))  # not continued
+    _expect("at least one new one", lambda: gen(cache=cache))  # the same prompt: nothing new to continue with
     # still in step: a good call equals CP=1
     _compare(gen(), _generate(copy.deepcopy(base), ids, mask), "after the refusals")
     return 1

@@ -1,0 +1,144 @@
+"""Pass-KV for a turn on a non-empty sharded cache: the new tokens sharded in the layout, every rank's K/V
+(its cache share and its shard of the new tokens) passed round the ring once per layer, each rank attending
+its queries to every block by global position. Chosen per forward by the bytes rule of Note [Continuing a sharded cache]
+(hf/turns.py): when the new tokens are a large share of the conversation.
+
+Note [Pass-KV turns]
+~~~~~~~~~~~~~~~~~~~~
+A turn of T new tokens after C cached ones, in pass-KV (hf/generate.py's pre-hook decides, from
+:func:`turn_mode`):
+
+* the pre-hook pads the T columns on the left to the layout unit (pad columns: position -1, never a key,
+  their queries padding) and gives each rank its layout shard, as a prefill does; the layers run on the
+  shard: each rank computes T / P tokens, not T;
+* each attention layer passes every rank's block -- [cache share, padded to the largest share's S_max |
+  new shard] K and V in one buffer -- round the ring (core/comm.py's RingComm, the next block in flight
+  while this one is attended): (P - 1) * B * (S_max + T_local) * Hkv * (Dqk + Dv) * e bytes per rank,
+  about (P - 1) / P of all C + T tokens' K/V; a rank holds two blocks at a time, not the whole cache.
+  The cache shares' positions are gathered once per forward, in the pre-hook. Each rank attends its
+  queries to each block causally by global position, with the window, and merges the partials by the
+  stable log-sum-exp rule; sinks join once (core/decode.py's :func:`attend_blocks`);
+* each new column's K/V are kept by the rank holding the fewest tokens (the lowest on ties), copied from
+  the block it arrives in -- the balance rule of decoding, so every share stays within one of the mean;
+* a hook after the base model gathers the hidden rows the LM head reads, as after a prefill.
+
+Served for models without linear-attention layers (a hybrid's linear layers would need their state passed
+across the shards from the cached state: its turns run pass-Q).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .._extras import require
+
+require("hf", "cp_dtensor.hf (transformers generate() under context parallelism)")
+
+from ..core.comm import RingComm, all_gather, pack, unpack, wait  # noqa: E402
+from ..core.decode import attend_blocks  # noqa: E402
+from ..core.layout import global_order, layout_unit, shard_tensor  # noqa: E402
+from .cache import ShardedCache, _Step  # noqa: E402
+from .documents import ring_layout  # noqa: E402
+from .state import HFState  # noqa: E402
+from .turns import turn_plan  # noqa: E402
+
+__all__ = ["pass_kv_attention", "pass_kv_step", "turn_mode"]
+
+
+def _dims(config) -> tuple[int, int, int, int]:
+    hq = config.num_attention_heads
+    hkv = getattr(config, "num_key_value_heads", None) or hq
+    d = getattr(config, "head_dim", None) or config.hidden_size // hq
+    return hq, hkv, d, getattr(config, "v_head_dim", None) or d
+
+
+def turn_mode(state: HFState, module: nn.Module, cache: ShardedCache, batch: int, new: int) -> str:
+    """"pass-kv" or "pass-q" for a forward of ``new`` columns on the non-empty ``cache`` (Note [Pass-KV
+    turns]); the same on every rank (global facts only). A decode step and a hybrid's turns: pass-Q."""
+    cp = state.mesh.size()
+    if cp == 1 or new < 2 or cache.linear:
+        return "pass-q"
+    hq, hkv, d, dv = _dims(module.config.get_text_config(decoder=True))
+    esize = torch.empty((), dtype=module.dtype).element_size()
+    return turn_plan(new=new, cached=cache.seen, cp=cp, batch=batch, q_heads=hq, kv_heads=hkv, head_dim=d,
+                     value_dim=dv, kv_bytes=esize, largest_share=max(cache.held),
+                     unit=layout_unit(ring_layout(state), cp)).mode
+
+
+class _PassKV:
+    """What a pass-KV forward's layers share: S_max, every rank's cache positions and this rank's sources."""
+
+    def __init__(self, s_max: int, k_positions: Tensor, src: Tensor):
+        self.s_max = s_max
+        self.k_positions = k_positions  # [B, P * (S_max + T_local)]: the gathered buffer's positions
+        self.src = src  # [m]: where this rank's kept new columns lie in the gathered sequence axis
+
+
+def pass_kv_step(state: HFState, call, cache: ShardedCache, ids: Tensor, pos: Tensor, real: Tensor, kwargs: dict):
+    """The pre-hook's part for a pass-KV forward: shard the new columns, decide who keeps them, gather the
+    cache shares' positions. See Note [Pass-KV turns]."""
+    b, n = ids.shape
+    layout, cp, rank = ring_layout(state), state.mesh.size(), state.mesh.get_local_rank()
+    pad = -n % layout_unit(layout, cp)
+    padded = lambda x, v: torch.nn.functional.pad(x, (pad, 0), value=v)  # noqa: E731
+    shard = lambda x: shard_tensor(x, seq_dim=1, layout=layout, rank=rank, cp_size=cp).contiguous()  # noqa: E731
+    kpos = pos.masked_fill(~real, -1)  # [B, n]
+    local = (n + pad) // cp
+    before = list(cache.held)
+    s_max = max(before)
+    owners = []
+    for _ in range(n):  # the balance rule of decoding
+        owners.append(min(range(cp), key=lambda r: (cache.held[r], r)))
+        cache.held[owners[-1]] += 1
+    mine = torch.nonzero(torch.tensor(owners) == rank).flatten()  # [m]: the new columns this rank keeps
+    where = torch.argsort(global_order(layout, cp, n + pad))[mine + pad]  # rank-major index r * local + j
+    src = (where // local) * (s_max + local) + s_max + where % local
+    # every rank's cache positions, padded to S_max with -1, then its new shard's (known everywhere)
+    own = next(layer for layer in cache.layers if getattr(layer, "positions", None) is not None).positions
+    own = torch.nn.functional.pad(own, (0, s_max - own.shape[1]), value=-1)  # [B, S_max]
+    group = state.mesh.get_group()
+    cached = wait(all_gather(own.reshape(-1), group), group).view(cp, b, s_max)  # [P, B, S_max]
+    every = global_order(layout, cp, n + pad).view(cp, local).to(ids.device)  # [P, T_local]: padded columns
+    new_pos = padded(kpos, -1)[:, every]  # [B, P, T_local]
+    k_positions = torch.cat([cached.transpose(0, 1), new_pos], 2).reshape(b, -1)  # [B, P * (S_max + T_local)]
+    call.step = _Step("pass-kv", kpos.index_select(1, mine.to(ids.device)), mine, n,
+                      q_positions=shard(padded(pos, -1)), q_padding=~shard(padded(real, False)))
+    call.step.pass_kv = _PassKV(s_max, k_positions, src.to(ids.device))
+    call.prompt = (n, pad)  # the hook after the base model gathers the rows the LM head reads
+    cache.note_tokens(ids, real)
+    kwargs["input_ids"], kwargs["position_ids"] = shard(padded(ids, 0)), shard(padded(pos, 0))
+
+
+def pass_kv_attention(state: HFState, module: nn.Module, query: Tensor, key: Tensor, value: Tensor, scaling, window,
+                      sinks):
+    """A pass-KV forward's attention (Note [Pass-KV turns]). query: [B, Hq, T_local, D]; key, value: this
+    rank's shard of the new tokens [B, Hkv, T_local, D(v)]. Returns [B, T_local, Hq, Dv]."""
+    call = state.generating
+    step, layer, cp = call.step, call.cache.layers[module.layer_idx], state.mesh.size()
+    plan = step.pass_kv
+    s = plan.s_max + key.shape[2]  # S' = S_max + T_local: one rank's block
+    grow = lambda x: torch.nn.functional.pad(x, (0, 0, 0, plan.s_max - x.shape[2]))  # noqa: E731  [B, Hkv, S_max, *]
+    k_own, v_own = torch.cat([grow(layer.keys), key], 2), torch.cat([grow(layer.values), value.to(key.dtype)], 2)
+    kept_k = key.new_empty(*key.shape[:2], len(plan.src), key.shape[3])  # the new columns this rank keeps
+    kept_v = value.new_empty(*value.shape[:2], len(plan.src), value.shape[3])
+    ring = RingComm(state.mesh.get_group())
+
+    def blocks():  # every rank's block in ring order, one in flight while the current one is attended
+        buf = pack(k_own, v_own)  # [K | V] flat
+        for i in range(cp):
+            nxt = ring.rotate(buf) if i < cp - 1 else None
+            src = ring.src_at(i)
+            k_blk, v_blk = unpack(buf, k_own, v_own)
+            at = torch.nonzero(plan.src // s == src).flatten()  # kept columns that came from rank src
+            if len(at):
+                cols = plan.src.index_select(0, at) % s
+                kept_k[:, :, at], kept_v[:, :, at] = k_blk.index_select(2, cols), v_blk.index_select(2, cols)
+            yield k_blk.to(query.dtype), v_blk.to(query.dtype), plan.k_positions[:, src * s:(src + 1) * s]
+            if nxt is not None:
+                buf = ring.wait(nxt)
+
+    out = attend_blocks(query, blocks(), q_positions=step.q_positions, scale=scaling, window_size=window,
+                        sinks=sinks, padding=step.q_padding)
+    layer.keep_new(kept_k, kept_v, step.positions)
+    return out.transpose(1, 2).contiguous()

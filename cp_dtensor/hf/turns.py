@@ -1,0 +1,130 @@
+"""Continuing a sequence-sharded KV cache under CP: a second turn of a conversation, or the next chunk of a
+chunked prefill -- the checks on a cache passed to generate(), and the rule that says what a turn sends.
+
+Note [Continuing a sharded cache]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``model.generate(ids, cache=out.cache, ...)`` (or ``past_key_values=``) on every rank, with the same full
+conversation ``ids`` [B, C + T] of which the cache holds the first C columns: transformers feeds only the T
+new columns, and since the cache is not empty the base model's pre-hook (generate.py) runs them as it runs
+a decode step -- *pass-Q*:
+
+* the layers run replicated on the T new tokens (every rank alike); each new column's K/V go to the rank
+  holding the fewest tokens (the lowest on ties), the cache's balance rule since the prefill: every share
+  stays within one of the mean, at most ceil(total / P) tokens;
+* attention is Note [Decoding from a sharded cache] (core/decode.py): each rank attends the T queries to
+  its share -- the cached turns and the new tokens it keeps -- causally *by global position*, so the new
+  tokens see the cached ones and each other exactly, windows reach back into the cached turns, sinks join
+  once; one all-gather of ``[out | lse]`` and the stable merge on every rank. No K/V moves: a follow-up
+  after a long conversation sends (P - 1) * B * Hq * T * (Dv + 1) * 4 bytes per rank and layer, whatever C.
+* a hybrid's linear layers continue their full recurrent and conv states with transformers' own chunked
+  rule (the same on every rank).
+
+``prefill_chunk_size=s`` is the same machinery: transformers splits the prompt into chunks of s columns;
+the first goes into the empty cache by the ring prefill, every later chunk is a turn without decoding.
+Each forward's activations are a chunk's, not the prompt's.
+
+What is checked, on every rank before any communication (a rank that fails raises on every rank through
+the call's agreement, Note [One agreement] in core/agreement.py): the cache is a :class:`ShardedCache`
+this CP run filled (not a plain ``DynamicCache``, not one of another CP size, rank or layout, nor of
+another model shape); the conversation extends what the cache holds -- the same batch, more columns, and
+the first C columns' ids and mask equal to those the cache recorded (``ShardedCache.tokens``, a cheap
+per-row fingerprint updated by every forward: an edited history is refused); and the cache's global facts
+(C, each rank's share, the fingerprint) are part of the call's fingerprint, so ranks passing different
+caches or conversations raise alike.
+
+*Pass-KV* -- the new tokens sharded in the layout, the K/V moving instead of the queries' results -- is what
+a first turn's ring prefill does. For a forward of T > 1 new tokens on a non-empty cache, :func:`turn_plan`
+says which of the two sends fewer bytes, from global facts only (the same on every rank), and the pre-hook
+runs that one: Note [Pass-KV turns] in pass_kv.py. A decode step (T = 1) and a hybrid's turns are pass-Q.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .._extras import require
+
+require("hf", "cp_dtensor.hf (transformers generate() under context parallelism)")
+
+from .cache import ShardedCache, token_fingerprint  # noqa: E402
+
+__all__ = ["TurnPlan", "continuation_error", "cache_facts", "turn_plan"]
+
+
+def continuation_error(cache, *, maker: tuple[int, int, str], layers: int, linear, ids: Tensor,
+                       mask: Tensor | None) -> str | None:
+    """Why generate() cannot continue ``cache`` with the conversation ``ids`` [B, M] (``mask`` [B, M] or None) on
+    this rank, or None. Local only; see Note [Continuing a sharded cache]."""
+    fix = ("Pass the cache a CP generate() of this model returned (out.cache), or no cache to prefill the whole "
+           "conversation.")
+    if not isinstance(cache, ShardedCache):
+        return (f"generate() under CP continues only the sequence-sharded cache a CP generate() returned; got a "
+                f"{type(cache).__name__}, which holds whole sequences, not this rank's share. {fix}")
+    if cache.held is None or cache.tokens is None:
+        return f"generate() under CP was passed an empty ShardedCache (no generate() filled it). {fix}"
+    cp, rank, layout = maker
+    if cache.maker != maker:
+        got = "unknown" if cache.maker is None else f"P={cache.maker[0]}, rank {cache.maker[1]}, layout " \
+                                                    f"{cache.maker[2]!r}"
+        return (f"generate() under CP was passed a cache filled by another CP run ({got}); this call runs P={cp}, "
+                f"rank {rank}, layout {layout!r}. A cache holds its own rank's share in its layout only. {fix}")
+    if len(cache.layers) != layers or cache.linear != tuple(linear):
+        return (f"generate() under CP was passed a cache of another model shape ({len(cache.layers)} layers, linear "
+                f"{list(cache.linear)}; this model: {layers}, linear {list(linear)}). {fix}")
+    b, m = ids.shape
+    c = cache.seen
+    if cache.tokens.shape[0] != b:
+        return (f"generate() under CP was passed a cache of batch {cache.tokens.shape[0]}, but input_ids has {b} rows. "
+                f"{fix}")
+    if m <= c:
+        return (f"generate() under CP continues a cache of {c} tokens a row from the whole conversation: input_ids must "
+                f"hold those {c} columns and at least one new one; got {m}. Pass the conversation so far (out.sequences) "
+                "with the follow-up appended.")
+    real = torch.ones(b, c, dtype=torch.long, device=ids.device) if mask is None else mask[:, :c]
+    if not torch.equal(token_fingerprint(ids[:, :c], real).cpu(), cache.tokens.cpu()):
+        return (f"generate() under CP: the first {c} columns of input_ids / attention_mask are not the tokens the cache "
+                "holds (an edited history, other padding, or another conversation). Pass out.sequences of the call that "
+                "returned the cache, with its attention_mask, and append the follow-up; or pass no cache.")
+    return None
+
+
+def cache_facts(cache) -> tuple:
+    """What every rank's cache must agree on (its global facts): columns held, each rank's share, the
+    fingerprint of the tokens."""
+    if not isinstance(cache, ShardedCache) or cache.tokens is None:
+        return ()
+    return cache.seen, tuple(cache.held), tuple(cache.tokens.cpu().tolist())
+
+
+@dataclass(frozen=True)
+class TurnPlan:
+    """Bytes one rank sends per attention layer for a turn of ``new`` tokens after ``cached`` ones, both ways."""
+
+    pass_q: int  #: pass-Q: the [out | lse] all-gather of the replicated queries' partial results
+    pass_kv: int  #: pass-KV: the all-gather of every rank's K/V (its cache share and its shard of the new)
+    mode: str  #: "pass-q" or "pass-kv": which sends fewer bytes (the ring prefill when nothing is cached)
+
+
+def turn_plan(*, new: int, cached: int, cp: int, batch: int, q_heads: int, kv_heads: int, head_dim: int,
+              value_dim: int | None = None, kv_bytes: int = 2, largest_share: int | None = None,
+              unit: int = 1) -> TurnPlan:
+    """The bytes rule of Note [Continuing a sharded cache] (docs/inference.md, "Multi-turn"): what one rank
+    sends per attention layer for ``new`` = T tokens after ``cached`` = C, as the code sends it,
+
+    * pass-Q: (P - 1) * B * Hq * T * (Dv + 1) * 4 -- independent of C;
+    * pass-KV: (P - 1) * B * (S_max + T_local) * Hkv * (Dqk + Dv) * kv_bytes, S_max the largest rank's share
+      of the C cached tokens (``largest_share``; ceil(C / P) by default: the shares are balanced) and
+      T_local = T padded to the layout ``unit``, over P -- about (P - 1) / P of all C + T tokens' K/V.
+
+    With Dqk = Dv = D, pass-KV sends fewer bytes when T / (C + T) > kv_bytes * Hkv / (2 * P * Hq) (about):
+    a first turn (C = 0; the ring prefill), a long document added to a short conversation; a follow-up of a
+    few hundred tokens after a long conversation is pass-Q and never sends the cached K/V."""
+    dv = head_dim if value_dim is None else value_dim
+    pq = (cp - 1) * batch * q_heads * new * (dv + 1) * 4
+    share = -(-cached // cp) if largest_share is None else largest_share
+    local = -(-new // unit) * unit // cp
+    pkv = (cp - 1) * batch * (share + local) * kv_heads * (head_dim + dv) * kv_bytes
+    return TurnPlan(pq, pkv, "pass-kv" if cached == 0 or pkv < pq else "pass-q")

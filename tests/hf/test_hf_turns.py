@@ -1,0 +1,237 @@
+"""Continuing generate()'s sharded cache under CP (hf/turns.py, Note [Continuing a sharded cache]): a second and
+third turn of a conversation, and ``prefill_chunk_size``, against the same model at CP=1 in the same process
+(transformers continuing its own DynamicCache, or prefilling unchunked): greedy tokens identical, every step's
+logits within 1e-4; each rank's cache within one token of the mean; both ways of running a turn (pass-Q, pass-KV)
+exercised; the bytes of a pass-Q turn independent of the conversation's length, and of both modes by the formula;
+a cache or conversation that cannot be continued raises on every rank before any communication."""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed as dist
+from _tiers import slow
+from test_hf_generate import _check_cache, _compare, _generate, _model, _prompt, _same_on_every_rank
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from _dist import run_ranks
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+from transformers import DynamicCache  # noqa: E402
+
+from cp_dtensor.core.layout import layout_unit  # noqa: E402
+from cp_dtensor.hf import attention as hf  # noqa: E402
+from cp_dtensor.hf.turns import turn_plan  # noqa: E402
+from cp_dtensor.tools.debug import CommBytes  # noqa: E402
+
+V = 96
+TURNS = [  # (model, layout, left padding of the first turn's prompt, its length, follow-ups' lengths)
+    # short follow-ups run pass-Q; one of 30 after ~30 cached runs pass-KV
+    ("llama", "striped", [3, 0], 13, (5, 30)),  # GQA
+    ("mistral", "striped", [0, 4], 11, (5, 29)),  # window 6: the new tokens' windows reach into the cached turns
+    ("gpt-oss", "striped", [2, 0], 13, (4, 2)),  # sinks, per-layer windows, MoE
+    ("llama", "headtail", [1, 0], 9, (7, 25)),  # another layout's cache
+]
+
+
+def _follow(ids, mask, seed: int, n: int):
+    """The conversation so far [B, M] and its mask, with a follow-up of ``n`` tokens appended to every row."""
+    extra = torch.randint(1, V, (ids.shape[0], n), generator=torch.Generator().manual_seed(seed))
+    ones = torch.ones(ids.shape[0], ids.shape[1] + n - mask.shape[1], dtype=mask.dtype)
+    return torch.cat([ids, extra], 1), torch.cat([mask, ones], 1)
+
+
+def _share_bound(out, world: int, where: str) -> None:
+    """Each rank's cache holds at most ceil(total / P) tokens (the balance rule keeps shares within one)."""
+    total = out.sequences.shape[1] - 1
+    s = out.cache.layers[0].keys.shape[2]
+    assert s <= math.ceil(total / world), (where, s, total)
+
+
+def _check_turns(rank: int, world: int, full: bool) -> int:
+    """Every case at P=2; at P=3 the first three (the default tier's time)."""
+    mesh = init_device_mesh("cpu", (world,))
+    checked, runs = 0, Counter()
+    for i, (name, layout, pad, n, follow) in enumerate(TURNS if full else TURNS[:3]):
+        base = _model(name)
+        ref_model, model = copy.deepcopy(base), hf.apply_context_parallel(copy.deepcopy(base), mesh, layout=layout)
+        ids, mask = _prompt(i, 2, n, pad)
+        ref, out = _generate(ref_model, ids, mask), _generate(model, ids, mask)
+        _compare(out, ref, f"{name} turn 1")
+        for turn, t in enumerate(follow, 2):
+            where = f"{name} {layout} P={world} turn {turn}"
+            ids, mask = _follow(out.sequences, mask, 10 * i + turn, t)
+            cached = out.cache.get_seq_length()
+            ref = _generate(ref_model, ids, mask, cache=ref.cache)  # CP=1: transformers continues its DynamicCache
+            out = _generate(model, ids, mask, cache=out.cache)
+            _compare(out, ref, where)
+            assert out.cache.get_seq_length() == out.sequences.shape[1] - 1 > cached, where
+            assert _same_on_every_rank(torch.stack(out.logits), world), where
+            _check_cache(out, rank, world, where)
+            _share_bound(out, world, where)
+            checked += 1
+        runs += out.cache.runs
+    assert runs["pass-kv"] > 0 and runs["decode"] > 0, runs  # both ways of running a turn were checked
+    # transformers' older keyword past_key_values= too, and a conversation that is the cache's plus one token
+    base = _model("llama")
+    ref_model, model = copy.deepcopy(base), hf.apply_context_parallel(copy.deepcopy(base), mesh)
+    ids, mask = _prompt(7, 2, 10, [0, 2])
+    ref, out = _generate(ref_model, ids, mask, max_new_tokens=3), _generate(model, ids, mask, max_new_tokens=3)
+    mask = torch.cat([mask, torch.ones(2, 3, dtype=mask.dtype)], 1)
+    ref = _generate(ref_model, ref.sequences, mask, cache=ref.cache)
+    _compare(_generate(model, out.sequences, mask, past_key_values=out.cache), ref, "past_key_values=")
+    return checked + 1
+
+
+CHUNKED = [  # (model, layout, batch, prompt length, left padding, prefill_chunk_size)
+    ("llama", "striped", 2, 70, [5, 0], 16),  # the issue's case
+    ("mistral", "striped", 2, 29, [17, 0], 8),  # window 6 across chunk edges; a chunk all padding in row 0
+    ("gpt-oss", "headtail", 1, 23, None, 5),
+    ("llama", "striped", 1, 9, None, 16),  # one chunk: the plain prefill
+]
+
+
+def _check_chunked(rank: int, world: int, full: bool) -> int:
+    mesh = init_device_mesh("cpu", (world,))
+    for i, (name, layout, b, n, pad, chunk) in enumerate(CHUNKED if full else CHUNKED[:1]):
+        base = _model(name)
+        ids, mask = _prompt(20 + i, b, n, pad)
+        ref = _generate(copy.deepcopy(base), ids, mask)  # CP=1, unchunked
+        model = hf.apply_context_parallel(copy.deepcopy(base), mesh, layout=layout)
+        out = _generate(model, ids, mask, prefill_chunk_size=chunk)
+        where = f"{name} {layout} P={world} N={n} chunk={chunk}"
+        _compare(out, ref, where)
+        _check_cache(out, rank, world, where)
+    return len(CHUNKED) if full else 1
+
+
+def _turn_bytes(model, cached: int, new: int) -> int:
+    """Bytes this rank sends for a turn of ``new`` tokens (one forward, no decoding) after ``cached`` ones."""
+    ids = torch.randint(1, V, (1, cached), generator=torch.Generator().manual_seed(cached))
+    out = _generate(model, ids, None, max_new_tokens=1)  # the cache holds the prompt's ``cached`` tokens
+    ids2 = torch.cat([out.sequences, torch.randint(1, V, (1, new - 1))], 1)  # the last token is new too
+    with CommBytes() as cb:
+        _generate(model, ids2, None, cache=out.cache, max_new_tokens=1)
+    return cb.sent
+
+
+def _check_bytes(rank: int, world: int) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    base = _model("llama")
+    model = hf.apply_context_parallel(copy.deepcopy(base), mesh)
+    cfg = base.config
+    short, long = _turn_bytes(model, 48, 6), _turn_bytes(model, 144, 6)
+    assert abs(long - short) <= 0.25 * short, (short, long)
+    plan = turn_plan(new=6, cached=144, cp=world, batch=1, q_heads=cfg.num_attention_heads,
+                     kv_heads=cfg.num_key_value_heads, head_dim=cfg.hidden_size // cfg.num_attention_heads)
+    assert long == cfg.num_hidden_layers * plan.pass_q, (long, plan)  # the formula, per layer
+    assert plan.mode == "pass-q", plan
+    # a long turn on a short conversation: pass-KV, by the formula (+ the cache positions, once a forward)
+    ids = torch.randint(1, V, (2, 12), generator=torch.Generator().manual_seed(1))
+    out = _generate(model, ids, None, max_new_tokens=1)
+    with CommBytes() as cb:
+        again = _generate(model, torch.cat([out.sequences, ids.flip(1), ids], 1), None, cache=out.cache,
+                          max_new_tokens=1)
+    plan = turn_plan(new=25, cached=12, cp=world, batch=2, q_heads=cfg.num_attention_heads,
+                     kv_heads=cfg.num_key_value_heads, head_dim=cfg.hidden_size // cfg.num_attention_heads, kv_bytes=4,
+                     unit=layout_unit("striped", world))
+    assert plan.mode == "pass-kv" and again.cache.runs["pass-kv"] == 1, (plan, again.cache.runs)
+    positions = (world - 1) * 2 * math.ceil(12 / world) * 8  # the cache shares' positions, once
+    head = (world - 1) * 2 * cfg.hidden_size * 4  # the row the LM head reads, as after a prefill
+    assert cb.sent == cfg.num_hidden_layers * plan.pass_kv + positions + head, (cb.sent, dict(cb.by_op), plan)
+    assert plan.pass_kv < plan.pass_q, plan
+
+
+def _expect(match: str, fn) -> None:
+    with pytest.raises(ValueError, match=match):
+        fn()
+
+
+def _check_refusals(rank: int, world: int) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    base = _model("llama")
+    model = hf.apply_context_parallel(copy.deepcopy(base), mesh)
+    ids, mask = _prompt(3, 2, 9, [2, 0])
+    out = _generate(model, ids, mask, max_new_tokens=3)
+    ids2, mask2 = _follow(out.sequences, mask, 1, 4)
+    go = lambda cache, i=ids2, m=mask2: _generate(model, i, m, cache=cache)  # noqa: E731
+    _expect("got a DynamicCache", lambda: go(DynamicCache()))
+    plain = copy.deepcopy(base)  # a cache of CP=1 (a plain model's)
+    _expect("got a DynamicCache", lambda: go(_generate(plain, ids, mask, max_new_tokens=3).cache))
+    headtail = hf.apply_context_parallel(copy.deepcopy(base), mesh, layout="headtail")
+    _expect(r"another CP run \(P=\d, rank \d, layout 'headtail'\)", lambda: go(
+        _generate(headtail, ids, mask, max_new_tokens=3).cache))
+    # a cache of another CP size: each rank's own CP=1 run (a group of one)
+    solo = [dist.new_group([r]) for r in range(world)]
+    alone = hf.apply_context_parallel(copy.deepcopy(base), DeviceMesh.from_group(solo[rank], "cpu"))
+    _expect(r"another CP run \(P=1", lambda: go(_generate(alone, ids, mask, max_new_tokens=3).cache))
+    edited = ids2.clone()
+    edited[1, 4] = (edited[1, 4] + 1) % V
+    _expect("edited history", lambda: go(out.cache, edited))
+    repadded = mask2.clone()
+    repadded[1, 0] = 0  # other padding than the first turn's
+    _expect("edited history", lambda: go(out.cache, ids2, repadded))
+    _expect("at least one new one", lambda: go(out.cache, out.sequences[:, :-1], mask2[:, :11]))
+    _expect("batch 2, but input_ids has 1", lambda: go(out.cache, ids2[:1], mask2[:1]))
+    _expect("both cache= and past_key_values=", lambda: _generate(model, ids2, mask2, cache=out.cache,
+                                                                  past_key_values=out.cache))
+    with torch.no_grad():  # a forward given the cache (a hand-written loop): generate() continues it, not a forward
+        _expect("pass no cache to a forward", lambda: model(input_ids=ids2[:, -2:], position_ids=torch.arange(
+            12, 14)[None].expand(2, 2), cache=out.cache))
+    # on one rank only: refused on every rank
+    _expect("refused the call on rank", lambda: go(DynamicCache() if rank == world - 1 else out.cache))
+    _expect("same call on every rank", lambda: go(out.cache if rank == 0 else None))
+    other, mask3 = _follow(out.sequences, mask, 2 + rank, 4)  # a follow-up that differs between ranks
+    _expect("same call on every rank", lambda: go(out.cache, other, mask3))
+    # still in step: the refused calls changed nothing; the good one equals CP=1
+    ref = _generate(plain, ids, mask, max_new_tokens=3)
+    _compare(go(out.cache), _generate(plain, ids2, mask2, cache=ref.cache), "after the refusals")
+
+
+def _check_hybrid(rank: int, world: int) -> None:
+    """A hybrid (Gated DeltaNet + attention, headtail): turn 2 continues the linear layers' full states and the
+    attention layers' shares; a chunked prefill equals the unchunked CP=1 run."""
+    from test_hf_hybrid_generate import _model as _hybrid
+
+    mesh = init_device_mesh("cpu", (world,))
+    base = _hybrid("qwen3_next").eval()
+    ref_model, model = copy.deepcopy(base), hf.apply_context_parallel(copy.deepcopy(base), mesh, layout="headtail")
+    ids, mask = _prompt(5, 2, 11, [0, 3], vocab=128)
+    ref, out = _generate(ref_model, ids, mask, max_new_tokens=3), _generate(model, ids, mask, max_new_tokens=3)
+    ids, mask = _follow(out.sequences, mask, 6, 5)
+    _compare(_generate(model, ids, mask, cache=out.cache), _generate(ref_model, ids, mask, cache=ref.cache),
+             f"qwen3_next P={world} turn 2")
+    _compare(_generate(model, ids, mask, prefill_chunk_size=6), _generate(copy.deepcopy(base), ids, mask),
+             f"qwen3_next P={world} chunked")
+
+
+def _all(rank: int, world: int, full: bool) -> int:
+    n = _check_turns(rank, world, full) + _check_chunked(rank, world, full)
+    if full:
+        _check_hybrid(rank, world)
+        _check_bytes(rank, world)
+        _check_refusals(rank, world)
+    return n
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_turns_and_chunked_prefill_match_cp1(world):
+    """Turns 2 and 3 (GQA Llama, Mistral window spanning the turns, gpt-oss sinks + MoE, a headtail cache; batch
+    2 with left padding) and prefill_chunk_size (16 on a 70-token prompt, ...) vs CP=1; at P=2 also the bytes of
+    a 6-token turn after 48 and 144 cached tokens, and the refusals."""
+    checked, *_ = run_ranks(world, _all, world == 2)
+    assert checked == (9 + len(CHUNKED) if world == 2 else 8), checked
+
+
+@slow("every case at P = 3 and 4")
+@pytest.mark.parametrize("world", [3, 4])
+def test_turns_every_case_more_ranks(world):
+    """The default test's every case (turns, chunks, the hybrid, bytes, refusals) at P = 3 and 4."""
+    checked, *_ = run_ranks(world, _all, True, timeout=600.0)
+    assert checked == 9 + len(CHUNKED), checked
