@@ -67,8 +67,45 @@ def causal_strip(device: torch.device) -> int:
     return CAUSAL_STRIP["cpu" if device.type == "cpu" else "cuda"]
 
 
-def _use_flash(q: Tensor, mask: Tensor | None) -> bool:
-    return mask is None and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0
+FLASH, EFFICIENT = 1, 2  # the CUDA kernels the ring can run, as bits of a set (See Note [SDPA backend switches])
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def sdpa_backends() -> int:
+    """The CUDA kernels the ring may use (``FLASH | EFFICIENT`` bits), read from torch's SDPA backend switches
+    (``torch.nn.attention.sdpa_kernel``, ``torch.backends.cuda.enable_*_sdp``). Dynamo reads the switches as
+    constants: a compiled call uses the values at trace time. See Note [SDPA backend switches]."""
+    cuda = torch.backends.cuda
+    return (FLASH if cuda.flash_sdp_enabled() else 0) | (EFFICIENT if cuda.mem_efficient_sdp_enabled() else 0)
+
+
+def _allowed(backends: int) -> int:
+    return sdpa_backends() if backends < 0 else backends
+
+
+def _flash_fits(dtype: torch.dtype, head_dim: int) -> bool:
+    return dtype in _HALF and head_dim <= 256 and head_dim % 8 == 0
+
+
+def _use_flash(q: Tensor, mask: Tensor | None, backends: int = -1) -> bool:
+    return bool(_allowed(backends) & FLASH) and mask is None and _flash_fits(q.dtype, q.shape[-1])
+
+
+def _need_efficient(backends: int) -> None:
+    if not _allowed(backends) & EFFICIENT:  # the call's checks refuse this before the ring (kernel_error)
+        raise RuntimeError("cp_dtensor: this attention block needs the memory-efficient kernel, which torch's SDPA "
+                           "switches disable; see Note [SDPA backend switches] in cp_dtensor/core/kernels.py.")
+
+
+def _empty_rows(lse: Tensor) -> Tensor:
+    """A CUDA kernel's lse with its empty rows (+inf: no key) as ours (-inf), in place: Note [Kernel contracts]."""
+    return lse.masked_fill_(torch.isposinf(lse), float("-inf"))
+
+
+def _kernel_lse(lse: Tensor) -> Tensor:
+    """Our lse (-inf: a row with no key) as the CUDA backward kernels read it (+inf: P = exp(s - lse) = 0),
+    contiguous (a fresh tensor)."""
+    return torch.where(torch.isneginf(lse), float("inf"), lse).contiguous()
 
 
 def _pad_last(x: Tensor, d: int) -> Tensor:
@@ -98,26 +135,36 @@ def _group(x: Tensor, h: int, g: int) -> Tensor:
 
 
 def _bias(mask: Tensor, b: int, h: int) -> Tensor:
-    """An additive [Sq, Sk] mask as the memory-efficient kernel's attn_bias [B, H, Sq, Sk], its rows
+    """An additive [Sq, Sk] mask as the memory-efficient kernel's attn_bias [B, H, Sq, Sk] in fp32, its rows
     starting on 16-element boundaries (stored padded, expanded over batch and heads)."""
     sq, sk = mask.shape
-    padded = mask.new_zeros(sq, sk + (-sk) % 16)
+    padded = mask.new_zeros(sq, sk + (-sk) % 16, dtype=torch.float32)
     padded[:, :sk] = mask
     return padded[:, :sk].expand(b, h, sq, sk)
 
 
-def kernel_fwd(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float, mask: Tensor | None = None):
-    """One fused-kernel call on one rectangle: out [B, Hq, Sq, Dv] (kernel strides), lse [B, Hq, Sq] fp32.
-    q, k: [B, Hq | Hkv, S, Dqk]; v: [B, Hkv, Sk, Dv]; ``mask``: additive [Sq, Sk] in q's dtype or None.
+def _fp32(*xs: Tensor) -> tuple[Tensor, ...]:
+    return tuple(x.float() for x in xs)
+
+
+def kernel_fwd(
+    q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float, mask: Tensor | None = None, backends: int = -1,
+):
+    """One fused-kernel call on one rectangle: out [B, Hq, Sq, Dv] (kernel strides), lse [B, Hq, Sq] fp32
+    (-inf: a row with no key). q, k: [B, Hq | Hkv, S, Dqk]; v: [B, Hkv, Sk, Dv]; ``mask``: additive [Sq, Sk]
+    in q's dtype or None; ``backends``: the CUDA kernels allowed (:func:`sdpa_backends`; -1: read now).
     See Note [Kernel contracts] and Note [Value head size]."""
-    dv = v.shape[-1]
+    dv, dtype = v.shape[-1], q.dtype
     q, k, v = _pad_fwd(q, k, v)
     if backend(q) == "cpu":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)[:2]
         return out[..., :dv], lse
-    if _use_flash(q, mask):
+    if _use_flash(q, mask, backends):
         out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)[:2]
-        return out[..., :dv], lse
+        return out[..., :dv], _empty_rows(lse)
+    _need_efficient(backends)
+    if mask is not None:  # with a mask in fp32 only: Note [Kernel contracts]
+        q, k, v = _fp32(q, k, v)
     hkv, g, sq = k.shape[1], q.shape[1] // k.shape[1], q.shape[2]
     outs, lses = [], []
     for h in range(hkv):
@@ -125,14 +172,15 @@ def kernel_fwd(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float, m
         out, lse = aten._scaled_dot_product_efficient_attention(
             q[:, h * g : (h + 1) * g], _group(k, h, g), _group(v, h, g), bias, True, 0.0, is_causal, scale=scale
         )[:2]
-        outs.append(out[..., :dv])
+        outs.append(out[..., :dv].to(dtype))
         lses.append(lse[..., :sq])  # the kernel pads lse to a multiple of 32
-    return (outs[0], lses[0]) if hkv == 1 else (torch.cat(outs, 1), torch.cat(lses, 1))
+    out, lse = (outs[0], lses[0]) if hkv == 1 else (torch.cat(outs, 1), torch.cat(lses, 1))
+    return out, _empty_rows(lse)
 
 
-def kernel_bwd(dout, q, k, v, out, lse, is_causal: bool, scale: float, mask: Tensor | None = None):
+def kernel_bwd(dout, q, k, v, out, lse, is_causal: bool, scale: float, mask: Tensor | None = None, backends: int = -1):
     """The backward of :func:`kernel_fwd` given the rows' *final* out and lse: dq, dk, dv (kernel strides)."""
-    dqk, dv_size = q.shape[-1], v.shape[-1]
+    dqk, dv_size, dtype = q.shape[-1], v.shape[-1], q.dtype
     dout, q, k, v, out = _pad_bwd(dout, q, k, v, out)
     if backend(q) == "cpu":
         dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -142,13 +190,16 @@ def kernel_bwd(dout, q, k, v, out, lse, is_causal: bool, scale: float, mask: Ten
     sq, sk = q.shape[2], k.shape[2]
     # Without dropout the kernels never read the philox state: pass empty tensors.
     empty = q.new_empty(0, dtype=torch.int64)
-    if _use_flash(q, mask):
+    if _use_flash(q, mask, backends):
         dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse.contiguous(), None, None, sq, sk, 0.0, is_causal, empty, empty, scale=scale
+            dout, q, k, v, out, _kernel_lse(lse), None, None, sq, sk, 0.0, is_causal, empty, empty, scale=scale
         )
         return dq[..., :dqk], dk[..., :dqk], dv[..., :dv_size]
+    _need_efficient(backends)
+    if mask is not None:  # with a mask in fp32 only: Note [Kernel contracts]
+        dout, q, k, v, out = _fp32(dout, q, k, v, out)
     hkv, g = k.shape[1], q.shape[1] // k.shape[1]
-    lse = F.pad(lse, (0, (-sq) % 32))  # back to the kernel's padded length (a contiguous copy)
+    lse = F.pad(_kernel_lse(lse), (0, (-sq) % 32))  # back to the kernel's padded length (a contiguous copy)
     grads = []
     for h in range(hkv):
         qs = slice(h * g, (h + 1) * g)
@@ -159,23 +210,23 @@ def kernel_bwd(dout, q, k, v, out, lse, is_causal: bool, scale: float, mask: Ten
         )
         grads.append((dq, dk.sum(1, keepdim=True), dv.sum(1, keepdim=True)))
     dq, dk, dv = (torch.cat(x, 1) for x in zip(*grads)) if hkv > 1 else grads[0]
-    return dq[..., :dqk], dk[..., :dqk], dv[..., :dv_size]
+    return dq[..., :dqk].to(dtype), dk[..., :dqk].to(dtype), dv[..., :dv_size].to(dtype)
 
 
-def varlen(q: Tensor) -> bool:
+def varlen(q: Tensor, backends: int = -1) -> bool:
     """Whether unmasked rectangles of ``q``'s dtype and head size run as one variable-length call per
-    kind (CUDA flash) rather than one call each. See Note [Varlen rectangles] in ops.py."""
-    return backend(q) == "cuda" and _use_flash(q, None)
+    kind (CUDA flash) rather than one call each. See Note [Varlen rectangles] in varlen.py."""
+    return backend(q) == "cuda" and _use_flash(q, None, backends)
 
 
 _FLASH_WINDOWS: dict[torch.device, bool] = {}  # per device: whether flash takes window sizes
 
 
-def flash_windows(q: Tensor) -> bool:
+def flash_windows(q: Tensor, backends: int = -1) -> bool:
     """Whether window bands of ``q``'s calls run as flash windows (one rectangle per band, packed)
     rather than as tiles with a bias: CUDA flash dtypes on a build that takes window sizes, probed
     once per device with a two-token call (tensors made on the device: no copy, no wait)."""
-    if not varlen(q):
+    if not varlen(q, backends):
         return False
     if q.device not in _FLASH_WINDOWS:
         x = torch.zeros(2, 1, 8, dtype=torch.bfloat16, device=q.device)
@@ -189,8 +240,12 @@ def flash_windows(q: Tensor) -> bool:
     return _FLASH_WINDOWS[q.device]
 
 
-def _windows(window: tuple[int, int] | None) -> dict:
-    return {} if window is None else dict(window_size_left=window[0], window_size_right=window[1])
+def _windows(window: tuple[int, int] | None, max_q: int, max_k: int) -> tuple[dict, int]:
+    """The window keywords and the max_seqlen_k of a varlen call: with a window, max_seqlen_k >= every
+    sequence's rows and keys, so that flash applies the window as given (Note [Kernel contracts])."""
+    if window is None:
+        return {}, max_k
+    return dict(window_size_left=window[0], window_size_right=window[1]), max(max_k, max_q)
 
 
 def kernel_fwd_varlen(
@@ -199,13 +254,14 @@ def kernel_fwd_varlen(
 ) -> tuple[Tensor, Tensor]:
     """One call over packed sequences: q [Tq, Hq, Dqk], k [Tk, Hkv, Dqk], v [Tk, Hkv, Dv]; sequence i is
     q rows [cu_q[i], cu_q[i + 1]) against k rows [cu_k[i], cu_k[i + 1]), within ``window`` (left,
-    right) if given. Returns out [Tq, Hq, Dv] and lse [Hq, Tq] fp32. See Note [Kernel contracts]."""
+    right; -1 unbounded; bottom-right aligned) if given. ``max_q``, ``max_k``: the longest query and key
+    runs. Returns out [Tq, Hq, Dv] and lse [Hq, Tq] fp32 (-inf: a row with no key). See Note [Kernel
+    contracts]."""
     dv = v.shape[-1]
     q, k, v = _pad_fwd(q, k, v)
-    out, lse = aten._flash_attention_forward(
-        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, is_causal, False, scale=scale, **_windows(window)
-    )[:2]
-    return out[..., :dv], lse
+    kw, max_k = _windows(window, max_q, max_k)
+    out, lse = aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, is_causal, False, scale=scale, **kw)[:2]
+    return out[..., :dv], _empty_rows(lse)
 
 
 def kernel_bwd_varlen(
@@ -216,8 +272,8 @@ def kernel_bwd_varlen(
     dqk, dv_size = q.shape[-1], v.shape[-1]
     dout, q, k, v, out = _pad_bwd(dout, q, k, v, out)
     empty = q.new_empty(0, dtype=torch.int64)  # no dropout: the kernel never reads the rng state
+    kw, max_k = _windows(window, max_q, max_k)
     dq, dk, dv = aten._flash_attention_backward(
-        dout, q, k, v, out, lse.contiguous(), cu_q, cu_k, max_q, max_k, 0.0, is_causal, empty, empty, scale=scale,
-        **_windows(window),
+        dout, q, k, v, out, _kernel_lse(lse), cu_q, cu_k, max_q, max_k, 0.0, is_causal, empty, empty, scale=scale, **kw,
     )
     return dq[..., :dqk], dk[..., :dqk], dv[..., :dv_size]
