@@ -46,8 +46,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = [
-    "backend", "causal_strip", "flash_windows", "kernel_bwd", "kernel_bwd_varlen", "kernel_fwd", "kernel_fwd_varlen",
-    "varlen",
+    "EFFICIENT", "FLASH", "backend", "causal_strip", "flash_windows", "kernel_bwd", "kernel_bwd_varlen", "kernel_error",
+    "kernel_fwd", "kernel_fwd_varlen", "sdpa_backends", "varlen",
 ]
 
 aten = torch.ops.aten
@@ -68,15 +68,22 @@ def causal_strip(device: torch.device) -> int:
 
 
 FLASH, EFFICIENT = 1, 2  # the CUDA kernels the ring can run, as bits of a set (See Note [SDPA backend switches])
+_CUDNN, _MATH = 4, 8  # switches the ring has no kernel for
 _HALF = (torch.float16, torch.bfloat16)
+
+
+@torch.compiler.assume_constant_result  # Dynamo calls it while tracing: a constant of the graph
+def _switches() -> int:
+    cuda = torch.backends.cuda
+    return ((FLASH if cuda.flash_sdp_enabled() else 0) | (EFFICIENT if cuda.mem_efficient_sdp_enabled() else 0)
+            | (_CUDNN if cuda.cudnn_sdp_enabled() else 0) | (_MATH if cuda.math_sdp_enabled() else 0))
 
 
 def sdpa_backends() -> int:
     """The CUDA kernels the ring may use (``FLASH | EFFICIENT`` bits), read from torch's SDPA backend switches
-    (``torch.nn.attention.sdpa_kernel``, ``torch.backends.cuda.enable_*_sdp``). Dynamo reads the switches as
-    constants: a compiled call uses the values at trace time. See Note [SDPA backend switches]."""
-    cuda = torch.backends.cuda
-    return (FLASH if cuda.flash_sdp_enabled() else 0) | (EFFICIENT if cuda.mem_efficient_sdp_enabled() else 0)
+    (``torch.nn.attention.sdpa_kernel``, ``torch.backends.cuda.enable_*_sdp``). Compiled, the switches as
+    the trace reads them. See Note [SDPA backend switches]."""
+    return _switches() & (FLASH | EFFICIENT)
 
 
 def _allowed(backends: int) -> int:
@@ -89,6 +96,43 @@ def _flash_fits(dtype: torch.dtype, head_dim: int) -> bool:
 
 def _use_flash(q: Tensor, mask: Tensor | None, backends: int = -1) -> bool:
     return bool(_allowed(backends) & FLASH) and mask is None and _flash_fits(q.dtype, q.shape[-1])
+
+
+def _names() -> str:
+    on = [n for n, bit in (("flash", FLASH), ("efficient", EFFICIENT), ("cudnn", _CUDNN), ("math", _MATH))
+          if _switches() & bit]
+    return ", ".join(on) or "none"
+
+
+def kernel_error(q: Tensor, v: Tensor, *, windowed: bool, backends: int = -1) -> str | None:
+    """Why the CUDA kernels torch's SDPA switches allow cannot serve a ring call of ``q``'s dtype and head
+    sizes (``windowed``: it has window bands, or masked rectangles of any band); None when they can, and on
+    the CPU. Depends only on shapes, dtypes, the switches and the device's flash build, so every rank of a
+    call says the same, before any collective. See Note [SDPA backend switches]."""
+    if backend(q) == "cpu":
+        return None
+    backends = _allowed(backends)
+    d = max(q.shape[-1], v.shape[-1])
+    flash = bool(backends & FLASH) and _flash_fits(q.dtype, d)
+    efficient = bool(backends & EFFICIENT)
+    fix = ("Allow one the ring runs, e.g. torch.nn.attention.sdpa_kernel([SDPBackend.FLASH_ATTENTION, "
+           "SDPBackend.EFFICIENT_ATTENTION]) or torch.backends.cuda.enable_mem_efficient_sdp(True)")
+    if not flash and not efficient:
+        why = ("flash is off" if not backends & FLASH else
+               f"flash takes fp16/bf16 with a head size <= 256 divisible by 8 (got {q.dtype}, head size {d})")
+        return (f"ring_attention on CUDA runs torch's flash or memory-efficient attention kernel; torch's SDPA "
+                f"backend switches allow {_names()} and {why}, so no kernel the ring has can run this call "
+                f"(it has no cudnn or math path). {fix}.")
+    if not windowed or not flash or efficient:
+        return None
+    # whether the flash build takes windows: probed once per device in eager; while tracing, the probe's answer
+    # if one was made, else assumed (torch's CUDA builds do; the kernels raise at the call otherwise)
+    takes = _FLASH_WINDOWS.get(q.device, True) if torch.compiler.is_compiling() else flash_windows(q, backends)
+    if not takes:
+        return ("ring_attention on CUDA: this call's window bands need flash with window sizes, which this torch "
+                "build's flash lacks, or the memory-efficient kernel, which torch's SDPA switches disable (allowed: "
+                f"{_names()}). {fix}, or drop window_size.")
+    return None
 
 
 def _need_efficient(backends: int) -> None:

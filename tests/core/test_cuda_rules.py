@@ -103,3 +103,143 @@ def test_documents_and_windows_under_flash_host_rules_match_float64(world, seeds
     for rank, (results, _) in enumerate(per_rank):
         for key, (err, bad) in results.items():
             assert bad == 0 and err <= 3e-2, (world, rank, key, err, bad)
+
+
+# ---------------------------------------------------------------------------------------------------
+# torch's SDPA backend switches choose the ring's CUDA kernel: Note [SDPA backend switches] in kernels.py.
+
+
+def _switch_cases(rank, world):
+    import contextlib
+
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from cp_dtensor.core.layout import shard_tensor
+
+    F, E, C, M = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                  SDPBackend.MATH)
+    s, hq, hkv, d = 16, 4, 2, 16
+    n = s * world
+    g = torch.Generator().manual_seed(3)
+    q, k, v, do = (torch.randn(1, h, n, d, generator=g, dtype=torch.float64) for h in (hq, hkv, hkv, hq))
+    ids = _packed_docs(1, n, median=5.0)[None]
+    window = (5, 0)
+
+    def shard(x, dim=2):
+        return shard_tensor(x, seq_dim=dim, layout="headtail", rank=rank, cp_size=world)
+
+    def run(switch, dtype, masked, *, standin=None, backward_outside=False):
+        """Forward (+ backward) under ``switch``; returns the stand-in's op names and the worst error vs float64."""
+        standin = standin or StrictCuda()
+        kw = dict(document_ids=shard(ids, 1), window_size=window) if masked else {}
+        want = masked_reference(q, k, v, do, is_causal=True, document_ids=ids if masked else None,
+                                window_size=window if masked else None)
+        ql, kl, vl = (shard(x).to(dtype).requires_grad_() for x in (q, k, v))
+        with as_cuda(standin):
+            with switch():
+                out = cp_dtensor.ring_attention(ql, kl, vl, layout="headtail", is_causal=True, **kw)
+                if not backward_outside:
+                    out.backward(shard(do).to(dtype))
+            if backward_outside:  # the backward runs the kernels the forward chose
+                out.backward(shard(do).to(dtype))
+        err = max(abs_rel_err(a, shard(b)) for a, b in zip((out, ql.grad, kl.grad, vl.grad), want[:4]))
+        return {name for name, _ in standin.dtypes}, standin.dtypes, err
+
+    def only(*backends):
+        return lambda: sdpa_kernel(list(backends))
+
+    flash_names = {"flash", "flash_bwd"}
+    varlen_names = {"flash_varlen", "flash_varlen_bwd"}
+    eff_names = {"efficient", "efficient_bwd"}
+    routes = [  # (switch, dtype, masked, the stand-in ops the ring must call)
+        (contextlib.nullcontext, torch.bfloat16, False, flash_names),
+        (only(F), torch.bfloat16, False, flash_names),
+        (only(E), torch.bfloat16, False, eff_names),
+        (only(F, C), torch.bfloat16, False, flash_names),
+        (only(E, C, M), torch.bfloat16, False, eff_names),
+        (only(F), torch.bfloat16, True, varlen_names),
+        (only(E), torch.bfloat16, True, eff_names),
+        (only(E), torch.float32, True, eff_names),
+        (contextlib.nullcontext, torch.float32, False, eff_names),
+    ]
+    for switch, dtype, masked, want in routes:
+        names, dtypes, err = run(switch, dtype, masked)
+        assert names == want, (switch, dtype, masked, names)
+        assert err <= (3e-2 if dtype == torch.bfloat16 else 2e-5), (switch, dtype, masked, err)
+        if masked and want == eff_names:  # window tiles with a bias: the efficient kernel in fp32 only
+            assert torch.float32 in {dt for _, dt in dtypes}, dtypes
+    # torch.backends.cuda.enable_flash_sdp(False): the same switch as sdpa_kernel's
+    was = torch.backends.cuda.flash_sdp_enabled()
+    torch.backends.cuda.enable_flash_sdp(False)
+    try:
+        names, _, _ = run(contextlib.nullcontext, torch.bfloat16, True)
+    finally:
+        torch.backends.cuda.enable_flash_sdp(was)
+    assert names == eff_names, names
+    # forward under sdpa_kernel(EFFICIENT), backward outside it: the forward's kernels
+    names, _, err = run(only(E), torch.bfloat16, False, backward_outside=True)
+    assert names == eff_names and err <= 3e-2, (names, err)
+    # refusals: a ValueError on every rank, raised by the agreement before any K/V moves
+    refused = [
+        (only(C), torch.bfloat16, False, None, "allow cudnn"),
+        (only(M), torch.bfloat16, True, None, "no cudnn or math path"),
+        (only(F), torch.float32, False, None, "flash takes fp16/bf16"),
+        (only(F), torch.bfloat16, True, StrictCuda(windows=False), "lacks"),
+    ]
+    for switch, dtype, masked, standin, match in refused:
+        with CommDebugMode() as cm, pytest.raises(ValueError, match=match):
+            run(switch, dtype, masked, standin=standin)
+        moved = {str(op).split(".")[-1]: c for op, c in cm.get_comm_counts().items()}
+        assert not moved.get("all_to_all_single"), moved  # only the agreement's gathers of host ints: no K/V moved
+
+
+def test_sdpa_backend_switches_route_the_rings_cuda_kernels():
+    """sdpa_kernel / enable_*_sdp choose the ring's CUDA kernel (stand-in calls counted): flash, efficient
+    (its masked calls in fp32 only), the forward's choice kept by the backward; a switch the ring cannot
+    follow (cudnn or math only, fp32 under flash only, windows on a flash build without them and efficient
+    off) raises a ValueError on every rank before any collective."""
+    run_ranks(2, _switch_cases)
+
+
+def _compiled_switch_cases(rank, world):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from cp_dtensor.core.layout import shard_tensor
+
+    s, n = 8, 8 * world
+    g = torch.Generator().manual_seed(4)
+    q, k, v, do = (torch.randn(1, h, n, 16, generator=g, dtype=torch.float64) for h in (4, 2, 2, 4))
+    want = masked_reference(q, k, v, do, is_causal=True)
+
+    def shard(x):
+        return shard_tensor(x, seq_dim=2, layout="striped", rank=rank, cp_size=world)
+
+    def f(q, k, v):
+        return cp_dtensor.ring_attention(q, k, v, layout="striped", is_causal=True)
+
+    names = {}
+    for label, backend in (("efficient", SDPBackend.EFFICIENT_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+        torch._dynamo.reset()
+        standin = StrictCuda()
+        ql, kl, vl = (shard(x).to(torch.bfloat16).requires_grad_() for x in (q, k, v))
+        with as_cuda(standin), sdpa_kernel([backend]):  # the switches as the trace reads them
+            out = torch.compile(f, backend="aot_eager", fullgraph=True)(ql, kl, vl)
+            out.backward(shard(do).to(torch.bfloat16))
+        err = max(abs_rel_err(a, shard(b)) for a, b in zip((out, ql.grad, kl.grad, vl.grad), want[:4]))
+        assert err <= 3e-2, (label, err)
+        names[label] = {name for name, _ in standin.dtypes}
+        assert s == out.shape[2]
+    assert names == {"efficient": {"efficient", "efficient_bwd"}, "flash": {"flash", "flash_bwd"}}, names
+    torch._dynamo.reset()
+    ql, kl, vl = (shard(x).to(torch.bfloat16) for x in (q, k, v))
+    with as_cuda(StrictCuda()), sdpa_kernel([SDPBackend.CUDNN_ATTENTION]), pytest.raises(ValueError, match="cudnn"):
+        torch.compile(f, backend="aot_eager", fullgraph=True)(ql, kl, vl)
+
+
+@slow("three compiles (aot_eager), ~45 s")
+def test_sdpa_backend_switches_under_torch_compile():
+    """Compiled (aot_eager, fullgraph): the switches at trace time choose the kernels of the forward and the
+    backward (Dynamo does not guard on them: a compiled function keeps its trace's choice); a switch the ring
+    cannot follow raises the eager ValueError on every rank."""
+    run_ranks(2, _compiled_switch_cases)
