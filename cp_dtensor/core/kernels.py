@@ -2,9 +2,10 @@
 
 Note [Kernel contracts]
 ~~~~~~~~~~~~~~~~~~~~~~~
-What each kernel accepts, read from its schema and PyTorch's kernel sources, and what the calls below
-guarantee (tests/core/test_cuda_paths.py runs the CUDA branches on CPU through strict stand-ins that
-assert exactly these contracts and compute by the textbook formula):
+What each kernel accepts, read from its schema and PyTorch's kernel sources (for flash: flash_api.cpp's
+mha_fwd / mha_varlen_fwd / mha_bwd / mha_varlen_bwd), and what the calls below guarantee. tests/_cuda.py's
+strict stand-ins assert exactly these contracts, apply the ops' host-side rules and compute by the textbook
+formula (tests/core/test_cuda_paths.py, tests/core/test_cuda_rules.py run the CUDA branches on CPU):
 
 * CPU ``_scaled_dot_product_flash_attention_for_cpu``: any strides; native GQA (Hq % Hkv == 0); an
   additive ``attn_mask`` in q's dtype; top-left causal alignment; lse [B, H, Sq] fp32 (sequence-major
@@ -12,24 +13,66 @@ assert exactly these contracts and compute by the textbook formula):
 * CUDA flash (fp16/bf16, D <= 256, D % 8 == 0), no mask: native GQA -- K/V are passed with their Hkv
   heads, never expanded; last dim contiguous; ``is_causal`` only on square rectangles (flash aligns a
   non-square causal mask bottom-right, the CPU kernel top-left; the ring's causal rectangles are all
-  square). The backward reads the lse through a raw pointer as a dense [B, Hq, Sq] fp32 array: it gets
-  a contiguous copy of exactly that (a slice of the ring's lse is not). Dense calls pass no cumulative
-  sequence lengths (None, as the forward returns them) and, without dropout, no philox state.
-* CUDA memory-efficient (fp32, or any call with a mask): no GQA, so it runs once per KV head on that
-  head's group of Hq / Hkv query heads with the one K/V head copied g times (a group's copy, not the
-  whole block's: 1 / Hkv of an expanded block); an additive ``attn_bias`` [B, H, Sq, Sk] whose rows
-  start on 16-element boundaries; lse padded to a multiple of 32, which the backward wants back padded
-  and contiguous.
+  square; a one-row forward drops ``is_causal``, the same on a 1 x 1 square). No window. The backward
+  reads the lse through a raw pointer as a dense [B, Hq, Sq] fp32 array: it gets a contiguous copy of
+  exactly that (a slice of the ring's lse is not). Dense calls pass no cumulative sequence lengths (None,
+  as the forward returns them) and, without dropout, no philox state.
+* CUDA memory-efficient (fp32, or any call flash cannot take or the switches route here): no GQA, so it
+  runs once per KV head on that head's group of Hq / Hkv query heads with the one K/V head copied g times
+  (a group's copy, not the whole block's: 1 / Hkv of an expanded block); ``is_causal`` top-left, on
+  squares only; lse padded to a multiple of 32, which the backward wants back padded and contiguous. With
+  a mask (an additive ``attn_bias`` [B, H, Sq, Sk] whose rows start on 16-element boundaries, every row
+  keeping a key) it runs in **fp32 only**: fp16/bf16 inputs are cast up, out cast back, lse fp32 -- on
+  the H200 bf16 with a mask crashed (illegal memory access) or returned NaN while fp32 through the same
+  kernel was exact (issue 53); only window tiles on a flash build without windows, or the
+  efficient-only switch, take this branch, a window band's worth of rows at a time.
+  tests/core/test_cuda_rules.py has the GPU check that would lift the rule.
 * CUDA flash, variable length (``_flash_attention_forward`` / ``_backward`` with cumulative
   sequence lengths): many sequences packed along one token dim, q [Tq, Hq, D], k and v [Tk, Hkv, D]
   (last dim contiguous), ``cu_seqlens`` int32 on the device, [0, ..., T]; native GQA; ``is_causal``
   only where every packed sequence is square (the ring's are); lse [Hq, Tq] fp32, which the backward
-  wants contiguous in that layout; no dropout, so no rng state. A window ``(left, right)`` keeps, for
-  row r of a sequence of Lq rows and Lk keys, the keys r + Lk - Lq - left .. r + Lk - Lq + right (-1:
-  unbounded; flash-attn's bottom-right alignment), every row keeping at least one; whether the build
-  takes windows is probed once per device (:func:`flash_windows`). See Note [Varlen rectangles] in
-  ops.py.
+  wants contiguous in that layout; no dropout, so no rng state; ``max_seqlen_q`` the longest query run
+  (it sizes the grid). A window ``(left, right)`` keeps, for row r of a sequence of Lq rows and Lk keys,
+  the keys r + Lk - Lq - left .. r + Lk - Lq + right (bottom-right alignment) -- but only after the host
+  code rewrote it: a side >= ``max_seqlen_k`` becomes -1, then a one-sided -1 becomes ``max_seqlen_k``.
+  With ``max_seqlen_k`` the longest *key* run, a rectangle with more than max_seqlen_k + 1 rows (a
+  document that cuts the key segment short while the query segment stays long: documents + window)
+  silently lost its first rows' latest keys, and rows left with none came back empty (issue 53). So a
+  windowed call passes ``max_seqlen_k`` >= every sequence's rows and keys (``max(max_q, max_k)``, a bound
+  the kernel takes: it reads each sequence's own length from ``cu_seqlens``); the window is then applied
+  exactly as given, -1 unbounded. Whether the build takes windows is probed once per device
+  (:func:`flash_windows`). See Note [Varlen rectangles] in varlen.py.
+* Empty rows: flash returns a row with no key as out 0 and lse **+inf** (its softmax's convention); the
+  ring's is lse -inf (a merge weight of 0; ``add_sinks`` keeps out 0). Every lse a CUDA kernel returns is
+  read through :func:`_empty_rows` (+inf -> -inf) before any merge or sink, and every lse handed to a CUDA
+  backward through :func:`_kernel_lse` (-inf -> +inf: P = exp(s - lse) = 0, no gradient), so an empty
+  row can never turn into weight 1 or NaN, whichever kernel produced it. The calls above leave no row
+  empty (masks.band_rects trims rows without keys), so this is the second line of defence.
+* cudnn and math: never called; the switches can only forbid them (Note [SDPA backend switches]).
 * float64 has no fused CUDA kernel: ``checks.py`` refuses it on CUDA before the ring.
+* Decoding from a sharded cache (decode.py) calls no fused kernel: its masked matmuls run in fp32 with
+  its own empty-row rule (lse -inf, out 0), so none of the above applies there.
+
+Note [SDPA backend switches]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+torch's SDPA switches -- ``torch.nn.attention.sdpa_kernel([...])``, ``torch.backends.cuda.enable_flash_sdp``,
+``enable_mem_efficient_sdp``, ``enable_cudnn_sdp``, ``enable_math_sdp`` -- choose the ring's CUDA kernels
+as they choose SDPA's, so a user can route around a kernel problem. The ring has two: flash (dense and
+variable length) and memory-efficient. ``sdpa_backends()`` reads the switches once per call, when the
+call's mask plan is made (``blocks.Mask``); the plan carries the bits into every block op (a trailing
+``backends`` argument of the ``cp_dtensor::`` ops; -1, their default, reads the switches at the op), and
+the autograd context keeps them, so the backward runs the kernels the forward chose even outside the
+``sdpa_kernel`` block. Flash runs what it can take (fp16/bf16, head size <= 256 and % 8) when allowed;
+everything else runs memory-efficient. Before any K/V moves, :func:`kernel_error` (from ``local_error``
+in checks.py and the document exchange's checks) refuses a call the allowed kernels cannot serve -- only
+cudnn and/or math allowed, fp32 or an odd head size with only flash allowed, or windows with only flash
+allowed on a flash build without windows -- with a ValueError on every rank: the decision depends only on
+shapes, dtype, the switches and the device's flash build, and the agreement raises it everywhere. Never
+a silent fallback. Compiled (``torch.compile``), Dynamo reads the switches while tracing
+(``torch.compiler.assume_constant_result``) and does not guard on them: a compiled function keeps the
+kernels of its trace; change the switches before the first compiled call, or ``torch._dynamo.reset()``.
+The DTensor SDPA rule (dtensor/sdpa.py) builds the backward's plan when the backward runs, so there the
+backward reads the switches again. The switches have no say on the CPU (one kernel).
 
 Note [Value head size]
 ~~~~~~~~~~~~~~~~~~~~~~

@@ -142,7 +142,8 @@ class _Masks:
 # causal squares (square, so the kernel's bottom-right causal alignment is the ring's), and, where the
 # flash build takes window sizes (kernels.flash_windows), each window band as one rectangle instead of
 # tiles, one call per distinct (left, right) the bands need (the band read with flash's bottom-right
-# alignment; usually one or two per step). Launches per step then no longer grow with the number of
+# alignment, and a max_seqlen_k that keeps it as given: Note [Kernel contracts] in kernels.py; usually
+# one or two per step). Launches per step then no longer grow with the number of
 # documents or the block length. The packed q, k, v (and out, dout, lse in the backward) are gathered
 # copies, one block's worth. Without window support, window tiles keep their own calls (memory-efficient
 # kernel with a bias). The CPU kernel has no variable-length form: one call per rectangle there (see

@@ -243,3 +243,71 @@ def test_sdpa_backend_switches_under_torch_compile():
     backward (Dynamo does not guard on them: a compiled function keeps its trace's choice); a switch the ring
     cannot follow raises the eager ValueError on every rank."""
     run_ranks(2, _compiled_switch_cases)
+
+
+# ---------------------------------------------------------------------------------------------------
+# On a GPU: the real ops against the rules above (the stand-ins' source of truth) and the branch the ring
+# keeps off (bf16 efficient with a mask). Skipped without CUDA.
+
+_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@_CUDA
+def test_real_flash_varlen_follows_the_emulated_host_rules():
+    """torch's flash varlen op on tall and wide rectangles, windows one- and two-sided, max_seqlen_k as given
+    and raised: out and lse equal the stand-in's emulation (tests/_cuda.py), empty rows included."""
+    from _cuda import attend
+
+    g = torch.Generator().manual_seed(0)
+    for lq, lk, window, max_k in ((10, 3, (2, -1), 3), (10, 3, (2, -1), 10), (6, 6, (2, 0), 6), (9, 4, (1, 5), 4),
+                                  (9, 4, (1, 5), 9), (5, 12, (-1, 3), 12)):
+        q, k, v = (torch.randn(n, 2, 16, generator=g).to("cuda", torch.bfloat16) for n in (lq, lk, lk))
+        cu_q = torch.tensor([0, lq], dtype=torch.int32, device="cuda")
+        cu_k = torch.tensor([0, lk], dtype=torch.int32, device="cuda")
+        out, lse = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, lq, max_k, 0.0, False, False,
+                                                           scale=0.25, window_size_left=window[0],
+                                                           window_size_right=window[1])[:2]
+        keep = keep_mask(lq, lk, flash_window(*window, False, lq, max_k, forward=True))
+        bias = torch.zeros(lq, lk, dtype=torch.float64).masked_fill(~keep, float("-inf"))
+        o, lse_ref = attend(*(x.cpu().transpose(0, 1)[None] for x in (q, k, v)), 0.25, False, bias)
+        assert torch.equal(torch.isposinf(lse.cpu()), torch.isposinf(lse_ref[0])), (lq, lk, window, max_k)
+        fin = torch.isfinite(lse_ref[0])
+        assert torch.allclose(lse.cpu()[fin], lse_ref[0][fin], atol=2e-2), (lq, lk, window, max_k)
+        assert abs_rel_err(out.cpu().transpose(0, 1)[None].float(), o) <= 2e-2, (lq, lk, window, max_k)
+
+
+@_CUDA
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_real_efficient_with_a_mask_in_half_precision(dtype):
+    """The memory-efficient kernel with an additive mask (a document + window band, a fully masked row) in
+    bf16 / fp16, forward + backward, against float64: the branch the ring runs in fp32 only (issue 53: an
+    illegal memory access and NaN on the H200). Passing here on a device is what would lift that rule."""
+    b, h, sq, sk, d, scale = 1, 2, 40, 48, 64, 0.125
+    g = torch.Generator().manual_seed(1)
+    q, do = (torch.randn(b, h, sq, d, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(b, h, sk, d, generator=g, dtype=torch.float64) for _ in range(2))
+    keep = keep_mask(sq, sk, (7, 0)) & (torch.arange(sk)[None, :] >= 5)
+    keep[3] = False  # a row with no key: its output 0, no gradient
+    mask = torch.zeros(sq, sk, dtype=torch.float64).masked_fill(~keep, float("-inf"))
+    rows = keep.any(1)
+    # float64 reference over the rows that keep a key
+    qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
+    ref = torch.softmax((qr[..., rows, :] @ kr.transpose(-1, -2)) * scale + mask[rows], -1) @ vr
+    ref.backward(do[..., rows, :])
+    want_out = torch.zeros(b, h, sq, d, dtype=torch.float64)
+    want_out[..., rows, :] = ref.detach()
+    # the kernel: attn_bias [B, H, Sq, Sk] with rows on 16-element boundaries, as kernels.py passes it
+    padded = torch.zeros(sq, sk + (-sk) % 16, dtype=dtype, device="cuda")
+    padded[:, :sk] = mask.to(dtype)
+    bias = padded[:, :sk].expand(b, h, sq, sk)
+    xs = [x.to("cuda", dtype) for x in (q, k, v)]
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(*xs, bias, True, 0.0, False, scale=scale)[:2]
+    empty = torch.empty(0, dtype=torch.int64, device="cuda")
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        do.to("cuda", dtype), *xs, bias, out, lse.contiguous(), empty, empty, 0.0, [True, True, True, False], False,
+        scale=scale)
+    for name, a, w in (("out", out[..., rows.cuda(), :], want_out[..., rows, :]), ("dq", dq, qr.grad),
+                       ("dk", dk, kr.grad), ("dv", dv, vr.grad)):
+        assert torch.isfinite(a.float()).all(), f"non-finite {name}"
+        assert abs_rel_err(a.cpu().float(), w) <= 3e-2, name
+    assert torch.isfinite(out.float()).all(), "non-finite output in the row with no key"
