@@ -64,6 +64,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .kernels import sdpa_backends
 from .layout import step_block
 from .masks import flat_runs, has_pairs, mask_bounds, runs, steps_needed
 from .ops import (
@@ -97,6 +98,8 @@ class Mask:
         self.steps = steps_needed(layout, world, s_local, self.lo, self.hi, ulysses) if self.active else world
 
         self._args: dict[tuple[int, int], tuple] = {}  # (rank, src) -> the op's arguments, derived once
+        # the CUDA kernels allowed, read once per call (compiled: at trace time): Note [SDPA backend switches]
+        self.backends = sdpa_backends()
 
     @classmethod
     def of(cls, spec: RingSpec, s_local: int, ids: Tensor | None = None) -> Mask:
@@ -139,14 +142,14 @@ def step_forward(
     when None (step 0, the local block, which covers every row). Returns (out, lse)."""
     if mask.active:  # See Note [Masks in the ring]
         if out is None:  # step 0: every query keeps at least itself, so this covers every row
-            return masked_block_attn(q, kb, vb, *mask.args(rank, src), scale)
+            return masked_block_attn(q, kb, vb, *mask.args(rank, src), scale, mask.backends)
         if mask.keeps(rank, src):
-            masked_block_attn_merge_(out, lse, q, kb, vb, *mask.args(rank, src), scale)
+            masked_block_attn_merge_(out, lse, q, kb, vb, *mask.args(rank, src), scale, mask.backends)
         return out, lse
     blk = step_block(mask.layout, rank=rank, src=src, world=mask.world, s_local=mask.s_local, is_causal=mask.causal)
     if blk is not None:
         q_rows, kv_rows = (slice(None), slice(None), blk.q_rows), (slice(None), slice(None), blk.kv_rows)
-        out_b, lse_b = block_attn(q[q_rows], kb[kv_rows], vb[kv_rows], blk.causal, scale)
+        out_b, lse_b = block_attn(q[q_rows], kb[kv_rows], vb[kv_rows], blk.causal, scale, mask.backends)
         if out is None:  # step 0: the diagonal block covers every row
             acc_dtype = torch.promote_types(q.dtype, torch.float32)
             return out_b.to(acc_dtype), lse_b.to(acc_dtype)
@@ -182,7 +185,7 @@ def _rows(rows: slice, n) -> tuple:
 
 def _block_backward_(
     dq: Tensor | None, dkv: Tensor, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-    blk, scale: float, acc_dtype: torch.dtype,
+    blk, scale: float, acc_dtype: torch.dtype, backends: int = -1,
 ) -> Tensor:
     """One ring step's backward: adds the block's dq into ``dq`` (allocated when None: step 0, whose
     diagonal block covers every row) and writes its dk, dv into ``dkv`` (flat, [dk | dv] shaped like k
@@ -192,7 +195,8 @@ def _block_backward_(
         dq = q.new_empty(q.shape, dtype=acc_dtype)
     s = q.shape[2]
     block_attn_backward_into_(
-        dq, dkv, dout, q, k, v, out, lse, *_rows(blk.q_rows, s), *_rows(blk.kv_rows, s), blk.causal, scale, not first
+        dq, dkv, dout, q, k, v, out, lse, *_rows(blk.q_rows, s), *_rows(blk.kv_rows, s), blk.causal, scale, not first,
+        backends,
     )
     return dq
 
@@ -209,7 +213,8 @@ def step_backward(
     mine = None
     if mask.active:  # See Note [Masks in the ring]
         if dq is None or mask.keeps(rank, src):
-            dq_b, mine = masked_block_attn_backward(dout, q, kb, vb, out, lse, *mask.args(rank, src), scale)
+            dq_b, mine = masked_block_attn_backward(dout, q, kb, vb, out, lse, *mask.args(rank, src), scale,
+                                                    mask.backends)
             dq = dq_b if dq is None else dq.add_(dq_b)
         return dq, mine
     blk = step_block(mask.layout, rank=rank, src=src, world=mask.world, s_local=mask.s_local, is_causal=mask.causal)
@@ -217,6 +222,6 @@ def step_backward(
         # allocated from q, not the received block: no data edge from the transfer (compiled schedules)
         alloc = q.new_zeros if blk.kv_rows != slice(None) else q.new_empty
         mine = alloc(kb.numel() + vb.numel(), dtype=acc_dtype if dq is None else kb.dtype)
-        dq = _block_backward_(dq, mine, dout, q, kb, vb, out, lse, blk, scale, acc_dtype)
+        dq = _block_backward_(dq, mine, dout, q, kb, vb, out, lse, blk, scale, acc_dtype, mask.backends)
     return dq, mine
 

@@ -62,6 +62,7 @@ from .._extras import installed, require
 from .agreement import Rules
 from .agreement import agree as agree_fingerprints
 from .comm import gather_ids, group_size, host_group
+from .kernels import kernel_error
 from .layout import LAYOUTS, in_global_order, layout_unit
 from .spec import RingSpec
 from .wire import FINGERPRINT_INTS, KV_EXCHANGES
@@ -165,7 +166,9 @@ def local_error(
             f"ring_attention on a 2-D mesh (U, R) = ({ulysses}, ..) splits the q heads over U: Hq ({hq}) must be "
             f"divisible by U ({ulysses}). Use a mesh whose first dim divides Hq, or a 1-D mesh."
         )
-    return _mask_error(q, document_ids, window_size, sinks)
+    # the kernels torch's SDPA switches allow (CUDA): Note [SDPA backend switches] in kernels.py
+    return _mask_error(q, document_ids, window_size, sinks) or kernel_error(
+        q, v, windowed=window_size is not None or ulysses > 1)
 
 
 def _mask_error(q, document_ids, window_size, sinks) -> str | None:

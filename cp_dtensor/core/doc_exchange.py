@@ -41,6 +41,7 @@ from .agreement import agree_on_call
 from .checks import COMM_DTYPES
 from .doc_blocks import doc_attention, doc_blocks
 from .documents import DocumentLayout
+from .kernels import kernel_error
 from .masks import mask_bounds
 from .ulysses import gather_heads, kv_replicas, scatter_heads
 
@@ -168,7 +169,7 @@ def agree_call(lay: DocumentLayout, q, k, v, groups, *, rank: int, world: int, e
     any K/V moves, when one rank's checks failed (``error``: its option or door error, or None) or the ranks'
     layout keys, masks, payloads or shapes differ. Eager here; compiled inside ``cp_dtensor::doc_attn``."""
     err = error or call_error(lay, q, k, v, rank=rank, world=world, document_ids=document_ids, sinks=sinks,
-                              ulysses=ulysses)
+                              ulysses=ulysses) or kernel_error(q, v, windowed=window is not None)
     shapes = [int(x) for t in (q, k, v) for x in (tuple(t.shape) if isinstance(t, Tensor) else ())]
     left, right = window if err is None and window is not None else (-1, -1)
     fingerprint = {"layout key": lay.key, "is_causal": int(bool(is_causal)), "left": left, "right": right,

@@ -39,14 +39,17 @@ def _empty_seq_major(like: Tensor) -> Tensor:
 
 
 @torch.library.custom_op("cp_dtensor::block_attn", mutates_args=())
-def block_attn(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-    out, lse = kernel_fwd(q, k, v, is_causal, scale)
+def block_attn(
+    q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float, backends: int = -1,
+) -> tuple[Tensor, Tensor]:
+    """``backends``: the CUDA kernels allowed (kernels.sdpa_backends(), -1: read at the call); CPU: one kernel."""
+    out, lse = kernel_fwd(q, k, v, is_causal, scale, None, backends)
     # The kernels return [B, S, H, ...]-major strides; the op promises contiguous results.
     return out.contiguous(), lse.contiguous()
 
 
 @block_attn.register_fake
-def _(q, k, v, is_causal, scale):
+def _(q, k, v, is_causal, scale, backends=-1):
     # new_empty, not empty_like: the results are contiguous whatever q's strides (empty_like keeps them)
     out = q.new_empty((*q.shape[:3], v.shape[3]))
     return out, q.new_empty(q.shape[:3], dtype=torch.promote_types(q.dtype, torch.float32))
@@ -54,31 +57,32 @@ def _(q, k, v, is_causal, scale):
 
 @torch.library.custom_op("cp_dtensor::block_attn_backward", mutates_args=())
 def block_attn_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, is_causal: bool, scale: float
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, is_causal: bool, scale: float,
+    backends: int = -1,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of one block given the *final* out and lse of the rows (not the block's own): the
     kernel's D = rowsum(dout * out) and P = exp(s - lse) are then those of the full attention, so the
     block's dq, dk, dv are exactly its share of the full gradients."""
-    grads = kernel_bwd(dout, q, k, v, out, lse, is_causal, scale)
+    grads = kernel_bwd(dout, q, k, v, out, lse, is_causal, scale, None, backends)
     return tuple(_seq_major(g) for g in grads)  # on CPU already sequence-major: no copy
 
 
 @block_attn_backward.register_fake
-def _(dout, q, k, v, out, lse, is_causal, scale):
+def _(dout, q, k, v, out, lse, is_causal, scale, backends=-1):
     return _empty_seq_major(q), _empty_seq_major(k), _empty_seq_major(v)  # sequence-major, as the kernel's
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, is_causal, scale = inputs
+    q, k, v, is_causal, scale, *backends = inputs
     ctx.save_for_backward(q, k, v, *output)
-    ctx.is_causal, ctx.scale = is_causal, scale
+    ctx.is_causal, ctx.scale, ctx.backends = is_causal, scale, backends[0] if backends else -1
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
     # lse is an output for the ring's merge, not a differentiable result.
-    dq, dk, dv = block_attn_backward(dout.contiguous(), q, k, v, out, lse, ctx.is_causal, ctx.scale)
-    return dq, dk, dv, None, None
+    dq, dk, dv = block_attn_backward(dout.contiguous(), q, k, v, out, lse, ctx.is_causal, ctx.scale, ctx.backends)
+    return dq, dk, dv, None, None, None
 
 
 block_attn.register_autograd(_backward, setup_context=_setup_context)
@@ -99,7 +103,7 @@ def head_chunks(q: Tensor, k: Tensor) -> list[tuple[slice, slice]]:
 @torch.library.custom_op("cp_dtensor::block_attn_backward_into_", mutates_args=("dq", "dkv"))
 def block_attn_backward_into_(
     dq: Tensor, dkv: Tensor, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-    q0: int, q1: int, k0: int, k1: int, is_causal: bool, scale: float, add: bool,
+    q0: int, q1: int, k0: int, k1: int, is_causal: bool, scale: float, add: bool, backends: int = -1,
 ) -> None:
     """One ring step's backward, written into the ring's buffers: rows [q0, q1) of q against rows
     [k0, k1) of k and v. Adds the block's dq into ``dq`` rows (sets them when ``add`` is False) and
@@ -109,7 +113,7 @@ def block_attn_backward_into_(
     dk_out, dv_out = dkv[: k.numel()].view(k.shape), dkv[k.numel() :].view(v.shape)
     for hq, hkv in head_chunks(q, k):
         qi, ki = (slice(None), hq, slice(q0, q1)), (slice(None), hkv, slice(k0, k1))
-        dq_c, dk_c, dv_c = kernel_bwd(dout[qi], q[qi], k[ki], v[ki], out[qi], lse[qi], is_causal, scale)
+        dq_c, dk_c, dv_c = kernel_bwd(dout[qi], q[qi], k[ki], v[ki], out[qi], lse[qi], is_causal, scale, None, backends)
         if add:
             dq[qi] += dq_c
         else:
@@ -120,7 +124,7 @@ def block_attn_backward_into_(
 
 
 @block_attn_backward_into_.register_fake
-def _(dq, dkv, dout, q, k, v, out, lse, q0, q1, k0, k1, is_causal, scale, add):
+def _(dq, dkv, dout, q, k, v, out, lse, q0, q1, k0, k1, is_causal, scale, add, backends=-1):
     return None
 
 
@@ -139,7 +143,7 @@ def merge_(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
 @torch.library.custom_op("cp_dtensor::masked_block_attn", mutates_args=())
 def masked_block_attn(
     q: Tensor, k: Tensor, v: Tensor, q_ids: Tensor | None, k_ids: Tensor | None,
-    q_runs: list[int], k_runs: list[int], lo: int | None, hi: int | None, scale: float,
+    q_runs: list[int], k_runs: list[int], lo: int | None, hi: int | None, scale: float, backends: int = -1,
 ) -> tuple[Tensor, Tensor]:
     """One ring step under a mask: q [B, Hq, Sq, Dqk] against k [B, Hkv, Sk, Dqk], v [B, Hkv, Sk, Dv],
     keeping the pairs of the same document (ids [B, S] or None) with lo <= pos_k - pos_q <= hi, the
@@ -150,9 +154,9 @@ def masked_block_attn(
     out = q.new_empty((*q.shape[:3], v.shape[3]), dtype=acc)
     lse = q.new_empty(q.shape[:3], dtype=acc)
     masks = _Masks(q.dtype, q.device)
-    for b, rects in _batch_rects(q_ids, k_ids, q_runs, k_runs, lo, hi, q):
+    for b, rects in _batch_rects(q_ids, k_ids, q_runs, k_runs, lo, hi, q, backends):
         fresh = _Fresh()
-        for r, out_r, lse_r in _forward_pieces(q, k, v, b, rects, scale, masks):
+        for r, out_r, lse_r in _forward_pieces(q, k, v, b, rects, scale, masks, backends):
             qs = (b, slice(None), slice(r.q0, r.q1))
             whole, new = fresh(r.q0, r.q1)
             if whole:
@@ -168,7 +172,7 @@ def masked_block_attn(
 
 
 @masked_block_attn.register_fake
-def _(q, k, v, q_ids, k_ids, q_runs, k_runs, lo, hi, scale):
+def _(q, k, v, q_ids, k_ids, q_runs, k_runs, lo, hi, scale, backends=-1):
     acc = torch.promote_types(q.dtype, torch.float32)
     return q.new_empty((*q.shape[:3], v.shape[3]), dtype=acc), q.new_empty(q.shape[:3], dtype=acc)
 
@@ -176,20 +180,20 @@ def _(q, k, v, q_ids, k_ids, q_runs, k_runs, lo, hi, scale):
 @torch.library.custom_op("cp_dtensor::masked_block_attn_merge_", mutates_args=("out", "lse"))
 def masked_block_attn_merge_(
     out: Tensor, lse: Tensor, q: Tensor, k: Tensor, v: Tensor, q_ids: Tensor | None, k_ids: Tensor | None,
-    q_runs: list[int], k_runs: list[int], lo: int | None, hi: int | None, scale: float,
+    q_runs: list[int], k_runs: list[int], lo: int | None, hi: int | None, scale: float, backends: int = -1,
 ) -> None:
     """:func:`masked_block_attn`, merged straight into the ring's accumulators ``out`` [B, Hq, Sq, Dv]
     and ``lse`` [B, Hq, Sq] (fp32): only the rows a rectangle keeps are touched, and no block-sized
     result is allocated. See Note [Online softmax merge] in blocks.py."""
     masks = _Masks(q.dtype, q.device)
-    for b, rects in _batch_rects(q_ids, k_ids, q_runs, k_runs, lo, hi, q):
-        for r, out_r, lse_r in _forward_pieces(q, k, v, b, rects, scale, masks):
+    for b, rects in _batch_rects(q_ids, k_ids, q_runs, k_runs, lo, hi, q, backends):
+        for r, out_r, lse_r in _forward_pieces(q, k, v, b, rects, scale, masks, backends):
             qs = (b, slice(None), slice(r.q0, r.q1))
             merge_(out[qs], lse[qs], out_r, lse_r)
 
 
 @masked_block_attn_merge_.register_fake
-def _(out, lse, q, k, v, q_ids, k_ids, q_runs, k_runs, lo, hi, scale):
+def _(out, lse, q, k, v, q_ids, k_ids, q_runs, k_runs, lo, hi, scale, backends=-1):
     return None
 
 
@@ -197,6 +201,7 @@ def _(out, lse, q, k, v, q_ids, k_ids, q_runs, k_runs, lo, hi, scale):
 def masked_block_attn_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_ids: Tensor | None,
     k_ids: Tensor | None, q_runs: list[int], k_runs: list[int], lo: int | None, hi: int | None, scale: float,
+    backends: int = -1,
 ) -> tuple[Tensor, Tensor]:
     """The block's dq and [dk | dv] (one flat buffer, the ring's accumulator layout; fp32, fp64 for fp64
     inputs) given the rows' *final* out and lse, as :func:`block_attn_backward`; zeros where the mask
@@ -206,9 +211,9 @@ def masked_block_attn_backward(
     dkv = k.new_empty(k.numel() + v.numel(), dtype=acc)
     dk, dv = dkv[: k.numel()].view(k.shape), dkv[k.numel() :].view(v.shape)
     masks = _Masks(q.dtype, q.device)
-    for b, rects in _batch_rects(q_ids, k_ids, q_runs, k_runs, lo, hi, q):
+    for b, rects in _batch_rects(q_ids, k_ids, q_runs, k_runs, lo, hi, q, backends):
         fresh_q, fresh_k = _Fresh(), _Fresh()
-        for r, g in _backward_pieces(dout, q, k, v, out, lse, b, rects, scale, masks):
+        for r, g in _backward_pieces(dout, q, k, v, out, lse, b, rects, scale, masks, backends):
             qs, ks = (b, slice(None), slice(r.q0, r.q1)), (b, slice(None), slice(r.k0, r.k1))
             whole, new = fresh_q(r.q0, r.q1)
             if whole:
@@ -234,7 +239,7 @@ def masked_block_attn_backward(
 
 
 @masked_block_attn_backward.register_fake
-def _(dout, q, k, v, out, lse, q_ids, k_ids, q_runs, k_runs, lo, hi, scale):
+def _(dout, q, k, v, out, lse, q_ids, k_ids, q_runs, k_runs, lo, hi, scale, backends=-1):
     acc = torch.promote_types(q.dtype, torch.float32)
     return q.new_empty(q.shape, dtype=acc), k.new_empty(k.numel() + v.numel(), dtype=acc)
 
@@ -249,7 +254,7 @@ def _masked_backward(ctx, dout, dlse):
     q, k, v, out, lse, q_ids, k_ids = ctx.saved_tensors
     dq, dkv = masked_block_attn_backward(dout.contiguous(), q, k, v, out.to(q.dtype), lse, q_ids, k_ids, *ctx.static)
     dk, dv = dkv[: k.numel()].view(k.shape), dkv[k.numel() :].view(v.shape)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *([None] * (len(ctx.static) + 2))
 
 
 masked_block_attn.register_autograd(_masked_backward, setup_context=_masked_setup_context)

@@ -60,13 +60,13 @@ def _segments(ids: Tensor) -> tuple[tuple[int, int, int], ...]:
     return tuple((s, e, d) for s, e, d in zip(starts, starts[1:] + [n], values))
 
 
-def _batch_rects(q_ids, k_ids, q_runs: list[int], k_runs: list[int], lo, hi, q: Tensor):
+def _batch_rects(q_ids, k_ids, q_runs: list[int], k_runs: list[int], lo, hi, q: Tensor, backends: int = -1):
     """[(batch slice, rectangles)]: one entry for the whole batch when every row has the same ids."""
     from .masks import block_rects, unflat_runs
 
     qr, kr = unflat_runs(q_runs), unflat_runs(k_runs)
     strip = kernels.causal_strip(q.device)
-    tile = -1 if lo is not None and kernels.flash_windows(q) else 0  # one rectangle per window band
+    tile = -1 if lo is not None and kernels.flash_windows(q, backends) else 0  # one rectangle per window band
     if q_ids is None:
         return [(slice(None), block_rects(qr, kr, lo, hi, tile=tile, strip=strip))]
     same = q_ids.shape[0] == 1 or bool((q_ids == q_ids[:1]).all() and (k_ids == k_ids[:1]).all())
@@ -142,7 +142,8 @@ class _Masks:
 # causal squares (square, so the kernel's bottom-right causal alignment is the ring's), and, where the
 # flash build takes window sizes (kernels.flash_windows), each window band as one rectangle instead of
 # tiles, one call per distinct (left, right) the bands need (the band read with flash's bottom-right
-# alignment; usually one or two per step). Launches per step then no longer grow with the number of
+# alignment, and a max_seqlen_k that keeps it as given: Note [Kernel contracts] in kernels.py; usually
+# one or two per step). Launches per step then no longer grow with the number of
 # documents or the block length. The packed q, k, v (and out, dout, lse in the backward) are gathered
 # copies, one block's worth. Without window support, window tiles keep their own calls (memory-efficient
 # kernel with a bias). The CPU kernel has no variable-length form: one call per rectangle there (see
@@ -210,12 +211,12 @@ def _flash_window(r) -> tuple[int, int]:
     return left, right
 
 
-def _packed(q: Tensor, rects: list) -> tuple[list, dict[tuple, list]]:
+def _packed(q: Tensor, rects: list, backends: int) -> tuple[list, dict[tuple, list]]:
     """(rectangles called one by one, {(kind, window): rectangles packed into one call}): Note [Varlen
     rectangles]."""
-    if not kernels.varlen(q):
+    if not kernels.varlen(q, backends):
         return rects, {}
-    windows = kernels.flash_windows(q)
+    windows = kernels.flash_windows(q, backends)
     groups: dict[tuple, list] = {}
     alone = []
     for r in rects:
@@ -228,12 +229,12 @@ def _packed(q: Tensor, rects: list) -> tuple[list, dict[tuple, list]]:
     return alone, groups
 
 
-def _forward_pieces(q: Tensor, k: Tensor, v: Tensor, b: slice, rects: list, scale: float, masks):
+def _forward_pieces(q: Tensor, k: Tensor, v: Tensor, b: slice, rects: list, scale: float, masks, backends: int = -1):
     """(rectangle, out_r, lse_r) of every rectangle of batch rows ``b``, in no particular order."""
-    alone, groups = _packed(q, rects)
+    alone, groups = _packed(q, rects, backends)
     for r in alone:
         qs, ks = (b, slice(None), slice(r.q0, r.q1)), (b, slice(None), slice(r.k0, r.k1))
-        yield r, *kernel_fwd(q[qs], k[ks], v[ks], r.kind == "causal", scale, masks(r))
+        yield r, *kernel_fwd(q[qs], k[ks], v[ks], r.kind == "causal", scale, masks(r), backends)
     for (kind, window), rs in groups.items():
         pack = _Pack(rs, range(q.shape[0])[b], q.device)
         out, lse = kernel_fwd_varlen(
@@ -243,14 +244,14 @@ def _forward_pieces(q: Tensor, k: Tensor, v: Tensor, b: slice, rects: list, scal
         yield from zip(rs, pack.split(out), pack.split_lse(lse))
 
 
-def _backward_pieces(dout, q, k, v, out, lse, b: slice, rects: list, scale: float, masks):
+def _backward_pieces(dout, q, k, v, out, lse, b: slice, rects: list, scale: float, masks, backends: int = -1):
     """(rectangle, (dq_r, dk_r, dv_r)) of every rectangle of batch rows ``b``, given the rows' final out
     and lse, in no particular order."""
-    alone, groups = _packed(q, rects)
+    alone, groups = _packed(q, rects, backends)
     for r in alone:
         qs, ks = (b, slice(None), slice(r.q0, r.q1)), (b, slice(None), slice(r.k0, r.k1))
         yield r, kernel_bwd(dout[qs], q[qs], k[ks], v[ks], out[qs], lse[qs].contiguous(), r.kind == "causal", scale,
-                            masks(r))
+                            masks(r), backends)
     for (kind, window), rs in groups.items():
         pack = _Pack(rs, range(q.shape[0])[b], q.device)
         dq, dk, dv = kernel_bwd_varlen(

@@ -6,13 +6,15 @@ single-device attention, as everywhere else.
 
 from __future__ import annotations
 
-import math
 import random
 from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
+from _cuda import StrictCuda
+from _cuda import as_cuda as _as_cuda
+from _cuda import stack as _stack
 
 import cp_dtensor
 import cp_dtensor.core.kernels as kernels
@@ -21,202 +23,6 @@ from _dist import run_ranks
 from _ref import abs_rel_err, masked_reference
 
 _REAL = torch.ops.aten
-
-
-def _dense(x):
-    return x.stride(-1) == 1
-
-
-def _math(q, k, v, scale, is_causal, bias=None):
-    """Scores and probabilities in float64 with GQA by repetition; causal only on squares (asserted)."""
-    g = q.shape[1] // k.shape[1]
-    ke, ve = k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)
-    s = (q.double() @ ke.transpose(-1, -2)) * scale
-    if bias is not None:
-        s = s + bias.double()
-    if is_causal:
-        n = q.shape[2]
-        s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
-    return s, ke, ve
-
-
-def _grads(dout, q, k, v, out, lse, scale, is_causal, bias=None):
-    """dq, dk, dv from the given out and lse (the kernel contract: P = exp(s - lse), D = rowsum(dO * O))."""
-    s, ke, ve = _math(q, k, v, scale, is_causal, bias)
-    p = torch.exp(s - lse.double().unsqueeze(-1))
-    do = dout.double()
-    dv = p.transpose(-1, -2) @ do
-    dp = do @ ve.transpose(-1, -2)
-    ds = p * (dp - (do * out.double()).sum(-1, keepdim=True))
-    dq = ds @ ke * scale
-    dk = ds.transpose(-1, -2) @ q.double() * scale
-    g = q.shape[1] // k.shape[1]
-    dk, dv = dk.unflatten(1, (-1, g)).sum(2), dv.unflatten(1, (-1, g)).sum(2)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
-class StrictCuda:
-    """Stand-ins for the CUDA attention ops kernels.py calls; records what each call received."""
-
-    def __init__(self, windows: bool = True):
-        self.calls: list[tuple[str, int, int]] = []  # (op, q heads, k heads)
-        self.windows = windows  # whether this "flash build" takes window sizes (else it refuses them)
-        self.windowed = 0  # calls that passed a window
-
-    def _common(self, name, q, k, v, dropout_p, is_causal):
-        assert dropout_p == 0.0
-        assert q.dtype == k.dtype == v.dtype and all(_dense(x) for x in (q, k, v)), f"{name}: last dim not dense"
-        assert k.shape == v.shape, f"{name}: one head size for q, k, v"
-        assert q.shape[-1] == k.shape[-1]
-        if is_causal:
-            assert q.shape[2] == k.shape[2], f"{name}: is_causal on a non-square block {q.shape} x {k.shape}"
-        self.calls.append((name, q.shape[1], k.shape[1]))
-
-    def _flash_checks(self, q, k):
-        assert q.dtype in (torch.float16, torch.bfloat16), f"flash: dtype {q.dtype}"
-        assert q.shape[-1] <= 256 and q.shape[-1] % 8 == 0
-        assert q.shape[1] % k.shape[1] == 0
-
-    def _scaled_dot_product_flash_attention(self, q, k, v, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
-        self._common("flash", q, k, v, dropout_p, is_causal)
-        self._flash_checks(q, k)
-        s, _, ve = _math(q, k, v, scale, is_causal)
-        lse = torch.logsumexp(s, -1)
-        out = (torch.softmax(s, -1) @ ve).to(q.dtype).transpose(1, 2).contiguous().transpose(1, 2)
-        rng = torch.zeros(2, dtype=torch.int64)
-        return out, lse.float(), None, None, q.shape[2], k.shape[2], rng, torch.empty(()), torch.empty(0)
-
-    def _scaled_dot_product_flash_attention_backward(
-        self, dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout_p, is_causal, seed, offset, *, scale=None
-    ):
-        self._common("flash_bwd", q, k, v, dropout_p, is_causal)
-        self._flash_checks(q, k)
-        assert cum_q is None and cum_k is None, "flash backward: dense calls pass no cumulative lengths"
-        assert (max_q, max_k) == (q.shape[2], k.shape[2])
-        assert _dense(dout) and _dense(out) and out.shape == q.shape
-        # read through a raw pointer as a dense [B, H, Sq] fp32 array
-        assert lse.dtype == torch.float32 and lse.shape == q.shape[:3], lse.shape
-        assert lse.is_contiguous(), "flash backward: lse must be contiguous [B, H, Sq]"
-        return _grads(dout, q, k, v, out, lse, scale, is_causal)
-
-    def _eff_checks(self, q, k, bias):
-        assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), f"efficient: dtype {q.dtype}"
-        assert q.shape[1] == k.shape[1], f"efficient: no GQA (q heads {q.shape[1]}, k heads {k.shape[1]})"
-        if bias is not None:
-            assert bias.dtype == q.dtype and bias.shape == (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-            assert bias.stride(-1) == 1 and bias.stride(-2) % 16 == 0, f"efficient: bias rows unaligned {bias.stride()}"
-
-    def _scaled_dot_product_efficient_attention(self, q, k, v, bias, compute_lse, dropout_p=0.0, is_causal=False, *, scale=None):
-        self._common("efficient", q, k, v, dropout_p, is_causal)
-        self._eff_checks(q, k, bias)
-        assert compute_lse
-        s, _, ve = _math(q, k, v, scale, is_causal, bias)
-        lse = torch.logsumexp(s, -1).float()
-        pad = math.ceil(q.shape[2] / 32) * 32
-        lse = torch.cat([lse, lse.new_full((*lse.shape[:2], pad - q.shape[2]), float("nan"))], -1)  # padding: NaN
-        out = (torch.softmax(s, -1) @ ve).to(q.dtype)
-        return out, lse, torch.empty(()), torch.empty(())
-
-    def _scaled_dot_product_efficient_attention_backward(
-        self, dout, q, k, v, bias, out, lse, seed, offset, dropout_p, grad_mask, is_causal=False, *, scale=None
-    ):
-        self._common("efficient_bwd", q, k, v, dropout_p, is_causal)
-        self._eff_checks(q, k, bias)
-        assert lse.shape == (*q.shape[:2], math.ceil(q.shape[2] / 32) * 32) and lse.is_contiguous()
-        assert _dense(dout) and _dense(out)
-        dq, dk, dv = _grads(dout, q, k, v, out, lse[..., : q.shape[2]], scale, is_causal, bias)
-        return dq, dk, dv, None
-
-    def _varlen(self, name, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, window):
-        """The packed-sequence contract (Note [Kernel contracts]); returns the sequences' row ranges."""
-        assert dropout_p == 0.0, f"{name}: no dropout"
-        if window != (None, None):
-            if not self.windows:  # as a build without local attention: a host-side error at the call
-                raise RuntimeError(f"{name}: this flash build does not support local (sliding window) attention")
-            self.windowed += 1
-            assert all(isinstance(w, int) and w >= -1 for w in window) and not is_causal, f"{name}: window {window}"
-        assert q.dim() == k.dim() == v.dim() == 3, f"{name}: packed [T, H, D], got {q.shape}"
-        assert q.dtype == k.dtype == v.dtype and all(_dense(x) for x in (q, k, v)), f"{name}: last dim not dense"
-        assert k.shape == v.shape and q.shape[-1] == k.shape[-1], f"{name}: one head size"
-        assert q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0
-        assert q.shape[1] % k.shape[1] == 0
-        for cu, t in ((cu_q, q.shape[0]), (cu_k, k.shape[0])):
-            assert cu.dtype == torch.int32 and cu.dim() == 1 and cu.is_contiguous() and cu.device == q.device
-            assert int(cu[0]) == 0 and int(cu[-1]) == t and bool((cu[1:] > cu[:-1]).all()), f"{name}: {cu}"
-        assert cu_q.numel() == cu_k.numel(), f"{name}: one k range per q range"
-        lq, lk = (cu_q[1:] - cu_q[:-1]).tolist(), (cu_k[1:] - cu_k[:-1]).tolist()
-        assert (max_q, max_k) == (max(lq), max(lk)), f"{name}: max lengths {max_q, max_k} vs {max(lq), max(lk)}"
-        if is_causal:
-            assert lq == lk, f"{name}: is_causal on non-square sequences (flash aligns them bottom-right)"
-        self.calls.append((name, q.shape[1], k.shape[1]))
-        return list(zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()))
-
-    @staticmethod
-    def _window_bias(nq, nk, window):
-        """flash-attn's sliding window, bottom-right aligned: row i keeps keys i + nk - nq - left ..
-        i + nk - nq + right (-1: unbounded). Asserts every row keeps one (the kernel's result is
-        undefined otherwise)."""
-        if window == (None, None):
-            return None
-        left, right = window
-        d = torch.arange(nk)[None, :] - torch.arange(nq)[:, None] - (nk - nq)
-        keep = torch.ones(nq, nk, dtype=torch.bool)
-        keep &= d >= -left if left >= 0 else True
-        keep &= d <= right if right >= 0 else True
-        assert keep.any(1).all(), f"flash window {window} on {nq} x {nk} leaves a row without keys"
-        return torch.zeros(nq, nk, dtype=torch.float64).masked_fill(~keep, float("-inf"))
-
-    @staticmethod
-    def _bhsd(x, a, b):  # packed rows [a, b) of [T, H, D] as [1, H, n, D]
-        return x[a:b].transpose(0, 1).unsqueeze(0)
-
-    def _flash_attention_forward(
-        self, q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *, scale=None,
-        window_size_left=None, window_size_right=None, seqused_k=None, alibi_slopes=None, block_table=None,
-        num_splits=None,
-    ):
-        assert scale is not None and not return_debug_mask and seqused_k is None and alibi_slopes is None
-        window = (window_size_left, window_size_right)
-        seqs = self._varlen("flash_varlen", q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, window)
-        out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
-        lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32)
-        for a, b, c, d in seqs:
-            bias = self._window_bias(b - a, d - c, window)
-            s, _, ve = _math(self._bhsd(q, a, b), self._bhsd(k, c, d), self._bhsd(v, c, d), scale, is_causal, bias)
-            out[a:b] = (torch.softmax(s, -1) @ ve)[0].transpose(0, 1).to(q.dtype)
-            lse[:, a:b] = torch.logsumexp(s, -1)[0].float()
-        return out, lse, torch.zeros(2, dtype=torch.int64), torch.empty(()), torch.empty(0)
-
-    def _flash_attention_backward(
-        self, dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, rng_state, unused, *,
-        scale=None, window_size_left=None, window_size_right=None,
-    ):
-        assert scale is not None
-        window = (window_size_left, window_size_right)
-        seqs = self._varlen("flash_varlen_bwd", q, k, v, cu_q, cu_k, max_q, max_k, dropout_p, is_causal, window)
-        assert dout.shape == out.shape == q.shape and _dense(dout) and _dense(out), "flash varlen bwd: dout/out"
-        assert dout.dtype == out.dtype == q.dtype, f"flash varlen bwd: dout {dout.dtype}, out {out.dtype}, q {q.dtype}"
-        # read through a raw pointer as a dense [Hq, Tq] fp32 array
-        assert lse.dtype == torch.float32 and lse.shape == (q.shape[1], q.shape[0]) and lse.is_contiguous(), lse.shape
-        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        for a, b, c, d in seqs:
-            bias = self._window_bias(b - a, d - c, window)
-            g = _grads(self._bhsd(dout, a, b), self._bhsd(q, a, b), self._bhsd(k, c, d), self._bhsd(v, c, d),
-                       self._bhsd(out, a, b), lse[:, a:b].unsqueeze(0), scale, is_causal, bias)
-            dq[a:b] = g[0][0].transpose(0, 1)
-            dk[c:d] += g[1][0].transpose(0, 1)
-            dv[c:d] += g[2][0].transpose(0, 1)
-        return dq, dk, dv
-
-    def __getattr__(self, name):  # any other aten op (the CPU kernel included) must not be reached
-        raise AssertionError(f"the CUDA branch called aten.{name}")
-
-
-def _as_cuda(standin):
-    """Run the CUDA branches on CPU tensors: kernels.backend says "cuda", aten ops are the stand-ins (and
-    the flash-windows probe asks them afresh)."""
-    return _stack(mock.patch.multiple(kernels, aten=standin, backend=lambda x: "cuda"),
-                  mock.patch.dict(kernels._FLASH_WINDOWS, clear=True))
 
 
 def _ring_cases(rank, world):
@@ -443,15 +249,6 @@ def _math_cases(rank, world):
         out = F.scaled_dot_product_attention(*rep, enable_gqa=True)
     assert _comm_counts(cm) == {} and out.placements == (Replicate(),)
     assert rel_err(out.to_local(), reference(q, k, v, torch.zeros_like(q), is_causal=False)[0]) <= 1e-12
-
-
-def _stack(*ctxs):
-    import contextlib
-
-    stack = contextlib.ExitStack()
-    for c in ctxs:
-        stack.enter_context(c)
-    return stack
 
 
 def test_sdpa_math_path_on_sequence_sharded_dtensors_runs_the_ring_or_raises():
