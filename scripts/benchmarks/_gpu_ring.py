@@ -185,7 +185,9 @@ def sdpa_cases(cfg, rank, world, device):
         q, k, v, do = qkv(500 + i, 1, hq, hkv, n, d, d, device)
         want = reference(q, k, v, do, is_causal=True)
         xs = [shard_sequence(x.to(dtype), mesh, seq_dim=2, layout="striped").requires_grad_() for x in (q, k, v)]
-        refuse = dtype == torch.float64 and device.type == "cuda"
+        # CUDA refuses fp64 (no fused kernel) and a switch choice the ring has no kernel for (cudnn or math
+        # alone: Note [SDPA backend switches]), on every rank before any K/V moves
+        refuse = device.type == "cuda" and (dtype == torch.float64 or backend in ("CUDNN_ATTENTION", "MATH"))
         try:
             with CommDebugMode() as fwd, sdpa_backend(backend):
                 out = F.scaled_dot_product_attention(*xs, is_causal=True, enable_gqa=gqa)
