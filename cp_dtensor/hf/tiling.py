@@ -21,12 +21,12 @@ and pickles carry them to the copy's own modules, as Note [CP state on a model] 
   router scores come back [B * S, E]) runs through ``core.tiling.tiled_forward``: T tokens at a time,
   each tile recomputed in backward, in every call (training or not).
 
-The head can be tiled only when the logits go from ``lm_head(hidden)`` straight to the loss: models
-that scale or softcap the logits (``final_logit_softcapping``: Gemma 2/3; ``logit_scale``: Cohere;
-``logits_scaling``: Granite), a loss other than ``ForCausalLM`` (``config.loss_type``, a custom
-``model.loss_function``), a head that is not an ``nn.Linear``, or a model that is not a ``...ForCausalLM``
-raise when tiling is applied, naming what cannot be tiled; the same on every rank, before any
-communication (apply_context_parallel checks before it changes the model).
+The head can be tiled only when the logits go from ``lm_head(hidden)`` straight to the loss, which the
+door proves from an allowlist of families and their config (Note [The transformers door's allowlist] in
+hf/served.py): a family not on it, a config entry that may scale, cap or slice the logits, a loss other
+than ``ForCausalLM`` (``config.loss_type``, a custom ``model.loss_function``) or a head that is not an
+``nn.Linear`` raise when tiling is applied, naming what cannot be tiled; the same on every rank, before
+any communication (apply_context_parallel checks before it changes the model).
 """
 
 from __future__ import annotations
@@ -40,12 +40,11 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from ..core.tiling import check_tile_size, linear_cross_entropy, tiled_forward
+from .served import tiling_error
 
 __all__ = ["TILING_ATTR", "TilingState", "apply_sequence_tiling", "check_tileable", "remove_sequence_tiling"]
 
 TILING_ATTR = "_cp_dtensor_tiling"
-_SCALED = {"final_logit_softcapping": "softcaps its logits", "logit_scale": "scales its logits",
-           "logits_scaling": "divides its logits by a scale", "output_multiplier_scale": "scales its logits"}
 
 
 @dataclass(eq=False)
@@ -79,13 +78,9 @@ def check_tileable(model: nn.Module, sequence_tiling) -> int | None:
     if not isinstance(head, nn.Linear):
         raise ValueError(f"sequence_tiling cannot tile {name}'s LM head: it is {type(head).__name__}, not an "
                          "nn.Linear. Drop sequence_tiling for this model.")
-    config = model.config
-    for cfg in (config, getattr(config, "text_config", None)):
-        for key, what in _SCALED.items():
-            value = getattr(cfg, key, None) if cfg is not None else None
-            if value is not None and value is not False and value != 1:
-                raise ValueError(f"sequence_tiling cannot tile {name}'s head and loss: the model {what} "
-                                 f"(config.{key}={value!r}) between the LM head and the loss. Drop sequence_tiling.")
+    error = tiling_error(model)  # See Note [The transformers door's allowlist] in hf/served.py
+    if error is not None:
+        raise ValueError(error)
     loss_type = getattr(model, "loss_type", None)
     if "_loss_function" in model.__dict__ or loss_type not in (None, "ForCausalLM"):
         what = "a custom model.loss_function" if "_loss_function" in model.__dict__ else f"loss_type={loss_type!r}"

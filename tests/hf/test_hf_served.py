@@ -1,0 +1,195 @@
+"""The transformers door's allowlist (hf/served.py, Note [The transformers door's allowlist]): every family on
+it equals the model without cp_dtensor -- tiled head and loss against the untiled model at CP=1, context
+parallelism at P=2 against the plain model on the full batch -- and every model or config off it is refused with
+a ValueError on every rank, before the model changes or anything is communicated."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from _dist import run_ranks
+from _ref import rel_err
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+import transformers as T  # noqa: E402
+
+from cp_dtensor.core.batch import shard_batch  # noqa: E402
+from cp_dtensor.doors import reduce_gradients  # noqa: E402
+from cp_dtensor.hf import attention as hf  # noqa: E402
+from cp_dtensor.hf.served import CP_FAMILIES, TILED_FAMILIES  # noqa: E402
+from cp_dtensor.hf.tiling import apply_sequence_tiling  # noqa: E402
+
+LOSS_TOL, GRAD_TOL = 1e-5, 1e-4  # issue 48's bars: relative (grads: to the largest magnitude)
+N, V, B = 24, 64, 2
+TINY = dict(vocab_size=V, pad_token_id=0, bos_token_id=1, eos_token_id=2, hidden_size=32, intermediate_size=48,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128, attn_implementation="sdpa")
+MOE = dict(num_local_experts=4, num_experts_per_tok=2)
+GEMMA = dict(final_logit_softcapping=None, attn_logit_softcapping=None, attn_implementation="eager")
+FAMILIES = {  # model_type: (config class, model class, extra config); every TILED_FAMILIES / CP_FAMILIES entry
+    "llama": (T.LlamaConfig, T.LlamaForCausalLM, {}),
+    "mistral": (T.MistralConfig, T.MistralForCausalLM, dict(sliding_window=9)),
+    "ministral": (T.MinistralConfig, T.MinistralForCausalLM, {}),
+    "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM, {}),
+    "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM, {}),
+    "qwen3_moe": (T.Qwen3MoeConfig, T.Qwen3MoeForCausalLM, dict(num_experts=4, num_experts_per_tok=2,
+                                                                moe_intermediate_size=16)),
+    "gemma": (T.GemmaConfig, T.GemmaForCausalLM, {}),
+    "gemma2": (T.Gemma2Config, T.Gemma2ForCausalLM, dict(GEMMA, sliding_window=9)),
+    "gemma3_text": (T.Gemma3TextConfig, T.Gemma3ForCausalLM, dict(GEMMA, sliding_window=9)),
+    "phi3": (T.Phi3Config, T.Phi3ForCausalLM, {}),
+    "olmo2": (T.Olmo2Config, T.Olmo2ForCausalLM, {}),
+    "granite": (T.GraniteConfig, T.GraniteForCausalLM, dict(residual_multiplier=0.5, embedding_multiplier=2.0)),
+    "cohere": (T.CohereConfig, T.CohereForCausalLM, dict(logit_scale=1.0)),
+    "mixtral": (T.MixtralConfig, T.MixtralForCausalLM, MOE),
+    "gpt_oss": (T.GptOssConfig, T.GptOssForCausalLM, dict(MOE, attn_implementation="eager")),
+}
+# the hybrids' entries: tested at CP=2 against CP=1 where their linear layers are (tests/hf/test_hf_linear.py,
+# tests/hf/test_hf_hybrid_generate.py)
+HYBRIDS = {"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "kimi_linear", "olmo_hybrid", "lara_mini", "bailing_hybrid"}
+
+
+def _model(kind: str, **extra):
+    cfg_cls, cls, own = FAMILIES[kind]
+    torch.manual_seed(0)
+    return cls(cfg_cls(**{**TINY, **own, **extra})).float().train()
+
+
+def _batch():
+    g = torch.Generator().manual_seed(3)
+    tokens, labels = torch.randint(0, V, (B, N), generator=g), torch.randint(0, V, (B, N), generator=g)
+    labels[0, :5] = -100
+    return tokens, torch.arange(N).expand(B, N), labels
+
+
+def _plain(kind: str) -> tuple[float, torch.Tensor]:
+    """The model without cp_dtensor on the full batch: (loss, all gradients)."""
+    model = _model(kind)
+    tokens, positions, labels = _batch()
+    count = (hf.shift_labels(labels) != -100).sum()
+    out = model(input_ids=tokens, position_ids=positions, labels=labels, num_items_in_batch=count, use_cache=False)
+    out.loss.backward()
+    return out.loss.item(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
+def _compare(where: str, loss: float, grads: torch.Tensor, ref) -> None:
+    assert abs(loss - ref[0]) <= LOSS_TOL * abs(ref[0]), f"{where}: loss {loss} vs {ref[0]}"
+    assert grads.shape == ref[1].shape and rel_err(grads, ref[1]) <= GRAD_TOL, f"{where}: {rel_err(grads, ref[1]):.2e}"
+
+
+def test_every_entry_has_a_test():
+    assert set(TILED_FAMILIES) <= set(FAMILIES) and CP_FAMILIES == set(FAMILIES) | HYBRIDS
+    for kind, (_, cls, _) in FAMILIES.items():
+        assert cls.config_class.model_type == kind and (kind not in TILED_FAMILIES or TILED_FAMILIES[kind][0] == cls.__name__)
+
+
+def test_tiled_families_equal_untiled():
+    """Each TILED_FAMILIES entry at CP=1: tiled head, loss and MLPs equal the untiled model (B = 2)."""
+    tokens, positions, labels = _batch()
+    count = (hf.shift_labels(labels) != -100).sum()
+    for kind in TILED_FAMILIES:
+        ref = _plain(kind)
+        model = apply_sequence_tiling(_model(kind), tile_size=5)
+        out = model(input_ids=tokens, position_ids=positions, labels=labels, num_items_in_batch=count, use_cache=False)
+        out.loss.backward()
+        _compare(f"{kind} tiled", out.loss.item(), torch.cat([p.grad.flatten() for p in model.parameters()
+                                                                if p.grad is not None]), ref)
+
+
+class _OwnLossForCausalLM(T.LlamaForCausalLM):
+    """A model that computes its own loss (a z-loss from the logits), as remote code does."""
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        out = super().forward(input_ids=input_ids, **kwargs)
+        logits = out.logits.float()
+        if labels is not None:
+            out.loss = nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()) \
+                + 1e-3 * logits.logsumexp(-1).pow(2).mean()
+        return out
+
+
+def _refusals(rank: int, world: int) -> dict:
+    """Every refusal on every rank: nothing communicated (no collective is issued), the model unchanged."""
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    llama = dict(TINY, attn_implementation="sdpa")
+    tiling = {  # (model, the words its error names)
+        "logits_soft_cap": (_model("llama", logits_soft_cap=30.0), "logits_soft_cap"),
+        "output_logit_soft_cap": (_model("llama", output_logit_soft_cap=30.0), "output_logit_soft_cap"),
+        "unpadded_vocab_size": (_model("llama", unpadded_vocab_size=V - 8), "unpadded_vocab_size"),
+        "z_loss": (_model("llama", z_loss_weight=1e-4), "z_loss_weight"),
+        "gemma2 softcap": (_model("gemma2", final_logit_softcapping=30.0), "final_logit_softcapping"),
+        "cohere scale": (_model("cohere", logit_scale=0.0625), "logit_scale"),
+        "granite scale": (_model("granite", logits_scaling=4.0), "logits_scaling"),
+        "own loss": (_OwnLossForCausalLM(T.LlamaConfig(**llama)), "overrides"),
+        "phi (not listed)": (T.PhiForCausalLM(T.PhiConfig(**{**llama, "num_key_value_heads": 4})), "not one of them"),
+    }
+    for case, (model, words) in tiling.items():
+        for door in (lambda m: hf.apply_context_parallel(m, mesh, sequence_tiling=True),
+                     lambda m: apply_sequence_tiling(m, tile_size=8)):
+            with pytest.raises(ValueError, match=words) as err:
+                door(model)
+            assert "sequence_tiling" in str(err.value), case
+            assert model.config._attn_implementation != hf.NAME and not hasattr(model, "_cp_dtensor_tiling"), case
+        out[case] = True
+    ok = _model("llama", logits_soft_cap=30.0)  # the same config under CP alone: Llama's code never reads it
+    hf.apply_context_parallel(ok, mesh)
+    conv = _model("llama")
+    conv.model.layers[0].conv = nn.Conv1d(32, 32, 3)  # a part the family does not have
+    wpe = _model("llama")
+    wpe.model.wpe = nn.Embedding(128, 32)
+    cp = {
+        "gpt2 (learned positions)": (T.GPT2LMHeadModel(T.GPT2Config(vocab_size=V, n_embd=32, n_layer=2, n_head=4)),
+                                     "model_type 'gpt2'"),
+        "opt (learned positions)": (T.OPTForCausalLM(T.OPTConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2,
+                                                                  ffn_dim=64, num_attention_heads=4,
+                                                                  word_embed_proj_dim=32)), "model_type 'opt'"),
+        "mamba (no attention)": (T.MambaForCausalLM(T.MambaConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2,
+                                                                   state_size=4)), "model_type 'mamba'"),
+        "llama + conv": (conv, r"layers\.0\.conv is a Conv1d"),
+        "llama + wpe": (wpe, r"model\.wpe is a Embedding"),
+    }
+    for case, (model, words) in cp.items():
+        with pytest.raises(ValueError, match=words) as err:
+            hf.apply_context_parallel(model, mesh)
+        assert "without CP" in str(err.value), case
+        assert getattr(model.config, "_attn_implementation", None) != hf.NAME, case
+        out[case] = True
+    return out
+
+
+def test_refused_on_every_rank():
+    results = run_ranks(2, _refusals)
+    assert results[0] == results[1] and all(results[0].values()) and len(results[0]) == 14
+
+
+def _cp_families(rank: int, world: int) -> list[str]:
+    """Each FAMILIES entry at CP=2 (layout headtail, packed rows as two documents in row 1) equals the plain
+    model on the full batch: loss and all gradients."""
+    mesh = init_device_mesh("cpu", (world,))
+    tokens, positions, labels = _batch()
+    shifted = hf.shift_labels(labels)
+    count = (shifted != -100).sum()
+    done = []
+    for kind in FAMILIES:
+        ref = _plain(kind)
+        model = hf.apply_context_parallel(_model(kind), mesh, layout="headtail")
+        tok, pos, lab = shard_batch((tokens, positions, shifted), mesh, layout="headtail")
+        res = model(input_ids=tok, position_ids=pos, labels=lab, shift_labels=lab, num_items_in_batch=count,
+                    use_cache=False)
+        res.loss.backward()
+        reduce_gradients(model, mesh)
+        total = res.loss.detach().clone()
+        torch.distributed.all_reduce(total)
+        _compare(f"{kind} CP={world}", total.item(), torch.cat([p.grad.flatten() for p in model.parameters()
+                                                                  if p.grad is not None]), ref)
+        done.append(kind)
+    return done
+
+
+def test_cp_families_equal_plain():
+    assert run_ranks(2, _cp_families) == [list(FAMILIES)] * 2
