@@ -193,3 +193,29 @@ def _cp_families(rank: int, world: int) -> list[str]:
 
 def test_cp_families_equal_plain():
     assert run_ranks(2, _cp_families) == [list(FAMILIES)] * 2
+
+
+def test_tiled_logits_raise_when_read():
+    """A tiled training call's logits slot (dict or return_dict=False tuple) is [B, N, 0] and raises when read;
+    the tuple is the dict's values in order (loss first); eval calls return the real logits."""
+    tokens, positions, labels = _batch()
+    kw = dict(input_ids=tokens, position_ids=positions, labels=labels, use_cache=False)
+    ref_model = _model("llama")
+    ref = ref_model(**kw).loss.item()
+    model = apply_sequence_tiling(_model("llama"), tile_size=7)
+    as_dict = model(**kw)
+    as_tuple = model(**kw, return_dict=False)
+    assert isinstance(as_tuple, tuple) and len(as_tuple) == len(as_dict.to_tuple())
+    for logits, loss in ((as_dict.logits, as_dict.loss), (as_dict["logits"], as_dict["loss"]),
+                         (as_tuple[1], as_tuple[0])):
+        assert abs(loss.item() - ref) <= LOSS_TOL * abs(ref) and logits.shape == (B, N, 0)
+        assert logits.detach().clone().float().shape == (B, N, 0) and "never computed" in repr(logits)
+        reads = (lambda x: x.view(-1, V), lambda x: x[:, :-1], lambda x: x.float().softmax(-1), lambda x: x.argmax(-1),
+                 lambda x: nn.functional.cross_entropy(x.flatten(0, 1), labels.flatten()), lambda x: x.sum(),
+                 lambda x: torch.isinf(x), bool)
+        for read in reads:  # a compute_loss override reading outputs.logits: the error, not inf or nan
+            with pytest.raises(ValueError, match="never computed: sequence_tiling"):
+                read(logits)
+    model.eval()
+    with torch.no_grad():
+        assert rel_err(model(**kw).logits, ref_model.eval()(**kw).logits) <= 1e-5
