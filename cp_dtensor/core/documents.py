@@ -102,6 +102,35 @@ class DocumentLayout:
         """int64 [B, S]: the document ids of the tokens ``rank`` holds."""
         return self.ids.gather(1, self.local_positions(rank, self.world, self.seq_len))
 
+    def positions_error(self, rank: int, positions) -> str | None:
+        """Whether ``positions`` ([B | 1, S], this rank's shard of the batch's position ids) can be the shard
+        of a batch this plan was built for, from this rank's tokens only (no communication): wherever the
+        rank holds a token and the token before it in the row, both in one of the plan's documents, its
+        position is one more (else the plan's documents are coarser than the positions, or the batch was
+        sharded in another order, a named layout's, than the plan's). None, or the error."""
+        import torch
+
+        held = self.local_positions(rank, self.world, self.seq_len)  # [B_plan, S]: global index of each local slot
+        pos = positions.detach().to("cpu", torch.int64)
+        rows = max(pos.shape[0], held.shape[0])
+        if pos.dim() != 2 or pos.shape[-1] != held.shape[-1] or {pos.shape[0], held.shape[0]} - {1, rows}:
+            return None  # the shape checks are the door's
+        held, pos = held.expand(rows, -1), pos.expand(rows, -1)
+        ids = self.ids.expand(rows, -1)
+        slot = torch.full(ids.shape, -1, dtype=torch.int64).scatter_(1, held, torch.arange(held.shape[1]).expand_as(held))
+        before = slot.gather(1, (held - 1).clamp(min=0))  # [rows, S]: the local slot of each token's predecessor
+        same = (held > 0) & (before >= 0) & (ids.gather(1, held) == ids.gather(1, (held - 1).clamp(min=0)))
+        bad = same & (pos != pos.gather(1, before.clamp(min=0)) + 1)
+        if not bool(bad.any()):
+            return None
+        b, i = (int(x) for x in torch.nonzero(bad)[0])
+        g = int(held[b, i])
+        return (f"the plan (cp_layout=) does not fit this batch's positions: row {b}, global token {g} has position "
+                f"{int(pos[b, i])} after {int(pos[b, int(before[b, i])])} at token {g - 1}, inside one of the plan's "
+                "documents -- a plan built for another batch (whose documents are coarser than these positions), "
+                "or a batch sharded in another order than the plan's (shard it with cp_dtensor.shard_batch(..., "
+                "layout=plan), not a layout name). Build the plan from this batch's full ids and shard with it.")
+
 
 def _gather(x, dim: int, idx, batch: int):
     """x.gather along ``dim`` with a per-row index ``idx`` [B, M] (x's dim 0 the batch; 1-D x for B = 1)."""
