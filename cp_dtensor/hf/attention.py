@@ -281,7 +281,8 @@ def cp_dtensor_attention(module: nn.Module, query: Tensor, key: Tensor, value: T
         raise ValueError("attn_implementation='cp_dtensor' needs the CP mesh: call "
                          "cp_dtensor.hf.apply_context_parallel(model, cp_mesh, layout=...) instead of setting it.")
     device = query.device.type
-    if torch.is_autocast_enabled(device):  # as SDPA under autocast: q, k, v in the autocast dtype (bf16 Trainer runs)
+    if torch.is_autocast_enabled(device) and query.dtype != torch.float64:  # as SDPA under autocast: q, k, v in the
+        # autocast dtype (bf16 Trainer runs); float64 is not autocast-eligible and stays (as SDPA keeps it)
         dtype = torch.get_autocast_dtype(device)
         query, key, value = (x.to(dtype) for x in (query, key, value))
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))

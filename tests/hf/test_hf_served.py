@@ -219,3 +219,27 @@ def test_tiled_logits_raise_when_read():
     model.eval()
     with torch.no_grad():
         assert rel_err(model(**kw).logits, ref_model.eval()(**kw).logits) <= 1e-5
+
+
+def _float64_autocast(rank: int, world: int) -> float:
+    """A float64 model under bf16 autocast at CP=2: as at CP=1 (autocast leaves float64 alone)."""
+    mesh = init_device_mesh("cpu", (world,))
+    tokens, positions, labels = _batch()
+    shifted = hf.shift_labels(labels)
+    count = (shifted != -100).sum()
+    plain = _model("llama").double()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = plain(input_ids=tokens, position_ids=positions, labels=labels, num_items_in_batch=count,
+                     use_cache=False).loss
+        model = hf.apply_context_parallel(_model("llama").double(), mesh)
+        tok, pos, lab = shard_batch((tokens, positions, shifted), mesh, layout="striped")
+        loss = model(input_ids=tok, position_ids=pos, labels=lab, shift_labels=lab, num_items_in_batch=count,
+                     use_cache=False).loss
+    total = loss.detach().clone()
+    torch.distributed.all_reduce(total)
+    assert loss.dtype == want.dtype and abs(total.item() - want.item()) <= 1e-6 * abs(want.item()), (total, want)
+    return total.item()
+
+
+def test_float64_under_autocast_as_at_cp1():
+    assert len(set(run_ranks(2, _float64_autocast))) == 1
