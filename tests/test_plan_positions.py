@@ -70,3 +70,20 @@ def _cases(rank: int, world: int) -> list[str]:
 def test_plans_checked_against_positions_on_every_rank():
     results = run_ranks(2, _cases)
     assert results[0] == results[1] and len(results[0]) == 6
+
+
+def test_document_layout_cp_size_and_world_alias():
+    """``DocumentLayout.cp_size`` is the CP degree (the one vocabulary); ``world`` its deprecated alias, warning
+    once."""
+    import warnings
+
+    from cp_dtensor import _deprecated
+
+    plan = cp_dtensor.document_layout(_batch([[5, 1, 11, 7], [14, 10]])[1], 3)
+    assert plan.cp_size == 3 and plan.s_local == N // 3 and "cp_size=3" in repr(plan)
+    _deprecated._warned.discard("DocumentLayout.world")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert plan.world == 3 and plan.world == 3
+    assert [str(c.message) for c in caught if issubclass(c.category, FutureWarning)] == [
+        "DocumentLayout.world is deprecated and will be removed in a future release; use DocumentLayout.cp_size."]

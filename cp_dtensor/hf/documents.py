@@ -180,8 +180,8 @@ def plan_error(state: HFState, plan, query: Tensor, pos: Tensor, attention_mask)
         return (f"cp_layout= is a plan in the {plan.placement!r} placement; the model runs layout={state.layout!r}. "
                 "Build it with cp_dtensor.hf.plan_batch(model, ...).")
     b, s = query.shape[0], query.shape[2]
-    if plan.world != p or plan.seq_len != s * p or plan.batch != b:
-        return (f"the plan (cp_layout=) was built for {plan.world} ranks and a batch [{plan.batch}, {plan.seq_len}]; "
+    if plan.cp_size != p or plan.seq_len != s * p or plan.batch != b:
+        return (f"the plan (cp_layout=) was built for {plan.cp_size} ranks and a batch [{plan.batch}, {plan.seq_len}]; "
                 f"this forward has {p} ranks and a shard [{b}, {s}] (a batch [{b}, {s * p}]). Build the plan from "
                 "this batch (the full tensors) and shard the batch with it.")
     held = plan.local_positions(rank, p, plan.seq_len)  # [B, S]: the global positions this rank holds
