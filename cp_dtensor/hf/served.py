@@ -125,7 +125,7 @@ def tiling_error(model: nn.Module) -> str | None:
     if own:
         return (f"sequence_tiling cannot tile {name}'s head and loss: {own[0]} overrides {family.__name__}'s forward "
                 f"or loss_function, which tiling would bypass. " + _NO_TILING)
-    served = entry[1]
+    served = {"loss_type": (None, "ForCausalLM"), **entry[1]}  # loss_type: checked by hf/tiling.py's check_tileable
     for config in _configs(model.config):
         for key, value in sorted(config.to_dict().items()):
             if not _LOGIT_KEYS.search(key) or value is None or value is False:

@@ -98,6 +98,7 @@ def test_tiled_families_equal_untiled():
         out.loss.backward()
         _compare(f"{kind} tiled", out.loss.item(), torch.cat([p.grad.flatten() for p in model.parameters()
                                                                 if p.grad is not None]), ref)
+    apply_sequence_tiling(_model("llama", loss_type="ForCausalLM"))  # the default loss, spelled out: tiled
 
 
 class _OwnLossForCausalLM(T.LlamaForCausalLM):
