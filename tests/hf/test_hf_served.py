@@ -244,3 +244,23 @@ def _float64_autocast(rank: int, world: int) -> float:
 
 def test_float64_under_autocast_as_at_cp1():
     assert len(set(run_ranks(2, _float64_autocast))) == 1
+
+
+def test_trainer_compute_loss_reading_tiled_logits_raises(tmp_path):
+    """A Trainer whose compute_loss reads outputs.logits of a tiled model stops with the tiling's error (it
+    trained on inf before, logged as 0.0)."""
+    from datasets import Dataset
+
+    class OwnLoss(T.Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            out = model(**inputs)
+            logits = out.logits[:, :-1].flatten(0, 1)  # the override's own cross-entropy
+            return nn.functional.cross_entropy(logits, inputs["labels"][:, 1:].flatten())
+
+    tokens = _batch()[0]
+    data = Dataset.from_list([{"input_ids": row.tolist(), "labels": row.tolist()} for row in tokens])
+    args = T.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=1, report_to=[],
+                               use_cpu=True, disable_tqdm=True, save_strategy="no")
+    trainer = OwnLoss(model=apply_sequence_tiling(_model("llama"), tile_size=8), args=args, train_dataset=data)
+    with pytest.raises(ValueError, match="never computed: sequence_tiling"):
+        trainer.train()
