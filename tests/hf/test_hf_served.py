@@ -151,6 +151,9 @@ def _refusals(rank: int, world: int) -> dict:
                                                                   word_embed_proj_dim=32)), "model_type 'opt'"),
         "mamba (no attention)": (T.MambaForCausalLM(T.MambaConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2,
                                                                    state_size=4)), "model_type 'mamba'"),
+        "bert (learned positions, bidirectional)": (T.BertLMHeadModel(T.BertConfig(
+            vocab_size=V, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=48,
+            is_decoder=True)), "model_type 'bert'"),
         "llama + conv": (conv, r"layers\.0\.conv is a Conv1d"),
         "llama + wpe": (wpe, r"model\.wpe is a Embedding"),
     }
@@ -165,7 +168,7 @@ def _refusals(rank: int, world: int) -> dict:
 
 def test_refused_on_every_rank():
     results = run_ranks(2, _refusals)
-    assert results[0] == results[1] and all(results[0].values()) and len(results[0]) == 14
+    assert results[0] == results[1] and all(results[0].values()) and len(results[0]) == 15
 
 
 def _cp_families(rank: int, world: int) -> list[str]:
