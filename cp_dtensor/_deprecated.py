@@ -7,7 +7,8 @@ then behaves exactly as before.
   monkeypatching included, still works). ``MOVED_MODULES`` lists them.
 * Renamed functions and keyword arguments: ``renamed`` wraps the new function.
 
-Nothing here runs at ``import cp_dtensor``; a name warns when it is first used.
+Nothing here runs at ``import cp_dtensor``; a name warns when it is first used -- in eager code: under
+``torch.compile`` an old spelling is traced as its new one, without a warning (``warn_once``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 __all__ = ["MOVED_MODULES", "RENAMED", "moved_module", "old_keywords", "renamed", "renamed_keyword", "seq_dim_argument",
            "warn_once"]
@@ -53,8 +56,9 @@ _warned: set[str] = set()
 
 
 def warn_once(old: str, new: str, *, stacklevel: int = 3) -> None:
-    """One ``FutureWarning`` per process for ``old``, naming ``new``."""
-    if old in _warned:
+    """One ``FutureWarning`` per process for ``old``, naming ``new``; none while torch.compile traces (dynamo
+    cannot trace ``warnings.warn``: an old spelling compiles, fullgraph too, as its new one does)."""
+    if torch.compiler.is_compiling() or old in _warned:
         return
     _warned.add(old)
     warnings.warn(f"{old} is deprecated and will be removed in a future release; use {new}.", FutureWarning,

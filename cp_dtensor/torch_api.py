@@ -165,8 +165,8 @@ def _plan_error(plan, buffers, dims, world: int, document_ids, position_ids) -> 
     buffers must be shardable by it, a plan given as ``layout`` must be of these ids."""
     if not isinstance(plan, DocumentLayout):
         return None
-    if plan.world != world:
-        return (f"context_parallel: the plan was built for {plan.world} ranks; the CP mesh has {world}. Build it "
+    if plan.cp_size != world:
+        return (f"context_parallel: the plan was built for {plan.cp_size} ranks; the CP mesh has {world}. Build it "
                 f"with cp_dtensor.document_layout(ids, {world}).")
     for i, (b, d) in enumerate(zip(buffers, dims)):
         if b.shape[d] != plan.seq_len:
@@ -302,7 +302,7 @@ def context_parallel_unshard(
             elif not isinstance(d, int) or not -b.dim() <= d < b.dim():
                 error = f"context_parallel_unshard: buffer {i} has shape {tuple(b.shape)}; seq dim {d!r} is out of range."
             elif isinstance(layout, DocumentLayout) and (
-                    b.shape[d] * mesh.size() != layout.seq_len or mesh.size() != layout.world
+                    b.shape[d] * mesh.size() != layout.seq_len or mesh.size() != layout.cp_size
                     or layout.batch > 1 and (d % b.dim() == 0 or b.shape[0] != layout.batch)):
                 error = (f"context_parallel_unshard: buffer {i} of shape {tuple(b.shape)} (seq dim {d}) on "
                          f"{mesh.size()} ranks is no shard of {layout!r}; pass the plan its context yielded.")

@@ -133,8 +133,8 @@ def plan_attention(q: Tensor, k: Tensor, v: Tensor, lay, *, mesh, error: str | N
         spec = ring_spec(mesh, layout=lay.placement, is_causal=options.pop("is_causal"), scale=options.pop("scale"),
                          comm_dtype=options.pop("comm_dtype"), window_size=options.pop("window_size"),
                          kv_exchange=options.pop("kv_exchange"))
-        if spec.world * spec.ulysses != lay.world:
-            raise ValueError(f"ring_attention: {lay!r} was built for {lay.world} ranks; the CP group has "
+        if spec.world * spec.ulysses != lay.cp_size:
+            raise ValueError(f"ring_attention: {lay!r} was built for {lay.cp_size} ranks; the CP group has "
                              f"{spec.world * spec.ulysses}. Build the plan with this group's size.")
         return run_ring_attention(q, k, v, spec, document_ids=ids, sinks=options.pop("sinks"), error=error)
     group, ulysses_group = mesh, None

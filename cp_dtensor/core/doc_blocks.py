@@ -48,7 +48,7 @@ class DocBlocks:
     the received buffer, runs and ids). Built once per (layout, rank, mask) with the exchange plan."""
 
     def __init__(self, lay, rank: int, plan: dict):
-        qpos = lay.local_positions(rank, lay.world, lay.seq_len)  # [B, S], sorted per row
+        qpos = lay.local_positions(rank, lay.cp_size, lay.seq_len)  # [B, S], sorted per row
         qids = lay.local_ids(rank)
         self.q_runs, self.q_ids, self.k_index, self.k_runs, self.k_ids = [], [], [], [], []
         for b in range(lay.batch):

@@ -86,7 +86,7 @@ def exchange_plan(lay: DocumentLayout, rank: int, is_causal: bool, window) -> di
     key = (rank, lo, hi)
     if key in lay._cache:
         return lay._cache[key]
-    world, s, b = lay.world, lay.s_local, lay.batch
+    world, s, b = lay.cp_size, lay.s_local, lay.batch
     start = _starts(lay)
     owner = torch.empty_like(lay.order)
     owner.scatter_(1, lay.order, (torch.arange(lay.seq_len) // s).expand_as(lay.order))
@@ -145,8 +145,8 @@ def call_error(lay: DocumentLayout, q, k, v, *, rank: int, world: int, document_
     if (bk, sk, dk) != (b, s, dqk) or (bv, hv, sv) != (b, hkv, s) or hkv == 0 or hq % hkv:
         return (f"ring_attention needs q [B, Hq, S, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv] with Hq % Hkv == 0; got "
                 f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}.")
-    if world != lay.world or s * world != lay.seq_len or b != lay.batch:
-        return (f"this document layout was built for {lay.world} ranks and a batch [{lay.batch}, {lay.seq_len}]; the "
+    if world != lay.cp_size or s * world != lay.seq_len or b != lay.batch:
+        return (f"this document layout was built for {lay.cp_size} ranks and a batch [{lay.batch}, {lay.seq_len}]; the "
                 f"call has {world} ranks and q's shard [{b}, {s}] (a batch [{b}, {s * world}]). Build the layout "
                 "from this batch's document ids: cp_dtensor.document_layout(ids, world).")
     if document_ids is not None:
@@ -239,10 +239,10 @@ def union_layout(lay: DocumentLayout, ulysses: int) -> DocumentLayout:
     u * R + r (u < U), sorted per row. Cached on ``lay``. See Note [Documents on a 2-D mesh]."""
     key = ("union", ulysses)
     if key not in lay._cache:
-        ring, s = lay.world // ulysses, lay.s_local
+        ring, s = lay.cp_size // ulysses, lay.s_local
         parts = lay.order.view(lay.batch, ulysses, ring, s).permute(0, 2, 1, 3).reshape(lay.batch, ring, ulysses * s)
         order = parts.sort(-1).values.reshape(lay.batch, lay.seq_len)
-        lay._cache[key] = DocumentLayout(world=ring, seq_len=lay.seq_len, order=order, ids=lay.ids, windows=lay.windows,
+        lay._cache[key] = DocumentLayout(cp_size=ring, seq_len=lay.seq_len, order=order, ids=lay.ids, windows=lay.windows,
                                          key=lay.key ^ (ulysses << 40), placement="documents")
     return lay._cache[key]
 
@@ -250,6 +250,6 @@ def union_layout(lay: DocumentLayout, ulysses: int) -> DocumentLayout:
 def _union_perm(lay: DocumentLayout, union: DocumentLayout, u: int, r: int, ulysses: int) -> Tensor:
     """int64 [B, U * S]: for each slot of ring rank r's sorted union, its index in the heads all-to-all's
     received parts (u' * S + j: the j-th token of 1-D rank u' * R + r)."""
-    ring, s = union.world, lay.s_local
+    ring, s = union.cp_size, lay.s_local
     parts = lay.order.view(lay.batch, ulysses, ring, s)[:, :, r].reshape(lay.batch, ulysses * s)
     return parts.argsort(-1)

@@ -64,7 +64,7 @@ def _layout(order: Tensor, ids: Tensor, key: Tensor, world: int) -> DocumentLayo
             hit.ids is ids or torch.equal(hit.ids, ids.cpu())):
         _LAYOUTS.move_to_end((k, world))
         return hit
-    lay = DocumentLayout(world=world, seq_len=order.shape[1], order=order.cpu(), ids=ids.cpu(), key=k)
+    lay = DocumentLayout(cp_size=world, seq_len=order.shape[1], order=order.cpu(), ids=ids.cpu(), key=k)
     _LAYOUTS[(k, world)] = lay
     while len(_LAYOUTS) > _KEEP:
         _LAYOUTS.popitem(last=False)

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .._deprecated import old_keywords
+from .._deprecated import old_keywords, warn_once
 from .doc_plan import Window, lengths_of, needed_rows, plan_row, rank_work, row_balance, window_lefts
 
 if TYPE_CHECKING:
@@ -39,7 +39,7 @@ class DocumentLayout:
     """A batch's document placement (``cp_dtensor.document_layout``): row b's global position at local
     slot i of rank r is ``order[b][r * S + i]``. Frozen; one per batch, reused by every layer."""
 
-    world: int  #: the CP degree it was built for
+    cp_size: int  #: the CP degree it was built for (``world``: its deprecated name)
     seq_len: int  #: N, the full row length
     order: Any  #: int64 [B, N] tensor: every rank's positions, rank-major (``global_order``'s analogue)
     ids: Any  #: int64 [B, N] tensor: the document ids it was built from
@@ -62,8 +62,14 @@ class DocumentLayout:
         return self.order.shape[0]
 
     @property
+    def world(self) -> int:
+        """Deprecated: ``cp_size`` (warns once)."""
+        warn_once("DocumentLayout.world", "DocumentLayout.cp_size")
+        return self.cp_size
+
+    @property
     def s_local(self) -> int:
-        return self.seq_len // self.world
+        return self.seq_len // self.cp_size
 
     def local_positions(self, rank: int, world: int, seq_len: int) -> torch.Tensor:
         """int64 [B, N / world]: the global positions ``rank`` holds of each row, in local order."""
@@ -72,13 +78,13 @@ class DocumentLayout:
         return self.order[:, rank * s : (rank + 1) * s]
 
     def check(self, world: int, seq_len: int) -> None:
-        if world != self.world or seq_len != self.seq_len:
-            raise ValueError(f"this document layout was built for {self.world} ranks and rows of {self.seq_len} "
+        if world != self.cp_size or seq_len != self.seq_len:
+            raise ValueError(f"this document layout was built for {self.cp_size} ranks and rows of {self.seq_len} "
                              f"tokens; got {world} ranks and {seq_len} tokens. Build one per batch with "
                              f"cp_dtensor.document_layout(document_ids, world).")
 
     def __repr__(self) -> str:
-        return (f"DocumentLayout(placement={self.placement!r}, world={self.world}, batch={self.batch}, "
+        return (f"DocumentLayout(placement={self.placement!r}, cp_size={self.cp_size}, batch={self.batch}, "
                 f"seq_len={self.seq_len}, key={self.key:#x})")
 
     # --- torch side (imports torch when called) ---
@@ -100,7 +106,36 @@ class DocumentLayout:
 
     def local_ids(self, rank: int) -> torch.Tensor:
         """int64 [B, S]: the document ids of the tokens ``rank`` holds."""
-        return self.ids.gather(1, self.local_positions(rank, self.world, self.seq_len))
+        return self.ids.gather(1, self.local_positions(rank, self.cp_size, self.seq_len))
+
+    def positions_error(self, rank: int, positions) -> str | None:
+        """Whether ``positions`` ([B | 1, S], this rank's shard of the batch's position ids) can be the shard
+        of a batch this plan was built for, from this rank's tokens only (no communication): wherever the
+        rank holds a token and the token before it in the row, both in one of the plan's documents, its
+        position is one more (else the plan's documents are coarser than the positions, or the batch was
+        sharded in another order, a named layout's, than the plan's). None, or the error."""
+        import torch
+
+        held = self.local_positions(rank, self.cp_size, self.seq_len)  # [B_plan, S]: global index of each local slot
+        pos = positions.detach().to("cpu", torch.int64)
+        rows = max(pos.shape[0], held.shape[0])
+        if pos.dim() != 2 or pos.shape[-1] != held.shape[-1] or {pos.shape[0], held.shape[0]} - {1, rows}:
+            return None  # the shape checks are the door's
+        held, pos = held.expand(rows, -1), pos.expand(rows, -1)
+        ids = self.ids.expand(rows, -1)
+        slot = torch.full(ids.shape, -1, dtype=torch.int64).scatter_(1, held, torch.arange(held.shape[1]).expand_as(held))
+        before = slot.gather(1, (held - 1).clamp(min=0))  # [rows, S]: the local slot of each token's predecessor
+        same = (held > 0) & (before >= 0) & (ids.gather(1, held) == ids.gather(1, (held - 1).clamp(min=0)))
+        bad = same & (pos != pos.gather(1, before.clamp(min=0)) + 1)
+        if not bool(bad.any()):
+            return None
+        b, i = (int(x) for x in torch.nonzero(bad)[0])
+        g = int(held[b, i])
+        return (f"the plan (cp_layout=) does not fit this batch's positions: row {b}, global token {g} has position "
+                f"{int(pos[b, i])} after {int(pos[b, int(before[b, i])])} at token {g - 1}, inside one of the plan's "
+                "documents -- a plan built for another batch (whose documents are coarser than these positions), "
+                "or a batch sharded in another order than the plan's (shard it with cp_dtensor.shard_batch(..., "
+                "layout=plan), not a layout name). Build the plan from this batch's full ids and shard with it.")
 
 
 def _gather(x, dim: int, idx, batch: int):
@@ -180,7 +215,7 @@ def document_layout(document_ids, cp_size: int, *, windows: Any = None, placemen
         check_seq_len(placement, world, n)
         order = global_order(placement, world, n).to(torch.int64).expand(b, n).contiguous()
     key = zlib.crc32(ids.numpy().tobytes(), zlib.crc32(order.numpy().tobytes())) ^ (world << 32)
-    return DocumentLayout(world=world, seq_len=n, order=order, ids=ids, windows=lefts, key=key, placement=placement)
+    return DocumentLayout(cp_size=world, seq_len=n, order=order, ids=ids, windows=lefts, key=key, placement=placement)
 
 
 def full_document_ids(*, document_ids=None, position_ids=None, where: str = "cp_dtensor"):

@@ -83,6 +83,7 @@ from ..core.checks import check_call, check_cp_mesh, options_error  # noqa: E402
 from ..core.layout import in_global_order, shard_tensor  # noqa: E402
 from .documents import KWARG, check_model_layout, documents_of, plan_error, ring_layout  # noqa: E402
 from .generate import enable_generate, generate  # noqa: E402
+from .served import cp_error, layer_types  # noqa: E402
 from .state import ATTR, CPGenerate, HFState, attach, implementations, remove_context_parallel  # noqa: E402
 from .tiling import apply_sequence_tiling, check_tileable  # noqa: E402
 
@@ -280,7 +281,8 @@ def cp_dtensor_attention(module: nn.Module, query: Tensor, key: Tensor, value: T
         raise ValueError("attn_implementation='cp_dtensor' needs the CP mesh: call "
                          "cp_dtensor.hf.apply_context_parallel(model, cp_mesh, layout=...) instead of setting it.")
     device = query.device.type
-    if torch.is_autocast_enabled(device):  # as SDPA under autocast: q, k, v in the autocast dtype (bf16 Trainer runs)
+    if torch.is_autocast_enabled(device) and query.dtype != torch.float64:  # as SDPA under autocast: q, k, v in the
+        # autocast dtype (bf16 Trainer runs); float64 is not autocast-eligible and stays (as SDPA keeps it)
         dtype = torch.get_autocast_dtype(device)
         query, key, value = (x.to(dtype) for x in (query, key, value))
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
@@ -424,14 +426,7 @@ def apply_context_parallel(
     if not hasattr(model, "set_attn_implementation"):
         raise ValueError(f"cp_dtensor.hf.apply_context_parallel takes a transformers PreTrainedModel; got {type(model).__name__}. "
                          "Use cp_dtensor.apply_context_parallel for other modules.")
-    types = set()
-    for config in _configs(model.config):  # layers that mix tokens outside attention would see their shard only
-        types |= set(getattr(config, "layer_types", None) or ())
-    other = sorted(types - {"full_attention", "sliding_attention", "linear_attention"})
-    if other:
-        raise ValueError(f"{type(model).__name__} has {', '.join(other)} layers (config.layer_types); context "
-                         "parallelism runs full and sliding-window attention and the linear_attention layers of "
-                         "cp_dtensor.hf.linear.FAMILIES (Gated DeltaNet, Kimi Delta Attention) only. Run it without CP.")
+    types = layer_types(model)  # refuses kinds the door does not serve: Note [The transformers door's allowlist]
     linear = None
     if "linear_attention" in types and layout == "documents":
         raise ValueError(f"{type(model).__name__} has linear_attention layers, whose state passing runs the headtail "
@@ -441,6 +436,9 @@ def apply_context_parallel(
         from .linear import linear_layers  # checks only: a refused model stays unchanged
 
         linear = linear_layers(model, layout)
+    error = cp_error(model, [m for m, _ in linear or ()])
+    if error is not None:  # the same model on every rank: every rank raises here, before any communication
+        raise ValueError(error)
     register()
     before = implementations(model.config)
     model.set_attn_implementation(NAME)
@@ -481,16 +479,6 @@ def _call_ends(model: nn.Module, args, output):
 def _forward_starts(base: nn.Module, args):
     getattr(base, ATTR).last = None  # a new forward derives its documents afresh
     register()  # idempotent: a model unpickled in a fresh process finds "cp_dtensor" registered
-
-
-def _configs(config) -> list:
-    """The config and its sub-configs (a multimodal model's text config, ...)."""
-    out = [config]
-    for key in getattr(config, "sub_configs", {}) or {}:
-        sub = getattr(config, key, None)
-        if sub is not None and hasattr(sub, "to_dict"):
-            out += _configs(sub)
-    return out
 
 
 def shift_labels(labels: Tensor, ignore_index: int = -100) -> Tensor:

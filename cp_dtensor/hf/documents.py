@@ -29,11 +29,14 @@ shard:
 
 Checked at the forward's first attention call, on every rank before any K/V moves (one agreement,
 then the exchange's own per layer): a missing plan, a plan for another mesh size or batch shape, and a
-plan of another batch -- a token whose position id is 0 where the plan has no document start, a pad
-token (``attention_mask`` 0) the plan does not keep apart -- local checks, no collective (a plan that cuts
-the documents *finer* than the positions is taken: that is a plan of ``document_ids=``; a boundary the
-positions imply without restarting at 0 is not checked). The agreement carries the plan's key, so plans
-that differ across ranks raise too.
+plan of another batch or a batch sharded in another order -- a token whose position id is 0 where the
+plan has no document start; a token whose position is not one more than its predecessor's in the row
+while the plan has both in one document (``DocumentLayout.positions_error``: checked where this rank
+holds both tokens, so a plan coarser than the positions and a batch sharded with a layout name but given
+a documents plan raise; a pair split across ranks is not checked); a pad token (``attention_mask`` 0)
+the plan does not keep apart -- local checks, no collective; a plan that cuts the documents *finer* than
+the positions is taken (that is a plan of ``document_ids=``). The agreement carries the plan's key and
+every rank's error, so all ranks raise when one does, and plans that differ across ranks raise too.
 
 generate() is unchanged: its prompt is one sequence a row, so its prefill runs the striped ring
 (:func:`ring_layout`) with the prompt's padding as documents, as for ``layout="striped"``.
@@ -177,8 +180,8 @@ def plan_error(state: HFState, plan, query: Tensor, pos: Tensor, attention_mask)
         return (f"cp_layout= is a plan in the {plan.placement!r} placement; the model runs layout={state.layout!r}. "
                 "Build it with cp_dtensor.hf.plan_batch(model, ...).")
     b, s = query.shape[0], query.shape[2]
-    if plan.world != p or plan.seq_len != s * p or plan.batch != b:
-        return (f"the plan (cp_layout=) was built for {plan.world} ranks and a batch [{plan.batch}, {plan.seq_len}]; "
+    if plan.cp_size != p or plan.seq_len != s * p or plan.batch != b:
+        return (f"the plan (cp_layout=) was built for {plan.cp_size} ranks and a batch [{plan.batch}, {plan.seq_len}]; "
                 f"this forward has {p} ranks and a shard [{b}, {s}] (a batch [{b}, {s * p}]). Build the plan from "
                 "this batch (the full tensors) and shard the batch with it.")
     held = plan.local_positions(rank, p, plan.seq_len)  # [B, S]: the global positions this rank holds
@@ -190,6 +193,9 @@ def plan_error(state: HFState, plan, query: Tensor, pos: Tensor, attention_mask)
     if bool(((pos.detach().expand(b, -1).cpu() == 0) & ~start.gather(1, held)).any()):
         return ("the plan (cp_layout=) was built for another batch: a token with position id 0 (a new document) "
                 "is inside one of the plan's documents. Build the plan from this batch's full position_ids.")
+    error = plan.positions_error(rank, pos.detach().expand(b, -1)) if isinstance(pos, Tensor) else None
+    if error is not None:  # a coarser plan, or a batch sharded by a layout name: positions inside a document
+        return error
     if isinstance(attention_mask, Tensor) and attention_mask.dim() == 2:
         pad = attention_mask.detach().cpu() == 0
         if bool((pad & ~(start & end).gather(1, held)).any()):

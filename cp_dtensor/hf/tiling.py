@@ -15,18 +15,19 @@ and pickles carry them to the copy's own modules, as Note [CP state on a model] 
   otherwise) then computes ``core.tiling.linear_cross_entropy`` from them with the head's weight: the
   same shift (``shift_labels`` when given -- under CP the globally shifted labels; else ``labels``
   shifted in the row as transformers does), the same reduction (``num_items_in_batch``, ignore_index).
-  The output's ``loss`` is that loss; its ``logits`` is an empty [B, S_local, 0] tensor (the logits
-  were never formed). The post-hook puts the empty tensor in.
+  The output's ``loss`` is that loss; its ``logits`` (or, with ``return_dict=False``, the tuple's entry
+  after the loss) is a [B, S_local, 0] ``TiledLogits`` that raises when read: Note [Logits a tiled call
+  did not compute] in hf/logits.py. The post-hook puts it in.
 * every decoder layer's ``mlp`` (``model.base_model.layers[i].mlp``: SwiGLU, or an MoE block whose
   router scores come back [B * S, E]) runs through ``core.tiling.tiled_forward``: T tokens at a time,
   each tile recomputed in backward, in every call (training or not).
 
-The head can be tiled only when the logits go from ``lm_head(hidden)`` straight to the loss: models
-that scale or softcap the logits (``final_logit_softcapping``: Gemma 2/3; ``logit_scale``: Cohere;
-``logits_scaling``: Granite), a loss other than ``ForCausalLM`` (``config.loss_type``, a custom
-``model.loss_function``), a head that is not an ``nn.Linear``, or a model that is not a ``...ForCausalLM``
-raise when tiling is applied, naming what cannot be tiled; the same on every rank, before any
-communication (apply_context_parallel checks before it changes the model).
+The head can be tiled only when the logits go from ``lm_head(hidden)`` straight to the loss, which the
+door proves from an allowlist of families and their config (Note [The transformers door's allowlist] in
+hf/served.py): a family not on it, a config entry that may scale, cap or slice the logits, a loss other
+than ``ForCausalLM`` (``config.loss_type``, a custom ``model.loss_function``) or a head that is not an
+``nn.Linear`` raise when tiling is applied, naming what cannot be tiled; the same on every rank, before
+any communication (apply_context_parallel checks before it changes the model).
 """
 
 from __future__ import annotations
@@ -40,12 +41,12 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from ..core.tiling import check_tile_size, linear_cross_entropy, tiled_forward
+from .logits import replace_logits
+from .served import tiling_error
 
 __all__ = ["TILING_ATTR", "TilingState", "apply_sequence_tiling", "check_tileable", "remove_sequence_tiling"]
 
 TILING_ATTR = "_cp_dtensor_tiling"
-_SCALED = {"final_logit_softcapping": "softcaps its logits", "logit_scale": "scales its logits",
-           "logits_scaling": "divides its logits by a scale", "output_multiplier_scale": "scales its logits"}
 
 
 @dataclass(eq=False)
@@ -56,6 +57,7 @@ class TilingState:
     loss: Any  #: the model's loss function before tiling (transformers' LOSS_MAPPING entry)
     active: bool = False  #: this call's head and loss run tiled (labels given, training mode)
     handles: list = None  #: the hooks tiling registered
+    handed: Tensor | None = None  #: this call's hidden states the head handed to the loss (the logits slot)
 
 
 def _mlps(model: nn.Module) -> list[nn.Module]:
@@ -79,13 +81,9 @@ def check_tileable(model: nn.Module, sequence_tiling) -> int | None:
     if not isinstance(head, nn.Linear):
         raise ValueError(f"sequence_tiling cannot tile {name}'s LM head: it is {type(head).__name__}, not an "
                          "nn.Linear. Drop sequence_tiling for this model.")
-    config = model.config
-    for cfg in (config, getattr(config, "text_config", None)):
-        for key, what in _SCALED.items():
-            value = getattr(cfg, key, None) if cfg is not None else None
-            if value is not None and value is not False and value != 1:
-                raise ValueError(f"sequence_tiling cannot tile {name}'s head and loss: the model {what} "
-                                 f"(config.{key}={value!r}) between the LM head and the loss. Drop sequence_tiling.")
+    error = tiling_error(model)  # See Note [The transformers door's allowlist] in hf/served.py
+    if error is not None:
+        raise ValueError(error)
     loss_type = getattr(model, "loss_type", None)
     if "_loss_function" in model.__dict__ or loss_type not in (None, "ForCausalLM"):
         what = "a custom model.loss_function" if "_loss_function" in model.__dict__ else f"loss_type={loss_type!r}"
@@ -146,16 +144,19 @@ def _call_starts(model: nn.Module, args, kwargs):
 
 def _call_ends(model: nn.Module, args, output):
     state: TilingState = getattr(model, TILING_ATTR)
-    if state.active and isinstance(getattr(output, "logits", None), Tensor):
-        logits = output.logits  # the hidden states the head handed through
-        output["logits"] = logits.new_empty(*logits.shape[:-1], 0)
-    state.active = False
+    if state.active and state.handed is not None:  # Note [Logits a tiled call did not compute] in hf/logits.py
+        output = replace_logits(output, state.handed)
+    state.active, state.handed = False, None
     return output
 
 
 def _head_forward(head: nn.Linear, x: Tensor) -> Tensor:
     # x: [B, S_local, H]; tiled: the hidden states go to the loss as they are (no [B, S_local, V] logits)
-    return x if getattr(head, TILING_ATTR).active else F.linear(x, head.weight, head.bias)
+    state: TilingState = getattr(head, TILING_ATTR)
+    if not state.active:
+        return F.linear(x, head.weight, head.bias)
+    state.handed = x  # what the output's logits slot will hold: replaced by TiledLogits at the call's end
+    return x
 
 
 def _loss(model: nn.Module, logits: Tensor, labels: Tensor, vocab_size: int, num_items_in_batch=None,

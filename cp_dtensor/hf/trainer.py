@@ -35,7 +35,8 @@ copied, so TRL's and other subclasses keep their behaviour.
    as if each replica were one process, then multiplies the loss by P: the CP ranks' losses sum to the
    replica's, and DDP's average over the world's P x dp ranks is CP=1's average over its dp ranks. So the
    gradient, grad_norm and the logged loss (the mean over ranks) are CP=1's, whatever the loss code. The
-   token counts (``num_input_tokens_seen``, ``total_flos``) leave the layout's padding out: CP=1's counts.
+   token counts (``num_input_tokens_seen``, ``total_flos``, TRL's ``num_tokens``) leave the layout's padding out:
+   CP=1's counts.
 4. Evaluation. ``prediction_step`` sums the CP ranks' losses into the replica's (what the Trainer
    computes on dp ranks without CP) and unshards logits and labels into the full rows; the gather
    the evaluation loop calls keeps each replica's rows once (the ranks with cp_index 0), then drops
@@ -265,7 +266,7 @@ class _ContextParallel:
 
     # -- training ----------------------------------------------------------------------------------
     def training_step(self, model, inputs, num_items_in_batch=None):
-        inputs, _ = self._cp_take(inputs)
+        inputs, self._cp_meta = self._cp_take(inputs)  # the meta's ``real``: for TRL's token count
         return super().training_step(model, inputs, num_items_in_batch)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -282,11 +283,13 @@ class _ContextParallel:
             if num_items_in_batch is None:  # CP=1 normalises by the rank's own count: the replica's here
                 num_items_in_batch, processes = replica, 1
             inputs = {**inputs, "num_items_in_batch": replica}
-        accelerator = self.accelerator
+        accelerator, counted = self.accelerator, getattr(self, "_total_train_tokens", None)
         self.accelerator, self._cp_in_loss = _ReplicaView(accelerator, processes, cp), True
         try:
             out = self._cp_agreed(lambda: super(_ContextParallel, self).compute_loss(
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch))
+            if counted is not None and getattr(self, "_total_train_tokens", None) != counted:
+                self._cp_trl_tokens(inputs)
         finally:
             self.accelerator, self._cp_in_loss = accelerator, False
         if cp == 1:
@@ -294,6 +297,20 @@ class _ContextParallel:
         return (out[0] * cp, *out[1:]) if isinstance(out, tuple) else out * cp
 
     # -- token counts: CP=1's (the layout's padding left out) ----------------------------------------
+    def _cp_trl_tokens(self, inputs) -> None:
+        """TRL's ``num_tokens`` (``_total_train_tokens``) without the layout's padding: a padding-free batch counts
+        position_ids.size(1) a rank; its pad tokens, gathered as TRL gathers (every rank joins), come off."""
+        if "attention_mask" in inputs or not isinstance(inputs.get("position_ids"), Tensor):
+            return  # the mask's sum leaves the padding out already (the collator pads the mask with 0)
+        real = getattr(getattr(self, "_cp_meta", None), "real", None)
+        row = None if real is None else real.reshape(-1, real.shape[-1])[0]  # TRL counts one row's length
+        pad = inputs["position_ids"].new_tensor(0 if row is None else int((~row).sum()))
+        pads = int(self.accelerator.gather_for_metrics(pad).sum().item())
+        self._total_train_tokens -= pads // max(1, getattr(self, "_tp_size", 1))
+        metrics = getattr(self, "_metrics", {}).get("train", {})
+        if "num_tokens" in metrics:
+            metrics["num_tokens"] = [self._total_train_tokens]
+
     def floating_point_ops(self, inputs):
         return super().floating_point_ops(_real_tokens(inputs))
 

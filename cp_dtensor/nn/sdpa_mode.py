@@ -177,7 +177,7 @@ class RingSDPA(TorchFunctionMode):
         if plan.batch != 1 or b == 1:
             return plan
         if b not in self.rows:
-            self.rows[b] = document_layout(plan.ids.expand(b, -1), plan.world, windows=list(plan.windows),
+            self.rows[b] = document_layout(plan.ids.expand(b, -1), plan.cp_size, windows=list(plan.windows),
                                            placement=plan.placement)
         return self.rows[b]
 
@@ -209,6 +209,8 @@ class RingSDPA(TorchFunctionMode):
         rank (one small all-gather, before any K/V moves): see Note [A plan at the model door]."""
         rank, world = self.mesh.get_local_rank(), self.mesh.size()
         error = _plan_error(plan, self.layout, world, rank, ids, pos if self.documents == "position_ids" else None)
+        if error is None and isinstance(pos, Tensor):  # positions inside the plan's documents advance by 1
+            error = plan.positions_error(rank, pos.reshape(-1, pos.shape[-1]))
         agree_on_call(error, {"plan": plan.key if error is None else -1}, self.mesh.get_group(),
                       what="apply_context_parallel")
         return plan
@@ -223,7 +225,7 @@ class RingSDPA(TorchFunctionMode):
 # with it (``shard_batch(..., layout=plan)``) and passes it to the forward as ``cp_layout=plan``, a keyword the
 # hook takes away (the Hugging Face door's spelling; a model's own ``layout`` argument stays its own). The hook checks it
 # -- built for this CP size and a placement the door takes, the positions' and ids' document starts its
-# own -- and the ranks agree on it (its key: equal ids on every rank) before the first SDPA call. A named
+# own, positions advancing by 1 inside its documents (``DocumentLayout.positions_error``) -- and the ranks agree on it (its key: equal ids on every rank) before the first SDPA call. A named
 # layout needs no plan from the caller: from ``position_ids`` the hook gathers the start flags once and
 # builds the named placement's plan itself; from ``document_ids`` (this rank's shard) it passes them to
 # the ring as they are (no communication).
@@ -240,8 +242,8 @@ def _plan_error(plan, layout: str, world: int, rank: int, ids, pos) -> str | Non
     if not isinstance(plan, DocumentLayout):
         return (f"cp_layout= takes this batch's plan (cp_dtensor.document_layout(ids, {world}) of the full batch); "
                 f"got {type(plan).__name__}.")
-    if plan.world != world:
-        return (f"this batch's plan was built for {plan.world} ranks; the CP mesh has {world}. Build it with "
+    if plan.cp_size != world:
+        return (f"this batch's plan was built for {plan.cp_size} ranks; the CP mesh has {world}. Build it with "
                 f"cp_dtensor.document_layout(ids, {world}).")
     if layout != "documents" and plan.placement != layout:
         return (f"this batch's plan has placement {plan.placement!r}; the model's layout is {layout!r}. Build it "
@@ -255,7 +257,7 @@ def _plan_error(plan, layout: str, world: int, rank: int, ids, pos) -> str | Non
         got = got.detach().to("cpu", torch.int64).reshape(-1, plan.s_local)
         want = plan.local_ids(rank) if name == "document_ids" else _starts(plan, rank)  # [B_plan, S]
         if name == "position_ids":  # a position 0 exactly where the plan's documents start
-            got = (got == 0) | plan.local_positions(rank, plan.world, plan.seq_len).eq(0)  # a row may start mid-document
+            got = (got == 0) | plan.local_positions(rank, plan.cp_size, plan.seq_len).eq(0)  # a row may start mid-document
         rows = max(got.shape[0], want.shape[0])
         if (got.shape[0] not in (1, rows) or want.shape[0] not in (1, rows)
                 or not torch.equal(got.expand(rows, -1), want.expand(rows, -1))):
@@ -270,7 +272,7 @@ def _starts(plan: DocumentLayout, rank: int) -> Tensor:
     ids = plan.ids
     new = torch.ones_like(ids, dtype=torch.bool)
     new[:, 1:] = ids[:, 1:] != ids[:, :-1]
-    return new.gather(1, plan.local_positions(rank, plan.world, plan.seq_len))
+    return new.gather(1, plan.local_positions(rank, plan.cp_size, plan.seq_len))
 
 
 def _heads(x) -> int | None:

@@ -148,7 +148,7 @@ def _check_match(rank: int, world: int) -> None:
             model.gradient_checkpointing_enable()
             model.train()
         plan = hf.plan_batch(model, position_ids=positions)  # the full batch, the same on every rank
-        assert plan.placement == layout and plan.world == world and tuple(plan.order.shape) == (2, N)
+        assert plan.placement == layout and plan.cp_size == world and tuple(plan.order.shape) == (2, N)
         _compare(f"{name} {layout} P={world} ckpt={checkpointing}", _cp(model, mesh, plan, tokens, positions, weights,
                                                                       labels), want)
     # the reference really keeps the documents apart: across them (a cache on: no packed-sequence rule) it differs

@@ -222,7 +222,7 @@ def _sft(out: str, cp: int | None, bf16: bool = False, packing: bool = True, lay
     # unpacked: a learning rate at which the token accuracy of a partial eval batch's last row is not 0
     args = SFTConfig(output_dir=out, per_device_train_batch_size=2, max_steps=3, logging_steps=1, report_to=[],
                      save_strategy="no", learning_rate=1e-2 if packing else 1e-1, use_cpu=True, disable_tqdm=True, seed=0, data_seed=0,
-                     packing=packing, max_length=24, eval_packing=packing, per_device_eval_batch_size=2, bf16=bf16)
+                     packing=packing, max_length=23 if packing else 24, eval_packing=packing, per_device_eval_batch_size=2, bf16=bf16)
     data = Dataset.from_list([{"input_ids": d["input_ids"] + [1]} for d in _documents(12, 24)])
     evals = Dataset.from_list([{"input_ids": d["input_ids"] + [1]} for d in _documents(13, 12)])
     cls = SFTTrainer if cp is None else hf.with_context_parallel(SFTTrainer, cp_size=cp, layout=layout)
@@ -230,7 +230,8 @@ def _sft(out: str, cp: int | None, bf16: bool = False, packing: bool = True, lay
                   processing_class=_tokenizer())
     trainer.train()
     accuracy = [h["mean_token_accuracy"] for h in trainer.state.log_history if "mean_token_accuracy" in h]
-    result = {"losses": _losses(trainer), "accuracy": accuracy, "eval": trainer.evaluate()}
+    result = {"losses": _losses(trainer), "accuracy": accuracy, "eval": trainer.evaluate(),
+              "num_tokens": [h["num_tokens"] for h in trainer.state.log_history if "num_tokens" in h]}
     if not packing:  # partial last batches (5 rows, 2 a batch): plain rows, prompt-completion rows
         five = [{"input_ids": d["input_ids"] + [1]} for d in _documents(13, 5)]
         result["eval-5"] = trainer.evaluate(eval_dataset=Dataset.from_list(five))
@@ -420,6 +421,7 @@ def test_trl_sft_cp2_matches_cp1(runs, case):
         got, want = cp[rank][case], ref[case]
         _close(got["losses"], want["losses"], f"SFTTrainer {case} loss")
         _close(got["accuracy"], want["accuracy"], f"SFTTrainer {case} mean_token_accuracy")
+        assert got["num_tokens"] == want["num_tokens"] and want["num_tokens"], (case, got, want)  # CP's padding out
         for evals in ("eval", "eval-5", "eval-5-completion"):
             if evals in want:
                 for key in ("eval_loss", "eval_mean_token_accuracy", "eval_entropy"):
