@@ -54,6 +54,7 @@ kernels become their out-of-place forms (the compiler plans the buffers).
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -310,9 +311,11 @@ def _merge(outs: list, batch: int, tile: int, seq_dim: int, what: str):
 
 
 def tiled_forward(forward: Callable, x: Tensor, *args, tile_size: int, seq_dim: int = 1, what: str = "the module",
-                  **kwargs):
+                  recompute_context: Callable | None = None, **kwargs):
     """``forward(x, *args, **kwargs)`` for a token-wise ``forward``, ``tile_size`` tokens of ``x`` (along
-    ``seq_dim``) at a time, each tile recomputed in backward (see Note [Sequence tiling])."""
+    ``seq_dim``) at a time, each tile recomputed in backward (see Note [Sequence tiling]).
+    ``recompute_context()``: a context manager entered around each tile's recomputation (eager), e.g. to keep
+    a router's token counts from counting a tile twice."""
     n = x.shape[seq_dim]
     if n <= tile_size:
         return forward(x, *args, **kwargs)
@@ -321,7 +324,8 @@ def tiled_forward(forward: Callable, x: Tensor, *args, tile_size: int, seq_dim: 
     for s in range(0, n, tile_size):
         part = x.narrow(seq_dim, s, min(tile_size, n - s))
         if grad:  # only the tile's output is kept; its intermediates come back one tile at a time in backward
-            outs.append(checkpoint(forward, part, *args, use_reentrant=False, **kwargs))
+            ctx = {} if recompute_context is None else {"context_fn": lambda: (nullcontext(), recompute_context())}
+            outs.append(checkpoint(forward, part, *args, use_reentrant=False, **ctx, **kwargs))
         else:
             outs.append(forward(part, *args, **kwargs))
     return _merge(outs, x.shape[0], tile_size, seq_dim, what)

@@ -27,8 +27,12 @@ in core/tiling.py), so no [S_local, V] tensor exists in forward or in backward:
   model whose head did not run through the plugin) raises instead of being taken for logits;
 * every block's dense ``feed_forward`` (SwiGLU) runs ``tile`` tokens at a time under non-reentrant
   checkpointing (``tiled_forward``), so its [tile, hidden_dim] intermediates exist for one tile at a time.
-  MoE layers (``moe``) are left whole: their routers count tokens per expert in forward, which a
-  recomputed tile would count twice. Under TP the MLPs are left whole too: sequence parallelism
+  MoE layers (``moe``: torchtitan's ``MoE``, token-wise: each token's top-k experts, no capacity) run in
+  tiles too, in eager jobs: their router adds each call's tokens per expert to the ``tokens_per_expert``
+  buffer (the load-balancing statistics) in forward, which a tile's recomputation in backward would add
+  again; the recomputation runs with that buffer swapped for a scratch one (``tiled_forward``'s
+  ``recompute_context``), so the statistics equal the untiled layer's. Compiled jobs keep MoE layers whole
+  (the compiler replays a checkpointed region from its graph, not through Python). Under TP the MLPs are left whole too: sequence parallelism
   reduce-scatters each MLP call's output along the sequence (``w2``'s ``RowwiseParallel(output_layouts=
   Shard(1))``), so a tile's output would be a [T / TP] slice of the tile, not of the sequence; TP already
   divides the MLP's intermediate by the TP degree.
@@ -39,6 +43,7 @@ every CP degree, CP = 1 included (the plugin's parallelize runs for every job of
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -82,10 +87,26 @@ def tag_after_tp(model: nn.Module, *, head_name: str = "output") -> None:
     getattr(model, head_name).register_forward_hook(_retag)
 
 
-def apply_sequence_tiling(model: nn.Module, tile: int, *, head_name: str = "output",
-                          tile_mlps: bool = True) -> tuple[int, int]:
-    """Tile ``model``'s head + loss and (``tile_mlps``) its blocks' dense MLPs (Note [Sequence tiling in
-    torchtitan]). Refuses, by name, a head that is not an ``nn.Linear``. Returns (tiled MLPs, MLPs left whole)."""
+def _contiguous(forward, x: torch.Tensor):
+    return forward(x.contiguous())  # x: a [B, T, D] tile of [B, S, D]; torchtitan's MoE views it as [B * T, D]
+
+
+@contextlib.contextmanager
+def _uncounted(moe: nn.Module):
+    # a tile's recomputation counts its tokens into a scratch buffer: Note [Sequence tiling in torchtitan]
+    counts = moe.tokens_per_expert
+    moe.tokens_per_expert = torch.zeros_like(counts)
+    try:
+        yield
+    finally:
+        moe.tokens_per_expert = counts
+
+
+def apply_sequence_tiling(model: nn.Module, tile: int, *, head_name: str = "output", tile_mlps: bool = True,
+                          tile_moe: bool = False) -> tuple[int, int]:
+    """Tile ``model``'s head + loss, (``tile_mlps``) its blocks' dense MLPs and (``tile_moe`` too) their MoE
+    layers (Note [Sequence tiling in torchtitan]). Refuses, by name, a head that is not an ``nn.Linear``.
+    Returns (tiled MLPs and MoE layers, those left whole)."""
     head = getattr(model, head_name, None)
     if not isinstance(head, nn.Linear):
         raise ValueError(f"[cp_dtensor] sequence_tiling tiles the LM head with the loss; {type(model).__name__}."
@@ -94,7 +115,18 @@ def apply_sequence_tiling(model: nn.Module, tile: int, *, head_name: str = "outp
     tiled = moe = 0
     for block in getattr(model, "layers", {}).values():
         ffn = getattr(block, "feed_forward", None)
-        if getattr(block, "moe_enabled", False) or ffn is None or not tile_mlps:
+        if getattr(block, "moe_enabled", False):
+            layer = getattr(block, "moe", None)
+            if not (tile_mlps and tile_moe) or layer is None:
+                moe += 1
+                continue
+            counted = isinstance(getattr(layer, "tokens_per_expert", None), torch.Tensor)
+            layer.forward = functools.partial(tiled_forward, functools.partial(_contiguous, layer.forward),
+                                              tile_size=tile, what=type(layer).__name__,
+                                              recompute_context=functools.partial(_uncounted, layer) if counted else None)
+            tiled += 1
+            continue
+        if ffn is None or not tile_mlps:
             moe += 1
             continue
         ffn.forward = functools.partial(tiled_forward, ffn.forward, tile_size=tile, what=f"{type(ffn).__name__}")

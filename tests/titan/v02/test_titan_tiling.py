@@ -177,6 +177,40 @@ def test_tp2_vocabulary_parallel_tiled_head_matches_tp1_untiled(loss_par):
     assert run_ranks(2, _tp_tiled_matches_untiled, loss_par) == [True, True]
 
 
+def test_tiled_moe_equals_whole_and_counts_tokens_once():
+    """torchtitan's MoE layer (top-2 of 4 experts, a shared expert, float64) in tiles of 5 tokens against the
+    whole layer: its output, the gradients of the input and of every parameter, and the load-balancing
+    statistics (``tokens_per_expert`` after forward + backward: each token counted once, not again when its
+    tile is recomputed)."""
+    from torchtitan.models.moe import MoE, MoEArgs
+
+    from cp_dtensor.titan.shared.tiling import apply_sequence_tiling
+
+    torch.manual_seed(0)
+    layer = MoE(MoEArgs(num_experts=4, top_k=2, use_grouped_mm=False, score_func="softmax"), dim=16, hidden_dim=24)
+    with torch.no_grad():
+        layer.init_weights(0.1, torch.device("cpu"))
+    layer = layer.double()
+    model = torch.nn.Module()
+    model.output = torch.nn.Linear(16, 8)
+    model.layers = torch.nn.ModuleDict({"0": torch.nn.Module()})
+    block = model.layers["0"]
+    block.moe_enabled, block.moe = True, copy.deepcopy(layer)
+    assert apply_sequence_tiling(model, TILE, tile_moe=True) == (1, 0)
+    x = torch.randn(2, 13, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    w = torch.randn(2, 13, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    results = []
+    for m in (layer, block.moe):
+        out = m(x)
+        grads = torch.autograd.grad((out * w).sum(), (x, *m.parameters()))
+        results.append((out, grads, m.tokens_per_expert.clone()))
+    (want, want_grads, want_counts), (got, got_grads, got_counts) = results
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+    for a, r in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, r, rtol=1e-10, atol=1e-13)
+    assert want_counts.sum() == 2 * 26 and torch.equal(got_counts, want_counts)
+
+
 @pytest.mark.parametrize("value", [0, -3, 2.5, "yes"])
 def test_bad_tile_size_is_rejected(value):
     from cp_dtensor.titan import CPDTensor
