@@ -270,3 +270,15 @@ def test_cp2_tiled_job_matches_cp1_untiled(flags, tmp_path):
                    "--training.steps", "4", *flags)
     assert "cp_dtensor: sequence tiling, 64 tokens a tile: the LM head + loss and 6 MLPs" in out
     assert step_losses(out, last=4) == pytest.approx(ref, rel=1e-5)
+
+
+@slow("two end-to-end torchtitan runs (~60-100 s on 2 CPU cores)")
+def test_tp2_tiled_job_matches_tp1_untiled(tmp_path):
+    # the whole job at TP = 2 (torchtitan's plan, loss parallel): the vocabulary-parallel head tagged past TP's
+    # output hook by the plugin's parallelize, the MLPs whole under TP
+    ref = step_losses(torchrun(1, tmp_path / "tp1", "--parallelism.context_parallel_degree", "1",
+                               "--training.steps", "4"), last=4)
+    out = torchrun(2, tmp_path / "tp2", "--parallelism.context_parallel_degree", "1",
+                   "--parallelism.tensor_parallel_degree", "2", "--cp_dtensor.sequence_tiling=64", "--training.steps", "4")
+    assert "cp_dtensor: sequence tiling, 64 tokens a tile: the LM head + loss and 0 MLPs (6 MLPs whole under TP)" in out
+    assert step_losses(out, last=4) == pytest.approx(ref, rel=1e-5)
