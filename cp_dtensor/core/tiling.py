@@ -147,7 +147,7 @@ def _fused(hidden, weight, bias, labels, scale, *, tile: int, ignore_index: int,
             z = torch.exp(z).scatter_add(1, safe, minus_one[:t].where(mine[:, None], 0.0))
         g = z if dtype == acc else z.to(dtype)  # [T, V]
         if need_h:  # matmul 2
-            dh[s:s + t] = ((g @ w) * c[:, None].to(dtype)).to(dh.dtype)
+            dh[s:s + t] = ((g @ w).to(acc) * c[:, None]).to(dh.dtype)  # the scale in fp32, not rounded to bf16
         if need_w:  # matmul 3
             xc = (x * c[:, None]).to(dtype)
             if eager and dtype == acc:
