@@ -12,6 +12,15 @@ the cap is reported as ">= cap".
 
     python scripts/benchmarks/bench_tiling.py                    # S_local 1024 vs 3072, tile 1024, budget 1024 MiB
     python scripts/benchmarks/bench_tiling.py --quick            # S_local 256 vs 768 (the smoke test)
+
+``--head``: the LM head alone, ``cp_dtensor.linear_cross_entropy`` against the plain head + ``F.cross_entropy``
+(logits in the compute dtype), forward + backward, the modes interleaved in each of ``--reps`` rounds (median
+seconds; ratios side by side), labels with ~10 % ignored tokens, several tile sizes; peak memory above the inputs
+(CPU: VmHWM as above; CUDA: max_memory_allocated). ``--device cuda`` runs it on a GPU.
+
+    python scripts/benchmarks/bench_tiling.py --head                                    # CPU, S 4096, H 256, V 32000
+    python scripts/benchmarks/bench_tiling.py --head --device cuda --dtype bf16 --head-shape 32768,4096,128256 \
+        --tiles 1024,2048,4096                                                          # the H200 shape of issue 49
 """
 
 from __future__ import annotations
@@ -77,6 +86,78 @@ def probe(world: int, s_local: int, tile, shape: dict) -> dict:
     return {"peak": max(r["peak"] for r in out), "seconds": max(r["seconds"] for r in out)}
 
 
+def _head_step(mode, h, w, lab, tile):
+    """One forward + backward of the head + loss; returns the loss (float)."""
+    import torch.nn.functional as F
+
+    from cp_dtensor import linear_cross_entropy
+
+    h.grad = w.grad = None
+    if mode == "plain":
+        loss = F.cross_entropy(F.linear(h, w), lab)
+    else:
+        loss = linear_cross_entropy(h, w, lab, tile_size=tile)
+    loss.backward()
+    return loss.item()
+
+
+def head_bench(a) -> dict:
+    """The LM head alone: tiled / plain time and peak memory at several tile sizes, one interleaved run."""
+    import statistics
+
+    dev = torch.device(a.device)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[a.dtype]
+    s, hid, vocab = (int(x) for x in a.head_shape.split(","))
+    tiles = [int(t) for t in a.tiles.split(",")]
+    g = torch.Generator().manual_seed(0)
+    h = (torch.randn(s, hid, generator=g) * 0.5).to(dev, dtype).requires_grad_()
+    w = (torch.randn(vocab, hid, generator=g) * hid ** -0.5).to(dev, dtype).requires_grad_()
+    lab = torch.randint(0, vocab, (s,), generator=g)
+    lab[torch.rand(s, generator=g) < 0.1] = -100  # ignored tokens
+    lab = lab.to(dev)
+    modes = [("plain", None)] + [(f"tile {t}", t) for t in tiles]
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    for mode, t in modes:  # warm-up
+        _head_step(mode, h, w, lab, t)
+    times = {m: [] for m, _ in modes}
+    losses = {}
+    for _ in range(a.reps):
+        for mode, t in modes:
+            sync()
+            t0 = time.perf_counter()
+            losses[mode] = _head_step(mode, h, w, lab, t)
+            sync()
+            times[mode].append(time.perf_counter() - t0)
+    peaks = {}
+    for mode, t in modes:
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            _head_step(mode, h, w, lab, t)
+            peaks[mode] = torch.cuda.max_memory_allocated() - base
+        else:
+            _libc_live_memory()
+            base = reset_peak()
+            _head_step(mode, h, w, lab, t)
+            peaks[mode] = peak_since(base)
+    plain, plain_min = statistics.median(times["plain"]), min(times["plain"])
+    res = {"device": str(dev), "dtype": a.dtype, "shape": [s, hid, vocab], "threads": torch.get_num_threads(),
+           "reps": a.reps, "modes": {}}
+    print(f"head fwd+bwd, {dev} {a.dtype}, S {s}, H {hid}, V {vocab}, {torch.get_num_threads()} threads, "
+          f"{a.reps} interleaved rounds (median; and the fastest round of each)")
+    for mode, _ in modes:
+        sec = statistics.median(times[mode])
+        r = {"seconds": sec, "time_ratio": sec / plain, "min_time_ratio": min(times[mode]) / plain_min,
+             "peak_mib": peaks[mode] / MiB,
+             "peak_ratio": peaks[mode] / peaks["plain"], "loss_rel_diff": abs(losses[mode] / losses["plain"] - 1)}
+        res["modes"][mode] = r
+        print(f"  {mode:>10}: {sec * 1e3:8.1f} ms  x{r['time_ratio']:.3f} (fastest rounds x{r['min_time_ratio']:.3f})"
+              f"   peak {r['peak_mib']:8.1f} MiB  "
+              f"x{r['peak_ratio']:.3f}   loss rel diff {r['loss_rel_diff']:.1e}", flush=True)
+    return res
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cp", type=int, default=2)
@@ -91,7 +172,20 @@ def main() -> None:
     p.add_argument("--cap", type=int, default=16384, help="the longest S_local probed")
     p.add_argument("--no-search", action="store_true", help="only the line's prediction, no probes at the budget")
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--head", action="store_true", help="the LM head + loss alone (see the module docstring)")
+    p.add_argument("--head-shape", default="4096,256,32000", help="--head: S,H,V")
+    p.add_argument("--tiles", default="256,512,1024,2048", help="--head: tile sizes")
+    p.add_argument("--reps", type=int, default=5, help="--head: interleaved rounds")
+    p.add_argument("--device", default="cpu", help="--head: cpu or cuda")
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"), help="--head: the head's dtype")
     a = p.parse_args()
+    if a.head:
+        torch.set_num_threads(1)
+        res = head_bench(a)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=1)
+        return
     if a.quick:
         a.lo, a.hi, a.tile, a.budget_mib, a.cap = 256, 768, 256, 256.0, 2048
     torch.set_num_threads(1)

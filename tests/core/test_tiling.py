@@ -1,6 +1,8 @@
 """core/tiling.py: the tiled LM head + cross-entropy against F.cross_entropy on whole float64 logits (the mean,
-the num_items sum, ignore_index, a bias, autocast), the tiled module forward against the plain one (its outputs
-and gradients, an MoE router's [B * S, E] output), the refusals, and a fullgraph compile of both."""
+the num_items sum, ignore_index, a bias, autocast, fp32 at 1e-5 / 1e-4, a tied head, frozen parts, a double
+backward, a vocabulary-parallel head at TP = 2), the fused path's 3 matmuls a tile (none in backward), the tiled
+module forward against the plain one (its outputs and gradients, an MoE router's [B * S, E] output), the refusals,
+and a fullgraph compile of both."""
 
 from __future__ import annotations
 
@@ -8,8 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _tiers import slow
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from cp_dtensor.core.tiling import DEFAULT_TILE, check_tile_size, linear_cross_entropy, tiled_forward
+from _dist import run_ranks
 from _ref import rel_err
 
 
@@ -47,6 +51,123 @@ def test_linear_cross_entropy_under_autocast_as_linear_then_float():
     assert all(a.dtype == torch.float32 and rel_err(a, r) <= 2e-2 for a, r in zip(gg, gr))  # bf16 matmuls
 
 
+def _plain64(h, w, lab, b=None, items=None):
+    """The whole float64 logits' loss (transformers' reduction) and its gradients w.r.t. (h, w[, b])."""
+    h, w = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    args = (h, w) if b is None else (h, w, b.detach().double().requires_grad_())
+    logits = F.linear(h, w, None if b is None else args[2]).flatten(0, 1)
+    loss = F.cross_entropy(logits, lab.flatten(), reduction="sum" if items else "mean") / (items or 1)
+    return loss.item(), torch.autograd.grad(loss, args)
+
+
+def test_fp32_loss_1e5_grads_1e4_against_float64():
+    """fp32 at a realistic scale (vocab 3000, ignored labels, ragged tiles, a bias): the issue's tolerances."""
+    g = torch.Generator().manual_seed(4)
+    h = (torch.randn(2, 300, 64, generator=g) * 2).requires_grad_()
+    w = (torch.randn(3000, 64, generator=g) * 0.3).requires_grad_()
+    b = torch.randn(3000, generator=g).requires_grad_()
+    lab = torch.randint(0, 3000, (2, 300), generator=g)
+    lab[torch.rand(2, 300, generator=g) < 0.2] = -100
+    for items, tile in ((None, 128), (517, 1000)):
+        want, ref = _plain64(h, w, lab, b, items)
+        got = linear_cross_entropy(h, w, lab, bias=b, tile_size=tile, num_items_in_batch=items)
+        assert got.dtype == torch.float32 and abs(got.item() - want) <= 1e-5 * abs(want)
+        for a, r in zip(torch.autograd.grad(got, (h, w, b)), ref):
+            assert a.dtype == torch.float32 and rel_err(a.double(), r) <= 1e-4, (items, tile)
+
+
+def test_tied_head_frozen_parts_and_no_grad():
+    """A head tied to the embedding (its gradient adds both uses), a frozen weight, constant hidden states and
+    no_grad: each the float64 reference's (only what requires grad gets a gradient)."""
+    h, w, _, lab = _data()
+    tok = torch.randint(0, 20, (3, 11), generator=torch.Generator().manual_seed(5))
+    tied = lambda loss_fn: loss_fn(torch.tanh(F.embedding(tok, w)) + h, w)  # noqa: E731
+    got = tied(lambda x, ww: linear_cross_entropy(x, ww, lab, tile_size=4))
+    ref = tied(lambda x, ww: F.cross_entropy(F.linear(x, ww).flatten(0, 1), lab.flatten()))
+    for a, r in zip(torch.autograd.grad(got, (h, w)), torch.autograd.grad(ref, (h, w))):
+        assert rel_err(a, r) <= 1e-12
+    want, (dh, dw) = _plain64(h, w, lab)
+    (gw,) = torch.autograd.grad(linear_cross_entropy(h.detach(), w, lab, tile_size=4), (w,))
+    (gh,) = torch.autograd.grad(linear_cross_entropy(h, w.detach(), lab, tile_size=4), (h,))
+    assert rel_err(gw, dw) <= 1e-12 and rel_err(gh, dh) <= 1e-12
+    with torch.no_grad():
+        assert abs(linear_cross_entropy(h, w, lab, tile_size=4).item() - want) <= 1e-12 * abs(want)
+
+
+def test_double_backward_takes_the_recompute_path():
+    """create_graph=True: the gradient is itself differentiable (the recompute path), as the plain loss's."""
+    h, w, b, lab = _data()
+
+    def second(loss_fn):
+        (gh,) = torch.autograd.grad(loss_fn(), (h,), create_graph=True)
+        return torch.autograd.grad((gh ** 2).sum(), (h, w, b))
+
+    got = second(lambda: linear_cross_entropy(h, w, lab, bias=b, tile_size=4))
+    ref = second(lambda: F.cross_entropy(F.linear(h, w, b).flatten(0, 1), lab.flatten()))
+    assert all(rel_err(a, r) <= 1e-12 for a, r in zip(got, ref))
+
+
+aten = torch.ops.aten
+
+
+class _Matmuls(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func.overloadpacket in (aten.mm, aten.addmm, aten.addmm_, aten.addmv, aten.addmv_, aten.matmul)
+        return func(*args, **(kwargs or {}))
+
+
+def test_fused_path_runs_three_matmuls_a_tile_and_none_in_backward():
+    """Note [Sequence tiling]: matmuls 1-3 in the forward (and db's matvec), nothing recomputed in backward;
+    with a frozen weight, no dW matmul."""
+    h, w, b, lab = _data()
+    tiles = -(-33 // 4)
+    for frozen, want in ((False, 4 * tiles), (True, 2 * tiles)):
+        ww = w.detach() if frozen else w
+        with _Matmuls() as fwd:
+            loss = linear_cross_entropy(h, ww, lab, bias=None if frozen else b, tile_size=4)
+        with _Matmuls() as bwd:
+            loss.backward()
+        assert (fwd.n, bwd.n) == (want, 0), frozen
+
+
+def _vocab_parallel(rank, world):
+    """A vocabulary-parallel head (weight and bias DTensors Shard(0), 21 rows: uneven shards) at TP = 2 against
+    the whole float64 head: hidden states plain (dh all-reduced) and a Replicate DTensor (dh left Partial)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(6)
+    h = torch.randn(2, 13, 8, generator=g, dtype=torch.float64)
+    w, b = torch.randn(21, 8, generator=g, dtype=torch.float64), torch.randn(21, generator=g, dtype=torch.float64)
+    lab = torch.randint(0, 21, (2, 13), generator=g)
+    lab[0, 3:7] = -100
+    for items, replicated in ((None, False), (19, True)):
+        want, ref = _plain64(h, w, lab, b, items)
+        dw = distribute_tensor(w, mesh, [Shard(0)]).requires_grad_()
+        db = distribute_tensor(b, mesh, [Shard(0)]).requires_grad_()
+        hh = h.clone().requires_grad_()
+        x = DTensor.from_local(hh, mesh, [Replicate()]) if replicated else hh
+        got = linear_cross_entropy(x, dw, lab, bias=db, tile_size=5, num_items_in_batch=items)
+        got.backward()
+        assert abs(got.item() - want) <= 1e-12 * abs(want), (items, replicated)
+        for a, r in zip((hh.grad, dw.grad.full_tensor(), db.grad.full_tensor()), ref):
+            assert rel_err(a, r) <= 1e-12, (items, replicated)
+    with pytest.raises(ValueError, match="sharded over the vocabulary"):
+        linear_cross_entropy(h, distribute_tensor(w, mesh, [Shard(1)]), lab)
+    with pytest.raises(ValueError, match="replicated on the head's mesh"):
+        linear_cross_entropy(distribute_tensor(h, mesh, [Shard(1)]), distribute_tensor(w, mesh, [Shard(0)]), lab)
+    return True
+
+
+def test_vocabulary_parallel_head_at_tp2_equals_whole_head():
+    assert run_ranks(2, _vocab_parallel) == [True, True]
+
+
 class _Router(torch.nn.Module):
     """An MoE block's shape of output: ([B, S, H], [B * S, E])."""
 
@@ -79,8 +200,13 @@ def test_refusals():
     h, w, _, lab = _data()
     with pytest.raises(ValueError, match="hidden"):
         linear_cross_entropy(h, w, lab[:, :5])
-    with pytest.raises(ValueError, match="tile_size"):
-        linear_cross_entropy(h, w, lab, tile_size=0)
+    for tile in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="tile_size must be a positive int"):
+            linear_cross_entropy(h, w, lab, tile_size=tile)
+    with pytest.raises(TypeError, match="integer labels"):
+        linear_cross_entropy(h, w, lab.double())
+    with pytest.raises(ValueError, match="bias must be"):
+        linear_cross_entropy(h, w, lab, bias=torch.ones(3))
     with pytest.raises(ValueError, match="not a tensor per token"):
         tiled_forward(lambda x: x.sum(1), torch.ones(2, 6, 3), tile_size=4)
 

@@ -8,17 +8,34 @@ labelled tokens). With ``sequence_tiling`` the two become one tiled computation 
 in core/tiling.py), so no [S_local, V] tensor exists in forward or in backward:
 
 * the head (``model.output``, an ``nn.Linear``) passes its input through, the hidden states [B, S_local,
-  D], tagged with the head's weight and bias *as its forward saw them* (under FSDP the unsharded
+  D], tagged with (hidden, weight, bias) *as its forward saw them* (under FSDP the unsharded
   parameters: the final norm + head group keeps them until the backward under torchtitan's default
   ``fsdp_reshard_after_forward``; "always" would free them, and is refused);
+* under tensor parallelism the head is vocabulary-parallel: torchtitan's plan makes it ``ColwiseParallel
+  (input_layouts=Shard(1))`` (its weight a DTensor ``Shard(0)`` over the vocabulary), whose input hook
+  hands the forward the hidden states replicated over TP (all-gathered along the sequence). The tag keeps
+  those; ``linear_cross_entropy`` combines each tile's log-sum-exp over the TP group (Note [Sequence
+  tiling]) and leaves dh ``Partial``, so the input hook's redistribute reduce-scatters it back to the
+  sequence shards. TP's output hook replaces the forward's output (``Shard(-1)`` under loss parallel, a
+  chunk of the replicated hidden states, no communication; or ``Replicate``), dropping its attribute, so
+  ``tag_after_tp`` adds a forward hook after TP's that puts the tag (stashed on the head by the forward)
+  on the final output. A TP head that is not sharded over the vocabulary raises there, on every rank,
+  before the loss's first collective;
 * the train spec's loss becomes ``linear_cross_entropy(hidden, weight, labels, num_items_in_batch=1)``:
   the same sum, ignore index -100, labels already shifted by torchtitan's data; dW accumulates into the
   unsharded weight's gradient, which FSDP reduce-scatters as before. A prediction without the tag (a
   model whose head did not run through the plugin) raises instead of being taken for logits;
 * every block's dense ``feed_forward`` (SwiGLU) runs ``tile`` tokens at a time under non-reentrant
   checkpointing (``tiled_forward``), so its [tile, hidden_dim] intermediates exist for one tile at a time.
-  MoE layers (``moe``) are left whole: their routers count tokens per expert in forward, which a
-  recomputed tile would count twice.
+  MoE layers (``moe``: torchtitan's ``MoE``, token-wise: each token's top-k experts, no capacity) run in
+  tiles too, in eager jobs: their router adds each call's tokens per expert to the ``tokens_per_expert``
+  buffer (the load-balancing statistics) in forward, which a tile's recomputation in backward would add
+  again; the recomputation runs with that buffer swapped for a scratch one (``tiled_forward``'s
+  ``recompute_context``), so the statistics equal the untiled layer's. Compiled jobs keep MoE layers whole
+  (the compiler replays a checkpointed region from its graph, not through Python). Under TP the MLPs are left whole too: sequence parallelism
+  reduce-scatters each MLP call's output along the sequence (``w2``'s ``RowwiseParallel(output_layouts=
+  Shard(1))``), so a tile's output would be a [T / TP] slice of the tile, not of the sequence; TP already
+  divides the MLP's intermediate by the TP degree.
 
 The loss equals the untiled one (fp32: to rounding; tests/titan/v02/test_titan_tiling.py). It applies at
 every CP degree, CP = 1 included (the plugin's parallelize runs for every job of a served family).
@@ -26,28 +43,70 @@ every CP degree, CP = 1 included (the plugin's parallelize runs for every job of
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from ...core.tiling import linear_cross_entropy, tiled_forward
 
-__all__ = ["apply_sequence_tiling", "tiled_loss", "HEAD_TAG"]
+__all__ = ["apply_sequence_tiling", "tag_after_tp", "tiled_loss", "HEAD_TAG"]
 
-HEAD_TAG = "_cp_dtensor_head"  # the attribute of the head's output: (weight, bias) as its forward saw them
+HEAD_TAG = "_cp_dtensor_head"  # the attribute of the head's output: (hidden, weight, bias) as its forward saw them
 
 
 def _head_forward(head: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
     # See Note [Sequence tiling in torchtitan]: the hidden states [B, S_local, D], tagged with the head
     out = hidden.view_as(hidden)  # a new tensor object: the tag never lands on a tensor another module holds
-    setattr(out, HEAD_TAG, (head.weight, head.bias))
+    tag = (hidden, head.weight, head.bias)
+    setattr(out, HEAD_TAG, tag)
+    if isinstance(head.weight, DTensor):  # TP's output hook replaces ``out``: _retag puts the tag on its result
+        setattr(head, HEAD_TAG, tag)
     return out
 
 
-def apply_sequence_tiling(model: nn.Module, tile: int, *, head_name: str = "output") -> tuple[int, int]:
-    """Tile ``model``'s head + loss and its blocks' dense MLPs (Note [Sequence tiling in torchtitan]).
-    Refuses, by name, a head that is not an ``nn.Linear``. Returns (tiled MLPs, untiled MoE layers)."""
+def _retag(head: nn.Module, args, output):
+    tag = head.__dict__.pop(HEAD_TAG, None)
+    if tag is None:
+        return output
+    weight = tag[1]
+    if weight.device_mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
+        raise ValueError(f"[cp_dtensor] sequence_tiling under tensor parallelism serves a vocabulary-parallel LM head "
+                         f"(its weight placed (Shard(0),) on the TP mesh: torchtitan's ColwiseParallel plan); this "
+                         f"head's weight is placed {tuple(weight.placements)}. Use the family's own TP plan, or "
+                         "remove sequence_tiling.")
+    setattr(output, HEAD_TAG, tag)
+    return output
+
+
+def tag_after_tp(model: nn.Module, *, head_name: str = "output") -> None:
+    """After TP's plan: re-tag the tiled head's output past TP's output hook (Note [Sequence tiling in
+    torchtitan]). Hooks run in the order registered, so this one runs after TP's (and FSDP's)."""
+    getattr(model, head_name).register_forward_hook(_retag)
+
+
+def _contiguous(forward, x: torch.Tensor):
+    return forward(x.contiguous())  # x: a [B, T, D] tile of [B, S, D]; torchtitan's MoE views it as [B * T, D]
+
+
+@contextlib.contextmanager
+def _uncounted(moe: nn.Module):
+    # a tile's recomputation counts its tokens into a scratch buffer: Note [Sequence tiling in torchtitan]
+    counts = moe.tokens_per_expert
+    moe.tokens_per_expert = torch.zeros_like(counts)
+    try:
+        yield
+    finally:
+        moe.tokens_per_expert = counts
+
+
+def apply_sequence_tiling(model: nn.Module, tile: int, *, head_name: str = "output", tile_mlps: bool = True,
+                          tile_moe: bool = False) -> tuple[int, int]:
+    """Tile ``model``'s head + loss, (``tile_mlps``) its blocks' dense MLPs and (``tile_moe`` too) their MoE
+    layers (Note [Sequence tiling in torchtitan]). Refuses, by name, a head that is not an ``nn.Linear``.
+    Returns (tiled MLPs and MoE layers, those left whole)."""
     head = getattr(model, head_name, None)
     if not isinstance(head, nn.Linear):
         raise ValueError(f"[cp_dtensor] sequence_tiling tiles the LM head with the loss; {type(model).__name__}."
@@ -56,7 +115,18 @@ def apply_sequence_tiling(model: nn.Module, tile: int, *, head_name: str = "outp
     tiled = moe = 0
     for block in getattr(model, "layers", {}).values():
         ffn = getattr(block, "feed_forward", None)
-        if getattr(block, "moe_enabled", False) or ffn is None:
+        if getattr(block, "moe_enabled", False):
+            layer = getattr(block, "moe", None)
+            if not (tile_mlps and tile_moe) or layer is None:
+                moe += 1
+                continue
+            counted = isinstance(getattr(layer, "tokens_per_expert", None), torch.Tensor)
+            layer.forward = functools.partial(tiled_forward, functools.partial(_contiguous, layer.forward),
+                                              tile_size=tile, what=type(layer).__name__,
+                                              recompute_context=functools.partial(_uncounted, layer) if counted else None)
+            tiled += 1
+            continue
+        if ffn is None or not tile_mlps:
             moe += 1
             continue
         ffn.forward = functools.partial(tiled_forward, ffn.forward, tile_size=tile, what=f"{type(ffn).__name__}")
@@ -74,7 +144,7 @@ def tiled_loss(loss_fn, tile: int):
             raise ValueError("[cp_dtensor] sequence_tiling: the model's output did not come through the plugin's "
                              "tiled LM head (its loss would take hidden states for logits). Train a family the "
                              "plugin serves, or remove sequence_tiling.")
-        weight, bias = head
-        return linear_cross_entropy(pred, weight, labels, bias=bias, tile_size=tile, num_items_in_batch=1)
+        hidden, weight, bias = head
+        return linear_cross_entropy(hidden, weight, labels, bias=bias, tile_size=tile, num_items_in_batch=1)
 
     return loss

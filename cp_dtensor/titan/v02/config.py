@@ -113,8 +113,6 @@ def _check_tiling(job_config: Any) -> None:
                      "unsharded weights after its forward)")
     if par.pipeline_parallel_degree > 1:
         clash.append("[parallelism] pipeline_parallel_degree > 1")
-    if par.tensor_parallel_degree > 1:
-        clash.append("tensor_parallel_degree > 1 (TP shards the LM head over the vocabulary; not served yet)")
     if clash:
         raise ValueError("[cp_dtensor] sequence_tiling does not support " + "; ".join(clash)
                          + ". Change these or remove sequence_tiling.")

@@ -65,7 +65,7 @@ from ..shared.cpu import (
     use_param_dtype,
     use_sum_reduction_on_gloo,
 )
-from ..shared.tiling import apply_sequence_tiling, tiled_loss
+from ..shared.tiling import apply_sequence_tiling, tag_after_tp, tiled_loss
 from .attention import RingAttention, shard_cp_batch
 from .config import FAMILIES, CPDTensor, check_config, cp_section
 from .families import (
@@ -143,9 +143,11 @@ def parallelize_with_ring(model: nn.Module, parallel_dims, job_config, *, titan_
     apply_family_fixes(model)
     tile = getattr(getattr(job_config, "cp_dtensor", None), "tile_size", None)
     if tile is not None:  # before the family's AC / compile / FSDP wrap the blocks: Note [Sequence tiling in torchtitan]
-        tiled, whole = apply_sequence_tiling(model, tile)
+        compiled = getattr(getattr(job_config, "compile", None), "enable", False)  # MoE layers tiled in eager only
+        tiled, whole = apply_sequence_tiling(model, tile, tile_mlps=not parallel_dims.tp_enabled, tile_moe=not compiled)
         logger.info(f"cp_dtensor: sequence tiling, {tile} tokens a tile: the LM head + loss and {tiled} MLPs"
-                    + (f" ({whole} MoE layers whole)" if whole else ""))
+                    + (f" ({whole} MoE layers whole)" if whole and not parallel_dims.tp_enabled else "")
+                    + (f" ({whole} MLPs whole under TP)" if whole and parallel_dims.tp_enabled else ""))
 
     flex = getattr(model.model_args, "attn_type", "sdpa") == "flex"
     with contextlib.ExitStack() as stack:
@@ -164,6 +166,8 @@ def parallelize_with_ring(model: nn.Module, parallel_dims, job_config, *, titan_
         if getattr(model.model_args, "enable_weight_tying", False) and hasattr(titan_module, "apply_non_moe_tp"):
             stack.enter_context(_swapped(titan_module, "apply_non_moe_tp", tied_embedding_tp(titan_module.apply_non_moe_tp)))
         model = titan_fn(model, parallel_dims, job_config)
+    if tile is not None and parallel_dims.tp_enabled:  # Note [Sequence tiling in torchtitan]: past TP's output hook
+        tag_after_tp(model)
     use_sum_reduction_on_gloo(model)
     if init_as_unsharded(model, template, prepare=apply_family_fixes):
         logger.info("cp_dtensor: weights initialised on an unsharded CPU replica, then sharded: the same at every "
