@@ -80,9 +80,10 @@ def check_tile_size(sequence_tiling) -> int | None:
 
 
 def _compute_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
-    """The head's matmul dtype: autocast's when on (as nn.Linear under autocast), else the weight's."""
+    """The head's matmul dtype: autocast's when on (as nn.Linear under autocast, which leaves float64 alone),
+    else the weight's."""
     device = hidden.device.type
-    if torch.is_autocast_enabled(device):
+    if torch.is_autocast_enabled(device) and torch.float64 not in (hidden.dtype, weight.dtype):
         return torch.get_autocast_dtype(device)
     return torch.promote_types(hidden.dtype, weight.dtype)
 

@@ -51,6 +51,18 @@ def test_linear_cross_entropy_under_autocast_as_linear_then_float():
     assert all(a.dtype == torch.float32 and rel_err(a, r) <= 2e-2 for a, r in zip(gg, gr))  # bf16 matmuls
 
 
+def test_float64_head_under_bf16_autocast_stays_float64():
+    """autocast leaves float64 alone (nn.Linear of a float64 model under bf16 autocast is a float64 matmul):
+    the tiled head too, to float64 precision."""
+    h, w, b, lab = _data()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = F.cross_entropy(F.linear(h, w, b).flatten(0, 1), lab.flatten())
+        got = linear_cross_entropy(h, w, lab, bias=b, tile_size=4)
+    assert got.dtype == torch.float64 and abs(got.item() - ref.item()) <= 1e-12 * abs(ref.item())
+    for a, r in zip(torch.autograd.grad(got, (h, w, b)), torch.autograd.grad(ref, (h, w, b))):
+        assert a.dtype == torch.float64 and rel_err(a, r) <= 1e-12
+
+
 def _plain64(h, w, lab, b=None, items=None):
     """The whole float64 logits' loss (transformers' reduction) and its gradients w.r.t. (h, w[, b])."""
     h, w = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
