@@ -20,8 +20,6 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 __all__ = ["MOVED_MODULES", "RENAMED", "moved_module", "old_keywords", "renamed", "renamed_keyword", "seq_dim_argument",
            "warn_once"]
 
@@ -55,10 +53,17 @@ RENAMED: dict[str, str] = {}
 _warned: set[str] = set()
 
 
+def _compiling() -> bool:
+    """Whether torch.compile is tracing; torch-free where torch is not loaded (``cp-dtensor plan`` imports
+    the torch-free layout math, which uses ``old_keywords``)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.compiler.is_compiling()
+
+
 def warn_once(old: str, new: str, *, stacklevel: int = 3) -> None:
     """One ``FutureWarning`` per process for ``old``, naming ``new``; none while torch.compile traces (dynamo
     cannot trace ``warnings.warn``: an old spelling compiles, fullgraph too, as its new one does)."""
-    if torch.compiler.is_compiling() or old in _warned:
+    if _compiling() or old in _warned:
         return
     _warned.add(old)
     warnings.warn(f"{old} is deprecated and will be removed in a future release; use {new}.", FutureWarning,
