@@ -48,6 +48,7 @@ torchtitan's plugin calls ``ring_attention`` on local shards: the first case.
 from __future__ import annotations
 
 import contextlib
+import enum
 import hashlib
 import types
 import warnings
@@ -55,6 +56,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed._functional_collectives as funcol
 from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
@@ -63,7 +65,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
 from torch.distributed.tensor._sharding_prop import LocalLRUCache
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.distributed.tensor.placement_types import _StridedShard, _StridedShardOffsetMode
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
@@ -72,24 +74,100 @@ __all__ = [
     "TorchDispatchMode",
     "_StridedShard",
     "_StridedShardOffsetMode",
+    "all_gather_single",
+    "all_gather_single_autograd",
     "c10d_functional",
     "compute_local_shape_and_global_offset",
     "custom_op_handlers",
     "dtensor_default_dispatch",
+    "function_output",
     "include_mesh_coordinate_in_cache_key",
     "make_contiguous_strides_for",
     "mesh_concatenate",
     "mesh_unflatten",
     "redistribute_local_tensor",
+    "reduce_scatter_single",
     "replica_dataloaders",
     "seq2seq_pad",
+    "strided_offset_mode",
     "resolve_process_group",
     "restore_cache_key",
     "wrap_sharding_propagation",
 ]
 
 TORCH_VERSION = "2.13.0"  # what the torch touches below were written against
-TORCH_VERSIONS = ("2.13", "2.14", "2.15")  # where each is checked: CI's two legs (2.13.0, 2.15.0); 2.14.1 by hand
+# where each is checked: CI's three legs (2.13.0, 2.15.0, the core on 2.11.0); 2.14.1 by hand; 2.12 not run
+TORCH_VERSIONS = ("2.11", "2.12", "2.13", "2.14", "2.15")
+
+# Note [torch 2.11 to 2.15]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~
+# One code base runs on torch 2.11 (the GPU image's torch) through 2.15. Every difference is bridged here,
+# detected by the feature (not the version number), each with a test in tests/test_compat.py:
+# * funcol's ``all_gather_single`` / ``reduce_scatter_single`` (+ ``_autograd``) are 2.13's names, and there the
+#   plain ones carry autograd too; 2.11 has ``all_gather_tensor`` (contiguous input only) /
+#   ``reduce_scatter_tensor`` (+ ``_autograd``), which 2.13 keeps as deprecated aliases. The functions below
+#   are the new ones where they exist; a caller that needs a gradient through a gather calls the _autograd one.
+# * ``_StridedShard.local_shard_size_and_offset`` (which HeadTail overrides) takes ``offset_mode``
+#   (``_StridedShardOffsetMode``: FIRST, ALL, NONE) in 2.13, ``return_first_offset`` (True: FIRST, False: ALL)
+#   in 2.11, positionally or by keyword: ``strided_offset_mode`` reads either.
+# * Dynamo before 2.13 loses the gradient of an ``autograd.Function`` whose forward returns a tensor that is
+#   also another traced value (``out_b.to(torch.float32)`` of an fp32 ``out_b`` is ``out_b`` itself): it lists
+#   the forward's intermediates as outputs too, the same tensor twice, and the gradient reaches the wrong one --
+#   the backward gets ``dout`` = 0 and returns zero gradients, silently (fp32 on CPU; CUDA's kernels pad, so
+#   no alias). ``function_output`` returns a copy there, under compile only; tests/test_compat.py has the case.
+_NEW_FUNCOL = hasattr(funcol, "all_gather_single")  # torch >= 2.13
+try:
+    from torch.distributed.tensor.placement_types import _StridedShardOffsetMode  # torch >= 2.13
+    STRIDED_OFFSET_PARAM = "offset_mode"
+except ImportError:  # torch 2.11: return_first_offset; the same three modes, for HeadTail's override
+    STRIDED_OFFSET_PARAM = "return_first_offset"
+
+    class _StridedShardOffsetMode(enum.IntEnum):
+        FIRST = 0
+        ALL = 1
+        NONE = 2
+
+
+def strided_offset_mode(*args, **kwargs) -> _StridedShardOffsetMode:
+    """What torch asks ``_StridedShard.local_shard_size_and_offset`` for, from the arguments after ``rank``
+    (``offset_mode`` in 2.13+, ``return_first_offset`` in 2.11). See Note [torch 2.11 to 2.15]."""
+    if "offset_mode" in kwargs:
+        return _StridedShardOffsetMode(kwargs["offset_mode"])
+    if "return_first_offset" in kwargs or (args and STRIDED_OFFSET_PARAM == "return_first_offset"):
+        first = kwargs["return_first_offset"] if "return_first_offset" in kwargs else args[0]
+        return _StridedShardOffsetMode.FIRST if first else _StridedShardOffsetMode.ALL
+    return _StridedShardOffsetMode(args[0]) if args else _StridedShardOffsetMode.FIRST
+
+
+_DYNAMO_OUTPUT_ALIAS = torch.torch_version.TorchVersion(torch.__version__) < (2, 13)  # 2.13: checked right
+
+
+def function_output(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as an ``autograd.Function``'s forward output: a copy where torch's compile would lose its
+    gradient (torch < 2.13, compiling), else ``t``. See Note [torch 2.11 to 2.15]."""
+    return t.clone() if _DYNAMO_OUTPUT_ALIAS and torch.compiler.is_compiling() else t
+
+
+def all_gather_single(x: torch.Tensor, gather_dim: int, group) -> torch.Tensor:
+    """funcol's all-gather along ``gather_dim`` (an AsyncCollectiveTensor in eager); no gradient on 2.11."""
+    if _NEW_FUNCOL:
+        return funcol.all_gather_single(x, gather_dim, group)
+    return funcol.all_gather_tensor(x.contiguous(), gather_dim, group)
+
+
+def all_gather_single_autograd(x: torch.Tensor, gather_dim: int, group) -> torch.Tensor:
+    """:func:`all_gather_single` whose backward reduce-scatters the gradient."""
+    if _NEW_FUNCOL:
+        return funcol.all_gather_single_autograd(x, gather_dim, group)
+    return funcol.all_gather_tensor_autograd(x, gather_dim, group)
+
+
+def reduce_scatter_single(x: torch.Tensor, op: str, scatter_dim: int, group) -> torch.Tensor:
+    """funcol's reduce-scatter (``op``: "sum", ...) along ``scatter_dim``; no gradient on 2.11."""
+    if _NEW_FUNCOL:
+        return funcol.reduce_scatter_single(x, op, scatter_dim, group)
+    return funcol.reduce_scatter_tensor(x, op, scatter_dim, group)
+
 TORCHTITAN_VERSION = "0.2.2"  # what the torchtitan rebinds (titan/) were written against
 
 # The torchtitan names the plugin rebinds (the rebinding code lives with the plugin, each step citing its Note).
@@ -109,10 +187,6 @@ TITAN_CP_STEP = "apply_cp_to_attention_module"  # swapped in each family's paral
 # (module, qualified name, parameters cp_dtensor passes or replaces; None: an attribute, checked to exist).
 # Checked by tests/test_compat.py.
 PRIVATE_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
-    # Note [Rank-specialised compiled graphs] (below)
-    ("torch.distributed.device_mesh", "DeviceMesh._stable_hash", ("self",)),
-    ("torch.distributed.tensor._dtensor_spec", "DTensorSpec._stable_hash", ("self",)),
-    ("torch.distributed.tensor", "DTensor._stable_hash_for_caching", ("self",)),
     # dtensor/sdpa.py: the SDPA handlers (Note [SDPA dispatch]) and DTensor's ordinary path
     ("torch.distributed.tensor", "DTensor._op_dispatcher._custom_op_handlers", None),
     ("torch.distributed.tensor", "DTensor._op_dispatcher.unwrap_to_op_info", ("op_call", "args", "kwargs")),
@@ -129,14 +203,12 @@ PRIVATE_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("torch.distributed.device_mesh", "DeviceMesh._unflatten", ("self", "dim", "mesh_sizes", "mesh_dim_names")),
     ("torch.distributed.device_mesh", "DeviceMesh._concatenate", ("device_mesh_list",)),
     # dtensor/placements.py: HeadTail subclasses _StridedShard (Note [HeadTail placement]) and fixes propagation
-    ("torch.distributed.tensor.placement_types", "_StridedShard", ("dim", "split_factor")),
     ("torch.distributed.tensor.placement_types", "_StridedShard.local_shard_size_and_offset",
-     ("self", "curr_local_size", "num_chunks", "rank", "offset_mode")),
+     ("self", "curr_local_size", "num_chunks", "rank", STRIDED_OFFSET_PARAM)),
     ("torch.distributed.tensor.placement_types", "_StridedShard._local_shard_size_and_offset",
-     ("self", "curr_local_size", "num_chunks", "rank", "offset_mode")),
+     ("self", "curr_local_size", "num_chunks", "rank", STRIDED_OFFSET_PARAM)),
     ("torch.distributed.tensor.placement_types", "_StridedShard._select_split_tensor",
      ("self", "tensor", "num_chunks", "index")),
-    ("torch.distributed.tensor.placement_types", "_StridedShardOffsetMode.FIRST", None),
     ("torch.distributed.tensor", "DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding_non_cached",
      ("op_schema",)),
     ("torch.distributed.tensor._sharding_prop", "LocalLRUCache", ("user_function",)),
@@ -161,6 +233,27 @@ PRIVATE_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     *((module, name, None) for module, names in TITAN_DEVICE_HOLDERS.items() for name in names),
     # titan/shared/float8.py: Note [float8 training on CPU]
     (TITAN_FLOAT8, "has_cuda_capability", ("major", "minor")),
+)
+
+# The rows of torch 2.13+ only (Note [torch 2.11 to 2.15]), checked by tests/test_compat.py where torch >= 2.13.
+PRIVATE_SYMBOLS_SINCE_2_13: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
+    # Note [Rank-specialised compiled graphs] (below)
+    ("torch.distributed.device_mesh", "DeviceMesh._stable_hash", ("self",)),
+    ("torch.distributed.tensor._dtensor_spec", "DTensorSpec._stable_hash", ("self",)),
+    ("torch.distributed.tensor", "DTensor._stable_hash_for_caching", ("self",)),
+    # dtensor/placements.py: 2.11's _StridedShard is a C++ class (no Python signature); 2.13's offset modes
+    ("torch.distributed.tensor.placement_types", "_StridedShard", ("dim", "split_factor")),
+    ("torch.distributed.tensor.placement_types", "_StridedShardOffsetMode.FIRST", None),
+    # funcol's new names (comm.py, batch.py, ...): 2.11 has all_gather_tensor / reduce_scatter_tensor (+ _autograd)
+    ("torch.distributed._functional_collectives", "all_gather_single", ("self", "gather_dim", "group")),
+    ("torch.distributed._functional_collectives", "all_gather_single_autograd", ("self", "gather_dim", "group")),
+    ("torch.distributed._functional_collectives", "reduce_scatter_single", ("self", "reduceOp", "scatter_dim", "group")),
+)
+# ... and what stands in for them on torch 2.11 (checked where torch < 2.13).
+PRIVATE_SYMBOLS_BEFORE_2_13: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
+    ("torch.distributed._functional_collectives", "all_gather_tensor", ("self", "gather_dim", "group")),
+    ("torch.distributed._functional_collectives", "all_gather_tensor_autograd", ("self", "gather_dim", "group")),
+    ("torch.distributed._functional_collectives", "reduce_scatter_tensor", ("self", "reduceOp", "scatter_dim", "group")),
 )
 
 # torchtitan 0.3 (titan/v03/): the rows below are checked when torchtitan 0.3 is installed (the newest leg),
