@@ -60,7 +60,7 @@ import torch.distributed._functional_collectives as funcol
 from torch._prims_common import make_contiguous_strides_for
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import _resolve_process_group as resolve_process_group
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
 from torch.distributed.tensor._sharding_prop import LocalLRUCache
@@ -85,6 +85,7 @@ __all__ = [
     "make_contiguous_strides_for",
     "mesh_concatenate",
     "mesh_unflatten",
+    "plan_strided_redistributions",
     "redistribute_local_tensor",
     "reduce_scatter_single",
     "replica_dataloaders",
@@ -115,6 +116,11 @@ TORCH_VERSIONS = ("2.11", "2.12", "2.13", "2.14", "2.15")
 #   the forward's intermediates as outputs too, the same tensor twice, and the gradient reaches the wrong one --
 #   the backward gets ``dout`` = 0 and returns zero gradients, silently (fp32 on CPU; CUDA's kernels pad, so
 #   no alias). ``function_output`` returns a copy there, under compile only; tests/test_compat.py has the case.
+# * DTensor 2.11 reads every ``_StridedShard`` in a redistribution as a device shard order (FSDP x TP's
+#   encoding) and raises where it is none -- striped and head-tail on one mesh dim; 2.13 plans those greedily
+#   instead; and its reduction rules miss a ``_StridedShard`` on the reduced dim (``isinstance(p, Shard)``), so
+#   ``cumsum`` over a striped dim came back wrong. ``plan_strided_redistributions`` gives 2.11 2.13's two
+#   fixes, installed where cp_dtensor's placements are made.
 _NEW_FUNCOL = hasattr(funcol, "all_gather_single")  # torch >= 2.13
 try:
     from torch.distributed.tensor.placement_types import _StridedShardOffsetMode  # torch >= 2.13
@@ -146,6 +152,55 @@ def function_output(t: torch.Tensor) -> torch.Tensor:
     """``t`` as an ``autograd.Function``'s forward output: a copy where torch's compile would lose its
     gradient (torch < 2.13, compiling), else ``t``. See Note [torch 2.11 to 2.15]."""
     return t.clone() if _DYNAMO_OUTPUT_ALIAS and torch.compiler.is_compiling() else t
+
+
+_NOT_A_SHARD_ORDER = "is unable to be interpreted into a corresponding shard_order"  # 2.11's ValueError
+
+
+def _via_replicate(info, transform_info) -> list:
+    """A step 2.11 cannot run (strided <-> plain shard, partial -> strided) as two it can, through Replicate,
+    as 2.13 runs it."""
+    src, dst = info.src_dst_placements
+    strided_src, strided_dst = isinstance(src, _StridedShard), isinstance(dst, _StridedShard)
+    plain_src, plain_dst = src.is_shard() and not strided_src, dst.is_shard() and not strided_dst
+    if not ((strided_src and plain_dst) or (strided_dst and (plain_src or src.is_partial()))):
+        return [info]
+    return [transform_info(info.mesh_dim, (src, Replicate()), info.logical_shape),
+            transform_info(info.mesh_dim, (Replicate(), dst), info.logical_shape)]
+
+
+def plan_strided_redistributions() -> None:
+    """torch 2.11: plan a redistribution whose ``_StridedShard`` is no shard order greedily, as torch 2.13+
+    does, instead of raising (idempotent; nothing to do on 2.13+). See Note [torch 2.11 to 2.15]."""
+    from torch.distributed.tensor import _redistribute as r
+
+    inner = r._gen_transform_infos_non_cached
+    if hasattr(r, "_StridedShardNotDecodableError") or getattr(inner, "_cp_dtensor", False):
+        return
+
+    def _gen_transform_infos_non_cached(src_spec, dst_spec, use_graph_based_transform=None):
+        try:
+            return inner(src_spec, dst_spec, use_graph_based_transform)
+        except ValueError as e:
+            if _NOT_A_SHARD_ORDER not in str(e):
+                raise
+            planner = r.get_redistribute_planner(src_spec.device_mesh, src_spec.tensor_meta)
+            return [step for info in planner.generate_greedy_transform_infos(src_spec, dst_spec)
+                    for step in _via_replicate(info, r._TransformInfo)]
+
+    _gen_transform_infos_non_cached._cp_dtensor = True
+    r._gen_transform_infos_non_cached = _gen_transform_infos_non_cached
+    from torch.distributed.tensor._ops import _math_ops
+
+    _math_ops.replicate_reduction_dims = _replicate_reduction_dims  # read by name in the reduction rules
+
+
+def _replicate_reduction_dims(placements: tuple, reduction_dims: list[int]) -> tuple:
+    """torch 2.13's ``replicate_reduction_dims``: 2.11's tests ``isinstance(p, Shard)``, which a ``_StridedShard``
+    is not there, so a non-linear reduction (cumsum, softmax) over a striped dim ran on the shards and came back
+    ``Partial(sum)``: silently wrong."""
+    return tuple(Replicate() if p.is_partial() or (isinstance(p, Shard | _StridedShard) and p.dim in reduction_dims)
+                 else p for p in placements)
 
 
 def all_gather_single(x: torch.Tensor, gather_dim: int, group) -> torch.Tensor:

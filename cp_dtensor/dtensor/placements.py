@@ -61,6 +61,7 @@ from .._compat import (
     _StridedShard,
     _StridedShardOffsetMode,
     all_gather_single,
+    plan_strided_redistributions,
     strided_offset_mode,
     wrap_sharding_propagation,
 )
@@ -152,6 +153,7 @@ class HeadTail(_StridedShard):
 def Striped(dim: int, *, seq_len: int, cp_size: int) -> _StridedShard:  # noqa: N802 -- reads as a placement
     """The striped layout of a length-``seq_len`` tensor dim ``dim`` over ``cp_size`` ranks: torch's
     ``_StridedShard(dim, split_factor=seq_len // cp_size)``. See Note [Layout placements]."""
+    plan_strided_redistributions()  # torch 2.11 only: Note [torch 2.11 to 2.15] in _compat.py
     return _StridedShard(dim, split_factor=check_seq_len("striped", cp_size, seq_len))
 
 
@@ -236,3 +238,4 @@ def _restore_headtail(result: object) -> object:
 def install_headtail_propagation() -> None:
     """Keep ``HeadTail`` through DTensor's sharding propagation (idempotent); see Note [HeadTail placement]."""
     wrap_sharding_propagation(_restore_headtail)
+    plan_strided_redistributions()  # torch 2.11 only: Note [torch 2.11 to 2.15] in _compat.py
