@@ -25,7 +25,7 @@ __all__ = [
 # Note [torch 2.11 to 2.15]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~
 # One code base runs on torch 2.11 (the GPU image's torch) through 2.15. Every difference is bridged here,
-# detected by the feature (not the version number), each with a test in tests/test_compat.py:
+# detected by the feature where one can be (a Dynamo bug by the version), each with a test in tests/test_compat.py:
 # * funcol's ``all_gather_single`` / ``reduce_scatter_single`` (+ ``_autograd``) are 2.13's names, and there the
 #   plain ones carry autograd too; 2.11 has ``all_gather_tensor`` (contiguous input only) /
 #   ``reduce_scatter_tensor`` (+ ``_autograd``), which 2.13 keeps as deprecated aliases. The functions below
