@@ -4,6 +4,7 @@ of cp_dtensor imports these names from ``cp_dtensor._compat``, never from here).
 
 from __future__ import annotations
 
+import contextlib
 import enum
 
 import torch
@@ -16,6 +17,7 @@ __all__ = [
     "_StridedShardOffsetMode",
     "all_gather_single",
     "all_gather_single_autograd",
+    "compiling_while_traced",
     "function_output",
     "plan_strided_redistributions",
     "reduce_scatter_single",
@@ -38,6 +40,8 @@ __all__ = [
 #   the forward's intermediates as outputs too, the same tensor twice, and the gradient reaches the wrong one --
 #   the backward gets ``dout`` = 0 and returns zero gradients, silently (fp32; in bf16 the output is a cast,
 #   a fresh tensor). ``function_output`` returns a copy there, under compile only; tests/test_compat.py has it.
+# * ``torch.compiler.is_compiling()`` is false in 2.11 while AOTAutograd traces DTensor's dispatch (2.13 sets
+#   it for the whole compile session): the SDPA handler opens ``compiling_while_traced`` around the ring.
 # * DTensor 2.11 reads every ``_StridedShard`` in a redistribution as a device shard order (FSDP x TP's
 #   encoding) and raises where it is none -- striped and head-tail on one mesh dim; 2.13 plans those greedily
 #   instead; and its reduction rules miss a ``_StridedShard`` on the reduced dim (``isinstance(p, Shard)``), so
@@ -74,6 +78,25 @@ def function_output(t: torch.Tensor) -> torch.Tensor:
     """``t`` as an ``autograd.Function``'s forward output: a copy where torch's compile would lose its
     gradient (torch < 2.13, compiling), else ``t``. See Note [torch 2.11 to 2.15]."""
     return t.clone() if _DYNAMO_OUTPUT_ALIAS and torch.compiler.is_compiling() else t
+
+
+_COMPILE_SESSION = hasattr(torch.compiler, "_compile_session_context")  # torch >= 2.13
+
+
+@contextlib.contextmanager
+def compiling_while_traced(x: torch.Tensor):
+    """While open, ``torch.compiler.is_compiling()`` is true if ``x`` is a fake tensor (AOTAutograd tracing a
+    DTensor op's handler): torch 2.13 sets it for the whole compile session, 2.11 only inside Dynamo, so the
+    ring's compiled branches (Note [Ring under torch.compile]) went unused there. Nothing on 2.13+."""
+    if _COMPILE_SESSION or torch.compiler.is_compiling() or not torch._subclasses.fake_tensor.is_fake(x):
+        yield
+        return
+    old = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = old
 
 
 _NOT_A_SHARD_ORDER = "is unable to be interpreted into a corresponding shard_order"  # 2.11's ValueError
