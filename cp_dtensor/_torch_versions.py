@@ -41,7 +41,7 @@ __all__ = [
 #   the backward gets ``dout`` = 0 and returns zero gradients, silently (fp32; in bf16 the output is a cast,
 #   a fresh tensor). ``function_output`` returns a copy there, under compile only; tests/test_compat.py has it.
 # * ``torch.compiler.is_compiling()`` is false in 2.11 while AOTAutograd traces DTensor's dispatch (2.13 sets
-#   it for the whole compile session): the SDPA handler opens ``compiling_while_traced`` around the ring.
+#   it for the whole torch.compile call): the SDPA handler opens ``compiling_while_traced`` around the ring.
 # * DTensor 2.11 reads every ``_StridedShard`` in a redistribution as a device shard order (FSDP x TP's
 #   encoding) and raises where it is none -- striped and head-tail on one mesh dim; 2.13 plans those greedily
 #   instead; and its reduction rules miss a ``_StridedShard`` on the reduced dim (``isinstance(p, Shard)``), so
@@ -86,7 +86,7 @@ _COMPILE_SESSION = hasattr(torch.compiler, "_compile_session_context")  # torch 
 @contextlib.contextmanager
 def compiling_while_traced(x: torch.Tensor):
     """While open, ``torch.compiler.is_compiling()`` is true if ``x`` is a fake tensor (AOTAutograd tracing a
-    DTensor op's handler): torch 2.13 sets it for the whole compile session, 2.11 only inside Dynamo, so the
+    DTensor op's handler): torch 2.13 sets it for the whole torch.compile call, 2.11 only inside Dynamo, so the
     ring's compiled branches (Note [Ring under torch.compile]) went unused there. Nothing on 2.13+."""
     if _COMPILE_SESSION or torch.compiler.is_compiling() or not torch._subclasses.fake_tensor.is_fake(x):
         yield
