@@ -1,8 +1,9 @@
 """Every touch of a private torch or torchtitan internal, one place each, with the version it was written for.
 
 Written against torch 2.13.0 and torchtitan 0.2.2, and checked on every torch the project claims
-(``TORCH_VERSIONS``, the range ``pyproject.toml`` admits): tests/test_compat.py runs in both CI legs,
-torch 2.13.0 (the dev stack) and the newest release (scripts/test_newest.sh). The rest of cp_dtensor imports the private torch
+(``TORCH_VERSIONS``, the range ``pyproject.toml`` admits): tests/test_compat.py runs in all three CI legs,
+torch 2.13.0 (the dev stack), the newest release (scripts/test_newest.sh) and the oldest, 2.11.0
+(scripts/test_oldest.sh; what differs there: _torch_versions.py, re-exported here). The rest of cp_dtensor imports the private torch
 names it needs from here (``_StridedShard``, ``DTensorSpec``, ``redistribute_local_tensor``, the raw
 ``_c10d_functional`` ops, ...) and reaches DTensor's dispatcher only through the functions below.
 ``PRIVATE_SYMBOLS`` lists every hooked symbol with the parameters cp_dtensor relies on;
