@@ -1,8 +1,9 @@
 """Every touch of a private torch or torchtitan internal, one place each, with the version it was written for.
 
 Written against torch 2.13.0 and torchtitan 0.2.2, and checked on every torch the project claims
-(``TORCH_VERSIONS``, the range ``pyproject.toml`` admits): tests/test_compat.py runs in both CI legs,
-torch 2.13.0 (the dev stack) and the newest release (scripts/test_newest.sh). The rest of cp_dtensor imports the private torch
+(``TORCH_VERSIONS``, the range ``pyproject.toml`` admits): tests/test_compat.py runs in all three CI legs,
+torch 2.13.0 (the dev stack), the newest release (scripts/test_newest.sh) and the oldest, 2.11.0
+(scripts/test_oldest.sh; what differs there: _torch_versions.py, re-exported here). The rest of cp_dtensor imports the private torch
 names it needs from here (``_StridedShard``, ``DTensorSpec``, ``redistribute_local_tensor``, the raw
 ``_c10d_functional`` ops, ...) and reaches DTensor's dispatcher only through the functions below.
 ``PRIVATE_SYMBOLS`` lists every hooked symbol with the parameters cp_dtensor relies on;
@@ -63,8 +64,20 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
 from torch.distributed.tensor._sharding_prop import LocalLRUCache
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.distributed.tensor.placement_types import _StridedShard, _StridedShardOffsetMode
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._torch_versions import (  # Note [torch 2.11 to 2.15]
+    STRIDED_OFFSET_PARAM,
+    _StridedShardOffsetMode,
+    all_gather_single,
+    all_gather_single_autograd,
+    compiling_while_traced,
+    function_output,
+    plan_strided_redistributions,
+    reduce_scatter_single,
+    strided_offset_mode,
+)
 
 __all__ = [
     "DTensorSpec",
@@ -72,24 +85,34 @@ __all__ = [
     "TorchDispatchMode",
     "_StridedShard",
     "_StridedShardOffsetMode",
+    "all_gather_single",
+    "all_gather_single_autograd",
+    "compiling_while_traced",
     "c10d_functional",
     "compute_local_shape_and_global_offset",
     "custom_op_handlers",
     "dtensor_default_dispatch",
+    "function_output",
     "include_mesh_coordinate_in_cache_key",
     "make_contiguous_strides_for",
     "mesh_concatenate",
     "mesh_unflatten",
+    "plan_strided_redistributions",
     "redistribute_local_tensor",
+    "reduce_scatter_single",
     "replica_dataloaders",
     "seq2seq_pad",
+    "strided_offset_mode",
     "resolve_process_group",
     "restore_cache_key",
     "wrap_sharding_propagation",
 ]
 
 TORCH_VERSION = "2.13.0"  # what the torch touches below were written against
-TORCH_VERSIONS = ("2.13", "2.14", "2.15")  # where each is checked: CI's two legs (2.13.0, 2.15.0); 2.14.1 by hand
+# where each is checked: CI's three legs (2.13.0, 2.15.0, the core on 2.11.0); 2.14.1 by hand; 2.12 not run
+TORCH_VERSIONS = ("2.11", "2.12", "2.13", "2.14", "2.15")  # what differs: _torch_versions.py, Note [torch 2.11 to 2.15]
+
+
 TORCHTITAN_VERSION = "0.2.2"  # what the torchtitan rebinds (titan/) were written against
 
 # The torchtitan names the plugin rebinds (the rebinding code lives with the plugin, each step citing its Note).
@@ -109,10 +132,6 @@ TITAN_CP_STEP = "apply_cp_to_attention_module"  # swapped in each family's paral
 # (module, qualified name, parameters cp_dtensor passes or replaces; None: an attribute, checked to exist).
 # Checked by tests/test_compat.py.
 PRIVATE_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
-    # Note [Rank-specialised compiled graphs] (below)
-    ("torch.distributed.device_mesh", "DeviceMesh._stable_hash", ("self",)),
-    ("torch.distributed.tensor._dtensor_spec", "DTensorSpec._stable_hash", ("self",)),
-    ("torch.distributed.tensor", "DTensor._stable_hash_for_caching", ("self",)),
     # dtensor/sdpa.py: the SDPA handlers (Note [SDPA dispatch]) and DTensor's ordinary path
     ("torch.distributed.tensor", "DTensor._op_dispatcher._custom_op_handlers", None),
     ("torch.distributed.tensor", "DTensor._op_dispatcher.unwrap_to_op_info", ("op_call", "args", "kwargs")),
@@ -129,14 +148,12 @@ PRIVATE_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("torch.distributed.device_mesh", "DeviceMesh._unflatten", ("self", "dim", "mesh_sizes", "mesh_dim_names")),
     ("torch.distributed.device_mesh", "DeviceMesh._concatenate", ("device_mesh_list",)),
     # dtensor/placements.py: HeadTail subclasses _StridedShard (Note [HeadTail placement]) and fixes propagation
-    ("torch.distributed.tensor.placement_types", "_StridedShard", ("dim", "split_factor")),
     ("torch.distributed.tensor.placement_types", "_StridedShard.local_shard_size_and_offset",
-     ("self", "curr_local_size", "num_chunks", "rank", "offset_mode")),
+     ("self", "curr_local_size", "num_chunks", "rank", STRIDED_OFFSET_PARAM)),
     ("torch.distributed.tensor.placement_types", "_StridedShard._local_shard_size_and_offset",
-     ("self", "curr_local_size", "num_chunks", "rank", "offset_mode")),
+     ("self", "curr_local_size", "num_chunks", "rank", STRIDED_OFFSET_PARAM)),
     ("torch.distributed.tensor.placement_types", "_StridedShard._select_split_tensor",
      ("self", "tensor", "num_chunks", "index")),
-    ("torch.distributed.tensor.placement_types", "_StridedShardOffsetMode.FIRST", None),
     ("torch.distributed.tensor", "DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding_non_cached",
      ("op_schema",)),
     ("torch.distributed.tensor._sharding_prop", "LocalLRUCache", ("user_function",)),
@@ -162,6 +179,27 @@ PRIVATE_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     # titan/shared/float8.py: Note [float8 training on CPU], Note [The float8 gemm on CPU] (torchao's config in .config)
     (TITAN_FLOAT8, "has_cuda_capability", ("major", "minor")),
     (TITAN_FLOAT8, "Float8LinearConverter.__init__", ("self", "job_config", "parallel_dims")),
+)
+
+# The rows of torch 2.13+ only (Note [torch 2.11 to 2.15]), checked by tests/test_compat.py where torch >= 2.13.
+PRIVATE_SYMBOLS_SINCE_2_13: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
+    # Note [Rank-specialised compiled graphs] (below)
+    ("torch.distributed.device_mesh", "DeviceMesh._stable_hash", ("self",)),
+    ("torch.distributed.tensor._dtensor_spec", "DTensorSpec._stable_hash", ("self",)),
+    ("torch.distributed.tensor", "DTensor._stable_hash_for_caching", ("self",)),
+    # dtensor/placements.py: 2.11's _StridedShard is a C++ class (no Python signature); 2.13's offset modes
+    ("torch.distributed.tensor.placement_types", "_StridedShard", ("dim", "split_factor")),
+    ("torch.distributed.tensor.placement_types", "_StridedShardOffsetMode.FIRST", None),
+    # funcol's new names (comm.py, batch.py, ...): 2.11 has all_gather_tensor / reduce_scatter_tensor (+ _autograd)
+    ("torch.distributed._functional_collectives", "all_gather_single", ("self", "gather_dim", "group")),
+    ("torch.distributed._functional_collectives", "all_gather_single_autograd", ("self", "gather_dim", "group")),
+    ("torch.distributed._functional_collectives", "reduce_scatter_single", ("self", "reduceOp", "scatter_dim", "group")),
+)
+# ... and what stands in for them on torch 2.11 (checked where torch < 2.13).
+PRIVATE_SYMBOLS_BEFORE_2_13: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
+    ("torch.distributed._functional_collectives", "all_gather_tensor", ("self", "gather_dim", "group")),
+    ("torch.distributed._functional_collectives", "all_gather_tensor_autograd", ("self", "gather_dim", "group")),
+    ("torch.distributed._functional_collectives", "reduce_scatter_tensor", ("self", "reduceOp", "scatter_dim", "group")),
 )
 
 # torchtitan 0.3 (titan/v03/): the rows below are checked when torchtitan 0.3 is installed (the newest leg),

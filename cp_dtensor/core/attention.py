@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
+from .._compat import function_output
 from .._deprecated import old_keywords
 from .allgather import allgather_backward, allgather_forward
 from .blocks import Mask, sinks_grad
@@ -48,7 +49,7 @@ class _RingAttention(torch.autograd.Function):
             tie(out, ready)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.spec, ctx.mask = spec, mask
-        return out
+        return function_output(out)  # a copy on torch 2.11 compiling: Note [torch 2.11 to 2.15] in _compat.py
 
     @staticmethod
     def backward(ctx, dout):

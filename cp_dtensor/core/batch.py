@@ -13,10 +13,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
+from .._compat import all_gather_single, all_gather_single_autograd
 from .._deprecated import old_keywords, warn_once
 from .agreement import Rules, agree_objects
 from .checks import check_cp_mesh
@@ -147,7 +147,7 @@ def gather_shards(batch: Batch, mesh: DeviceMesh, *, seq_dim: int = 1, layout: s
 
     def gather(x: Tensor) -> Tensor:
         dim = wrap_dim(seq_dim, x.dim())
-        every = funcol.all_gather_single_autograd(x.contiguous(), gather_dim=dim, group=mesh)
+        every = all_gather_single_autograd(x.contiguous(), dim, mesh)
         return unshard_tensor(list(every.chunk(cp, dim=dim)), seq_dim=dim, layout=layout)
 
     return _rebuild(batch, gather)
@@ -170,7 +170,7 @@ def full_ids_from_positions(positions: Tensor, mesh: DeviceMesh, *, layout: str 
     batch] in documents.py)."""
     cp = mesh.size()
     starts = (positions == 0).to(torch.uint8).contiguous()  # [B, S_local]
-    every = funcol.all_gather_single(starts, gather_dim=0, group=mesh).view(cp, *starts.shape)
+    every = all_gather_single(starts, 0, mesh).view(cp, *starts.shape)
     b, s = starts.shape
     full = torch.empty(b, cp * s, dtype=torch.int64, device=positions.device)
     full[:, global_order(layout, cp, cp * s).to(positions.device)] = every.permute(1, 0, 2).reshape(b, cp * s).long()

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
-from .._compat import c10d_functional
+from .._compat import all_gather_single, c10d_functional, reduce_scatter_single
 
 __all__ = [
     "RingComm", "all_gather", "all_gather_host", "all_gather_objects", "all_to_all", "gather_ids", "group_size",
@@ -191,7 +191,7 @@ def all_gather_host(x: Tensor, groups: Groups) -> Tensor:
         if dist.get_world_size(g) == 1:
             continue
         try:
-            got = funcol.all_gather_single(out.contiguous(), 0, g)
+            got = all_gather_single(out.contiguous(), 0, g)
             out = got if torch.compiler.is_compiling() else funcol.wait_tensor(got)
         except RuntimeError as e:
             raise lost_peer(e, g) from e
@@ -228,7 +228,7 @@ def all_gather(buf: Tensor, group: dist.ProcessGroup) -> Tensor:
     """Post the all-gather of a flat buffer ([P * n] in rank order); :func:`wait` on it when needed."""
     assert buf.dim() == 1, "all-gather buffers are flat"
     try:
-        return funcol.all_gather_single(buf, 0, group)
+        return all_gather_single(buf, 0, group)
     except RuntimeError as e:
         raise lost_peer(e, group) from e
 
@@ -238,7 +238,7 @@ def reduce_scatter(buf: Tensor, group: dist.ProcessGroup) -> Tensor:
     ``rank``. :func:`wait` on it when needed."""
     assert buf.dim() == 1, "reduce-scatter buffers are flat"
     try:
-        return funcol.reduce_scatter_single(buf, "sum", 0, group)
+        return reduce_scatter_single(buf, "sum", 0, group)
     except RuntimeError as e:
         raise lost_peer(e, group) from e
 

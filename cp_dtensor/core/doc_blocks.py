@@ -23,6 +23,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
+from .._compat import function_output
 from .blocks import add_sinks, sinks_grad
 from .masks import Run, flat_runs
 from .ops import masked_block_attn, masked_block_attn_backward, merge_
@@ -179,7 +180,7 @@ class _DocAttention(torch.autograd.Function):
         out, lse, rk, rv = forward(q, k, v, sinks, blocks, ex)
         ctx.save_for_backward(q, k, v, rk, rv, out, lse, sinks)
         ctx.blocks, ctx.ex = blocks, ex
-        return out.to(q.dtype)
+        return function_output(out.to(q.dtype))  # a copy on torch 2.11 compiling: Note [torch 2.11 to 2.15]
 
     @staticmethod
     def backward(ctx, dout):

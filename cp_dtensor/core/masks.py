@@ -311,7 +311,7 @@ def has_pairs(
 ) -> bool:
     """Whether ``rank`` keeps any pair of the block of ``src`` (documents aside)."""
     rs = (runs(layout, x, world, s_local, ulysses) for x in (rank, src))
-    return bool(block_rects(*rs, lo, hi))
+    return len(block_rects(*rs, lo, hi)) > 0  # not bool(list): Dynamo 2.11 cannot trace it
 
 
 def kept_pairs(rects: list[Rect]) -> int:

@@ -56,7 +56,15 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from .._compat import DTensorSpec, _StridedShard, _StridedShardOffsetMode, wrap_sharding_propagation
+from .._compat import (
+    DTensorSpec,
+    _StridedShard,
+    _StridedShardOffsetMode,
+    all_gather_single,
+    plan_strided_redistributions,
+    strided_offset_mode,
+    wrap_sharding_propagation,
+)
 from .._deprecated import old_keywords, warn_once
 from ..core.layout import check_seq_len, global_order, local_positions, shard_tensor
 
@@ -122,28 +130,30 @@ class HeadTail(_StridedShard):
     def _to_replicate_tensor(self, local_tensor, mesh, mesh_dim, current_logical_shape):
         # every rank's shard, rank-major: x.index_select(dim, order); argsort(order) undoes it
         world, seq_len = mesh.size(mesh_dim), int(current_logical_shape[self.dim])
-        gathered = funcol.all_gather_single(local_tensor.contiguous(), gather_dim=self.dim, group=(mesh, mesh_dim))
+        gathered = all_gather_single(local_tensor.contiguous(), self.dim, (mesh, mesh_dim))
         if isinstance(gathered, funcol.AsyncCollectiveTensor):
             gathered = gathered.wait()
         undo = torch.argsort(global_order("headtail", world, seq_len)).to(gathered.device)
         return gathered.index_select(self.dim, undo)
 
-    def local_shard_size_and_offset(self, curr_local_size, num_chunks, rank, offset_mode=_StridedShardOffsetMode.FIRST):
+    def local_shard_size_and_offset(self, curr_local_size, num_chunks, rank, *mode, **mode_kw):
+        # mode: offset_mode (torch 2.13+) or return_first_offset (2.11); Note [torch 2.11 to 2.15] in _compat.py
         positions = local_positions(layout="headtail", rank=int(rank), cp_size=num_chunks, seq_len=int(curr_local_size))
-        mode = _StridedShardOffsetMode(offset_mode)
+        mode = strided_offset_mode(*mode, **mode_kw)
         if mode is _StridedShardOffsetMode.NONE:
             return len(positions), None
         offsets = positions.tolist()
         return len(positions), (offsets[0] if mode is _StridedShardOffsetMode.FIRST else offsets)
 
-    def _local_shard_size_and_offset(self, curr_local_size, num_chunks, rank, offset_mode=_StridedShardOffsetMode.FIRST):
-        return self.local_shard_size_and_offset(curr_local_size, num_chunks, rank, offset_mode)
+    def _local_shard_size_and_offset(self, curr_local_size, num_chunks, rank, *mode, **mode_kw):
+        return self.local_shard_size_and_offset(curr_local_size, num_chunks, rank, *mode, **mode_kw)
 
 
 @old_keywords("cp_dtensor.Striped", cp="cp_size")
 def Striped(dim: int, *, seq_len: int, cp_size: int) -> _StridedShard:  # noqa: N802 -- reads as a placement
     """The striped layout of a length-``seq_len`` tensor dim ``dim`` over ``cp_size`` ranks: torch's
     ``_StridedShard(dim, split_factor=seq_len // cp_size)``. See Note [Layout placements]."""
+    plan_strided_redistributions()  # torch 2.11 only: Note [torch 2.11 to 2.15] in _compat.py
     return _StridedShard(dim, split_factor=check_seq_len("striped", cp_size, seq_len))
 
 
@@ -228,3 +238,4 @@ def _restore_headtail(result: object) -> object:
 def install_headtail_propagation() -> None:
     """Keep ``HeadTail`` through DTensor's sharding propagation (idempotent); see Note [HeadTail placement]."""
     wrap_sharding_propagation(_restore_headtail)
+    plan_strided_redistributions()  # torch 2.11 only: Note [torch 2.11 to 2.15] in _compat.py

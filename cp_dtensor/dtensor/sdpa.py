@@ -77,6 +77,7 @@ from .._compat import (
     DTensorSpec,
     TensorMeta,
     _StridedShard,
+    compiling_while_traced,
     custom_op_handlers,
     include_mesh_coordinate_in_cache_key,
     make_contiguous_strides_for,
@@ -248,11 +249,13 @@ def _sdpa_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> objec
         raise ValueError(err)
     if op in _FORWARD_OPS:
         # out: [B, Hq, S, D]; lse: [B, Hq, S] fp32
-        out, lse = forward(ql, kl, vl, spec)
+        with compiling_while_traced(ql):  # torch 2.11: Note [torch 2.11 to 2.15] in _torch_versions.py
+            out, lse = forward(ql, kl, vl, spec)
         res = [ring.wrap(out, (*q.shape[:3], v.shape[3])), ring.wrap(lse, tuple(q.shape[:3]))]
         return tuple(res + _empty(op, ring, ql, 2))
-    dq, dk, dv = backward(ring.local(a["grad_out"]), ql, kl, vl, ring.local(a["out"]),
-                               ring.local(a["logsumexp"]), spec)
+    with compiling_while_traced(ql):
+        dq, dk, dv = backward(ring.local(a["grad_out"]), ql, kl, vl, ring.local(a["out"]),
+                              ring.local(a["logsumexp"]), spec)
     res = [ring.wrap(dq, q.shape), ring.wrap(dk, k.shape), ring.wrap(dv, v.shape)]
     return tuple(res + [None] * (len(op._schema.returns) - 3))  # efficient's attn_bias grad
 

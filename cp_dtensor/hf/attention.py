@@ -69,6 +69,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .._compat import all_gather_single
 from .._deprecated import old_keywords
 from .._extras import require
 
@@ -229,7 +230,7 @@ def _version(t: Tensor) -> int:
 
 def _gather(x: Tensor, state: HFState) -> Tensor:
     """[R, S_local] on every rank -> [P, R, S_local] (every rank gets the same)."""
-    every = funcol.wait_tensor(funcol.all_gather_single(x.contiguous(), 0, state.mesh.get_group()))  # [P*R, S_local]
+    every = funcol.wait_tensor(all_gather_single(x.contiguous(), 0, state.mesh.get_group()))  # [P*R, S_local]
     return every.view(state.mesh.size(), -1, x.shape[-1])
 
 
