@@ -35,7 +35,7 @@ puts them back in order. Both run under ``no_grad``.
   was built from local shapes: Note [transformers under CP] in hf/attention.py) raises on every rank
   through the ring's agreement (Note [Agreeing before the ring] in core/checks.py), before any K/V
   moves. ``nn.MultiheadAttention``'s SDPA is routed too (Note [SDPA inside multi_head_attention_forward]
-  in _compat.py); ``flex_attention`` is refused.
+  in _compat/__init__.py); ``flex_attention`` is refused.
 * Entry: every argument is checked locally, then one small all-gather (``core.agreement.agree_on_call``)
   makes every rank raise alike, before any buffer changes -- torch raises on the rank it fails on only.
 * Nothing changes outside the context: no global option is set (torch's sets ``_cp_options`` and its

@@ -1,4 +1,4 @@
-"""cp_dtensor/_compat.py: the private torch symbols it touches still exist on every torch the project claims
+"""cp_dtensor/_compat/__init__.py: the private torch symbols it touches still exist on every torch the project claims
 (this file runs in both CI legs), and its patches do what they say."""
 
 from __future__ import annotations

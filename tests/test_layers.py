@@ -15,7 +15,7 @@ _V02 = ("config", "attention", "families", "flex", "resume", "spec", "validate",
 _V03 = ("_cpu", "attention", "linear", "trainer", "main", "tiling")
 LAYERS: list[tuple[str, set[str]]] = [
     ("private torch touch points, deprecation, torch-free layout facts",
-     {"_compat", "_torch_versions", "_deprecated", "_extras", "checkpoint.manifest", "core.layout", "core.kernels", "core.linear_plan",
+     {"_compat", "_compat.torch_versions", "_deprecated", "_extras", "checkpoint.manifest", "core.layout", "core.kernels", "core.linear_plan",
       "core.documents", "core.doc_plan"}),
     ("pure math; the network; a ring call's spec",
      {"core.masks", "core.wire", "core.comm", "tools.debug", "core.agreement", "core.spec",

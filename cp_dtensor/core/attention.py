@@ -49,7 +49,7 @@ class _RingAttention(torch.autograd.Function):
             tie(out, ready)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.spec, ctx.mask = spec, mask
-        return function_output(out)  # a copy on torch 2.11 compiling: Note [torch 2.11 to 2.15] in _compat.py
+        return function_output(out)  # a copy on torch 2.11 compiling: Note [torch 2.11 to 2.15] in _compat/torch_versions.py
 
     @staticmethod
     def backward(ctx, dout):

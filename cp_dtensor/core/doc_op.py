@@ -30,7 +30,7 @@ one opaque custom op whose inputs are tensors and per-model constants only:
   [Compiled backward re-sends K/V] in ring.py).
 
 The op talks over the group by name inside its implementation, like torch's functional collectives, and reads
-its rank there: unlike the ring's (Note [Rank-specialised compiled graphs] in _compat.py) the graph is the same
+its rank there: unlike the ring's (Note [Rank-specialised compiled graphs] in _compat/__init__.py) the graph is the same
 on every rank, so a compile cache shared by the ranks is safe. As for the ring, two independent document calls
 on one group in one graph could be ordered differently on different ranks -- successive layers depend on each
 other and are fine.

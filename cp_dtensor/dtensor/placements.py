@@ -137,7 +137,7 @@ class HeadTail(_StridedShard):
         return gathered.index_select(self.dim, undo)
 
     def local_shard_size_and_offset(self, curr_local_size, num_chunks, rank, *mode, **mode_kw):
-        # mode: offset_mode (torch 2.13+) or return_first_offset (2.11); Note [torch 2.11 to 2.15] in _compat.py
+        # mode: offset_mode (torch 2.13+) or return_first_offset (2.11); Note [torch 2.11 to 2.15] in _compat/torch_versions.py
         positions = local_positions(layout="headtail", rank=int(rank), cp_size=num_chunks, seq_len=int(curr_local_size))
         mode = strided_offset_mode(*mode, **mode_kw)
         if mode is _StridedShardOffsetMode.NONE:
@@ -153,7 +153,7 @@ class HeadTail(_StridedShard):
 def Striped(dim: int, *, seq_len: int, cp_size: int) -> _StridedShard:  # noqa: N802 -- reads as a placement
     """The striped layout of a length-``seq_len`` tensor dim ``dim`` over ``cp_size`` ranks: torch's
     ``_StridedShard(dim, split_factor=seq_len // cp_size)``. See Note [Layout placements]."""
-    plan_strided_redistributions()  # torch 2.11 only: Note [torch 2.11 to 2.15] in _compat.py
+    plan_strided_redistributions()  # torch 2.11 only: Note [torch 2.11 to 2.15] in _compat/torch_versions.py
     return _StridedShard(dim, split_factor=check_seq_len("striped", cp_size, seq_len))
 
 
@@ -238,4 +238,4 @@ def _restore_headtail(result: object) -> object:
 def install_headtail_propagation() -> None:
     """Keep ``HeadTail`` through DTensor's sharding propagation (idempotent); see Note [HeadTail placement]."""
     wrap_sharding_propagation(_restore_headtail)
-    plan_strided_redistributions()  # torch 2.11 only: Note [torch 2.11 to 2.15] in _compat.py
+    plan_strided_redistributions()  # torch 2.11 only: Note [torch 2.11 to 2.15] in _compat/torch_versions.py

@@ -19,7 +19,7 @@ included): same placements, same values.
 
 Nothing is installed at import. ``install_sdpa_dispatch()`` (idempotent; ``uninstall_sdpa_dispatch()``
 undoes it) installs the handlers, the math op's kernel below, and the compile cache-key work-around
-(Note [Rank-specialised compiled graphs] in _compat.py: a torch bug that only the rank-specialised
+(Note [Rank-specialised compiled graphs] in _compat/__init__.py: a torch bug that only the rank-specialised
 graphs of this dispatch expose). The entry points that make sequence-sharded DTensors call it:
 ``shard_sequence``, ``relayout``, ``to_mesh`` and the checkpoint loads (dtensor/sharding.py, checkpoint/dcp.py).
 DTensors built by hand with ``Striped`` / ``HeadTail`` / ``Shard(2)`` placements need the explicit call.
@@ -28,7 +28,7 @@ DTensors built by hand with ``Striped`` / ``HeadTail`` / ``Shard(2)`` placements
 Compiled, the ring appears only when AOTAutograd traces through this handler, and it is different on
 every rank, while Dynamo's graph (SDPA on DTensors) is the same on all: installing the handlers also
 keys compiled DTensor graphs by the rank's mesh coordinate -- see Note [Rank-specialised compiled
-graphs] in _compat.py.
+graphs] in _compat/__init__.py.
 
 Everything the handler checks comes from DTensor metadata (global shapes, placements) and the call's
 own arguments, which every rank has alike, so a bad call raises on every rank before any collective.
@@ -249,7 +249,7 @@ def _sdpa_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> objec
         raise ValueError(err)
     if op in _FORWARD_OPS:
         # out: [B, Hq, S, D]; lse: [B, Hq, S] fp32
-        with compiling_while_traced(ql):  # torch 2.11: Note [torch 2.11 to 2.15] in _torch_versions.py
+        with compiling_while_traced(ql):  # torch 2.11: Note [torch 2.11 to 2.15] in _compat/torch_versions.py
             out, lse = forward(ql, kl, vl, spec)
         res = [ring.wrap(out, (*q.shape[:3], v.shape[3])), ring.wrap(lse, tuple(q.shape[:3]))]
         return tuple(res + _empty(op, ring, ql, 2))
@@ -326,7 +326,7 @@ def install_sdpa_dispatch() -> None:
     """Route ``F.scaled_dot_product_attention`` on sequence-sharded DTensors to the ring (idempotent). Not
     done at import; the entry points that make sequence-sharded DTensors call it. See Note [SDPA dispatch]."""
     install_headtail_propagation()
-    # a torch bug work-around this dispatch needs: Note [Rank-specialised compiled graphs] in _compat.py
+    # a torch bug work-around this dispatch needs: Note [Rank-specialised compiled graphs] in _compat/__init__.py
     include_mesh_coordinate_in_cache_key()
     handlers = custom_op_handlers()
     for op, handler in [(op, _sdpa_handler) for op in _FORWARD_OPS + _BACKWARD_OPS] + [

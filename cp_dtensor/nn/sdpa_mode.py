@@ -116,7 +116,7 @@ class RingSDPA(TorchFunctionMode):
             if torch.compiler.is_compiling():  # flex_attention always compiles: every rank traces this alike
                 raise ValueError(error)
             agree_on_call(error, {}, self.mesh.get_group(), what="context parallel attention")
-        if func is F.multi_head_attention_forward:  # See Note [SDPA inside multi_head_attention_forward] in _compat.py
+        if func is F.multi_head_attention_forward:  # See Note [SDPA inside multi_head_attention_forward] in _compat/__init__.py
             q = args[0] if args else kwargs.get("query")
             if isinstance(q, Tensor) and not isinstance(q, DTensor):
                 return self._mha(args, kwargs)

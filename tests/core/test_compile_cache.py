@@ -1,6 +1,6 @@
 """Compiled ring attention run twice against one warm Inductor cache: the second run loads what the first
 compiled -- each rank its own graph -- and is still exact. See Note [Rank-specialised compiled graphs]
-in cp_dtensor/_compat.py.
+in cp_dtensor/_compat/__init__.py.
 
 Each run is a fresh process (tests/_compile_cache_run.py) forking its gloo ranks; both runs share one
 fresh TORCHINDUCTOR_CACHE_DIR. Cases: F.scaled_dot_product_attention on sequence-sharded DTensors and

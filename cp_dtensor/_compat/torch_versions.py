@@ -1,4 +1,4 @@
-"""The torch-version half of _compat.py: what differs between torch 2.11 and 2.15, bridged in one place (the rest
+"""The torch-version half of _compat: what differs between torch 2.11 and 2.15, bridged in one place (the rest
 of cp_dtensor imports these names from ``cp_dtensor._compat``, never from here). See Note [torch 2.11 to 2.15].
 """
 

@@ -3,7 +3,7 @@
 Written against torch 2.13.0 and torchtitan 0.2.2, and checked on every torch the project claims
 (``TORCH_VERSIONS``, the range ``pyproject.toml`` admits): tests/test_compat.py runs in all three CI legs,
 torch 2.13.0 (the dev stack), the newest release (scripts/test_newest.sh) and the oldest, 2.11.0
-(scripts/test_oldest.sh; what differs there: _torch_versions.py, re-exported here). The rest of cp_dtensor imports the private torch
+(scripts/test_oldest.sh; what differs there: torch_versions.py beside this file, re-exported here). The rest of cp_dtensor imports the private torch
 names it needs from here (``_StridedShard``, ``DTensorSpec``, ``redistribute_local_tensor``, the raw
 ``_c10d_functional`` ops, ...) and reaches DTensor's dispatcher only through the functions below.
 ``PRIVATE_SYMBOLS`` lists every hooked symbol with the parameters cp_dtensor relies on;
@@ -67,7 +67,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._torch_versions import (  # Note [torch 2.11 to 2.15]
+from .torch_versions import (  # Note [torch 2.11 to 2.15]
     STRIDED_OFFSET_PARAM,
     _StridedShardOffsetMode,
     all_gather_single,
@@ -110,7 +110,7 @@ __all__ = [
 
 TORCH_VERSION = "2.13.0"  # what the torch touches below were written against
 # where each is checked: CI's three legs (2.13.0, 2.15.0, the core on 2.11.0); 2.14.1 by hand; 2.12 not run
-TORCH_VERSIONS = ("2.11", "2.12", "2.13", "2.14", "2.15")  # what differs: _torch_versions.py, Note [torch 2.11 to 2.15]
+TORCH_VERSIONS = ("2.11", "2.12", "2.13", "2.14", "2.15")  # what differs: torch_versions.py, Note [torch 2.11 to 2.15]
 
 
 TORCHTITAN_VERSION = "0.2.2"  # what the torchtitan rebinds (titan/) were written against
