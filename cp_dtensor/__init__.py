@@ -20,26 +20,26 @@ use (PEP 562), so ``cp-dtensor plan`` starts without torch. The SDPA-on-DTensor 
 from __future__ import annotations
 
 import importlib
-import os
 from typing import TYPE_CHECKING
 
-from .core.layout import LAYOUTS as LAYOUTS  # torch-free
+from ._deprecated import install_old_paths
+from .core.plan.layout import LAYOUTS as LAYOUTS  # torch-free
 
-# old module paths (cp_dtensor.layout, cp_dtensor.hf_generate, ...): files in _legacy/ that warn once
-__path__.append(os.path.join(os.path.dirname(__file__), "_legacy"))  # noqa: F821 -- a package's own __path__
+# old module paths (cp_dtensor.layout, cp_dtensor.core.ring, ...): one table that warns once (Note [Old module paths])
+install_old_paths()
 
 # public name -> the module that defines it
 _EXPORTS = {
     # the front door and its ops
     "ring_attention": "core.attention",
     "sharded_cache_attention": "core.decode",
-    "sharded_delta_rule": "core.linear_attention",
-    "sharded_causal_conv1d": "core.linear_conv",
-    "shard_tensor": "core.layout",
-    "unshard_tensor": "core.layout",
-    "local_positions": "core.layout",
-    "document_layout": "core.documents",
-    "DocumentLayout": "core.documents",
+    "sharded_delta_rule": "core.linear.linear_attention",
+    "sharded_causal_conv1d": "core.linear.linear_conv",
+    "shard_tensor": "core.plan.layout",
+    "unshard_tensor": "core.plan.layout",
+    "local_positions": "core.plan.layout",
+    "document_layout": "core.plan.documents",
+    "DocumentLayout": "core.plan.documents",
     # DTensor
     "HeadTail": "dtensor.placements",
     "Striped": "dtensor.placements",
@@ -129,10 +129,10 @@ if TYPE_CHECKING:  # what IDEs, type checkers and the API reference see; at run 
     from .core.attention import ring_attention
     from .core.batch import document_ids_from_positions, shard_batch, unshard_batch
     from .core.decode import sharded_cache_attention
-    from .core.documents import DocumentLayout, document_layout
-    from .core.layout import local_positions, shard_tensor, unshard_tensor
-    from .core.linear_attention import sharded_delta_rule
-    from .core.linear_conv import sharded_causal_conv1d
+    from .core.linear.linear_attention import sharded_delta_rule
+    from .core.linear.linear_conv import sharded_causal_conv1d
+    from .core.plan.documents import DocumentLayout, document_layout
+    from .core.plan.layout import local_positions, shard_tensor, unshard_tensor
     from .core.tiling import linear_cross_entropy
     from .doors import apply_context_parallel, remove_context_parallel
     from .dtensor.placements import HeadTail, Striped, sequence_placement

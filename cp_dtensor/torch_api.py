@@ -44,7 +44,7 @@ puts them back in order. Both run under ``no_grad``.
 
 ``context_parallel_unshard`` is the inverse of the layout: the full tensors, in order, on every rank.
 
-Packed documents go through the batch's plan (Note [One plan per batch] in core/documents.py): at entry
+Packed documents go through the batch's plan (Note [One plan per batch] in core/plan/documents.py): at entry
 ``plan_batch`` turns ``document_ids`` / ``position_ids`` (the full batch's) into one ``DocumentLayout`` --
 ``layout="documents"`` places the documents themselves (short ones whole on a rank), a layout name keeps
 its order and carries the ids -- and every SDPA call of the context gets it as its ``layout``. Under
@@ -66,8 +66,8 @@ from torch.distributed.tensor import DTensor
 from .core.agreement import agree_on_call
 from .core.batch import agree_local_shapes, gather_shards
 from .core.checks import check_cp_mesh, local_error
-from .core.documents import DocumentLayout, full_document_ids, plan_batch
-from .core.layout import LAYOUTS, layout_unit, shard_tensor
+from .core.plan.documents import DocumentLayout, full_document_ids, plan_batch
+from .core.plan.layout import LAYOUTS, layout_unit, shard_tensor
 from .nn.sdpa_mode import RingSDPA
 
 __all__ = ["context_parallel", "context_parallel_unshard", "set_rotate_method"]
@@ -104,7 +104,7 @@ def context_parallel(
       ``[B | 1, ...]`` with B the ids' rows (a table of ``[1, N]`` ids' plan shards anything along its seq
       dim). The context yields the batch's plan -- ``with context_parallel(...) as plan`` -- for
       ``context_parallel_unshard(..., layout=plan)``; a plan built beforehand (``cp_dtensor.document_layout``)
-      is accepted as ``layout`` too. See Note [One plan per batch] in core/documents.py.
+      is accepted as ``layout`` too. See Note [One plan per batch] in core/plan/documents.py.
     * ``document_ids``: full [B, N] (or [1, N], [N]) ids that never decrease: a query attends only to keys
       of its own document (packed sequences). ``position_ids``: full position ids restarting at 0 for
       every document, the documents derived from them (the Hugging Face packed-sequence convention).
@@ -126,7 +126,7 @@ def context_parallel(
                          comm_dtype, kv_exchange)
     rank, world = mesh.get_local_rank(), mesh.size()
     plan = None if error is None else layout
-    if error is None:  # See Note [One plan per batch] in core/documents.py
+    if error is None:  # See Note [One plan per batch] in core/plan/documents.py
         try:
             plan = plan_batch(layout, world, document_ids=document_ids, position_ids=position_ids,
                               windows=None if window_size is None else [tuple(window_size)], where="context_parallel")

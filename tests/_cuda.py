@@ -1,4 +1,4 @@
-"""Strict CPU stand-ins of the CUDA attention ops that cp_dtensor/core/kernels.py calls, for the tests of
+"""Strict CPU stand-ins of the CUDA attention ops that cp_dtensor/core/compute/kernels.py calls, for the tests of
 the CUDA branches (tests/core/test_cuda_paths.py, tests/core/test_cuda_rules.py).
 
 Each stand-in asserts the op's input contract (Note [Kernel contracts] in kernels.py) and computes by the
@@ -25,7 +25,7 @@ from unittest import mock
 
 import torch
 
-import cp_dtensor.core.kernels as kernels
+import cp_dtensor.core.compute.kernels as kernels
 
 INF = float("inf")
 

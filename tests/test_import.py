@@ -187,7 +187,7 @@ import logging
 import torch
 import cp_dtensor.hf
 from cp_dtensor.hf import with_context_parallel
-from cp_dtensor.core.payload import encode_kv
+from cp_dtensor.core.exchange.payload import encode_kv
 k = torch.randn(1, 1, 4, 8)
 encode_kv(k, k, torch.float8_e4m3fn)
 print(logging.getLogger("torchao").level, logging.getLogger("torch.utils._pytree").level)

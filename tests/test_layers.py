@@ -15,19 +15,21 @@ _V02 = ("config", "attention", "families", "flex", "resume", "spec", "validate",
 _V03 = ("_cpu", "attention", "linear", "trainer", "main", "tiling")
 LAYERS: list[tuple[str, set[str]]] = [
     ("private torch touch points, deprecation, torch-free layout facts",
-     {"_compat", "_compat.torch_versions", "_deprecated", "_extras", "checkpoint.manifest", "core.layout", "core.kernels", "core.linear_plan",
-      "core.documents", "core.doc_plan"}),
+     {"_compat", "_compat.torch_versions", "_deprecated", "_extras", "checkpoint.manifest", "core.plan.layout",
+      "core.compute.kernels", "core.linear.linear_plan", "core.plan.documents", "core.plan.doc_plan",
+      "core.plan", "core.compute", "core.exchange", "core.linear"}),  # the subpackages' __init__s import nothing
     ("pure math; the network; a ring call's spec",
-     {"core.masks", "core.wire", "core.comm", "tools.debug", "core.agreement", "core.spec",
-      "core.tiling", "core.linear_steps"}),
+     {"core.plan.masks", "core.plan.wire", "core.exchange.comm", "tools.debug", "core.agreement", "core.plan.spec",
+      "core.tiling", "core.linear.linear_steps"}),
     ("kernels as ops, payloads, validation, placements, the cost model",
-     {"core.ops", "core.varlen", "core.ordering", "core.payload", "core.checks", "dtensor.placements", "tools.plan", "tools.plan_ring",
-      "tools.plan_exchanges", "tools.plan_documents", "tools.plan_model"}),
-    ("one step against one K/V block; the heads all-to-all", {"core.blocks", "core.ulysses"}),
-    ("a document layout's blocks", {"core.doc_blocks"}),
-    ("the exchanges; linear attention's state passing", {"core.ring", "core.allgather", "core.linear_attention",
-                                                           "core.linear_runs", "core.linear_conv", "core.doc_exchange",
-                                                           "core.doc_op"}),
+     {"core.compute.ops", "core.compute.varlen", "core.compute.ordering", "core.exchange.payload", "core.checks",
+      "dtensor.placements", "tools.plan", "tools.plan_ring", "tools.plan_exchanges", "tools.plan_documents",
+      "tools.plan_model"}),
+    ("one step against one K/V block; the heads all-to-all", {"core.compute.blocks", "core.exchange.ulysses"}),
+    ("a document layout's blocks", {"core.exchange.doc_blocks"}),
+    ("the exchanges; linear attention's state passing",
+     {"core.exchange.ring", "core.exchange.allgather", "core.exchange.doc_exchange", "core.exchange.doc_op",
+      "core.linear.linear_attention", "core.linear.linear_runs", "core.linear.linear_conv"}),
     ("the front door; a batch's shards; the SDPA-on-DTensor rule; decoding against a sharded cache",
      {"core.attention", "core.batch", "dtensor.sdpa", "core.decode", "core"}),
     ("DTensor entry points", {"dtensor.sharding", "dtensor"}),
@@ -48,8 +50,6 @@ def _modules() -> dict[str, pathlib.Path]:
     out = {}
     for f in sorted(ROOT.rglob("*.py")):
         parts = f.relative_to(ROOT).with_suffix("").parts
-        if parts[0] == "_legacy":  # the old module paths: each hands over to its new home (_deprecated.py)
-            continue
         out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
     return out
 
@@ -175,12 +175,12 @@ def test_no_private_name_across_packages():
 
 def test_the_private_name_check_sees_a_violation(tmp_path):
     """The check itself: a cross-package private import and attribute are found, a same-package one is not."""
-    modules = {"core.ops": tmp_path / "ops.py", "core.blocks": tmp_path / "blocks.py", "hf.attention": tmp_path / "a.py",
-               "_compat": tmp_path / "_compat.py"}
-    code = ("from ..core.ops import _row_segments, tie\nfrom ..core import ops\nfrom .._compat import _StridedShard\n"
+    modules = {"core.compute.ops": tmp_path / "ops.py", "core.compute.blocks": tmp_path / "blocks.py",
+               "hf.attention": tmp_path / "a.py", "_compat": tmp_path / "_compat.py"}
+    code = ("from ..core.compute.ops import _row_segments, tie\nfrom ..core.compute import ops\nfrom .._compat import _StridedShard\n"
             "ops._Fresh\n")
     modules["hf.attention"].write_text(code)
     assert _private_uses("hf.attention", modules["hf.attention"], modules) == [
-        "from core.ops import _row_segments", "ops._Fresh (core.ops)"]
-    modules["core.blocks"].write_text("from .ops import _row_segments\nfrom . import ops\nops._Fresh\n")
-    assert _private_uses("core.blocks", modules["core.blocks"], modules) == []
+        "from core.compute.ops import _row_segments", "ops._Fresh (core.compute.ops)"]
+    modules["core.compute.blocks"].write_text("from .ops import _row_segments\nfrom . import ops\nops._Fresh\n")
+    assert _private_uses("core.compute.blocks", modules["core.compute.blocks"], modules) == []

@@ -115,6 +115,27 @@ out["config"] = [hasattr(cfg, "JobConfig")]
     assert got == {o: [1, True] for o in olds}
 
 
+def test_the_old_paths_finder_answers_its_table_only():
+    """Note [Old module paths]: the finder answers the table's names only (any other name, in cp_dtensor or
+    not, imports as it would without it), sits once in sys.meta_path, leaves the new module's own spec alone,
+    and ``python -m OLD`` runs the new module as the program."""
+    from cp_dtensor._deprecated import OldPaths, install_old_paths
+
+    assert OldPaths.find_spec("json") is None and OldPaths.find_spec("cp_dtensor.core.no_such_module") is None
+    assert OldPaths.find_spec("cp_dtensor.core.ring").name == "cp_dtensor.core.ring"
+    install_old_paths()
+    assert sum(f is OldPaths for f in sys.meta_path) == 1
+    code = ("import warnings; warnings.simplefilter('ignore')\n"
+            "import cp_dtensor.core.ring as old, cp_dtensor.core.exchange.ring as new, cp_dtensor.core as core\n"
+            "print(old is new is core.ring, new.__name__, new.__spec__.name)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.stdout.split() == ["True", "cp_dtensor.core.exchange.ring", "cp_dtensor.core.exchange.ring"], out.stderr
+    run = subprocess.run([sys.executable, "-m", "cp_dtensor.cli", "--help"], capture_output=True, text=True, cwd=ROOT,
+                         timeout=300)
+    assert run.returncode == 0 and "usage: cp-dtensor" in run.stdout, run.stderr
+    assert "cp_dtensor.cli is deprecated" in run.stderr and "cp_dtensor.tools.cli" in run.stderr
+
+
 def test_old_calls_warn_once_and_equal_the_new_ones():
     """shard_batch(mesh, *tensors), unshard_sequence(local, mesh), shard_tensor/unshard_tensor/shard_sequence
     with dim=, against the new calls and against the striped formula (local i of rank r is global i*P + r)."""

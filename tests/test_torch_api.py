@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from cp_dtensor import context_parallel, context_parallel_unshard, reduce_gradients, unshard_batch
-from cp_dtensor.core.layout import shard_tensor
+from cp_dtensor.core.plan.layout import shard_tensor
 from cp_dtensor.torch_api import set_rotate_method
 from _dist import run_ranks
 from _ref import abs_rel_err, make_qkv, masked_reference, reference, rel_err

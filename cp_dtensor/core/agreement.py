@@ -48,7 +48,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .comm import Groups, all_gather_host, all_gather_objects, group_size, host_group
+from .exchange.comm import Groups, all_gather_host, all_gather_objects, group_size, host_group
 
 __all__ = ["SAME_SHARDS", "Rules", "agree", "agree_objects", "agree_on_call", "agreed", "rank_world"]
 

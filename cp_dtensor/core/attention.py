@@ -19,15 +19,15 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .._compat import function_output
 from .._deprecated import old_keywords
-from .allgather import allgather_backward, allgather_forward
-from .blocks import Mask, sinks_grad
 from .checks import ring_preamble
-from .doc_exchange import document_attention
-from .doc_op import compiled_document_attention
-from .ordering import tie
-from .ring import ring_backward, ring_forward
-from .spec import RingSpec
-from .ulysses import gather_heads, kv_replicas, mesh_group, scatter_heads, union_order
+from .compute.blocks import Mask, sinks_grad
+from .compute.ordering import tie
+from .exchange.allgather import allgather_backward, allgather_forward
+from .exchange.doc_exchange import document_attention
+from .exchange.doc_op import compiled_document_attention
+from .exchange.ring import ring_backward, ring_forward
+from .exchange.ulysses import gather_heads, kv_replicas, mesh_group, scatter_heads, union_order
+from .plan.spec import RingSpec
 
 __all__ = ["plan_attention", "ring_attention", "ring_spec", "run_ring_attention"]
 

@@ -20,7 +20,7 @@ from .._compat import all_gather_single, all_gather_single_autograd
 from .._deprecated import old_keywords, warn_once
 from .agreement import Rules, agree_objects
 from .checks import check_cp_mesh
-from .layout import check_layout, check_seq_len, global_order, layout_unit, shard_tensor, unshard_tensor, wrap_dim
+from .plan.layout import check_layout, check_seq_len, global_order, layout_unit, shard_tensor, unshard_tensor, wrap_dim
 
 __all__ = ["document_ids_from_positions", "shard_batch", "unshard_batch"]
 

@@ -61,11 +61,11 @@ from .._compat import resolve_process_group
 from .._extras import installed, require
 from .agreement import Rules
 from .agreement import agree as agree_fingerprints
-from .comm import gather_ids, group_size, host_group
-from .kernels import kernel_error
-from .layout import LAYOUTS, in_global_order, layout_unit
-from .spec import RingSpec
-from .wire import FINGERPRINT_INTS, KV_EXCHANGES
+from .compute.kernels import kernel_error
+from .exchange.comm import gather_ids, group_size, host_group
+from .plan.layout import LAYOUTS, in_global_order, layout_unit
+from .plan.spec import RingSpec
+from .plan.wire import FINGERPRINT_INTS, KV_EXCHANGES
 
 __all__ = [
     "Agreed", "Fingerprint", "call_error", "check_call", "check_cp_mesh", "check_documents", "check_ring_args",

@@ -35,7 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .._deprecated import old_keywords
 from .agreement import Rules, agree
-from .comm import all_gather, wait
+from .exchange.comm import all_gather, wait
 
 __all__ = ["sharded_cache_attention"]
 

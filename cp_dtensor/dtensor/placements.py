@@ -66,7 +66,7 @@ from .._compat import (
     wrap_sharding_propagation,
 )
 from .._deprecated import old_keywords, warn_once
-from ..core.layout import check_seq_len, global_order, local_positions, shard_tensor
+from ..core.plan.layout import check_seq_len, global_order, local_positions, shard_tensor
 
 __all__ = [
     "HeadTail",
@@ -82,7 +82,7 @@ _HEADTAIL_SF = -1  # See Note [HeadTail placement]
 
 # Note [No document placement]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# A document layout (core/documents.py) is a per-batch, per-row permutation of the sequence, so no
+# A document layout (core/plan/documents.py) is a per-batch, per-row permutation of the sequence, so no
 # placement can carry it: a placement is one rule for every tensor of every batch, and DTensor's
 # propagation, redistribution and the SDPA rule read layouts from placements alone (Note [Layout
 # placements]). A DTensor placement would also have to hold the batch's ids and exchange plan, which

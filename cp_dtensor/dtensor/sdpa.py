@@ -84,11 +84,11 @@ from .._compat import (
     redistribute_local_tensor,
     restore_cache_key,
 )
-from ..core.allgather import allgather_backward, allgather_forward
 from ..core.checks import call_error, options_error
-from ..core.layout import check_seq_len
-from ..core.ring import ring_backward, ring_forward
-from ..core.spec import RingSpec
+from ..core.exchange.allgather import allgather_backward, allgather_forward
+from ..core.exchange.ring import ring_backward, ring_forward
+from ..core.plan.layout import check_seq_len
+from ..core.plan.spec import RingSpec
 from .placements import as_layout_placements, install_headtail_propagation, placement_layout
 
 __all__ = ["install_sdpa_dispatch", "sdpa_options", "uninstall_sdpa_dispatch"]
@@ -238,7 +238,7 @@ def _sdpa_handler(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> objec
     if ring is None:
         return _ordinary(op, args, kwargs)
     q, k, v = a["query"], a["key"], a["value"]
-    # the call's spec, built once (Note [One spec per ring call] in core/spec.py)
+    # the call's spec, built once (Note [One spec per ring call] in core/plan/spec.py)
     comm_dtype, kv_exchange = _options.get()  # See sdpa_options
     spec = RingSpec(ring.group, ring.layout, is_causal=bool(a["is_causal"]), scale=_scale(a, q), comm_dtype=comm_dtype,
                     kv_exchange=kv_exchange)

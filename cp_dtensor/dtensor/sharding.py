@@ -22,7 +22,7 @@ from torch.distributed.tensor.placement_types import Placement
 from .._compat import _StridedShard
 from .._deprecated import seq_dim_argument, warn_once
 from ..core.batch import unshard_batch
-from ..core.layout import check_seq_len, local_positions, shard_tensor, wrap_dim
+from ..core.plan.layout import check_seq_len, local_positions, shard_tensor, wrap_dim
 from .placements import as_layout_placements, full_tensor, placement_layout, sequence_placement
 from .sdpa import install_sdpa_dispatch
 

@@ -81,7 +81,7 @@ from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
 from ..core.agreement import agree_on_call  # noqa: E402
 from ..core.attention import ring_attention, ring_spec, run_ring_attention  # noqa: E402
 from ..core.checks import check_call, check_cp_mesh, options_error  # noqa: E402
-from ..core.layout import in_global_order, shard_tensor  # noqa: E402
+from ..core.plan.layout import in_global_order, shard_tensor  # noqa: E402
 from .documents import KWARG, check_model_layout, documents_of, plan_error, ring_layout  # noqa: E402
 from .generate import enable_generate, generate  # noqa: E402
 from .served import cp_error, layer_types  # noqa: E402

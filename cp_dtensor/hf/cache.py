@@ -150,7 +150,7 @@ _REFUSED = ("a cp_dtensor ShardedCache cannot be cropped, reordered or re-batche
 class ReplicatedLinearLayer(LinearAttentionLayer):
     """A linear-attention layer's cache under CP: the *full* recurrent state [B, Hv, dk, dv] and conv state
     [B, C, K] -- the same bits on every rank. The CP prefill stores them (the fold of every rank's summary and
-    the prompt's last K conv inputs, Note [Prefill for decoding] in core/linear_attention.py); each decode step
+    the prompt's last K conv inputs, Note [Prefill for decoding] in core/linear/linear_attention.py); each decode step
     then runs transformers' own recurrent step on them, on every rank alike. Cropping, reordering, re-batching
     and past recording are refused on every rank, as for the attention layers' shares
     (:class:`ShardedCacheLayer`)."""

@@ -15,8 +15,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .._deprecated import old_keywords
 from ..core.batch import shard_batch
-from ..core.documents import DocumentLayout
-from ..core.layout import layout_unit, local_positions
+from ..core.plan.documents import DocumentLayout
+from ..core.plan.layout import layout_unit, local_positions
 from .attention import shift_labels
 from .documents import full_plan
 

@@ -2,7 +2,7 @@
 
 Note [One plan per batch in transformers]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-Under ``layout="documents"`` (Note [Document placement] in core/documents.py) the order of a rank's tokens
+Under ``layout="documents"`` (Note [Document placement] in core/plan/documents.py) the order of a rank's tokens
 is the batch's own: no rank can put its shard of the position ids back in global order, as the named
 layouts' attention does (Note [transformers under CP] in attention.py), without the placement. So the
 documents are derived where the *full* batch is -- before it is sharded -- and the plan travels with the
@@ -12,7 +12,7 @@ shard:
   derives the full batch's document ids by transformers' sdpa / eager rules (:func:`documents_of`: the
   one derivation, also used by the named layouts after their gather: position ids that do not advance by
   1 start a document; with a 2-D padding mask each pad token is a document of its own) and returns
-  ``cp_dtensor.core.documents.plan_batch(model's layout, P, document_ids=ids, windows=the model's layer
+  ``cp_dtensor.core.plan.documents.plan_batch(model's layout, P, document_ids=ids, windows=the model's layer
   windows)`` (:func:`model_windows`: ``layer_types`` / ``sliding_window``, so the balance counts every
   layer's kept pairs);
 * the batch is sharded with it (``cp_dtensor.shard_batch(batch, cp_mesh, layout=plan)``) and the model is
@@ -47,9 +47,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..core.documents import DocumentLayout
-from ..core.documents import plan_batch as plan_documents
-from ..core.layout import LAYOUTS
+from ..core.plan.documents import DocumentLayout
+from ..core.plan.documents import plan_batch as plan_documents
+from ..core.plan.layout import LAYOUTS
 from .state import HFState, state_of
 
 __all__ = ["KWARG", "check_model_layout", "documents_of", "model_windows", "plan_batch", "plan_error", "ring_layout"]
@@ -63,7 +63,7 @@ def check_model_layout(layout: str, *, comm_dtype=None, kv_exchange: str = "ring
     if layout == "documents":
         if kv_exchange != "ring":
             raise ValueError("layout='documents' sends each needed K/V row once by its own exchange (Note [Document "
-                             f"exchange] in core/doc_exchange.py); got kv_exchange={kv_exchange!r}. Drop it, or use a "
+                             f"exchange] in core/exchange/doc_exchange.py); got kv_exchange={kv_exchange!r}. Drop it, or use a "
                              "named layout.")
         return layout
     if layout not in LAYOUTS:

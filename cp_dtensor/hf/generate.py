@@ -87,9 +87,9 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList  # no
 
 from .._compat import generation_stopping_criteria, prepare_generation_config  # noqa: E402
 from ..core.agreement import Rules, agree_objects  # noqa: E402
-from ..core.comm import all_gather, host_group, wait  # noqa: E402
 from ..core.decode import attend, digest, local_error  # noqa: E402
-from ..core.layout import global_order, layout_unit, shard_tensor  # noqa: E402
+from ..core.exchange.comm import all_gather, host_group, wait  # noqa: E402
+from ..core.plan.layout import global_order, layout_unit, shard_tensor  # noqa: E402
 from .cache import GenerateCall, ShardedCache, _Step  # noqa: E402
 from .cache import ShardedCacheLayer as ShardedCacheLayer  # noqa: E402  (a name of the old path cp_dtensor.hf_generate)
 from .cache import cache_bytes as cache_bytes  # noqa: E402  (a name of the old path cp_dtensor.hf_generate)

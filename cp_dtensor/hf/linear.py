@@ -57,7 +57,7 @@ linear-attention layers are ``ReplicatedLinearLayer`` s holding the *full* state
   it in the layer's cache (the layer's own ``update_conv_state`` hands the shard back unchanged), and the
   delta-rule dispatcher answers the layer's ``output_final_state=True`` with ``sharded_delta_rule``'s final
   state, which the layer itself then stores (``update_recurrent_state``) -- Note [Prefill for decoding] in
-  core/linear_attention.py. The attention layers write their shares and run the ring.
+  core/linear/linear_attention.py. The attention layers write their shares and run the ring.
 * Decode (the ``decode`` step): the new token is the same on every rank and the linear layers' hooks stand
   aside: transformers' own single-token path (``causal_conv1d_update``, the recurrent kernel) steps the full
   states, alike on every rank, with no communication; the attention layers run ``sharded_cache_attention``.
@@ -90,14 +90,14 @@ from .._extras import require
 require("hf", "cp_dtensor.hf (hybrid linear-attention transformers models under context parallelism)")
 
 from ..core.agreement import Rules, agree_objects  # noqa: E402
-from ..core.layout import check_layout  # noqa: E402
-from ..core.linear_attention import (  # noqa: E402, I001
+from ..core.linear.linear_attention import (  # noqa: E402, I001
     check_linear_layout,
     run_owner,
     run_starts,
     sharded_causal_conv1d,
     sharded_delta_rule,
 )
+from ..core.plan.layout import check_layout  # noqa: E402
 from .state import ATTR, HFState  # noqa: E402
 
 __all__ = ["FAMILIES", "LinearState", "enable_linear", "linear_layers"]

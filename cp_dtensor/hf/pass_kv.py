@@ -12,7 +12,7 @@ A turn of T new tokens after C cached ones, in pass-KV (hf/generate.py's pre-hoo
   their queries padding) and gives each rank its layout shard, as a prefill does; the layers run on the
   shard: each rank computes T / P tokens, not T;
 * each attention layer passes every rank's block -- [cache share, padded to the largest share's S_max |
-  new shard] K and V in one buffer -- round the ring (core/comm.py's RingComm, the next block in flight
+  new shard] K and V in one buffer -- round the ring (core/exchange/comm.py's RingComm, the next block in flight
   while this one is attended): (P - 1) * B * (S_max + T_local) * Hkv * (Dqk + Dv) * e bytes per rank,
   about (P - 1) / P of all C + T tokens' K/V; a rank holds two blocks at a time, not the whole cache.
   The cache shares' positions are gathered once per forward, in the pre-hook. Each rank attends its
@@ -35,9 +35,9 @@ from .._extras import require
 
 require("hf", "cp_dtensor.hf (transformers generate() under context parallelism)")
 
-from ..core.comm import RingComm, all_gather, pack, unpack, wait  # noqa: E402
 from ..core.decode import attend_blocks  # noqa: E402
-from ..core.layout import global_order, layout_unit, shard_tensor  # noqa: E402
+from ..core.exchange.comm import RingComm, all_gather, pack, unpack, wait  # noqa: E402
+from ..core.plan.layout import global_order, layout_unit, shard_tensor  # noqa: E402
 from .cache import ShardedCache, _Step  # noqa: E402
 from .documents import ring_layout  # noqa: E402
 from .state import HFState  # noqa: E402

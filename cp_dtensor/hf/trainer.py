@@ -95,7 +95,7 @@ with torchao_import_quiet():  # its quantizers import torchao: See Note [torchao
 from .._compat import replica_dataloaders, seq2seq_pad  # noqa: E402
 from ..core.batch import unshard_batch  # noqa: E402
 from ..core.checks import options_error  # noqa: E402
-from ..core.comm import all_gather_objects, host_group  # noqa: E402
+from ..core.exchange.comm import all_gather_objects, host_group  # noqa: E402
 from ..core.tiling import check_tile_size  # noqa: E402
 from .attention import apply_context_parallel  # noqa: E402
 from .collator import META, CollatedBatch, ShardingCollator  # noqa: E402

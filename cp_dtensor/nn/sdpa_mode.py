@@ -19,7 +19,7 @@ taken from the top-level call (``document_ids=``, or derived from ``position_ids
 and kept until the next top-level call (activation checkpointing recomputes with them), and the
 model's window.
 
-Packed documents go through the batch's plan (Note [One plan per batch] in core/documents.py): with
+Packed documents go through the batch's plan (Note [One plan per batch] in core/plan/documents.py): with
 ``documents="position_ids"`` the hook all-gathers the start flags once per forward, so the *full* ids,
 and builds the ``DocumentLayout`` of the door's layout from them; with ``layout="documents"`` the batch
 was sharded by a plan built before the forward (``cp_dtensor.document_layout``: the placement depends on
@@ -57,8 +57,8 @@ from ..core.agreement import agree_on_call
 from ..core.attention import plan_attention, ring_spec, run_ring_attention
 from ..core.batch import full_ids_from_positions
 from ..core.checks import check_cp_mesh, options_error
-from ..core.documents import DocumentLayout, document_layout, plan_batch
-from ..core.layout import check_layout
+from ..core.plan.documents import DocumentLayout, document_layout, plan_batch
+from ..core.plan.layout import check_layout
 from ..core.tiling import check_tile_size, tiled_forward
 
 __all__ = ["RingSDPA", "applied", "apply_own_model", "reduce_gradients", "remove_own_model"]

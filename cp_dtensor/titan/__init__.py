@@ -10,8 +10,6 @@ error that names that version's way.
 
 from __future__ import annotations
 
-import os
-
 from .._extras import installed_version, require
 
 require("titan", "cp_dtensor.titan (the torchtitan plugin)")
@@ -19,8 +17,7 @@ require("titan", "cp_dtensor.titan (the torchtitan plugin)")
 __all__ = ["FAMILIES", "CPDTensor", "CPTrainer", "apply_ring_attention", "as_cp_config", "check_config",
            "parallelize_with_ring", "train_spec"]
 
-# old module paths (cp_dtensor.titan.spec, ...): files in ../_legacy/titan that warn once
-__path__.append(os.path.join(os.path.dirname(os.path.dirname(__file__)), "_legacy", "titan"))  # noqa: F821
+# old module paths (cp_dtensor.titan.spec, ...): cp_dtensor._deprecated.MOVED_MODULES (Note [Old module paths])
 
 VERSION = installed_version("titan")[:2]
 

@@ -30,9 +30,9 @@ import pathlib
 import random
 from dataclasses import dataclass
 
-from ..core import masks
-from ..core.documents import needed_rows, plan_row, rank_work
-from ..core.layout import layout_unit, payload_bytes
+from ..core.plan import masks
+from ..core.plan.documents import needed_rows, plan_row, rank_work
+from ..core.plan.layout import layout_unit, payload_bytes
 from .plan_ring import DTYPE_BYTES, PlanInput, ring_steps
 
 __all__ = ["DOC_PLACEMENTS", "DocPlacement", "compare_placements", "doc_rows", "lognormal_lengths", "parse_doc_lengths",

@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from ..core.wire import ulysses_a2a_bytes
+from ..core.plan.wire import ulysses_a2a_bytes
 from .plan_ring import (
     BWD_FLOP_FACTOR,
     DTYPE_BYTES,

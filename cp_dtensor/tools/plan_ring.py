@@ -62,8 +62,8 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass, field
 
-from ..core import masks
-from ..core.layout import check_layout, check_seq_len, layout_unit, payload_bytes, step_pairs
+from ..core.plan import masks
+from ..core.plan.layout import check_layout, check_seq_len, layout_unit, payload_bytes, step_pairs
 
 __all__ = [
     "BWD_FLOP_FACTOR",

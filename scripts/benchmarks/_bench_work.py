@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from cp_dtensor.core.layout import local_positions, step_block, step_pairs
-from cp_dtensor.core.ops import block_attn, block_attn_backward
+from cp_dtensor.core.compute.ops import block_attn, block_attn_backward
+from cp_dtensor.core.plan.layout import local_positions, step_block, step_pairs
 from cp_dtensor.tools.plan import PlanInput, make_plan
 
 PLAN_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}

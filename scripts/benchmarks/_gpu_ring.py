@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from _gpu_ranks import compare, last_line, progress, record, worst
 
 import cp_dtensor
-from cp_dtensor.core.layout import shard_tensor
+from cp_dtensor.core.plan.layout import shard_tensor
 from cp_dtensor.tools.plan import PlanInput, memory_bytes
 
 TOL = {torch.bfloat16: 3e-2, torch.float16: 1e-2, torch.float32: 2e-3, torch.float64: 1e-10}
@@ -121,7 +121,7 @@ def ring_case(cfg, rank, world, device, layout, seed, case) -> tuple[dict, dict]
         total = kw["sinks"].grad.detach().cpu().double()
         dist.all_reduce(total)
         res["dsinks"] = compare(total, want[4].cpu())
-    flash_windows = cp_dtensor.core.kernels.flash_windows(ql) if "window_size" in kw else None
+    flash_windows = cp_dtensor.core.compute.kernels.flash_windows(ql) if "window_size" in kw else None
     return dict(flash_windows=flash_windows), res
 
 

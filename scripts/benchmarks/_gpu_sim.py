@@ -11,9 +11,9 @@ import time
 import torch
 from _gpu_ranks import compare, worst
 
-from cp_dtensor.core.layout import shard_tensor, step_block, unshard_tensor
-from cp_dtensor.core.ops import block_attn, block_attn_backward
-from cp_dtensor.core.ops import merge_ as _merge_  # the ring's own merge, so this checks its math
+from cp_dtensor.core.compute.ops import block_attn, block_attn_backward
+from cp_dtensor.core.compute.ops import merge_ as _merge_  # the ring's own merge, so this checks its math
+from cp_dtensor.core.plan.layout import shard_tensor, step_block, unshard_tensor
 
 
 def abs_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 import cp_dtensor  # noqa: E402
-from cp_dtensor.core.wire import allgather_bytes, check_bytes, ring_bytes, ulysses_bytes  # noqa: E402
+from cp_dtensor.core.plan.wire import allgather_bytes, check_bytes, ring_bytes, ulysses_bytes  # noqa: E402
 from cp_dtensor.tools.debug import CommBytes  # noqa: E402
 from _bench_dist import run_ranks  # noqa: E402
 

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import cp_dtensor  # noqa: E402
-import cp_dtensor.core.ring as ring  # noqa: E402
+import cp_dtensor.core.exchange.ring as ring  # noqa: E402
 from _bench_dist import run_ranks  # noqa: E402
 from _bench_mem import _libc_live_memory, peak_since, reset_peak, search_max  # noqa: E402
 

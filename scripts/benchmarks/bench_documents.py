@@ -5,7 +5,7 @@
   * forward + backward wall and CPU time of ``ring_attention``, documents vs striped on the same batch, P = 2
     and 4 gloo ranks (forked, one thread each; the slowest rank's median), with the bytes each rank sent;
   * the plan's host cost at P = 8 and 32 with 64 documents: plan_row (torch-free), document_layout and one
-    rank's exchange_plan (core/doc_exchange.py);
+    rank's exchange_plan (core/exchange/doc_exchange.py);
   * a plot of bytes and balance against the mean document length (--plot).
 
     python scripts/benchmarks/bench_documents.py                   # all of it, a few minutes on 2 cores
@@ -28,7 +28,7 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from cp_dtensor.core.documents import plan_row, row_balance  # noqa: E402
+from cp_dtensor.core.plan.documents import plan_row, row_balance  # noqa: E402
 from cp_dtensor.tools.plan import PlanInput, compare_placements, doc_rows, lognormal_lengths, parse_doc_lengths  # noqa: E402
 
 
@@ -70,7 +70,7 @@ def host_cost(worlds=(8, 32), docs: int = 64, s_local: int = 8192) -> list[dict]
     import torch
 
     import cp_dtensor
-    from cp_dtensor.core.doc_exchange import exchange_plan
+    from cp_dtensor.core.exchange.doc_exchange import exchange_plan
 
     out = []
     for world in worlds:
@@ -98,7 +98,7 @@ def _time_rank(rank, world, s_local, heads, head_dim, median, iters, seed):
     import torch
 
     import cp_dtensor
-    from cp_dtensor.core.documents import plan_batch
+    from cp_dtensor.core.plan.documents import plan_batch
     from cp_dtensor.tools.debug import CommBytes
 
     n = world * s_local

@@ -74,7 +74,7 @@ def rank_main(rank: int, world: int, prompt: int, new_tokens: int, repeats: int,
             steps[name] += per_step
     out = {name: {"token_ms": 1e3 * statistics.median(steps[name]), "token_min_ms": 1e3 * min(steps[name]),
                   "call_ms": 1e3 * statistics.median(walls[name])} for name in variants}
-    from cp_dtensor.core.comm import all_gather, host_group, wait
+    from cp_dtensor.core.exchange.comm import all_gather, host_group, wait
 
     group = host_group(mesh.get_group())
     flags, times = torch.zeros(2 * batch, dtype=torch.long), []

@@ -20,7 +20,7 @@ the steps) and its CPU time, the cache bytes each rank holds (attention shares +
 peak resident memory over the whole generate above its start (``_bench_mem``), whether the tokens equal
 CP=1's. On a short prompt: the bytes each rank sends per decoded token (``CommBytes``) against the formula
 (P - 1) * B * Hq * T * (Dv + 1) * 4 per full-attention layer and 0 per linear layer; and the choice for the
-linear layers' decode step (Note [Prefill for decoding] in cp_dtensor/core/linear_attention.py): the measured
+linear layers' decode step (Note [Prefill for decoding] in cp_dtensor/core/linear/linear_attention.py): the measured
 time of one linear layer's replicated step against one gloo broadcast of its output [B, 1, E] and of its
 state [B, Hv, dk, dv] (what computing it on one rank would add). Writes bench_out/hybrid_generate.json.
 """

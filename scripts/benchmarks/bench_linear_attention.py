@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))  # this checkout's cp_dtensor
 sys.path.insert(0, os.path.dirname(__file__))
-from cp_dtensor.core.linear_attention import check_bytes, linear_state_bytes, sharded_delta_rule  # noqa: E402
+from cp_dtensor.core.linear.linear_attention import check_bytes, linear_state_bytes, sharded_delta_rule  # noqa: E402
 from cp_dtensor.tools.debug import CommBytes  # noqa: E402
 from _bench_dist import run_ranks  # noqa: E402
 
@@ -53,7 +53,7 @@ def _rank(rank: int, world: int, args, layout: str):
     import torch.distributed as dist
     from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 
-    from cp_dtensor.core.layout import shard_tensor
+    from cp_dtensor.core.plan.layout import shard_tensor
 
     torch.set_num_threads(1)
     *xs, do = _make(0, args.batch, args.seq_len, args.hk, args.hv, args.d)

@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from cp_dtensor.core.blocks import Mask  # noqa: E402
-from cp_dtensor.core.layout import shard_tensor  # noqa: E402
-from cp_dtensor.core.ops import _batch_rects  # noqa: E402
+from cp_dtensor.core.compute.blocks import Mask  # noqa: E402
+from cp_dtensor.core.compute.ops import _batch_rects  # noqa: E402
+from cp_dtensor.core.plan.layout import shard_tensor  # noqa: E402
 
 
 def _ids(world: int, s_local: int, docs: int, layout: str, seed: int = 0) -> torch.Tensor:

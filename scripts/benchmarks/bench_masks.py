@@ -31,9 +31,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 import cp_dtensor  # noqa: E402
-from cp_dtensor.core.comm import RingComm  # noqa: E402
-from cp_dtensor.core.layout import shard_tensor  # noqa: E402
-from cp_dtensor.core.masks import block_rects, kept_pairs, mask_bounds, runs, segments  # noqa: E402
+from cp_dtensor.core.exchange.comm import RingComm  # noqa: E402
+from cp_dtensor.core.plan.layout import shard_tensor  # noqa: E402
+from cp_dtensor.core.plan.masks import block_rects, kept_pairs, mask_bounds, runs, segments  # noqa: E402
 from cp_dtensor.tools.debug import CommBytes  # noqa: E402
 from _bench_dist import run_ranks  # noqa: E402
 

@@ -39,9 +39,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 from tqdm import tqdm  # noqa: E402
 
 import cp_dtensor  # noqa: E402
-from cp_dtensor.core.comm import RingComm  # noqa: E402
-from cp_dtensor.core.layout import step_block  # noqa: E402
-from cp_dtensor.core.ops import block_attn, block_attn_backward  # noqa: E402
+from cp_dtensor.core.compute.ops import block_attn, block_attn_backward  # noqa: E402
+from cp_dtensor.core.exchange.comm import RingComm  # noqa: E402
+from cp_dtensor.core.plan.layout import step_block  # noqa: E402
 from cp_dtensor.tools.debug import CommBytes  # noqa: E402
 from cp_dtensor.tools.plan import PlanInput, memory_bytes  # noqa: E402
 import _bench_mem as mem  # noqa: E402

@@ -78,7 +78,7 @@ def rank_main(rank: int, world: int, cached: list[int], new: list[int]) -> dict:
 
 
 def main() -> None:
-    from cp_dtensor.core.layout import layout_unit
+    from cp_dtensor.core.plan.layout import layout_unit
     from cp_dtensor.hf.turns import turn_plan
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
 import cp_dtensor  # noqa: E402
-from cp_dtensor.core.layout import shard_tensor, unshard_tensor  # noqa: E402
+from cp_dtensor.core.plan.layout import shard_tensor, unshard_tensor  # noqa: E402
 from _dist import run_ranks  # noqa: E402
 from _ref import make_qkv, reference, rel_err  # noqa: E402
 

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from cp_dtensor import ring_attention  # noqa: E402
-from cp_dtensor.core.layout import local_positions, shard_tensor  # noqa: E402
+from cp_dtensor.core.plan.layout import local_positions, shard_tensor  # noqa: E402
 from _dist import run_ranks  # noqa: E402
 
 PAYLOADS = {"none": None, "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}

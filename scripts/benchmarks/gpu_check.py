@@ -49,7 +49,7 @@ import _gpu_ring as ring  # noqa: E402
 import _gpu_sim as sim  # noqa: E402
 from _gpu_ranks import merge_rows, rows_of, run_group, stall_summary  # noqa: E402
 
-from cp_dtensor.core.layout import LAYOUTS  # noqa: E402
+from cp_dtensor.core.plan.layout import LAYOUTS  # noqa: E402
 
 # name: (GPU default, --cpu-smoke default)
 DEFAULTS = dict(ranks=(4, 2), ring_seq_len=(2048, 64), seq_len=(131072, 256), check_seq_len=(8192, 128),

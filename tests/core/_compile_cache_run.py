@@ -38,7 +38,7 @@ class _SDPA(torch.nn.Module):
 
 def _case(path: str, layout: str, rank: int, world: int, mesh) -> float:
     import cp_dtensor
-    from cp_dtensor.core.layout import shard_tensor
+    from cp_dtensor.core.plan.layout import shard_tensor
     from cp_dtensor.dtensor.placements import full_tensor
     from _ref import make_qkv, reference, rel_err
 

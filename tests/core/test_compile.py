@@ -27,8 +27,8 @@ from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 from torch._inductor.graph import GraphLowering
 
 import cp_dtensor
-from cp_dtensor.core.layout import shard_tensor
-from cp_dtensor.core.ops import block_attn, block_attn_backward, block_attn_backward_into_
+from cp_dtensor.core.compute.ops import block_attn, block_attn_backward, block_attn_backward_into_
+from cp_dtensor.core.plan.layout import shard_tensor
 from _dist import run_ranks
 from _ref import make_qkv, reference, rel_err
 

@@ -21,7 +21,7 @@ from torch._inductor.graph import GraphLowering
 from torch.distributed.device_mesh import init_device_mesh
 
 import cp_dtensor
-from cp_dtensor.core.layout import shard_tensor
+from cp_dtensor.core.plan.layout import shard_tensor
 from cp_dtensor.tools.debug import CommBytes
 from _dist import run_ranks
 from _ref import make_qkv, reference, rel_err

@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import cp_dtensor
 from cp_dtensor import _deprecated
-from cp_dtensor.core.layout import local_positions, shard_tensor, unshard_tensor
+from cp_dtensor.core.plan.layout import local_positions, shard_tensor, unshard_tensor
 from _dist import run_ranks
 from _ref import rel_err
 

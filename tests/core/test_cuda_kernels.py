@@ -39,7 +39,7 @@ def _reference(q, k, v, do, keep):
 
 def dense_case(device, dtype, *, causal, hq=4, hkv=2, s=256, d=64, dv=64, seed=0) -> dict:
     """cp_dtensor::block_attn (and its autograd backward) on one square block vs float64."""
-    from cp_dtensor.core.ops import block_attn
+    from cp_dtensor.core.compute.ops import block_attn
 
     q, k, v, do = _inputs(seed, 1, hq, hkv, s, s, d, dv, device)
     keep = torch.ones(s, s, dtype=torch.bool)
@@ -57,9 +57,9 @@ def rectangle_case(device, dtype, *, layout, window, seed=0, s=128, hq=4, hkv=2,
     """One masked ring step of rank 1 on rank 0's block (P = 2) with packed documents and a window -- the
     varlen flash calls, rectangles taller than their keys included -- vs float64: errors, and whether every
     row that keeps no key came back with out 0 and lse -inf."""
-    from cp_dtensor.core.layout import local_positions
-    from cp_dtensor.core.masks import flat_runs, mask_bounds, runs
-    from cp_dtensor.core.ops import masked_block_attn, masked_block_attn_backward
+    from cp_dtensor.core.compute.ops import masked_block_attn, masked_block_attn_backward
+    from cp_dtensor.core.plan.layout import local_positions
+    from cp_dtensor.core.plan.masks import flat_runs, mask_bounds, runs
 
     n = 2 * s
     ids = torch.zeros(1, n, dtype=torch.int64)

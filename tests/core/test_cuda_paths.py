@@ -17,8 +17,8 @@ from _cuda import as_cuda as _as_cuda
 from _cuda import stack as _stack
 
 import cp_dtensor
-import cp_dtensor.core.kernels as kernels
-from cp_dtensor.core.layout import shard_tensor
+import cp_dtensor.core.compute.kernels as kernels
+from cp_dtensor.core.plan.layout import shard_tensor
 from _dist import run_ranks
 from _ref import abs_rel_err, masked_reference
 

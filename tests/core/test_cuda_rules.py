@@ -1,7 +1,7 @@
 """The CUDA kernels' real host-side rules, emulated on CPU (tests/_cuda.py): flash's window conversion
 (max_seqlen_k) and bottom-right alignment, empty rows (out 0, lse +inf), the memory-efficient kernel with a
 mask only in fp32, and the ring's kernel choice under torch's SDPA backend switches. See Note [Kernel
-contracts] in cp_dtensor/core/kernels.py (issue 53).
+contracts] in cp_dtensor/core/compute/kernels.py (issue 53).
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def _switch_cases(rank, world):
     from torch.distributed.tensor.debug import CommDebugMode
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from cp_dtensor.core.layout import shard_tensor
+    from cp_dtensor.core.plan.layout import shard_tensor
 
     F, E, C, M = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION,
                   SDPBackend.MATH)
@@ -205,7 +205,7 @@ def test_sdpa_backend_switches_route_the_rings_cuda_kernels():
 def _compiled_switch_cases(rank, world):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from cp_dtensor.core.layout import shard_tensor
+    from cp_dtensor.core.plan.layout import shard_tensor
 
     s, n = 8, 8 * world
     g = torch.Generator().manual_seed(4)

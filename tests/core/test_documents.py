@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import cp_dtensor
-from cp_dtensor.core.documents import needed_rows, plan_row, rank_work, row_balance
+from cp_dtensor.core.plan.documents import needed_rows, plan_row, rank_work, row_balance
 from cp_dtensor.tools.debug import CommBytes
 from cp_dtensor.tools.plan_documents import lognormal_lengths  # the planner's and the benchmark's batches
 from _dist import run_ranks
@@ -260,7 +260,7 @@ def _payload(rank, world):
     and float8's error within the ring's bar (test_payload.FP8_TOL) against float64."""
     from test_payload import FP8, FP8_TOL
 
-    from cp_dtensor.core.layout import payload_bytes
+    from cp_dtensor.core.plan.layout import payload_bytes
 
     s, hkv, hq, d = 32, 2, 4, 16
     lengths = lognormal_lengths(7, world * s, median=12)

@@ -13,8 +13,8 @@ import torch.distributed._functional_collectives as funcol
 from torch._inductor.compile_fx import compile_fx
 
 import cp_dtensor
-from cp_dtensor.core.doc_op import doc_attn, doc_attn_backward
-from cp_dtensor.core.documents import needed_rows
+from cp_dtensor.core.exchange.doc_op import doc_attn, doc_attn_backward
+from cp_dtensor.core.plan.documents import needed_rows
 from _dist import run_ranks
 from _ref import abs_rel_err, masked_reference
 

@@ -15,8 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from _tiers import exhaustive
 
-from cp_dtensor.core.layout import shard_tensor
-from cp_dtensor.core.linear_attention import (
+from cp_dtensor.core.linear.linear_attention import (
     causal_conv1d_step,
     check_bytes,
     check_linear_layout,
@@ -26,6 +25,7 @@ from cp_dtensor.core.linear_attention import (
     sharded_causal_conv1d,
     sharded_delta_rule,
 )
+from cp_dtensor.core.plan.layout import shard_tensor
 from cp_dtensor.tools.debug import CommBytes
 from _dist import run_ranks
 from _ref import abs_rel_err, f64_kernel, recurrence  # noqa: F401  (f64_kernel: shared with tests/hf)

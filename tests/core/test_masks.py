@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 import cp_dtensor
-from cp_dtensor.core.layout import local_positions, shard_tensor
-from cp_dtensor.core.masks import block_rects, mask_bounds, runs, segments, steps_needed
+from cp_dtensor.core.plan.layout import local_positions, shard_tensor
+from cp_dtensor.core.plan.masks import block_rects, mask_bounds, runs, segments, steps_needed
 from cp_dtensor.tools.debug import CommBytes
 from _dist import run_ranks
 from _ref import abs_rel_err, masked_reference
@@ -90,7 +90,7 @@ def test_causal_staircase_on_cpu_only():
     """Note [Causal staircase]: on CPU a causal square of 2-4 strips (of 256 rows) becomes a strip
     staircase -- one full rectangle and one 256-row causal square per strip -- and others stay whole;
     CUDA never cuts."""
-    from cp_dtensor.core.kernels import causal_strip
+    from cp_dtensor.core.compute.kernels import causal_strip
 
     strip = causal_strip(torch.device("cpu"))
     assert strip == 256 and causal_strip(torch.device("cuda")) == 0
@@ -307,7 +307,7 @@ def test_compiled_masks_take_new_document_boundaries_without_recompiling():
 def test_row_segments_are_read_once_per_ids_and_die_with_them():
     """ops.RowSegments (Note [One plan per call]): the runs of equal ids per row, written out by hand; read
     again after the ids change in place; the entry gone with the tensor."""
-    from cp_dtensor.core.ops import RowSegments
+    from cp_dtensor.core.compute.ops import RowSegments
 
     cache = RowSegments()
     ids = torch.tensor([[0, 0, 1, 1, 1, 4], [2, 2, 2, 2, 2, 2]])

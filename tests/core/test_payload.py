@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import cp_dtensor
-from cp_dtensor.core.layout import shard_tensor
+from cp_dtensor.core.plan.layout import shard_tensor
 from cp_dtensor.tools.debug import CommBytes
 from _dist import run_ranks
 from _ref import make_qkv, reference, rel_err

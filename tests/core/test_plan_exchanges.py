@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from cp_dtensor.core import wire
+from cp_dtensor.core.plan import wire
 from cp_dtensor.tools import plan as P
 from cp_dtensor.tools.cli import main
 

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cp_dtensor
-from cp_dtensor.core.layout import shard_tensor
+from cp_dtensor.core.plan.layout import shard_tensor
 from cp_dtensor.tools.debug import CommBytes
 from _dist import run_ranks
 from _ref import make_qkv, reference, rel_err
@@ -250,8 +250,8 @@ def test_rank_outside_the_group_gets_a_clear_error():
 def _host_only_agreement(rank, world):
     from unittest import mock
 
-    from cp_dtensor.core import comm
     from cp_dtensor.core.checks import check_ring_args
+    from cp_dtensor.core.exchange import comm
 
     group = dist.group.WORLD
     # meta tensors hold no data: the check can only pass if it reads none (no device sync on CUDA)

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.distributed.tensor.debug import CommDebugMode
 
 import cp_dtensor
-from cp_dtensor.core.layout import shard_tensor
+from cp_dtensor.core.plan.layout import shard_tensor
 from cp_dtensor.tools.debug import CommBytes
 from _dist import run_ranks
 from _ref import make_qkv, reference, rel_err
@@ -91,7 +91,7 @@ def _old_exchange_keywords(rank, world):
     the float64 reference's output and gradients."""
     import warnings
 
-    from cp_dtensor.core.ring import ring_backward, ring_forward
+    from cp_dtensor.core.exchange.ring import ring_backward, ring_forward
 
     layout = "headtail"
     q, k, v, do = make_qkv(5, 1, 4, 2, 4 * world, 8)
@@ -129,7 +129,7 @@ def test_single_rank_is_plain_sdpa():
 @pytest.mark.parametrize("b,hq,hkv,threads", [(1, 4, 2, 1), (1, 4, 4, 2), (2, 8, 4, 4), (1, 32, 8, 16), (1, 6, 3, 2)])
 def test_backward_head_chunks_cover_every_head_once(b, hq, hkv, threads):
     # Note [Backward in head chunks]: each call keeps >= one (batch, head) pair per thread, whole KV groups
-    from cp_dtensor.core.ops import head_chunks as _head_chunks
+    from cp_dtensor.core.compute.ops import head_chunks as _head_chunks
 
     q, k = torch.empty(b, hq, 2, 8), torch.empty(b, hkv, 2, 8)
     old = torch.get_num_threads()

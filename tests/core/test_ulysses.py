@@ -13,10 +13,10 @@ from test_masks import masked_case
 from torch.distributed.device_mesh import init_device_mesh
 
 import cp_dtensor
-from cp_dtensor.core.layout import local_positions, shard_tensor
-from cp_dtensor.core.masks import Run, runs
-from cp_dtensor.core.ulysses import kv_replicas, union_order
-from cp_dtensor.core.wire import allgather_bytes, check_bytes, ring_bytes, ulysses_bytes
+from cp_dtensor.core.exchange.ulysses import kv_replicas, union_order
+from cp_dtensor.core.plan.layout import local_positions, shard_tensor
+from cp_dtensor.core.plan.masks import Run, runs
+from cp_dtensor.core.plan.wire import allgather_bytes, check_bytes, ring_bytes, ulysses_bytes
 from cp_dtensor.tools.debug import CommBytes
 from _dist import run_ranks
 from _ref import abs_rel_err

@@ -31,7 +31,7 @@ from transformers import (  # noqa: E402
 
 from cp_dtensor import hf  # noqa: E402
 from cp_dtensor.core.batch import shard_batch, unshard_batch  # noqa: E402
-from cp_dtensor.core.documents import document_layout  # noqa: E402
+from cp_dtensor.core.plan.documents import document_layout  # noqa: E402
 from cp_dtensor.doors import reduce_gradients  # noqa: E402
 from cp_dtensor.hf.documents import model_windows  # noqa: E402
 

@@ -30,7 +30,7 @@ from transformers.models.bailing_hybrid import BailingHybridConfig, BailingHybri
 from transformers.models.lara_mini import LaraMiniConfig, LaraMiniForCausalLM  # noqa: E402
 from transformers.models.olmo_hybrid import OlmoHybridConfig, OlmoHybridForCausalLM  # noqa: E402
 
-from cp_dtensor.core.layout import layout_unit  # noqa: E402
+from cp_dtensor.core.plan.layout import layout_unit  # noqa: E402
 from cp_dtensor.hf import ReplicatedLinearLayer, ShardedCache, ShardedCacheLayer, apply_context_parallel  # noqa: E402
 
 TOL = 1e-4  # fp32 logits, relative to the largest magnitude (the bound)

@@ -25,7 +25,7 @@ from transformers import KimiLinearConfig, KimiLinearForCausalLM, Qwen3NextConfi
 from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig  # noqa: E402
 from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig  # noqa: E402
 
-from cp_dtensor.core.linear_attention import check_bytes, conv_halo_bytes, linear_state_bytes  # noqa: E402
+from cp_dtensor.core.linear.linear_attention import check_bytes, conv_halo_bytes, linear_state_bytes  # noqa: E402
 from cp_dtensor.doors import apply_context_parallel, reduce_gradients, shard_batch  # noqa: E402
 from cp_dtensor.hf import attention as hf  # noqa: E402
 from cp_dtensor.hf import linear as hf_linear  # noqa: E402

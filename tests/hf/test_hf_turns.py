@@ -25,7 +25,7 @@ transformers.logging.set_verbosity_error()
 
 from transformers import DynamicCache  # noqa: E402
 
-from cp_dtensor.core.layout import layout_unit  # noqa: E402
+from cp_dtensor.core.plan.layout import layout_unit  # noqa: E402
 from cp_dtensor.hf import attention as hf  # noqa: E402
 from cp_dtensor.hf.turns import turn_plan  # noqa: E402
 from cp_dtensor.tools.debug import CommBytes  # noqa: E402

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from cp_dtensor.core.layout import LAYOUTS
+from cp_dtensor.core.plan.layout import LAYOUTS
 from cp_dtensor.tools.plan import PlanInput, make_plan
 
 SCRIPTS = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "benchmarks")
@@ -113,7 +113,7 @@ def test_mask_balance_counts_the_kept_pairs():
     global positions: the pairs each rank's queries keep, causal within packed documents."""
     import bench_masks
 
-    from cp_dtensor.core.layout import global_order
+    from cp_dtensor.core.plan.layout import global_order
 
     for seed, (world, n) in enumerate(((2, 48), (3, 36), (4, 64))):
         ids = bench_masks.doc_ids(n, 5, lognormal=True, seed=seed)

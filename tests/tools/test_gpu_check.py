@@ -19,7 +19,7 @@ import pytest
 import torch
 from _tiers import slow
 
-from cp_dtensor.core.layout import LAYOUTS
+from cp_dtensor.core.plan.layout import LAYOUTS
 from cp_dtensor.tools.plan import PlanInput, memory_bytes
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")

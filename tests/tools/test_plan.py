@@ -72,7 +72,7 @@ def test_plan_bytes_are_what_the_ring_sends():
     # the planner's K/V step against the very buffer payload.encode_kv puts on the wire
     import torch
 
-    from cp_dtensor.core.payload import encode_kv
+    from cp_dtensor.core.exchange.payload import encode_kv
 
     b, hkv, s, d = 2, 3, 8, 16
     k, v = torch.randn(b, hkv, s, d, dtype=torch.bfloat16), torch.randn(b, hkv, s, d, dtype=torch.bfloat16)
@@ -96,7 +96,7 @@ def test_backward_bytes_twice_forward_in_fp32():
 
 
 def _brute_pairs(layout: str, rank: int, src: int, world: int, seq_len: int, causal: bool) -> int:
-    from cp_dtensor.core.layout import local_positions
+    from cp_dtensor.core.plan.layout import local_positions
 
     q = local_positions(layout=layout, rank=rank, cp_size=world, seq_len=seq_len)
     k = local_positions(layout=layout, rank=src, cp_size=world, seq_len=seq_len)

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ...core.layout import LAYOUTS
+from ...core.plan.layout import LAYOUTS
+from ...core.plan.wire import KV_EXCHANGES  # kv_exchange values, as ring_attention(kv_exchange=...) takes them
 from ...core.tiling import check_tile_size
-from ...core.wire import KV_EXCHANGES  # kv_exchange values, as ring_attention(kv_exchange=...) takes them
 
 __all__ = ["COMM_DTYPES", "CPDTensor"]
 
@@ -67,7 +67,7 @@ class CPDTensor:
         except ValueError as e:
             raise ValueError(f"[cp_dtensor] {e} Set sequence_tiling = true (or e.g. 2048) in the TOML, pass "
                              "--cp_dtensor.sequence_tiling 2048, or remove the key.") from None
-        if self.layout == "documents":  # the document exchange: Note [Document exchange] in core/doc_exchange.py
+        if self.layout == "documents":  # the document exchange: Note [Document exchange] in core/exchange/doc_exchange.py
             clash = [f"{name} = {value!r}" for name, value, default in (
                 ("comm_dtype", self.comm_dtype, None), ("ulysses_degree", self.ulysses_degree, 1),
                 ("kv_exchange", self.kv_exchange, "ring")) if value != default]

@@ -6,7 +6,7 @@ torchtitan builds a batch's attention masks from the *full* batch -- 0.2.2's fle
 tokens (``block_causal``: ``flex.document_ids``), 0.3's from the per-document ``positions`` the data gives
 (``full_document_ids(position_ids=...)``) -- and only then calls ``prepare_context_parallel_input``, which
 the plugin answers with ``shard_cp_batch``. That is where the plan is made, once per batch (Note [One
-plan per batch] in core/documents.py): ``batch_plan`` is ``plan_batch`` of the masks' full document ids,
+plan per batch] in core/plan/documents.py): ``batch_plan`` is ``plan_batch`` of the masks' full document ids,
 with the masks' windows (gpt_oss: a global layer beside a sliding-window one; the balance counts both).
 
 * ``layout = "documents"``: the plan is a ``DocumentLayout`` (short documents whole on a rank, long ones
@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from ...core.documents import DocumentLayout, plan_batch
-from ...core.layout import check_seq_len, local_positions, shard_tensor
+from ...core.plan.documents import DocumentLayout, plan_batch
+from ...core.plan.layout import check_seq_len, local_positions, shard_tensor
 
 __all__ = ["DOCUMENTS", "batch_plan", "check_mask_ids", "check_titan_seq_len", "rope_positions", "shard_rows", "titan_unit"]
 
@@ -37,7 +37,7 @@ DOCUMENTS = "documents"  # the [cp_dtensor] layout that places the batch's docum
 
 def titan_unit(layout: str, cp: int) -> int:
     """What ``seq_len`` must be a multiple of for ``layout`` on ``cp`` ranks ("documents": ``cp``)."""
-    from ...core.layout import layout_unit
+    from ...core.plan.layout import layout_unit
 
     return cp if layout == DOCUMENTS else layout_unit(layout, cp)
 

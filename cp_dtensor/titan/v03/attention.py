@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from ...core.documents import full_document_ids
+from ...core.plan.documents import full_document_ids
 from ..shared.inner import RingInner
 from ..shared.plan import batch_plan, check_mask_ids, check_titan_seq_len, shard_rows
 
@@ -61,7 +61,7 @@ class RingDocs:
 
 def document_ids(positions: torch.Tensor) -> torch.Tensor:
     """[B, N] positions (0 where a document starts) -> [B, N] int64 document ids (0.3's own rule; the one
-    derivation every door uses: ``full_document_ids``, Note [One plan per batch] in core/documents.py)."""
+    derivation every door uses: ``full_document_ids``, Note [One plan per batch] in core/plan/documents.py)."""
     return full_document_ids(position_ids=positions, where="torchtitan 0.3")
 
 

@@ -48,7 +48,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..._compat import TITAN03_QWEN35_CONV
-from ...core.linear_attention import check_linear_layout, sharded_causal_conv1d, sharded_delta_rule
+from ...core.linear.linear_attention import check_linear_layout, sharded_causal_conv1d, sharded_delta_rule
 from ..shared.options import CPDTensor
 from .attention import RingDocs, RingInnerAttention, document_ids
 

@@ -278,7 +278,7 @@ def test_shard_cp_batch_documents_plans_the_batch_once(world):
     # position is held exactly once (where the planner puts them: tests/core/test_documents.py).
     import torch
 
-    from cp_dtensor.core.documents import DocumentLayout
+    from cp_dtensor.core.plan.documents import DocumentLayout
     from cp_dtensor.titan.v02.attention import shard_cp_batch
     from cp_dtensor.titan.v02.flex import RingMask
 

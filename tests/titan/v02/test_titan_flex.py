@@ -126,7 +126,7 @@ def _cp2_matches_reference(rank, world, case, layout, compiled=None):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from cp_dtensor.core.documents import DocumentLayout
+    from cp_dtensor.core.plan.documents import DocumentLayout
     from cp_dtensor.titan import CPDTensor, apply_ring_attention
     from cp_dtensor.titan.v02.attention import shard_cp_batch
 
@@ -205,7 +205,7 @@ def test_documents_layout_matches_dense_reference(case):
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=slow())])
 def test_documents_layout_compiled_blocks_match_dense_reference(backend):
     # [compile] with layout = "documents": every block compiled fullgraph; the document exchange is one custom
-    # op pair (Note [Compiled document exchange] in core/doc_op.py) reading the plan the masks carry
+    # op pair (Note [Compiled document exchange] in core/exchange/doc_op.py) reading the plan the masks carry
     missing = run_ranks(2, _cp2_matches_reference, "llama3_flex", "documents", backend)
     assert missing == [[], []], f"parameters without a gradient under CP: {missing}"
 

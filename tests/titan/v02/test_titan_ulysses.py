@@ -84,7 +84,7 @@ def _mesh_and_shards(rank: int, world: int) -> dict:
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
-    from cp_dtensor.core.layout import local_positions
+    from cp_dtensor.core.plan.layout import local_positions
     from cp_dtensor.titan.shared.heads import ulysses_mesh
     from cp_dtensor.titan.v02.attention import shard_cp_batch
 

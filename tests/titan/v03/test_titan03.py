@@ -184,7 +184,7 @@ def _tp_heads_into_the_ring(rank, world):
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
     import cp_dtensor.titan.v03.attention as v03
-    from cp_dtensor.core.layout import shard_tensor
+    from cp_dtensor.core.plan.layout import shard_tensor
 
     b, s, hq, hkv, d = 2, 16, 4, 2, 8
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
@@ -299,7 +299,7 @@ def _gpt_oss_attention(rank, world):
     import torch.distributed as dist
     from torchtitan.models.gpt_oss import model_registry
 
-    from cp_dtensor.core.layout import shard_tensor
+    from cp_dtensor.core.plan.layout import shard_tensor
     from cp_dtensor.titan.shared.options import CPDTensor
     from cp_dtensor.titan.v03.attention import ring_masks, shard_cp_batch
     from cp_dtensor.titan.v03.trainer import apply_ring_attention
@@ -331,7 +331,7 @@ def _gpt_oss_attention(rank, world):
         blocks = list(model.layers.values())[:2]  # a sliding-window layer and a full one
         assert [b.attn_mask_key for b in blocks] == ["sliding_window_mask", "basic_mask"]
         # compiled: each attention module fullgraph (the document exchange is one custom op pair, reading the plan
-        # the masks carry: Note [Compiled document exchange] in core/doc_op.py)
+        # the masks carry: Note [Compiled document exchange] in core/exchange/doc_op.py)
         calls = [torch.compile(b.attention, fullgraph=True, backend="aot_eager") if compiled else b.attention
                  for b in blocks]
         outs = [f(xs, extra["attention_masks"][b.attn_mask_key], extra["positions"]) for f, b in zip(calls, blocks)]
@@ -469,7 +469,7 @@ def _qwen35_layers(rank, world):
     import torch.nn.functional as F
     from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 
-    from cp_dtensor.core.layout import shard_tensor
+    from cp_dtensor.core.plan.layout import shard_tensor
     from cp_dtensor.titan.shared.options import CPDTensor
     from cp_dtensor.titan.v03.attention import shard_cp_batch
     from cp_dtensor.titan.v03.linear import apply_hybrid, hybrid_masks, qwen35_debugmodel_text
