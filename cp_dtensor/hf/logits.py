@@ -8,7 +8,9 @@ must not pass for logits: an empty tensor gives an empty mean (nan) or a cross-e
 Trainer logs as 0.0, and the hidden states themselves (what ``return_dict=False`` used to return there)
 a loss of the wrong width. So the slot holds :class:`TiledLogits`, [B, S_local, 0] like an empty tensor
 for whatever only looks at it (its shape, dtype, device; ``isinstance(x, Tensor)``; ``detach`` /
-``clone`` / ``to``, which the Trainer, DDP and accelerate apply to whole outputs), while every operation
+``clone`` / ``to``, which the Trainer, DDP and accelerate apply to whole outputs; the strides and view
+flags torch.compile reads when a compiled frame, such as DDP's post-forward under
+``Trainer(torch_compile=True)``, meets it), while every operation
 that reads values (``view``, indexing, ``softmax``, ``cross_entropy``, ``argmax``, ``float()`` then
 anything) raises a ValueError naming the tiling and what to do instead. The slot is found by identity:
 the tensor the head handed through, in a ``ModelOutput`` (``logits``) or the tuple of
@@ -29,7 +31,10 @@ _MESSAGE = (
     "compute_loss that reads outputs.logits needs sequence_tiling off. See Note [Logits a tiled call did not "
     "compute] in cp_dtensor/hf/logits.py.")
 _LOOKS = {"size", "dim", "numel", "is_floating_point", "is_complex", "element_size", "requires_grad_",
-          "__get__", "__len__"}  # read only what an empty tensor shows
+          "__get__", "__len__",
+          # what torch.compile reads when it meets a tensor in a frame (its metadata, never its values)
+          "stride", "storage_offset", "is_contiguous", "_is_view", "untyped_storage", "is_inference", "_is_zerotensor",
+          "is_neg", "is_conj"}
 _KEEPS = {"detach", "clone", "to", "cpu", "cuda", "contiguous", "float", "half", "bfloat16", "double",
           "detach_"}  # another TiledLogits
 

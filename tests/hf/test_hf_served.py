@@ -220,6 +220,13 @@ def test_tiled_logits_raise_when_read():
         for read in reads:  # a compute_loss override reading outputs.logits: the error, not inf or nan
             with pytest.raises(ValueError, match="never computed: sequence_tiling"):
                 read(logits)
+    # a compiled frame that meets the slot (DDP's post-forward under Trainer(torch_compile=True)) reads only its
+    # metadata: it passes through, and still raises when read
+    passed = torch.compile(lambda loss, x: (loss * 2, x) if x.grad_fn is None else (loss, x), backend="eager")(
+        as_dict.loss, as_dict.logits)[1]
+    assert isinstance(passed, type(as_dict.logits)) and passed.shape == (B, N, 0)
+    with pytest.raises(ValueError, match="never computed: sequence_tiling"):
+        passed.sum()
     model.eval()
     with torch.no_grad():
         assert rel_err(model(**kw).logits, ref_model.eval()(**kw).logits) <= 1e-5
