@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import sys
 import types
 import warnings
 from collections.abc import Callable, Iterator
@@ -264,6 +265,9 @@ TRANSFORMERS_PRIVATE_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...
     ("transformers.generation.utils", "GenerationMixin._prepare_generation_config", ("self", "generation_config")),
     ("transformers.generation.utils", "GenerationMixin._get_stopping_criteria",
      ("self", "generation_config", "stopping_criteria", "tokenizer")),
+    # recorded_outputs: hf/tiling.py's tiled MoE blocks (Note [Recorded router logits under tiling])
+    ("transformers.utils.output_capturing", "_active_collector.get", ()),  # a CompileableContextVar's
+    ("transformers.utils.output_capturing", "CompileableContextVar.get", ("self",)),
 )
 
 
@@ -410,6 +414,14 @@ def prepare_generation_config(model, generation_config, **kwargs) -> tuple[Any, 
     """transformers' ``GenerationMixin._prepare_generation_config``: (the GenerationConfig a generate() call with
     these arguments runs with, the model kwargs left over). Validates as generate() does."""
     return model._prepare_generation_config(generation_config, **kwargs)
+
+
+def recorded_outputs() -> dict | None:
+    """The lists transformers' output recorders (a model's ``_can_record_outputs``: router logits, attentions,
+    hidden states) are filling in the forward now running, by key; None outside one or without transformers.
+    transformers' private ``transformers.utils.output_capturing._active_collector``."""
+    capturing = sys.modules.get("transformers.utils.output_capturing")
+    return None if capturing is None else capturing._active_collector.get()
 
 
 @contextlib.contextmanager

@@ -53,6 +53,7 @@ kernels become their out-of-place forms (the compiler plans the buffers).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from contextlib import nullcontext
 
@@ -62,7 +63,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["DEFAULT_TILE", "check_tile_size", "linear_cross_entropy", "tiled_forward"]
+__all__ = ["DEFAULT_TILE", "check_tile_size", "linear_cross_entropy", "merge_tiles", "tiled_forward"]
 
 DEFAULT_TILE = 1024  #: tokens per tile for ``sequence_tiling=True``
 
@@ -292,12 +293,12 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias
                                      reduce_dh)
 
 
-def _merge(outs: list, batch: int, tile: int, seq_dim: int, what: str):
+def merge_tiles(outs: list, batch: int, tile: int, seq_dim: int, what: str):
     """Concatenate the tiles' outputs (the first tile holds ``tile`` tokens): tensors whose dim ``seq_dim``
     is the tile along it, [B * T, ...] ones (an MoE router's scores) as [B, T, ...]; tuples element-wise."""
     first = outs[0]
     if isinstance(first, (tuple, list)):
-        return type(first)(_merge([o[i] for o in outs], batch, tile, seq_dim, what) for i in range(len(first)))
+        return type(first)(merge_tiles([o[i] for o in outs], batch, tile, seq_dim, what) for i in range(len(first)))
     if first is None:
         return None
     if isinstance(first, Tensor) and first.dim() > seq_dim and first.shape[seq_dim] == tile and (
@@ -311,6 +312,10 @@ def _merge(outs: list, batch: int, tile: int, seq_dim: int, what: str):
                      "for this model.")
 
 
+def _contiguous_first(forward: Callable, x: Tensor, *args, **kwargs):
+    return forward(x.contiguous(), *args, **kwargs)
+
+
 def tiled_forward(forward: Callable, x: Tensor, *args, tile_size: int, seq_dim: int = 1, what: str = "the module",
                   recompute_context: Callable | None = None, **kwargs):
     """``forward(x, *args, **kwargs)`` for a token-wise ``forward``, ``tile_size`` tokens of ``x`` (along
@@ -321,6 +326,8 @@ def tiled_forward(forward: Callable, x: Tensor, *args, tile_size: int, seq_dim: 
     if n <= tile_size:
         return forward(x, *args, **kwargs)
     grad = torch.is_grad_enabled()
+    if any(x.shape[d] > 1 for d in range(seq_dim)):  # a tile of B > 1 rows is strided: made contiguous inside the
+        forward = functools.partial(_contiguous_first, forward)  # call (blocks that .view() it), recomputed, not kept
     outs = []
     for s in range(0, n, tile_size):
         part = x.narrow(seq_dim, s, min(tile_size, n - s))
@@ -329,4 +336,4 @@ def tiled_forward(forward: Callable, x: Tensor, *args, tile_size: int, seq_dim: 
             outs.append(checkpoint(forward, part, *args, use_reentrant=False, **ctx, **kwargs))
         else:
             outs.append(forward(part, *args, **kwargs))
-    return _merge(outs, x.shape[0], tile_size, seq_dim, what)
+    return merge_tiles(outs, x.shape[0], tile_size, seq_dim, what)

@@ -367,6 +367,15 @@ def _top_level_error(model: nn.Module, args, kwargs) -> str | None:
     if get("shift_labels") is not None and get("num_items_in_batch") is None:
         return ("with shift_labels= under context parallelism pass num_items_in_batch= (the global count of labels "
                 "!= -100): each rank's mean would otherwise be over its own tokens only.")
+    config = getattr(model, "config", None)
+    router = get("output_router_logits")
+    router = getattr(config, "output_router_logits", False) if router is None else router
+    if router and get("labels") is not None and getattr(config, "router_aux_loss_coef", 1.0):
+        return ("output_router_logits=True adds the MoE router's load-balancing loss to the loss, computed by the "
+                "model over this rank's tokens only: summed over the ranks, P losses of shards are not the loss of "
+                "the whole sequence (a balancing loss is not additive over tokens). Under context parallelism "
+                "train with output_router_logits=False (model.config.output_router_logits = False), or run this "
+                "model without context parallelism.")
     return None
 
 

@@ -53,7 +53,8 @@ TILED_FAMILIES: dict[str, tuple[str, dict]] = {  # model_type: (the causal LM cl
     "granite": ("GraniteForCausalLM", {"logits_scaling": (1, 1.0), "embedding_multiplier": _ANY,  # logits / scaling
                                        "residual_multiplier": _ANY, "attention_multiplier": _ANY}),
     "cohere": ("CohereForCausalLM", {"logit_scale": (1, 1.0)}),  # logits * logit_scale
-    "gpt_oss": ("GptOssForCausalLM", _ROUTER),  # not Mixtral / Qwen3-MoE yet: their experts .view() a tile of B > 1
+    "gpt_oss": ("GptOssForCausalLM", _ROUTER), "mixtral": ("MixtralForCausalLM", _ROUTER),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", _ROUTER),
 }
 # config names that could change the logits between the head and the loss, or the loss itself
 _LOGIT_KEYS = re.compile(r"logit|soft_?cap|loss|unpadded_vocab|vocab_pad|multiplier|lm_head", re.IGNORECASE)

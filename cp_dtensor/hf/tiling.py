@@ -22,6 +22,16 @@ and pickles carry them to the copy's own modules, as Note [CP state on a model] 
   router scores come back [B * S, E]) runs through ``core.tiling.tiled_forward``: T tokens at a time,
   each tile recomputed in backward, in every call (training or not).
 
+Note [Recorded router logits under tiling]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+transformers records an MoE router's logits with a forward hook on the router module
+(``_can_record_outputs``), one entry a call, and the causal LM's ``load_balancing_loss_func`` reads one
+[B * S, E] entry a layer (with an ``attention_mask``, rows in [B * S] order). A tiled block calls its router
+once a tile, so the tiled MLP call replaces the entries its tiles added with one, merged as the tiles'
+outputs are (``core.tiling.merge_tiles``): the router loss, ``outputs.router_logits`` and their gradients
+are the untiled model's. The recompute in backward runs after the forward's recorder has closed and records
+nothing.
+
 The head can be tiled only when the logits go from ``lm_head(hidden)`` straight to the loss, which the
 door proves from an allowlist of families and their config (Note [The transformers door's allowlist] in
 hf/served.py): a family not on it, a config entry that may scale, cap or slice the logits, a loss other
@@ -40,7 +50,8 @@ from typing import Any
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from ..core.tiling import check_tile_size, linear_cross_entropy, tiled_forward
+from .._compat import recorded_outputs
+from ..core.tiling import check_tile_size, linear_cross_entropy, merge_tiles, tiled_forward
 from .logits import replace_logits
 from .served import tiling_error
 
@@ -176,5 +187,12 @@ def _loss(model: nn.Module, logits: Tensor, labels: Tensor, vocab_size: int, num
 
 def _mlp_forward(mlp: nn.Module, x: Tensor, *args, **kwargs):
     state: TilingState = getattr(mlp, TILING_ATTR)
-    return tiled_forward(functools.partial(type(mlp).forward, mlp), x, *args, tile_size=state.tile,
-                         what=type(mlp).__name__, **kwargs)
+    recorded = recorded_outputs() or {}  # Note [Recorded router logits under tiling]
+    before = {key: len(got) for key, got in recorded.items() if isinstance(got, list) and key != "hidden_states"}
+    out = tiled_forward(functools.partial(type(mlp).forward, mlp), x, *args, tile_size=state.tile,
+                        what=type(mlp).__name__, **kwargs)
+    for key, n in before.items():
+        if len(recorded[key]) > n + 1:  # one entry a tile: the layer's one entry, tokens in [B * S] order
+            recorded[key][n:] = [merge_tiles(recorded[key][n:], x.shape[0], state.tile, 1,
+                                             f"{type(mlp).__name__}'s recorded {key}")]
+    return out

@@ -101,6 +101,34 @@ def test_tiled_families_equal_untiled():
     apply_sequence_tiling(_model("llama", loss_type="ForCausalLM"))  # the default loss, spelled out: tiled
 
 
+def test_tiled_moe_router_loss_equals_untiled():
+    """The MoE entries with the router loss on (output_router_logits, coefficient 0.5), with and without an
+    attention_mask (left padding: the router loss's rows in [B * S] order): tiled loss, router loss, router
+    logits and gradients equal the untiled model's (Note [Recorded router logits under tiling])."""
+    tokens, positions, labels = _batch()
+    mask = torch.ones(B, N, dtype=torch.long)
+    mask[1, :4] = 0
+    moe = [kind for kind, (_, served) in TILED_FAMILIES.items() if "output_router_logits" in served]
+    assert moe == ["gpt_oss", "mixtral", "qwen3_moe"]
+    for kind in moe:
+        for attention_mask in (None, mask):
+            kw = dict(input_ids=tokens, position_ids=positions, labels=labels, attention_mask=attention_mask,
+                      use_cache=False, output_router_logits=True)
+            runs = []
+            for tile in (None, 5):
+                model = _model(kind, router_aux_loss_coef=0.5)
+                out = (model if tile is None else apply_sequence_tiling(model, tile_size=tile))(**kw)
+                out.loss.backward()
+                runs.append((out.loss.item(), out.aux_loss.item(), out.router_logits,
+                             torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])))
+            (loss, aux, routers, grads), ref = runs[1], runs[0]
+            where = f"{kind} tiled, mask {attention_mask is not None}"
+            _compare(where, loss, grads, (ref[0], ref[3]))
+            assert abs(aux - ref[1]) <= LOSS_TOL * abs(ref[1]) and ref[1] > 0, f"{where}: router loss {aux} vs {ref[1]}"
+            assert len(routers) == len(ref[2]) == 2 and all(r.shape == (B * N, 4) and rel_err(r, q) <= 1e-6
+                                                            for r, q in zip(routers, ref[2])), where
+
+
 class _OwnLossForCausalLM(T.LlamaForCausalLM):
     """A model that computes its own loss (a z-loss from the logits), as remote code does."""
 
@@ -197,6 +225,31 @@ def _cp_families(rank: int, world: int) -> list[str]:
 
 def test_cp_families_equal_plain():
     assert run_ranks(2, _cp_families) == [list(FAMILIES)] * 2
+
+
+def _router_loss(rank: int, world: int) -> list[str]:
+    """An MoE training call with its router loss on (config or call) raises on every rank under CP; without labels
+    (evaluation) or with the router loss off it runs."""
+    mesh = init_device_mesh("cpu", (world,))
+    tokens, positions, labels = _batch()
+    shifted = hf.shift_labels(labels)
+    tok, pos, lab = shard_batch((tokens, positions, shifted), mesh, layout="headtail")
+    kw = dict(input_ids=tok, position_ids=pos, use_cache=False)
+    train = dict(kw, labels=lab, shift_labels=lab, num_items_in_batch=(shifted != -100).sum())
+    raised = []
+    for kind in ("gpt_oss", "mixtral", "qwen3_moe"):
+        on = hf.apply_context_parallel(_model(kind, output_router_logits=True), mesh, layout="headtail")
+        off = hf.apply_context_parallel(_model(kind), mesh, layout="headtail")
+        for model, call in ((on, train), (off, dict(train, output_router_logits=True))):
+            with pytest.raises(ValueError, match="output_router_logits=False"):
+                model(**call)
+            raised.append(kind)
+        assert on(**kw).aux_loss is not None and torch.isfinite(off(**train).loss)
+    return raised
+
+
+def test_router_loss_refused_under_cp_on_every_rank():
+    assert run_ranks(2, _router_loss) == [[k for k in ("gpt_oss", "mixtral", "qwen3_moe") for _ in range(2)]] * 2
 
 
 def test_tiled_logits_raise_when_read():
