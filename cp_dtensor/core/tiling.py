@@ -34,7 +34,9 @@ linear cross-entropy):
   softmax minus onehot then gives this shard's dW exactly and a partial dh, summed over the group once
   at the end (or left ``Partial`` when ``hidden`` is a DTensor, for its redistribute to reduce). The
   loss is the same on every rank. Tiles are the same on every rank, so every rank issues the same
-  collectives. The recompute path is single-device only.
+  collectives (after one all-reduce that checks, on every rank alike, that the ranks hold the same number
+  of tokens and no label lies outside [0, V): Note [Which DTensor head is vocabulary-parallel]). The
+  recompute path is single-device only.
 
   The reduction is transformers' ``ForCausalLMLoss``: a sum divided by ``num_items_in_batch`` when given
   (under CP: the global count, so the ranks' losses add up to the CP=1 loss), else the mean over labelled
@@ -44,6 +46,23 @@ linear cross-entropy):
   recomputes one tile at a time (the autograd engine runs the later tile's nodes first, each tile's
   chain whole), so one tile's intermediates live at a time. With the layer itself checkpointed
   (gradient checkpointing), this is what bounds the layer's backward peak.
+
+Note [Which DTensor head is vocabulary-parallel]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A weight placed ``Shard(0)`` on a 1-D mesh is what tensor parallelism's ``ColwiseParallel`` makes of a
+head (each rank computes logits for its V / TP rows of the *same* tokens) and also what FSDP2's
+``fully_shard`` leaves outside the head's forward (each rank holds V / DP rows, and the ranks hold
+*different* tokens). The placement cannot tell them apart, and taking an FSDP shard for a vocabulary
+shard mixes the ranks' tokens into one loss (and hangs once their lengths differ: the per-tile
+all-reduces stop pairing up). So a DTensor head is served as vocabulary-parallel only when the caller
+says so: ``tp_mesh=`` names the TP mesh, or the hidden states come as a DTensor replicated on the
+head's mesh (what TP's input hook hands the head's forward: torchtitan's plan). Anything else is
+refused on every rank (the same placements everywhere) before any collective; an FSDP head is served by
+passing its weight unsharded, as FSDP's own forward sees it (hf/tiling.py gathers it for the call).
+Under TP a label outside [0, V) would fall in no rank's shard and add a finite loss where
+``F.cross_entropy`` raises, and ranks with different token counts would hang in the per-tile
+collectives; one all-reduce (MAX of the count, minus the count and a bad-label flag) before the tiles
+raises both on every rank. It costs one host sync a call, on the TP path only.
 
 Cost: the head runs its 3 matmuls once (as the plain head); the MLP's forward runs twice (as under
 activation checkpointing). The tile size trades the transient [T, V] buffer (T x V x 4 bytes: 128 MiB at
@@ -142,7 +161,7 @@ def _fused(hidden, weight, bias, labels, scale, *, tile: int, ignore_index: int,
         total = total + torch.where(valid, nll, 0.0).sum()
         if not grads:
             continue
-        c = valid.to(acc) * scale  # [T]: d loss / d nll_i (0 for ignored tokens)
+        c = torch.where(valid, scale, 0.0)  # [T]: d loss / d nll_i (0 for ignored tokens, even when scale is inf)
         if eager:  # g = softmax - onehot, in place; the row scale c goes on the [T, H] sides
             z.exp_().scatter_add_(1, safe, minus_one[:t].where(mine[:, None], 0.0))
         else:
@@ -177,7 +196,7 @@ def _recomputed_grads(grad_out, hidden, weight, bias, labels, scale, *, tile: in
         z = F.linear(x, w, b).to(acc)  # [T, V]
         valid = lab != ignore_index
         onehot = F.one_hot(torch.where(valid, lab, 0), z.shape[1]).to(acc)
-        g = (torch.softmax(z, 1) - onehot) * (valid.to(acc) * scale * grad_out)[:, None]
+        g = (torch.softmax(z, 1) - onehot) * torch.where(valid, scale * grad_out, 0.0)[:, None]
         gd = g.to(dtype)
         dhs.append(gd @ w)
         dw = dw + (gd.t() @ x).to(acc)
@@ -216,17 +235,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 None if db is None else (db * grad_out).to(bias.dtype), *rest)
 
 
-def _vocab_parallel(weight, bias, hidden):
+def _vocab_parallel(weight, bias, hidden, tp_mesh):
     """(local weight, local bias, hidden as a local tensor, group, vocabulary offset, reduce dh) for a head
-    whose weight is a DTensor sharded over the vocabulary; (weight, bias, hidden, None, 0, False) for a plain
-    one; a ValueError for a DTensor head the fused path cannot serve (Note [Sequence tiling])."""
+    whose weight is a DTensor sharded over the vocabulary by tensor parallelism; (weight, bias, hidden, None,
+    0, False) for a plain one; a ValueError for a DTensor head the fused path cannot serve, or cannot tell
+    from an FSDP-sharded one (Note [Which DTensor head is vocabulary-parallel])."""
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
     if not isinstance(weight, DTensor):
-        if isinstance(bias, DTensor) or isinstance(hidden, DTensor):
+        if isinstance(bias, DTensor) or isinstance(hidden, DTensor) or tp_mesh is not None:
             raise ValueError("linear_cross_entropy takes hidden, weight and bias all as plain tensors, or a weight "
                              "(and bias) as DTensors sharded over the vocabulary; got a plain weight with a DTensor "
-                             "hidden or bias. Pass local tensors.")
+                             "hidden or bias, or with tp_mesh=. Pass local tensors and no tp_mesh.")
         return weight, bias, hidden, None, 0, False
     mesh = weight.device_mesh
     if mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
@@ -234,6 +254,16 @@ def _vocab_parallel(weight, bias, hidden):
                          f"(Shard(0),) on a 1-D mesh: the vocabulary-parallel head); got placements "
                          f"{tuple(weight.placements)} on a {mesh.ndim}-D mesh. Shard the head's weight with "
                          "ColwiseParallel (over the vocabulary), or pass it as a full local tensor.")
+    if tp_mesh is None and not isinstance(hidden, DTensor):  # See Note [Which DTensor head is vocabulary-parallel]
+        raise ValueError(
+            f"linear_cross_entropy got a DTensor weight placed (Shard(0),) on a 1-D mesh of {mesh.size()} ranks, "
+            "which may be a vocabulary-parallel (tensor-parallel) head or an FSDP-sharded one: the placement alone "
+            "cannot tell. For a tensor-parallel head pass tp_mesh=<its TP mesh> (or the hidden states as a DTensor "
+            "replicated on it); for an FSDP-sharded head (fully_shard) pass the unsharded weight: call the loss "
+            "inside the head's forward, where FSDP has gathered it, or between head.unshard() and head.reshard().")
+    if tp_mesh is not None and tp_mesh != mesh:
+        raise ValueError(f"linear_cross_entropy: tp_mesh {tp_mesh} is not the mesh the weight is sharded on "
+                         f"({mesh}). Pass the head's TP mesh.")
     if bias is not None and (not isinstance(bias, DTensor) or tuple(bias.placements) != (Shard(0),)
                              or bias.device_mesh != mesh):
         raise ValueError("linear_cross_entropy: a vocabulary-parallel head's bias must be a DTensor placed "
@@ -252,9 +282,28 @@ def _vocab_parallel(weight, bias, hidden):
     return weight.to_local(), local_bias, hidden, mesh.get_group(), offset, reduce_dh
 
 
+def _check_tp_batch(labels: Tensor, vocab: int, ignore_index: int, group) -> None:
+    """One all-reduce before the tiles' collectives: every TP rank holds the same number of tokens (else the
+    per-tile collectives would not pair up: a hang) and no label is outside [0, V) but ignore_index (a
+    rank owning none of it would add a finite loss). Raised on every rank alike."""
+    bad = ((labels != ignore_index) & ((labels < 0) | (labels >= vocab))).any()
+    n = labels.new_tensor(labels.numel())
+    got = torch.stack([n, -n, bad.long()])
+    dist.all_reduce(got, op=dist.ReduceOp.MAX, group=group)
+    hi, lo, bad = got.tolist()
+    if hi != -lo:
+        raise ValueError(f"linear_cross_entropy under a vocabulary-parallel head needs the same tokens on every TP "
+                         f"rank (the hidden states replicated over TP); the ranks hold {-lo} to {hi} tokens. Pass "
+                         "each TP rank the same batch.")
+    if bad:
+        raise IndexError(f"linear_cross_entropy: a label is outside [0, {vocab}) and not ignore_index "
+                         f"({ignore_index}) on some TP rank, as F.cross_entropy refuses. Fix the labels (or their "
+                         "vocabulary size).")
+
+
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias: Tensor | None = None,
                          tile_size: int = DEFAULT_TILE, num_items_in_batch: Tensor | int | None = None,
-                         ignore_index: int = -100) -> Tensor:
+                         ignore_index: int = -100, tp_mesh=None) -> Tensor:
     """Cross-entropy of ``hidden @ weight.T (+ bias)`` against ``labels``, ``tile_size`` tokens at a time,
     never holding the [N, V] logits, gradients computed in the forward (see Note [Sequence tiling]).
 
@@ -262,8 +311,10 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias
     token: under CP this rank's shard of ``cp_dtensor.hf.shift_labels(labels)``). The reduction is
     transformers' ``ForCausalLMLoss``: ``sum / num_items_in_batch`` when given (under CP pass the global
     count of labels != ignore_index), else the mean over labelled tokens. Returns a 0-d fp32 tensor.
-    A vocabulary-parallel head (``weight``, ``bias`` DTensors placed ``Shard(0)`` on a 1-D TP mesh; ``hidden``
-    replicated there) combines the tiles' log-sum-exp over the mesh; every rank gets the whole loss.
+    A vocabulary-parallel head (``weight``, ``bias`` DTensors placed ``Shard(0)`` on a 1-D TP mesh, named by
+    ``tp_mesh=`` or by ``hidden`` as a DTensor replicated there) combines the tiles' log-sum-exp over the mesh;
+    every rank gets the whole loss. An FSDP-sharded weight is refused: pass it unsharded (Note [Which DTensor
+    head is vocabulary-parallel]).
     """
     if isinstance(tile_size, bool) or not isinstance(tile_size, int) or tile_size < 1:
         raise ValueError(f"linear_cross_entropy's tile_size must be a positive int (tokens per tile); got "
@@ -278,13 +329,21 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias
     if not hidden.is_floating_point() or not weight.is_floating_point() or labels.is_floating_point():
         raise TypeError(f"linear_cross_entropy takes floating hidden states and weight and integer labels; got "
                         f"hidden {hidden.dtype}, weight {weight.dtype}, labels {labels.dtype}.")
-    weight, bias, hidden, group, offset, reduce_dh = _vocab_parallel(weight, bias, hidden)
+    vocab = weight.shape[0]
+    if num_items_in_batch is not None:
+        count = torch.as_tensor(num_items_in_batch, device=hidden.device)
+        if count.numel() != 1 or count.is_complex():
+            raise ValueError(f"linear_cross_entropy's num_items_in_batch must be a number or a one-element tensor "
+                             f"(the count of labelled tokens); got a tensor of shape {tuple(count.shape)}. Pass its "
+                             "sum.")
+        count = count.reshape(())
+    weight, bias, hidden, group, offset, reduce_dh = _vocab_parallel(weight, bias, hidden, tp_mesh)
     h = hidden.reshape(-1, hidden.shape[-1])
     lab = labels.reshape(-1).to(device=h.device, dtype=torch.long)
+    if group is not None:
+        _check_tp_batch(lab, vocab, ignore_index, group)
     if num_items_in_batch is None:
         count = (lab != ignore_index).sum()  # mean: nan when nothing is labelled, as F.cross_entropy
-    else:
-        count = torch.as_tensor(num_items_in_batch, device=h.device)
     dtype = _compute_dtype(h, weight)
     scale = 1.0 / count.to(torch.promote_types(dtype, torch.float32))
     grad = torch.is_grad_enabled()
