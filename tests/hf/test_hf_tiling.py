@@ -95,8 +95,8 @@ def test_tiled_at_cp1_equals_plain(name):
     for num_items in (False, True):
         ref = _reference(name, num_items=num_items)
         model = apply_sequence_tiling(_model(name), tile_size=TILE)
-        seen = []
-        model.lm_head.register_forward_hook(lambda m, a, out: seen.append(out.shape[-1]))
+        seen = []  # a forward pre-hook is served: it sees the hidden states, as the untiled head's would
+        model.lm_head.register_forward_pre_hook(lambda m, a: seen.append(a[0].shape[-1]))
         extra = dict(num_items_in_batch=(hf.shift_labels(labels) != -100).sum()) if num_items else {}
         out = model(input_ids=tokens, position_ids=positions, labels=labels, use_cache=False, **extra)
         out.loss.backward()
