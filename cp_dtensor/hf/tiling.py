@@ -115,8 +115,9 @@ def check_tileable(model: nn.Module, sequence_tiling) -> int | None:
     if not hasattr(model, "get_output_embeddings") or not hasattr(model, "config"):
         raise ValueError(f"sequence_tiling tiles a transformers causal LM's head and loss (a ...ForCausalLM); got "
                          f"{name}. Drop sequence_tiling for this model.")
-    error = tiling_error(model) or _head_error(model, model.get_output_embeddings())  # See Note [The transformers
-    if error is not None:  # door's allowlist] in hf/served.py; Note [What a tiled call re-checks]
+    # See Note [The transformers door's allowlist] in hf/served.py, Note [What a tiled call re-checks]
+    error = tiling_error(model) or _head_error(model, model.get_output_embeddings())
+    if error is not None:
         raise ValueError(error)
     loss_type = getattr(model, "loss_type", None)
     if "_loss_function" in model.__dict__ or loss_type not in (None, "ForCausalLM"):
