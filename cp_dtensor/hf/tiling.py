@@ -58,7 +58,7 @@ Note [FSDP heads]
 Under FSDP2 (``fully_shard``) with the head as its own unit, the head's post-forward reshards its weight
 (a DTensor ``Shard(0)`` on the data-parallel mesh) before the model's forward calls the loss, which
 reads ``head.weight``: taken for a vocabulary-parallel head it would mix the ranks' batches (Note [Which
-DTensor head is vocabulary-parallel] in core/tiling.py). The loss gathers it again instead, as FSDP's
+DTensor head is vocabulary-parallel] in core/vocab_parallel.py). The loss gathers it again instead, as FSDP's
 own forward does: ``head.unshard()``, the tiled loss on the unsharded parameters (the dW of the fused
 path accumulates into the unsharded weight's gradient, which FSDP's post-backward reduce-scatters as for
 the plain head), ``head.reshard()``. A head in the root unit is unsharded for the whole forward and needs
