@@ -72,6 +72,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
@@ -188,6 +189,7 @@ def _head_error(model: nn.Module, head) -> str | None:
     return None
 
 
+@torch.compiler.disable  # runs eagerly at every call, compiled models too (never folded into guards)
 def _check_call(model: nn.Module, state: TilingState) -> None:
     """Note [What a tiled call re-checks]: raised before the call runs (the same on every rank)."""
     error = tiling_error(model)
