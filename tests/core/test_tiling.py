@@ -1,6 +1,7 @@
 """core/tiling.py: the tiled LM head + cross-entropy against F.cross_entropy on whole float64 logits (the mean,
 the num_items sum, ignore_index, a bias, autocast, fp32 at 1e-5 / 1e-4, a tied head, frozen parts, a double
-backward, a vocabulary-parallel head at TP = 2), the fused path's 3 matmuls a tile (none in backward), the tiled
+backward, a vocabulary-parallel head at TP = 2, every label ignored, an FSDP2-sharded head refused and served
+unsharded), the fused path's 3 matmuls a tile (none in backward), the tiled
 module forward against the plain one (its outputs and gradients, an MoE router's [B * S, E] output), the refusals,
 and a fullgraph compile of both."""
 
