@@ -20,7 +20,7 @@ LAYERS: list[tuple[str, set[str]]] = [
       "core.plan", "core.compute", "core.exchange", "core.linear"}),  # the subpackages' __init__s import nothing
     ("pure math; the network; a ring call's spec",
      {"core.plan.masks", "core.plan.wire", "core.exchange.comm", "tools.debug", "core.agreement", "core.plan.spec",
-      "core.tiling", "core.linear.linear_steps"}),
+      "core.tiling", "core.vocab_parallel", "core.linear.linear_steps"}),
     ("kernels as ops, payloads, validation, placements, the cost model",
      {"core.compute.ops", "core.compute.varlen", "core.compute.ordering", "core.exchange.payload", "core.checks",
       "dtensor.placements", "tools.plan", "tools.plan_ring", "tools.plan_exchanges", "tools.plan_documents",

@@ -95,6 +95,7 @@ __all__ = [
     "dtensor_default_dispatch",
     "function_output",
     "include_mesh_coordinate_in_cache_key",
+    "is_fsdp_forward_hook",
     "make_contiguous_strides_for",
     "mesh_concatenate",
     "mesh_unflatten",
@@ -133,6 +134,9 @@ TITAN_CP_STEP = "apply_cp_to_attention_module"  # swapped in each family's paral
 # (module, qualified name, parameters cp_dtensor passes or replaces; None: an attribute, checked to exist).
 # Checked by tests/test_compat.py.
 PRIVATE_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
+    # hf/tiling.py: FSDP2's own forward hook on a tiled LM head is served (is_fsdp_forward_hook)
+    ("torch.distributed.fsdp._fully_shard._fsdp_state", "FSDPState._post_forward", ("self", "module", "input",
+                                                                                   "output")),
     # dtensor/sdpa.py: the SDPA handlers (Note [SDPA dispatch]) and DTensor's ordinary path
     ("torch.distributed.tensor", "DTensor._op_dispatcher._custom_op_handlers", None),
     ("torch.distributed.tensor", "DTensor._op_dispatcher.unwrap_to_op_info", ("op_call", "args", "kwargs")),
@@ -414,6 +418,18 @@ def prepare_generation_config(model, generation_config, **kwargs) -> tuple[Any, 
     """transformers' ``GenerationMixin._prepare_generation_config``: (the GenerationConfig a generate() call with
     these arguments runs with, the model kwargs left over). Validates as generate() does."""
     return model._prepare_generation_config(generation_config, **kwargs)
+
+
+def is_fsdp_forward_hook(hook) -> bool:
+    """Whether ``hook`` (a module's forward hook) is FSDP2's own post-forward (``fully_shard`` registers
+    ``FSDPState._post_forward``, a bound method): it reshards the parameters and never reads the output's
+    values. torch's private ``torch.distributed.fsdp._fully_shard._fsdp_state.FSDPState``."""
+    owner = getattr(hook, "__self__", None)
+    if owner is None or getattr(hook, "__name__", None) != "_post_forward":
+        return False
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    return isinstance(owner, FSDPState)
 
 
 def recorded_outputs() -> dict | None:

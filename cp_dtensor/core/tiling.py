@@ -34,7 +34,9 @@ linear cross-entropy):
   softmax minus onehot then gives this shard's dW exactly and a partial dh, summed over the group once
   at the end (or left ``Partial`` when ``hidden`` is a DTensor, for its redistribute to reduce). The
   loss is the same on every rank. Tiles are the same on every rank, so every rank issues the same
-  collectives. The recompute path is single-device only.
+  collectives (after one all-reduce that checks, on every rank alike, that the ranks hold the same number
+  of tokens and no label lies outside [0, V): Note [Which DTensor head is vocabulary-parallel]). The
+  recompute path is single-device only.
 
   The reduction is transformers' ``ForCausalLMLoss``: a sum divided by ``num_items_in_batch`` when given
   (under CP: the global count, so the ranks' losses add up to the CP=1 loss), else the mean over labelled
@@ -62,6 +64,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
+
+from .vocab_parallel import check_tp_batch, vocab_parallel_head
 
 __all__ = ["DEFAULT_TILE", "check_tile_size", "linear_cross_entropy", "merge_tiles", "tiled_forward"]
 
@@ -142,7 +146,7 @@ def _fused(hidden, weight, bias, labels, scale, *, tile: int, ignore_index: int,
         total = total + torch.where(valid, nll, 0.0).sum()
         if not grads:
             continue
-        c = valid.to(acc) * scale  # [T]: d loss / d nll_i (0 for ignored tokens)
+        c = torch.where(valid, scale, 0.0)  # [T]: d loss / d nll_i (0 for ignored tokens, even when scale is inf)
         if eager:  # g = softmax - onehot, in place; the row scale c goes on the [T, H] sides
             z.exp_().scatter_add_(1, safe, minus_one[:t].where(mine[:, None], 0.0))
         else:
@@ -177,7 +181,7 @@ def _recomputed_grads(grad_out, hidden, weight, bias, labels, scale, *, tile: in
         z = F.linear(x, w, b).to(acc)  # [T, V]
         valid = lab != ignore_index
         onehot = F.one_hot(torch.where(valid, lab, 0), z.shape[1]).to(acc)
-        g = (torch.softmax(z, 1) - onehot) * (valid.to(acc) * scale * grad_out)[:, None]
+        g = (torch.softmax(z, 1) - onehot) * torch.where(valid, scale * grad_out, 0.0)[:, None]
         gd = g.to(dtype)
         dhs.append(gd @ w)
         dw = dw + (gd.t() @ x).to(acc)
@@ -216,45 +220,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 None if db is None else (db * grad_out).to(bias.dtype), *rest)
 
 
-def _vocab_parallel(weight, bias, hidden):
-    """(local weight, local bias, hidden as a local tensor, group, vocabulary offset, reduce dh) for a head
-    whose weight is a DTensor sharded over the vocabulary; (weight, bias, hidden, None, 0, False) for a plain
-    one; a ValueError for a DTensor head the fused path cannot serve (Note [Sequence tiling])."""
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-
-    if not isinstance(weight, DTensor):
-        if isinstance(bias, DTensor) or isinstance(hidden, DTensor):
-            raise ValueError("linear_cross_entropy takes hidden, weight and bias all as plain tensors, or a weight "
-                             "(and bias) as DTensors sharded over the vocabulary; got a plain weight with a DTensor "
-                             "hidden or bias. Pass local tensors.")
-        return weight, bias, hidden, None, 0, False
-    mesh = weight.device_mesh
-    if mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
-        raise ValueError(f"linear_cross_entropy serves a DTensor LM head sharded over the vocabulary (placements "
-                         f"(Shard(0),) on a 1-D mesh: the vocabulary-parallel head); got placements "
-                         f"{tuple(weight.placements)} on a {mesh.ndim}-D mesh. Shard the head's weight with "
-                         "ColwiseParallel (over the vocabulary), or pass it as a full local tensor.")
-    if bias is not None and (not isinstance(bias, DTensor) or tuple(bias.placements) != (Shard(0),)
-                             or bias.device_mesh != mesh):
-        raise ValueError("linear_cross_entropy: a vocabulary-parallel head's bias must be a DTensor placed "
-                         f"(Shard(0),) on the weight's mesh; got {type(bias).__name__} "
-                         f"{getattr(bias, 'placements', '')}. Shard the bias with the weight.")
-    rows = -(-weight.shape[0] // mesh.size())  # torch's Shard(0): chunks of ceil(V / TP) rows
-    offset = mesh.get_local_rank() * rows
-    reduce_dh = True
-    if isinstance(hidden, DTensor):
-        if hidden.device_mesh != mesh or any(not isinstance(p, Replicate) for p in hidden.placements):
-            raise ValueError(f"linear_cross_entropy: under a vocabulary-parallel head the hidden states must be "
-                             f"replicated on the head's mesh; got placements {tuple(hidden.placements)}. "
-                             "Redistribute them to Replicate() first.")
-        hidden, reduce_dh = hidden.to_local(grad_placements=(Partial(),)), False  # its redistribute reduces dh
-    local_bias = None if bias is None else bias.to_local()
-    return weight.to_local(), local_bias, hidden, mesh.get_group(), offset, reduce_dh
-
-
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias: Tensor | None = None,
                          tile_size: int = DEFAULT_TILE, num_items_in_batch: Tensor | int | None = None,
-                         ignore_index: int = -100) -> Tensor:
+                         ignore_index: int = -100, tp_mesh=None) -> Tensor:
     """Cross-entropy of ``hidden @ weight.T (+ bias)`` against ``labels``, ``tile_size`` tokens at a time,
     never holding the [N, V] logits, gradients computed in the forward (see Note [Sequence tiling]).
 
@@ -262,8 +230,10 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias
     token: under CP this rank's shard of ``cp_dtensor.hf.shift_labels(labels)``). The reduction is
     transformers' ``ForCausalLMLoss``: ``sum / num_items_in_batch`` when given (under CP pass the global
     count of labels != ignore_index), else the mean over labelled tokens. Returns a 0-d fp32 tensor.
-    A vocabulary-parallel head (``weight``, ``bias`` DTensors placed ``Shard(0)`` on a 1-D TP mesh; ``hidden``
-    replicated there) combines the tiles' log-sum-exp over the mesh; every rank gets the whole loss.
+    A vocabulary-parallel head (``weight``, ``bias`` DTensors placed ``Shard(0)`` on a 1-D TP mesh, named by
+    ``tp_mesh=`` or by ``hidden`` as a DTensor replicated there) combines the tiles' log-sum-exp over the mesh;
+    every rank gets the whole loss. An FSDP-sharded weight is refused: pass it unsharded (Note [Which DTensor
+    head is vocabulary-parallel]).
     """
     if isinstance(tile_size, bool) or not isinstance(tile_size, int) or tile_size < 1:
         raise ValueError(f"linear_cross_entropy's tile_size must be a positive int (tokens per tile); got "
@@ -278,13 +248,21 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias
     if not hidden.is_floating_point() or not weight.is_floating_point() or labels.is_floating_point():
         raise TypeError(f"linear_cross_entropy takes floating hidden states and weight and integer labels; got "
                         f"hidden {hidden.dtype}, weight {weight.dtype}, labels {labels.dtype}.")
-    weight, bias, hidden, group, offset, reduce_dh = _vocab_parallel(weight, bias, hidden)
+    vocab = weight.shape[0]
+    if num_items_in_batch is not None:
+        count = torch.as_tensor(num_items_in_batch, device=hidden.device)
+        if count.numel() != 1 or count.is_complex():
+            raise ValueError(f"linear_cross_entropy's num_items_in_batch must be a number or a one-element tensor "
+                             f"(the count of labelled tokens); got a tensor of shape {tuple(count.shape)}. Pass its "
+                             "sum.")
+        count = count.reshape(())
+    weight, bias, hidden, group, offset, reduce_dh = vocab_parallel_head(weight, bias, hidden, tp_mesh)
     h = hidden.reshape(-1, hidden.shape[-1])
     lab = labels.reshape(-1).to(device=h.device, dtype=torch.long)
+    if group is not None:
+        check_tp_batch(lab, vocab, ignore_index, group)
     if num_items_in_batch is None:
         count = (lab != ignore_index).sum()  # mean: nan when nothing is labelled, as F.cross_entropy
-    else:
-        count = torch.as_tensor(num_items_in_batch, device=h.device)
     dtype = _compute_dtype(h, weight)
     scale = 1.0 / count.to(torch.promote_types(dtype, torch.float32))
     grad = torch.is_grad_enabled()

@@ -21,8 +21,14 @@ can prove equal to the model without cp_dtensor and refuses the rest, naming the
   is ``loss_function(lm_head(hidden))`` with nothing between the head and the loss; and every config
   entry whose name could touch the logits or the loss (``_LOGIT_KEYS``: soft caps, scales, multipliers,
   z-loss, a sliced vocabulary, ...) is off (None / False) or one the family serves: a value that keeps
-  its head plain (Granite's ``logits_scaling=1``), or a key its code reads away from the head (Gemma 2's
-  attention softcap, an MoE's router loss).
+  its head plain, a scale of the logits (Granite's ``logits / logits_scaling``, Cohere's ``logits *
+  logit_scale``: ``logits_factor``), or a key its code reads away from the head (Gemma 2's attention
+  softcap, an MoE's router loss).
+
+A scale is served exactly: the head is linear, so ``(h W^T + b) f = (h f) W^T + b f``. The scaled
+tensor the family's forward hands its loss is ``h f`` (the head handed ``h`` through), so the tiled loss
+takes it with the bias scaled by the same ``f`` (hf/tiling.py checks it is the head's tensor or one of
+its shape, and puts TiledLogits in the output's slot that holds it).
 
 Both checks read the model only: the same answer on every rank, raised at the door before anything is
 changed or communicated.
@@ -34,7 +40,7 @@ import re
 
 from torch import nn
 
-__all__ = ["CP_FAMILIES", "TILED_FAMILIES", "cp_error", "layer_types", "tiling_error"]
+__all__ = ["CP_FAMILIES", "TILED_FAMILIES", "cp_error", "layer_types", "logits_factor", "tiling_error"]
 
 CP_FAMILIES = frozenset({  # attention through AttentionInterface + RoPE from position_ids (+ hf/linear.py's layers)
     "llama", "mistral", "ministral", "qwen2", "qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text", "phi3",
@@ -44,15 +50,16 @@ CP_FAMILIES = frozenset({  # attention through AttentionInterface + RoPE from po
 })
 _ANY = "not on the head"  # a key the family's code reads away from the head and the loss
 _ROUTER = {"output_router_logits": _ANY, "router_aux_loss_coef": _ANY}  # MoE: the router's own logits and loss
+_SCALE = "a number: the logits' scale"  # served by scaling the hidden states and bias instead: logits_factor
 _GEMMA2 = {"final_logit_softcapping": (None,), "attn_logit_softcapping": _ANY}  # the head's cap only when None
 TILED_FAMILIES: dict[str, tuple[str, dict]] = {  # model_type: (the causal LM class, config keys it serves)
     "llama": ("LlamaForCausalLM", {}), "mistral": ("MistralForCausalLM", {}), "qwen2": ("Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3ForCausalLM", {}), "gemma": ("GemmaForCausalLM", {}), "phi3": ("Phi3ForCausalLM", {}),
     "olmo2": ("Olmo2ForCausalLM", {}), "ministral": ("MinistralForCausalLM", {}),
     "gemma2": ("Gemma2ForCausalLM", _GEMMA2), "gemma3_text": ("Gemma3ForCausalLM", _GEMMA2),
-    "granite": ("GraniteForCausalLM", {"logits_scaling": (1, 1.0), "embedding_multiplier": _ANY,  # logits / scaling
+    "granite": ("GraniteForCausalLM", {"logits_scaling": _SCALE, "embedding_multiplier": _ANY,  # logits / scaling
                                        "residual_multiplier": _ANY, "attention_multiplier": _ANY}),
-    "cohere": ("CohereForCausalLM", {"logit_scale": (1, 1.0)}),  # logits * logit_scale
+    "cohere": ("CohereForCausalLM", {"logit_scale": _SCALE}),  # logits * logit_scale
     "gpt_oss": ("GptOssForCausalLM", _ROUTER), "mixtral": ("MixtralForCausalLM", _ROUTER),
     "qwen3_moe": ("Qwen3MoeForCausalLM", _ROUTER),
 }
@@ -110,6 +117,17 @@ def cp_error(model: nn.Module, served_layers: list[nn.Module]) -> str | None:
     return None
 
 
+def logits_factor(model: nn.Module) -> float | None:
+    """The number a served family multiplies its head's logits by before the loss (None: it hands the
+    head's output on as it is). See Note [The transformers door's allowlist]."""
+    kind = getattr(model.config, "model_type", None)
+    if kind == "granite":
+        return 1.0 / model.config.logits_scaling  # modeling_granite: logits / self.config.logits_scaling
+    if kind == "cohere":
+        return float(model.logit_scale)  # modeling_cohere: logits * self.logit_scale (set from the config)
+    return None
+
+
 def tiling_error(model: nn.Module) -> str | None:
     """Why ``model``'s head and loss cannot be tiled (None: they can). See Note [The transformers door's allowlist]."""
     name, kind = type(model).__name__, getattr(model.config, "model_type", None)
@@ -132,6 +150,8 @@ def tiling_error(model: nn.Module) -> str | None:
             if not _LOGIT_KEYS.search(key) or value is None or value is False:
                 continue
             rule = served.get(key)
+            if rule is _SCALE and isinstance(value, (int, float)) and not isinstance(value, bool) and value != 0:
+                continue
             if rule is _ANY or (rule is not None and value in rule and not isinstance(value, bool)):
                 continue
             keeps = f"; {family.__name__} is tiled only with {key} in {rule}" if rule is not None else ""

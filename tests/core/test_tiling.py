@@ -1,10 +1,13 @@
 """core/tiling.py: the tiled LM head + cross-entropy against F.cross_entropy on whole float64 logits (the mean,
 the num_items sum, ignore_index, a bias, autocast, fp32 at 1e-5 / 1e-4, a tied head, frozen parts, a double
-backward, a vocabulary-parallel head at TP = 2), the fused path's 3 matmuls a tile (none in backward), the tiled
+backward, a vocabulary-parallel head at TP = 2, every label ignored, an FSDP2-sharded head refused and served
+unsharded), the fused path's 3 matmuls a tile (none in backward), the tiled
 module forward against the plain one (its outputs and gradients, an MoE router's [B * S, E] output), the refusals,
 and a fullgraph compile of both."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -164,20 +167,109 @@ def _vocab_parallel(rank, world):
         db = distribute_tensor(b, mesh, [Shard(0)]).requires_grad_()
         hh = h.clone().requires_grad_()
         x = DTensor.from_local(hh, mesh, [Replicate()]) if replicated else hh
-        got = linear_cross_entropy(x, dw, lab, bias=db, tile_size=5, num_items_in_batch=items)
+        got = linear_cross_entropy(x, dw, lab, bias=db, tile_size=5, num_items_in_batch=items,
+                                   tp_mesh=None if replicated else mesh)  # the TP mesh named, or implied by x
         got.backward()
         assert abs(got.item() - want) <= 1e-12 * abs(want), (items, replicated)
         for a, r in zip((hh.grad, dw.grad.full_tensor(), db.grad.full_tensor()), ref):
             assert rel_err(a, r) <= 1e-12, (items, replicated)
+    # every label ignored (mean: 0 / 0): nan loss and zero gradients, as F.cross_entropy
+    dw = distribute_tensor(w, mesh, [Shard(0)]).requires_grad_()
+    hh = h.clone().requires_grad_()
+    got = linear_cross_entropy(hh, dw, torch.full_like(lab, -100), tile_size=5, tp_mesh=mesh)
+    got.backward()
+    assert got.isnan() and not hh.grad.any() and not dw.grad.full_tensor().any()
+    # Note [Which DTensor head is vocabulary-parallel]: a Shard(0) head with plain hidden states and no tp_mesh
+    # (an FSDP shard looks the same) is refused on every rank before any collective
+    with pytest.raises(ValueError, match="FSDP-sharded one"):
+        linear_cross_entropy(h, distribute_tensor(w, mesh, [Shard(0)]), lab)
+    # a label out of [0, V) on one rank only, and unequal token counts: raised on every rank, no hang
+    bad = lab.clone()
+    bad[1, 2] = (21, -3)[rank] if rank < 2 else 0
+    with pytest.raises(IndexError, match="outside"):
+        linear_cross_entropy(h, distribute_tensor(w, mesh, [Shard(0)]), bad, tp_mesh=mesh)
+    n = 13 - rank
+    with pytest.raises(ValueError, match="same tokens on every TP rank"):
+        linear_cross_entropy(h[:, :n], distribute_tensor(w, mesh, [Shard(0)]), lab[:, :n], tp_mesh=mesh)
     with pytest.raises(ValueError, match="sharded over the vocabulary"):
         linear_cross_entropy(h, distribute_tensor(w, mesh, [Shard(1)]), lab)
+    _fsdp_head(rank, world)
     with pytest.raises(ValueError, match="replicated on the head's mesh"):
         linear_cross_entropy(distribute_tensor(h, mesh, [Shard(1)]), distribute_tensor(w, mesh, [Shard(0)]), lab)
     return True
 
 
-def test_vocabulary_parallel_head_at_tp2_equals_whole_head():
+class _BodyHead(torch.nn.Module):
+    """A body whose forward returns the hidden states, and a head the loss reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 21, bias=False)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def _fsdp_head(rank, world):
+    """An FSDP2-sharded head (fully_shard, its own unit; each rank its own batch, of different lengths): its
+    weight outside the forward is refused on every rank; unsharded (head.unshard()) it is served, each rank's
+    loss its own batch's and the reduced gradient FSDP's plain one."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = _BodyHead()
+    ref = copy.deepcopy(model)
+    fully_shard(model.head, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    g = torch.Generator().manual_seed(10 + rank)
+    x, lab = torch.randn(5 + 2 * rank, 8, generator=g), torch.randint(0, 21, (5 + 2 * rank,), generator=g)
+    h, head = model(x), model.head
+    with pytest.raises(ValueError, match="FSDP-sharded one"):
+        linear_cross_entropy(h, head.weight, lab)
+    head.unshard()
+    loss = linear_cross_entropy(h, head.weight, lab, tile_size=2)
+    head.reshard()
+    loss.backward()
+    want = F.cross_entropy(ref.head(ref(x)), lab)
+    want.backward()
+    dw = ref.head.weight.grad.clone()
+    torch.distributed.all_reduce(dw)
+    assert abs(loss.item() - want.item()) <= 1e-6 * want.item()
+    assert rel_err(head.weight.grad.full_tensor(), dw / world) <= 1e-5
+    return True
+
+
+def test_vocabulary_parallel_head_at_tp2_equals_whole_head():  # and an FSDP-sharded head
     assert run_ranks(2, _vocab_parallel) == [True, True]
+
+
+def test_all_labels_ignored_gives_zero_gradients():
+    """Nothing labelled: F.cross_entropy's nan mean (or a sum / 0) and its zero gradients -- never nan ones --
+    for num_items None and 0, a single token, the fused and the recompute paths."""
+    h, w, b, _ = _data()
+    for items in (None, 0, torch.tensor([0])):
+        for n in (11, 1):
+            lab = torch.full((3, n), -100)
+            got = linear_cross_entropy(h[:, :n], w, lab, bias=b, tile_size=4, num_items_in_batch=items)
+            ref = F.cross_entropy(F.linear(h[:, :n], w, b).flatten(0, 1), lab.flatten(),
+                                  reduction="mean" if items is None else "sum") / (1 if items is None else 0)
+            assert got.isnan() and ref.isnan()
+            for a, r in zip(torch.autograd.grad(got, (h, w, b)), torch.autograd.grad(ref, (h, w, b))):
+                assert not r.any() and torch.equal(a, r), (items, n)
+    lab = torch.full((3, 11), -100)
+    (gh,) = torch.autograd.grad(linear_cross_entropy(h, w, lab, tile_size=4), (h,), create_graph=True)
+    assert not gh.any() and not torch.autograd.grad(gh.sum(), (w,))[0].isnan().any()
+
+
+def test_num_items_as_a_one_element_tensor():
+    h, w, _, lab = _data()
+    want = F.cross_entropy(F.linear(h, w).flatten(0, 1), lab.flatten(), reduction="sum") / 17
+    got = linear_cross_entropy(h, w, lab, tile_size=4, num_items_in_batch=torch.tensor([17]))
+    assert got.shape == () and abs(got.item() - want.item()) <= 1e-12 * abs(want.item())
+    with pytest.raises(ValueError, match="one-element tensor"):
+        linear_cross_entropy(h, w, lab, num_items_in_batch=torch.tensor([17, 3]))
 
 
 class _Router(torch.nn.Module):

@@ -43,8 +43,9 @@ FAMILIES = {  # model_type: (config class, model class, extra config); every TIL
     "gemma3_text": (T.Gemma3TextConfig, T.Gemma3ForCausalLM, dict(GEMMA, sliding_window=9)),
     "phi3": (T.Phi3Config, T.Phi3ForCausalLM, {}),
     "olmo2": (T.Olmo2Config, T.Olmo2ForCausalLM, {}),
-    "granite": (T.GraniteConfig, T.GraniteForCausalLM, dict(residual_multiplier=0.5, embedding_multiplier=2.0)),
-    "cohere": (T.CohereConfig, T.CohereForCausalLM, dict(logit_scale=1.0)),
+    "granite": (T.GraniteConfig, T.GraniteForCausalLM, dict(residual_multiplier=0.5, embedding_multiplier=2.0,
+                                                            logits_scaling=4.0)),  # scales: served tiled
+    "cohere": (T.CohereConfig, T.CohereForCausalLM, dict(logit_scale=0.0625)),
     "mixtral": (T.MixtralConfig, T.MixtralForCausalLM, MOE),
     "gpt_oss": (T.GptOssConfig, T.GptOssForCausalLM, dict(MOE, attn_implementation="eager")),
 }
@@ -152,8 +153,6 @@ def _refusals(rank: int, world: int) -> dict:
         "unpadded_vocab_size": (_model("llama", unpadded_vocab_size=V - 8), "unpadded_vocab_size"),
         "z_loss": (_model("llama", z_loss_weight=1e-4), "z_loss_weight"),
         "gemma2 softcap": (_model("gemma2", final_logit_softcapping=30.0), "final_logit_softcapping"),
-        "cohere scale": (_model("cohere", logit_scale=0.0625), "logit_scale"),
-        "granite scale": (_model("granite", logits_scaling=4.0), "logits_scaling"),
         "own loss": (_OwnLossForCausalLM(T.LlamaConfig(**llama)), "overrides"),
         "phi (not listed)": (T.PhiForCausalLM(T.PhiConfig(**{**llama, "num_key_value_heads": 4})), "not one of them"),
     }
@@ -196,7 +195,7 @@ def _refusals(rank: int, world: int) -> dict:
 
 def test_refused_on_every_rank():
     results = run_ranks(2, _refusals)
-    assert results[0] == results[1] and all(results[0].values()) and len(results[0]) == 15
+    assert results[0] == results[1] and all(results[0].values()) and len(results[0]) == 13
 
 
 def _cp_families(rank: int, world: int) -> list[str]:

@@ -95,8 +95,8 @@ def test_tiled_at_cp1_equals_plain(name):
     for num_items in (False, True):
         ref = _reference(name, num_items=num_items)
         model = apply_sequence_tiling(_model(name), tile_size=TILE)
-        seen = []
-        model.lm_head.register_forward_hook(lambda m, a, out: seen.append(out.shape[-1]))
+        seen = []  # a forward pre-hook is served: it sees the hidden states, as the untiled head's would
+        model.lm_head.register_forward_pre_hook(lambda m, a: seen.append(a[0].shape[-1]))
         extra = dict(num_items_in_batch=(hf.shift_labels(labels) != -100).sum()) if num_items else {}
         out = model(input_ids=tokens, position_ids=positions, labels=labels, use_cache=False, **extra)
         out.loss.backward()
@@ -146,6 +146,31 @@ def _cp(rank: int, world: int) -> dict:
             assert res.logits.shape == (B, N // world, 0)
             _compare(f"{name} CP={world} {how} {layout} ckpt={ckpt}", total.item(), _grads(model), ref)
         out[name] = True
+    # an all-masked row and nothing labelled, with the Trainer's global count (CP demands one): the plain CP=1
+    # model's loss (nan when nothing is labelled: a count of 0) and gradients (zeros, never nan)
+    for case in ("masked row", "all ignored"):
+        masked = labels.clone()
+        masked[0] = -100
+        if case == "all ignored":
+            masked[:] = -100
+        shifted_m = hf.shift_labels(masked)
+        extra = dict(num_items_in_batch=(shifted_m != -100).sum())
+        plain = _model("llama")
+        want = plain(input_ids=tokens, position_ids=positions, labels=masked, use_cache=False, **extra).loss
+        want.backward()
+        model = hf.apply_context_parallel(_model("llama"), mesh, sequence_tiling=TILE)
+        tok, pos, lab = shard_batch((tokens, positions, shifted_m), mesh, layout="striped")
+        res = model(input_ids=tok, position_ids=pos, labels=lab, shift_labels=lab, use_cache=False, **extra)
+        res.loss.backward()
+        reduce_gradients(model, mesh)
+        total = res.loss.detach().clone()
+        torch.distributed.all_reduce(total)
+        got, ref = _grads(model)["all"], torch.cat([p.grad.flatten() for p in plain.parameters()])
+        if case == "all ignored":
+            assert extra["num_items_in_batch"] == 0 and total.isnan() and want.isnan() and not ref.any() \
+                and not got.any(), case
+        else:
+            _compare(f"{case} CP={world}", total.item(), {"all": got}, (want.item(), {"all": ref}))
     # labels shifted inside the shard: refused on every rank, before any communication, tiling on or off
     model = hf.apply_context_parallel(_model("llama"), mesh, sequence_tiling=True)
     tok, pos, lab = shard_batch((tokens, positions, labels), mesh, layout="striped")
@@ -161,12 +186,15 @@ def _cp(rank: int, world: int) -> dict:
     with pytest.raises(ValueError, match="final_logit_softcapping"):
         hf.apply_context_parallel(gemma, mesh, sequence_tiling=True)
     assert gemma.config._attn_implementation != hf.NAME  # refused before any change
+    if world == 2:  # the same ranks as data parallelism: FSDP-sharded heads (Note [FSDP heads])
+        out["fsdp"] = _fsdp(rank, world)
     return out
 
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_tiled_under_cp_equals_plain_cp1(world):
-    assert run_ranks(world, _cp) == [{"llama": True, "gpt-oss": True}] * world
+    fsdp = {"fsdp": True} if world == 2 else {}
+    assert run_ranks(world, _cp) == [{"llama": True, "gpt-oss": True, **fsdp}] * world
 
 
 def _trainer_run(rank: int, world: int, tmp: str, tile) -> dict:
@@ -267,3 +295,169 @@ def test_trl_sft_with_tiling_equals_untiled(tmp_path):
     assert len(plain) == 3
     for a, b in zip(tiled, plain):
         assert abs(a - b) <= 2e-5 * abs(b), (tiled, plain)
+
+
+def _untiled_and_tiled(make, tile=TILE, *, after=None, **kw) -> tuple:
+    """(untiled, tiled) training calls of two copies of ``make()`` on the batch: each (output, loss, all grads);
+    ``after(model)`` changes each copy after tiling (a resize, a hook)."""
+    runs = []
+    for tiled in (False, True):
+        model = make().train()
+        if tiled:
+            apply_sequence_tiling(model, tile_size=tile)
+        if after is not None:
+            after(model)
+        tokens, positions, labels = _batch()
+        out = model(input_ids=tokens, position_ids=positions, labels=labels, use_cache=False, **kw)
+        out.loss.backward()
+        runs.append((model, out, out.loss.item(), torch.cat([p.grad.flatten() for p in model.parameters()
+                                                            if p.grad is not None])))
+    return runs
+
+
+def _equal(where, runs, *, tol=GRAD_TOL):
+    (_, _, want, ref), (model, out, got, grads) = runs
+    assert abs(got - want) <= LOSS_TOL * abs(want), f"{where}: loss {got} vs {want}"
+    assert grads.shape == ref.shape and rel_err(grads, ref) <= tol, f"{where}: grads {rel_err(grads, ref):.2e}"
+    return model, out
+
+
+def _eval_logits_equal(where, plain, tiled):
+    tokens, positions, _ = _batch()
+    with torch.no_grad():
+        a = plain.eval()(input_ids=tokens, position_ids=positions, use_cache=False).logits
+        b = tiled.eval()(input_ids=tokens, position_ids=positions, use_cache=False).logits
+    assert a.shape == b.shape == (B, N, V) and rel_err(b, a) <= 1e-5, where
+
+
+class _OwnForwardHead(torch.nn.Linear):
+    def forward(self, x):
+        return super().forward(x) * 0.5 + 1.0
+
+
+class _KeptForwardHead(torch.nn.Linear):
+    pass
+
+
+def test_heads_users_customise():
+    """Granite's and Cohere's logit scales (a biased head too), a head subclass that keeps nn.Linear's forward and a
+    model subclass without a forward: served, equal to the untiled model (loss, grads, eval logits) with the logits
+    slot a TiledLogits; a head with its own forward, a forward hook or a soft cap set after tiling: refused
+    (Note [What a tiled call re-checks]); a head replaced by resize_token_embeddings: tiled again."""
+    from transformers import CohereConfig, CohereForCausalLM, GraniteConfig, GraniteForCausalLM
+
+    def biased(model):
+        head = torch.nn.Linear(32, V, bias=True)
+        torch.nn.init.normal_(head.bias, generator=torch.Generator().manual_seed(5))
+        head.weight.data.copy_(model.lm_head.weight.data)
+        model.lm_head = head
+        return model
+
+    def scaled(kind, bias=False):
+        torch.manual_seed(0)
+        cfg = GraniteConfig(**TINY, logits_scaling=4.0) if kind == "granite" else CohereConfig(**TINY, logit_scale=0.0625)
+        model = (GraniteForCausalLM if kind == "granite" else CohereForCausalLM)(cfg).float()
+        return biased(model) if bias else model
+
+    for kind in ("granite", "cohere"):
+        for bias in (False, True):
+            runs = _untiled_and_tiled(lambda: scaled(kind, bias))
+            tiled, out = _equal(f"{kind} bias={bias}", runs)
+            assert type(out.logits).__name__ == "TiledLogits" and out.logits.shape == (B, N, 0)
+            with pytest.raises(ValueError, match="never computed"):
+                out.logits.argmax(-1)
+            _eval_logits_equal(f"{kind} bias={bias}", runs[0][0], tiled)
+
+    class MyLlama(LlamaForCausalLM):  # no forward of its own: the family's
+        pass
+
+    def kept():
+        model = _model("llama")
+        head = _KeptForwardHead(32, V, bias=False)
+        head.weight = model.lm_head.weight
+        model.lm_head = head
+        return model
+
+    for where, make in (("model subclass", lambda: MyLlama(_model("llama").config).float()), ("head subclass", kept)):
+        torch.manual_seed(0)
+        runs = _untiled_and_tiled(make)
+        _eval_logits_equal(where, runs[0][0], _equal(where, runs)[0])
+
+    own = _model("llama")
+    own.lm_head = _OwnForwardHead(32, V, bias=False)
+    with pytest.raises(ValueError, match="subclass with its own forward"):
+        apply_sequence_tiling(own)
+    tokens, positions, labels = _batch()
+    kw = dict(input_ids=tokens, position_ids=positions, labels=labels, use_cache=False)
+    checks = {  # a change after tiling: the words of its error
+        "own forward": (lambda m: setattr(m, "lm_head", _OwnForwardHead(32, V, bias=False)), "was replaced"),
+        "forward hook": (lambda m: m.lm_head.register_forward_hook(lambda *a: None), "forward hooks"),
+        "soft cap": (lambda m: setattr(m.config, "final_logit_softcapping", 30.0), "final_logit_softcapping"),
+    }
+    for where, (change, words) in checks.items():
+        model = apply_sequence_tiling(_model("llama"), tile_size=TILE)
+        change(model)
+        with pytest.raises(ValueError, match=words):
+            model(**kw)
+        assert not model._cp_dtensor_tiling.active, where
+        model.eval()  # evaluation runs the head whole: served
+        model(**kw)
+
+    def resize(model):
+        model.resize_token_embeddings(V + 8)
+        torch.nn.init.normal_(model.lm_head.weight[V:], generator=torch.Generator().manual_seed(2))
+
+    runs = _untiled_and_tiled(lambda: _model("llama"), after=resize)
+    tiled, out = _equal("resized", runs)
+    assert tiled.lm_head.weight.shape[0] == V + 8 and type(out.logits).__name__ == "TiledLogits"
+
+
+def test_all_labels_ignored_and_one_element_count():
+    """Nothing labelled (num_items None, 0; a single token, whose shifted label is ignored): nan loss and zero
+    gradients, as the untiled model; num_items_in_batch as a one-element 1-D tensor, as a 0-d one."""
+    tokens, positions, labels = _batch()
+    for n, items in ((N, None), (N, 0), (1, None), (1, 0)):
+        grads = []
+        for tiled in (False, True):
+            model = _model("llama")
+            if tiled:
+                apply_sequence_tiling(model, tile_size=TILE)
+            lab = torch.full((B, n), -100) if n > 1 else labels[:, :1]
+            extra = {} if items is None else dict(num_items_in_batch=torch.tensor(items))
+            out = model(input_ids=tokens[:, :n], position_ids=positions[:, :n], labels=lab, use_cache=False, **extra)
+            out.loss.backward()
+            assert out.loss.isnan(), (n, items, tiled)
+            grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+        assert not grads[0].any() and torch.equal(grads[1], grads[0]), (n, items)
+    count = (hf.shift_labels(labels) != -100).sum()
+    runs = _untiled_and_tiled(lambda: _model("llama"), num_items_in_batch=count[None])
+    _equal("num_items [1]", runs)
+
+
+def _fsdp(rank: int, world: int) -> bool:  # run inside _cp's ranks at CP=2
+    """FSDP2 data parallelism (fully_shard; the head its own unit, or in the root), each rank its own batch of
+    its own length: the tiled model's loss and sharded gradients equal the untiled model's under the same
+    wrapping (Note [FSDP heads]); no hang."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))  # the data-parallel mesh
+    tokens, positions, labels = _batch(seed=20 + rank)
+    n = N - 8 * rank  # unequal lengths per rank
+    kw = dict(input_ids=tokens[:, :n], position_ids=positions[:, :n], labels=labels[:, :n], use_cache=False)
+    for own_unit in (True, False):
+        runs = []
+        for tiled in (False, True):
+            model = _model("llama")
+            if tiled:
+                apply_sequence_tiling(model, tile_size=TILE)
+            if own_unit:
+                fully_shard(model.lm_head, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            out = model(**kw)
+            out.loss.backward()
+            runs.append((out.loss.item(), torch.cat([p.grad.full_tensor().flatten() for p in model.parameters()])))
+            assert tiled == (type(out.logits).__name__ == "TiledLogits")
+        (want, ref), (got, grads) = runs
+        assert abs(got - want) <= LOSS_TOL * abs(want), (own_unit, got, want)
+        assert rel_err(grads, ref) <= GRAD_TOL, (own_unit, rel_err(grads, ref))
+    return True
