@@ -46,9 +46,13 @@ striped ring sends (P - 1) * S rows per rank whatever the documents.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, insort
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Window", "lengths_of", "needed_rows", "plan_row", "rank_work", "row_balance", "window_lefts"]
+from .doc_recut import defragment, rebalance
+
+__all__ = ["Window", "lengths_of", "needed_rows", "plan_intervals", "plan_row", "rank_work", "row_balance", "window_lefts"]
 
 Window = int | tuple[int, int] | None
 
@@ -107,10 +111,32 @@ def lengths_of(ids: list[int]) -> list[int]:
     return out
 
 
+def _prefix_fn(lefts: tuple[int | None, ...]) -> Callable[[int], int]:
+    """``_prefix_cost`` of ``lefts`` as a one-argument function (a closed form for one global layer)."""
+    if lefts == (None,):
+        return lambda x: x * (x + 1) // 2
+    return lambda x: _prefix_cost(x, lefts)
+
+
 def plan_row(lengths: list[int], world: int, *, windows: Any = None, tol: float = 0.02, sand_share: int = 4,
              small: int = 16) -> list[list[int]]:
     """The global positions each of ``world`` ranks holds of one row of packed documents of ``lengths``
     (sum N, a multiple of ``world``), each rank's sorted, N / world each. See Note [Document placement]."""
+    s = sum(lengths) // max(world, 1)
+    out = []
+    for ivs in plan_intervals(lengths, world, windows=windows, tol=tol, sand_share=sand_share, small=small):
+        pos: list[int] = []
+        for a, b in ivs:
+            pos.extend(range(a, b))
+        assert len(pos) == s, (len(pos), s)
+        out.append(pos)
+    return out
+
+
+def plan_intervals(lengths: list[int], world: int, *, windows: Any = None, tol: float = 0.02, sand_share: int = 4,
+                   small: int = 16) -> list[list[tuple[int, int]]]:
+    """:func:`plan_row` as each rank's sorted intervals ``[a, b)`` of global positions (what
+    ``document_layout`` builds its order from without a Python int per token). Note [Fast document greedy]."""
     n = sum(lengths)
     if world < 1 or n % world:
         raise ValueError(f"document_layout needs the row length divisible by the CP degree ({world}); got {n}. "
@@ -118,213 +144,139 @@ def plan_row(lengths: list[int], world: int, *, windows: Any = None, tol: float 
     if any(length < 1 for length in lengths):
         raise ValueError(f"document lengths must be positive; got {lengths}.")
     lefts = window_lefts(windows)
+    f = _prefix_fn(lefts)
+
+    def piece(start: int, lo: int, hi: int, h: int, t: int) -> int:  # _piece_cost
+        return f(lo + h - start) - f(lo - start) + f(hi - start) - f(hi - (t - h) - start)
+
     s = n // world
     starts = [0]
     for length in lengths[:-1]:
         starts.append(starts[-1] + length)
-    costs = [_prefix_cost(length, lefts) for length in lengths]
+    costs = [f(length) for length in lengths]
     total = sum(costs)
     target = total / world
+    thr = target * (1 + tol)
     # the density of the documents that will fill the last token rooms: see Note [Document placement]
     sand = [d for d in range(len(lengths)) if costs[d] * sand_share <= target and lengths[d] * sand_share <= s]
     rho = sum(costs[d] for d in sand) / max(1, sum(lengths[d] for d in sand))
     room = [s] * world
     load = [rho * s] * world  # effective load: the work held plus rho per token of room still to fill
-    held: list[list[tuple[int, int, int]]] = [[] for _ in range(world)]  # intervals [a, b) of document d per rank
-    for d in sorted(range(len(lengths)), key=lambda d: (-lengths[d], d)):
+    queue = [(load[r], r) for r in range(world)]  # (load, r) of the ranks with room, sorted
+    free = n  # sum(room)
+    whole: list[list[tuple[int, int]]] = [[] for _ in range(world)]  # the documents a rank holds alone
+    shared = []  # (first rank, order, d, {r: [tokens, work, first position]}) of the documents ranks share
+    for i_d, d in enumerate(sorted(range(len(lengths)), key=lambda d: (-lengths[d], d))):
         start = starts[d]
         lo, hi = start, start + lengths[d]
+        got: dict[int, list[int]] = {}
         while lo < hi:
             rest = hi - lo
-            cost = _piece_cost(start, lo, hi, rest, rest, lefts)  # the whole rest
-            fits = [r for r in range(world) if room[r] >= rest and load[r] + cost - rho * rest <= target * (1 + tol)]
-            if not fits and cost * small <= target:  # a small document stays whole (its bytes would cost more)
-                fits = [r for r in range(world) if room[r] >= rest]
-            if fits:
-                r = min(fits, key=lambda r: (load[r], r))
+            cost = f(hi - start) - f(lo - start)  # the whole rest
+            r = -1
+            # the least loaded rank with token room for the rest, if its work room (or smallness) admits it:
+            # the loads only pass the bound in queue order (Note [Fast document greedy])
+            if queue[0][0] + cost - rho * rest <= thr or cost * small <= target:
+                for ld, q in queue:
+                    if room[q] >= rest:
+                        if ld + cost - rho * rest <= thr or cost * small <= target:
+                            r = q
+                        break
+            if r >= 0:
                 h = t = rest
             else:
-                r = min((r for r in range(world) if room[r] > 0), key=lambda r: (load[r], r))
-                h, t = _cut(start, lo, hi, room[r], target - load[r], rho, cost, lefts, last=sum(room) == room[r])
-            for iv in ((lo, lo + h, d), (hi - (t - h), hi, d)):
-                if iv[1] > iv[0]:
-                    held[r].append(iv)
-            load[r] += _piece_cost(start, lo, hi, h, t, lefts) - rho * t
-            room[r] -= t
-            lo, hi = lo + h, hi - (t - h)
-    held = _rebalance(_defragment(held, starts, lengths, lefts), starts, lefts, tol=tol)
-    out = []
-    for r in range(world):
-        pos = [p for a, b, _ in sorted(held[r]) for p in range(a, b)]
-        assert len(pos) == s, (r, len(pos), s)
-        out.append(pos)
-    return out
-
-
-def _defragment(held: list[list[tuple[int, int, int]]], starts: list[int], lengths: list[int],
-                lefts) -> list[list[tuple[int, int, int]]]:
-    """``held`` with every document that several ranks share cut again into nested head-tail pieces, one
-    pair per rank (outermost first: the rank holding its first token), each rank keeping its token count
-    and about its work in it. The greedy's pieces may alternate between two ranks many times (one rank's
-    room filled a few tokens at a time: hundreds of runs), and the kernels run once per run pair."""
-    world = len(held)
-    pieces: dict[int, dict[int, list[tuple[int, int]]]] = {}
-    for r, ivs in enumerate(held):
-        for a, b, d in ivs:
-            pieces.setdefault(d, {}).setdefault(r, []).append((a, b))
-    out = [[iv for iv in held[r] if len(pieces[iv[2]]) == 1] for r in range(world)]
-    for d, by_rank in pieces.items():
-        if len(by_rank) == 1:
-            continue
-        start = starts[d]
-        count = {r: sum(b - a for a, b in ivs) for r, ivs in by_rank.items()}
-        work = {r: sum(_prefix_cost(b - start, lefts) - _prefix_cost(a - start, lefts) for a, b in ivs)
-                for r, ivs in by_rank.items()}
-        order = sorted(by_rank, key=lambda r: min(a for a, _ in by_rank[r]))  # the outermost piece first
-        lo, hi = start, start + lengths[d]
-        for i, r in enumerate(order):
-            t = count[r]
-            if i == len(order) - 1:
-                h = t  # the innermost rank takes what is left: [lo, hi)
-            else:
-                a_, b_ = 0, t  # the smallest h whose piece's work is at most the rank's (it falls as h grows)
-                while a_ < b_:
-                    mid = (a_ + b_) // 2
-                    if _piece_cost(start, lo, hi, mid, t, lefts) <= work[r]:
-                        b_ = mid
-                    else:
-                        a_ = mid + 1
-                h = a_
-            for iv in ((lo, lo + h, d), (hi - (t - h), hi, d)):
-                if iv[1] > iv[0]:
-                    out[r].append(iv)
-            lo, hi = lo + h, hi - (t - h)
-    return out
-
-
-def _union(x: list[tuple[int, int]], y: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The union of two disjoint sorted interval lists, sorted, touching intervals joined."""
-    out: list[list[int]] = []
-    for lo, hi in sorted(x + y):
-        if out and out[-1][1] == lo:
-            out[-1][1] = hi
-        else:
-            out.append([lo, hi])
-    return [(lo, hi) for lo, hi in out]
-
-
-def _offset(ivs: list[tuple[int, int]], i: int) -> tuple[int, int]:
-    """(interval index, offset) of the i-th token of the sorted intervals ``ivs`` (i may be their count)."""
-    seen = 0
-    for j, (lo, hi) in enumerate(ivs):
-        if i < seen + hi - lo:
-            return j, lo + i - seen
-        seen += hi - lo
-    return len(ivs), ivs[-1][1] if ivs else 0
-
-
-def _window(ivs: list[tuple[int, int]], i: int, n: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """(tokens [i, i + n) of the sorted intervals ``ivs``, the rest), both as sorted intervals."""
-    inside, rest, seen = [], [], 0
-    for lo, hi in ivs:
-        a, b = max(lo, lo + i - seen), min(hi, lo + i + n - seen)
-        if a < b:
-            inside.append((a, b))
-            rest += [iv for iv in ((lo, a), (b, hi)) if iv[1] > iv[0]]
-        else:
-            rest.append((lo, hi))
-        seen += hi - lo
-    return inside, rest
-
-
-def _rebalance(held: list[list[tuple[int, int, int]]], starts: list[int], lefts, *, tol: float,
-               max_cuts: int = 8) -> list[list[tuple[int, int, int]]]:
-    """The greedy placement (``held``: intervals [a, b) of document d per rank), evened out when its busiest
-    rank is more than ``tol`` over the mean, by re-cutting a document two ranks share (``recut``): work
-    moves, token counts stay, no new document spans the two ranks. See Note [Document placement]. Interval
-    arithmetic throughout (a document is a few runs), at most ``max_cuts * world`` re-cuts."""
-    world = len(held)
-
-    def work(ivs: list[tuple[int, int]]) -> int:  # kept pairs of the queries at these offsets of a document
-        return sum(_prefix_cost(hi, lefts) - _prefix_cost(lo, lefts) for lo, hi in ivs)
-
-    spans: dict[int, set[int]] = {}
-    for r, ivs in enumerate(held):
-        for _, _, d in ivs:
-            spans.setdefault(d, set()).add(r)
-    split = {d for d, ranks in spans.items() if len(ranks) > 1}
-    mine: list[dict[int, list[tuple[int, int]]]] = [{} for _ in range(world)]  # rank -> split doc -> offsets
-    load = [0] * world
-    for r, ivs in enumerate(held):
-        for a, b, d in ivs:
-            load[r] += _prefix_cost(b - starts[d], lefts) - _prefix_cost(a - starts[d], lefts)
-            if d in split:
-                mine[r][d] = _union(mine[r].get(d, []), [(a - starts[d], b - starts[d])])
-    mean = sum(load) / world
-    if max(load) <= mean * (1 + tol):
-        return held
-
-    def window_work(union: list[tuple[int, int]], pre: list[int], i: int, n: int) -> int:
-        """Work of tokens [i, i + n) of ``union`` (``pre``: the work before each of its intervals)."""
-        (j0, o0), (j1, o1) = _offset(union, i), _offset(union, i + n)
-        at = lambda j, o: pre[j] + (_prefix_cost(o, lefts) - _prefix_cost(union[j][0], lefts) if j < len(union) else 0)  # noqa: E731
-        return at(j1, o1) - at(j0, o0)
-
-    def recut(a: int, b: int):
-        """The best re-cut from busier ``a`` to ``b``: (the pair's new max, document, a's new intervals, b's,
-        work moved) or None. The two ranks' tokens of a document they share, U (sorted), are cut again: ``a``
-        keeps as many as it had, a window U[i : i + n] (work grows with i), ``b`` the rest -- so repeated
-        re-cuts never fragment a document into more than a few runs."""
-        gap, best = load[a] - load[b], None
-        for d in mine[a].keys() & mine[b].keys():
-            union = _union(mine[a][d], mine[b][d])
-            pre = [0]
-            for lo, hi in union:
-                pre.append(pre[-1] + _prefix_cost(hi, lefts) - _prefix_cost(lo, lefts))
-            n = sum(hi - lo for lo, hi in mine[a][d])
-            have = work(mine[a][d])
-            want = have - gap / 2  # a's work in d that evens the pair
-            lo_i, hi_i = 0, sum(hi - lo for lo, hi in union) - n  # the smallest i whose window reaches it
-            while lo_i < hi_i:
-                mid = (lo_i + hi_i) // 2
-                if window_work(union, pre, mid, n) >= want:
-                    hi_i = mid
+                ld, r = queue[0]
+                budget = target - ld
+                t = 0
+                if free != room[r]:  # _cut's t, and its answer for one token (the peeling of Note [Fast document greedy])
+                    k = max(2, math.ceil((cost - rho * rest) / max(budget, 1.0)))
+                    t = min(room[r], -(-rest // k))
+                    if t == rest and rest > 1:
+                        t = rest - 1
+                    t = max(1, t)
+                if t == 1:
+                    h = 0 if f(hi - start) - f(hi - 1 - start) - rho * t <= budget else 1
                 else:
-                    lo_i = mid + 1
-            for i in {max(0, lo_i - 1), lo_i}:
-                moved = have - window_work(union, pre, i, n)
-                top = max(load[a] - moved, load[b] + moved)
-                if moved > 0 and top < load[a] and (best is None or top < best[0]):
-                    best = (top, d, *_window(union, i, n), moved)
-        return best
-
-    for _ in range(max_cuts * world):
-        top = max(range(world), key=lambda r: (load[r], -r))
-        if load[top] <= mean * (1 + tol / 2):
-            break
-        # the busiest rank's best re-cut; else (no partner it shares a document with is less busy) the
-        # widest pairs that can re-cut, so that work flows towards the busiest rank's partners first
-        pairs = [(top, b) for b in sorted(range(world), key=lambda r: load[r])]
-        pairs += sorted(((a, b) for a in range(world) for b in range(world) if load[a] > load[b] and mine[a].keys()
-                         & mine[b].keys()), key=lambda ab: load[ab[1]] - load[ab[0]])[: 4 * world]
-        for a, b in pairs:
-            if a != b and load[a] > load[b] and (found := recut(a, b)) is not None:
-                break
+                    h, t = _cut(start, lo, hi, room[r], budget, rho, cost, piece, last=free == room[r])
+                if h == t == 1:  # rank r peels head tokens while it stays the least loaded: Note [Fast document greedy]
+                    nxt = queue[1] if len(queue) > 1 else None
+                    ld, rm, first, taken, work = load[r], room[r], lo, 0, 0
+                    tail = f(hi - start) - f(hi - 1 - start) - rho
+                    while True:  # one token of the loop above, then the loop's tests for the next one
+                        w = f(lo + 1 - start) - f(lo - start)
+                        ld += w - rho
+                        rm -= 1
+                        free -= 1
+                        lo += 1
+                        taken += 1
+                        work += w
+                        rest = hi - lo
+                        if not rest or not rm or free == rm or (nxt is not None and (ld, r) >= nxt):
+                            break
+                        cost = f(hi - start) - f(lo - start)
+                        if ld + cost - rho * rest <= thr or cost * small <= target:
+                            break
+                        budget = target - ld
+                        k = max(2, math.ceil((cost - rho * rest) / max(budget, 1.0)))
+                        t = min(rm, -(-rest // k))
+                        if t == rest and rest > 1:
+                            t = rest - 1
+                        if max(1, t) != 1 or tail <= budget:
+                            break
+                    del queue[0]  # r's entry
+                    load[r], room[r] = ld, rm
+                    if rm:
+                        insort(queue, (ld, r))
+                    mine = got.get(r)
+                    if mine is None:
+                        got[r] = [taken, work, first]
+                    else:
+                        mine[0] += taken
+                        mine[1] += work
+                        mine[2] = min(mine[2], first)
+                    continue
+            work = piece(start, lo, hi, h, t)
+            old = load[r]
+            load[r] += work - rho * t
+            room[r] -= t
+            free -= t
+            del queue[bisect_left(queue, (old, r))]
+            if room[r]:
+                insort(queue, (load[r], r))
+            first = lo if h else hi - t
+            mine = got.get(r)
+            if mine is None:
+                got[r] = [t, work, first]
+            else:
+                mine[0] += t
+                mine[1] += work
+                mine[2] = min(mine[2], first)
+            lo, hi = lo + h, hi - (t - h)
+        if len(got) == 1:
+            whole[next(iter(got))].append((start, start + lengths[d]))
         else:
-            break
-        _, d, mine[a][d], mine[b][d], moved = found
-        load[a] -= moved
-        load[b] += moved
+            shared.append((min(got), i_d, d, got))
+    # the greedy's ranks listed the shared documents by first rank, then placement order
+    cuts = defragment({d: got for *_, d, got in sorted(shared, key=lambda x: x[:2])}, starts, lengths, piece)
+    mine_of: list[dict[int, list[tuple[int, int]]]] = [{} for _ in range(world)]
+    for d, by_rank in cuts.items():
+        for r, offs in by_rank.items():
+            mine_of[r][d] = offs
+    doc_at = {start: d for d, start in enumerate(starts)}
+    held = [sum(costs[doc_at[a]] for a, _ in whole[r]) + sum(f(y) - f(x) for offs in mine_of[r].values()
+                                                             for x, y in offs) for r in range(world)]
+    rebalance(held, mine_of, f, tol=tol)
     out = []
     for r in range(world):
-        ivs = [iv for iv in held[r] if iv[2] not in split]
-        for d, offs in mine[r].items():
-            ivs += [(starts[d] + x, starts[d] + y, d) for x, y in offs if y > x]
+        ivs = list(whole[r])
+        for d, offs in mine_of[r].items():
+            ivs += [(starts[d] + x, starts[d] + y) for x, y in offs if y > x]
+        ivs.sort()
         out.append(ivs)
     return out
 
 
-def _cut(start: int, lo: int, hi: int, room: int, budget: float, rho: float, cost: int, lefts, *, last: bool):
+def _cut(start: int, lo: int, hi: int, room: int, budget: float, rho: float, cost: int, piece, *, last: bool):
     """(h, t): the piece of the rest [lo, hi) of a document that a rank with ``room`` tokens and ``budget``
     effective work left takes -- h head tokens and t - h tail ones. See Note [Document placement]."""
     rest = hi - lo
@@ -337,16 +289,16 @@ def _cut(start: int, lo: int, hi: int, room: int, budget: float, rho: float, cos
     a, b = 0, t  # smallest h whose piece fits the budget (its cost falls as h grows)
     while a < b:
         mid = (a + b) // 2
-        if _piece_cost(start, lo, hi, mid, t, lefts) - rho * t <= budget:
+        if piece(start, lo, hi, mid, t) - rho * t <= budget:
             b = mid
         else:
             a = mid + 1
-    if a == t and not last and _piece_cost(start, lo, hi, t, t, lefts) - rho * t > budget:
+    if a == t and not last and piece(start, lo, hi, t, t) - rho * t > budget:
         # even all head passes the budget: fewer head tokens, leaving the room to cheaper ones
         a2, b2 = 1, t
         while a2 < b2:
             mid = (a2 + b2 + 1) // 2
-            if _piece_cost(start, lo, hi, mid, mid, lefts) - rho * mid <= budget:
+            if piece(start, lo, hi, mid, mid) - rho * mid <= budget:
                 a2 = mid
             else:
                 b2 = mid - 1
