@@ -75,6 +75,14 @@ def _window(ivs: Intervals, i: int, n: int) -> tuple[Intervals, Intervals]:
     return inside, rest
 
 
+def _prefix(union: Intervals, cum: list[int], pre: list[int], x: int, f: Callable[[int], int]) -> int:
+    """The work of the first ``x`` tokens of ``union`` (``cum``, ``pre``: the tokens and the work before each
+    of its intervals)."""
+    j = min(bisect_right(cum, x) - 1, len(union) - 1)
+    lo = union[j][0]
+    return pre[j] + f(lo + x - cum[j]) - f(lo)
+
+
 def rebalance(load: list[int], mine: list[dict[int, Intervals]], f: Callable[[int], int], *, tol: float,
               max_cuts: int = 8) -> None:
     """Even out the placement in place when its busiest rank is more than ``tol`` over the mean, by re-cutting
@@ -90,23 +98,29 @@ def rebalance(load: list[int], mine: list[dict[int, Intervals]], f: Callable[[in
     def work(ivs: Intervals) -> int:  # kept pairs of the queries at these offsets of a document
         return sum(f(hi) - f(lo) for lo, hi in ivs)
 
+    # a rank's shared documents never change here, only its tokens of them: the pairs' common documents once,
+    # and what a pair can move in each, kept while neither rank's tokens of it change (keyed on the lists)
+    common = {(a, b): list(mine[a].keys() & mine[b].keys()) for a in range(world) for b in range(world) if a != b}
     cache: dict[tuple[int, int, int], tuple] = {}
 
-    def shared_doc(a: int, b: int, d: int) -> tuple:
-        """(U: the union of a's and b's tokens of d, a's count n, a's work, the count and the work before each
-        interval of U), kept while neither rank's share of d changes (keyed on the lists themselves)."""
-        x, y = mine[a][d], mine[b][d]
-        hit = cache.get((a, b, d))
-        if hit is not None and hit[0] is x and hit[1] is y:
-            return hit[2]
-        union = _union(x, y)
-        cum, pre = [0], [0]
-        for lo, hi in union:
-            cum.append(cum[-1] + hi - lo)
-            pre.append(pre[-1] + f(hi) - f(lo))
-        got = (union, sum(hi - lo for lo, hi in x), work(x), cum, pre)
-        cache[(a, b, d)] = (x, y, got)
-        return got
+    def movable_docs(a: int, b: int):
+        """(d, U: the union of a's and b's tokens of d, a's count n, a's work, the count and the work before
+        each interval of U) of the documents a shares with b whose cheapest n tokens of U are cheaper than
+        a's own (else no window moves work to b)."""
+        for d in common[(a, b)]:
+            x, y = mine[a][d], mine[b][d]
+            hit = cache.get((a, b, d))
+            if hit is None or hit[0] is not x or hit[1] is not y:
+                union = _union(x, y)
+                cum, pre = [0], [0]
+                for lo, hi in union:
+                    cum.append(cum[-1] + hi - lo)
+                    pre.append(pre[-1] + f(hi) - f(lo))
+                n, have = sum(hi - lo for lo, hi in x), work(x)
+                got = (d, union, n, have, cum, pre) if _prefix(union, cum, pre, n, f) < have else None
+                cache[(a, b, d)] = hit = (x, y, got)
+            if hit[2] is not None:
+                yield hit[2]
 
     def recut(a: int, b: int):
         """The best re-cut from busier ``a`` to ``b``: (the pair's new max, document, a's new intervals, b's,
@@ -114,35 +128,25 @@ def rebalance(load: list[int], mine: list[dict[int, Intervals]], f: Callable[[in
         keeps as many as it had, a window U[i : i + n] (work grows with i), ``b`` the rest -- so repeated
         re-cuts never fragment a document into more than a few runs."""
         gap, best = load[a] - load[b], None
-        for d in mine[a].keys() & mine[b].keys():
-            union, n, have, cum, pre = shared_doc(a, b, d)
-            last = len(union) - 1
-
-            def prefix(x: int) -> int:  # the work of U's first x tokens
-                j = min(bisect_right(cum, x) - 1, last)
-                lo = union[j][0]
-                return pre[j] + f(lo + x - cum[j]) - f(lo)
-
-            if prefix(n) >= have:  # a holds U's cheapest n tokens: no window moves work to b
-                continue
+        for d, union, n, have, cum, pre in movable_docs(a, b):
             want = have - gap / 2  # a's work in d that evens the pair
             lo_i, hi_i = 0, cum[-1] - n  # the smallest i whose window reaches it (window work grows with i)
             while lo_i < hi_i:
                 mid = (lo_i + hi_i) // 2
-                if prefix(mid + n) - prefix(mid) >= want:
+                if _prefix(union, cum, pre, mid + n, f) - _prefix(union, cum, pre, mid, f) >= want:
                     hi_i = mid
                 else:
                     lo_i = mid + 1
             for i in {max(0, lo_i - 1), lo_i}:
-                moved = have - (prefix(i + n) - prefix(i))
+                moved = have - (_prefix(union, cum, pre, i + n, f) - _prefix(union, cum, pre, i, f))
                 top = max(load[a] - moved, load[b] + moved)
                 if moved > 0 and top < load[a] and (best is None or top < best[0]):
                     best = (top, d, *_window(union, i, n), moved)
         return best
 
     def wide_pairs():  # the widest pairs that can re-cut: only built when the busiest rank's own ones fail
-        return sorted(((a, b) for a in range(world) for b in range(world) if load[a] > load[b] and mine[a].keys()
-                       & mine[b].keys()), key=lambda ab: load[ab[1]] - load[ab[0]])[: 4 * world]
+        return sorted(((a, b) for a in range(world) for b in range(world) if load[a] > load[b] and common[(a, b)]),
+                      key=lambda ab: load[ab[1]] - load[ab[0]])[: 4 * world]
 
     for _ in range(max_cuts * world):
         top = max(range(world), key=lambda r: (load[r], -r))
