@@ -271,7 +271,7 @@ def plan_intervals(lengths: list[int], world: int, *, windows: Any = None, tol: 
     doc_at = {start: d for d, start in enumerate(starts)}
     held = [sum(costs[doc_at[a]] for a, _ in whole[r]) + sum(f(y) - f(x) for offs in mine_of[r].values()
                                                              for x, y in offs) for r in range(world)]
-    rebalance(held, mine_of, f, tol=tol)
+    rebalance(held, mine_of, f, tol=tol, quadratic=lefts == (None,))
     out = []
     for r in range(world):
         ivs = list(whole[r])
@@ -317,36 +317,38 @@ def _peel_run(queue: list, room: list[int], load: list[float], got: dict, f, sta
             a = mid
         else:
             b = mid - 1
-    count, work, first = {}, {}, {}
-    prev, get = end, count.get
+    world = len(room)
+    count, work, first = [0] * world, [0] * world, [0] * world
+    prev = end
     for pos in range(lo, lo + a + 1):
         ld, r = queue[0]
         nxt = f(pos + 1 - start)
         w = nxt - prev
         prev = nxt
         ld += w - rho
-        load[r] = ld
-        c = get(r)
-        if c is None:
-            count[r], work[r], first[r] = 1, w, pos
-        else:
-            count[r] = c + 1
-            work[r] += w
+        if not count[r]:
+            first[r] = pos
+        count[r] += 1
+        work[r] += w
         room[r] -= 1
         if room[r]:
             heapreplace(queue, (ld, r))
         else:
+            load[r] = ld
             heappop(queue)
             if len(queue) == 1:  # the next token goes to the last rank with room: the greedy's own case
                 break
-    for r, c in count.items():
-        mine = got.get(r)
-        if mine is None:
-            got[r] = [c, work[r], first[r]]
-        else:
-            mine[0] += c
-            mine[1] += work[r]
-            mine[2] = min(mine[2], first[r])
+    for ld, r in queue:
+        load[r] = ld
+    for r in range(world):
+        if count[r]:
+            mine = got.get(r)
+            if mine is None:
+                got[r] = [count[r], work[r], first[r]]
+            else:
+                mine[0] += count[r]
+                mine[1] += work[r]
+                mine[2] = min(mine[2], first[r])
     queue.sort()
     return pos + 1 - lo
 

@@ -8,6 +8,7 @@ each rank (the greedy may have dealt it one token at a time; Note [Fast document
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_right
 from collections.abc import Callable
 
@@ -84,11 +85,11 @@ def _prefix(union: Intervals, cum: list[int], pre: list[int], x: int, f: Callabl
 
 
 def rebalance(load: list[int], mine: list[dict[int, Intervals]], f: Callable[[int], int], *, tol: float,
-              max_cuts: int = 8) -> None:
+              max_cuts: int = 8, quadratic: bool = False) -> None:
     """Even out the placement in place when its busiest rank is more than ``tol`` over the mean, by re-cutting
     a document two ranks share (``recut``): work moves, token counts stay, no new document spans the two
     ranks. ``load``: each rank's work; ``mine[r][d]``: rank r's offsets in shared document d (sorted
-    intervals); ``f``: the prefix cost. See Note [Document placement]. Interval arithmetic throughout (a
+    intervals); ``f``: the prefix cost (``quadratic``: it is x (x + 1) / 2, one global layer's). See Note [Document placement]. Interval arithmetic throughout (a
     document is a few runs), at most ``max_cuts * world`` re-cuts."""
     world = len(load)
     mean = sum(load) / world
@@ -131,6 +132,14 @@ def rebalance(load: list[int], mine: list[dict[int, Intervals]], f: Callable[[in
         for d, union, n, have, cum, pre in movable_docs(a, b):
             want = have - gap / 2  # a's work in d that evens the pair
             lo_i, hi_i = 0, cum[-1] - n  # the smallest i whose window reaches it (window work grows with i)
+            if quadratic and len(union) == 1:  # one run [u, ..): its window's work n (u + i) + n (n + 1) / 2 is
+                u = union[0][0]  # linear in i: solved, then stepped onto the exact answer
+                lo_i = min(max(0, math.ceil((want - n * (n + 1) / 2) / n) - u), hi_i)
+                while lo_i > 0 and f(u + lo_i - 1 + n) - f(u + lo_i - 1) >= want:
+                    lo_i -= 1
+                while lo_i < hi_i and f(u + lo_i + n) - f(u + lo_i) < want:
+                    lo_i += 1
+                hi_i = lo_i
             while lo_i < hi_i:
                 mid = (lo_i + hi_i) // 2
                 if _prefix(union, cum, pre, mid + n, f) - _prefix(union, cum, pre, mid, f) >= want:
