@@ -47,8 +47,8 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left, insort
-from heapq import heappop, heapreplace
 from collections.abc import Callable
+from heapq import heappop, heapreplace
 from typing import Any
 
 from .doc_recut import defragment, rebalance

@@ -102,6 +102,7 @@ def rebalance(load: list[int], mine: list[dict[int, Intervals]], f: Callable[[in
     # a rank's shared documents never change here, only its tokens of them: the pairs' common documents once,
     # and what a pair can move in each, kept while neither rank's tokens of it change (keyed on the lists)
     common = {(a, b): list(mine[a].keys() & mine[b].keys()) for a in range(world) for b in range(world) if a != b}
+    partners = [[b for b in range(world) if common.get((a, b))] for a in range(world)]
     cache: dict[tuple[int, int, int], tuple] = {}
 
     def movable_docs(a: int, b: int):
@@ -164,8 +165,8 @@ def rebalance(load: list[int], mine: list[dict[int, Intervals]], f: Callable[[in
         # the busiest rank's best re-cut; else (no partner it shares a document with is less busy) the
         # widest pairs that can re-cut, so that work flows towards the busiest rank's partners first
         found = None
-        for b in sorted(range(world), key=lambda r: load[r]):
-            if b != top and load[top] > load[b] and mine[top] and (found := recut(top, b)) is not None:
+        for b in sorted(partners[top], key=lambda r: load[r]):  # a rank it shares nothing with moves nothing
+            if load[top] > load[b] and (found := recut(top, b)) is not None:
                 a = top
                 break
         else:
