@@ -25,7 +25,7 @@ The placement is a greedy pass over the documents, longest first:
 
 Longest first leaves the short, cheap documents for last, where they fill the token rooms left with
 little work. A few large documents leave the greedy coarse (14 documents a row: one rank at 0.81 of the
-mean), so a last pass evens it out (``_rebalance``): the busiest rank and a less busy one that share a
+mean), so a last pass evens it out (``rebalance`` in doc_recut.py): the busiest rank and a less busy one that share a
 document cut their tokens of it again -- the busier keeps as many tokens as it had, the window of their
 union whose work evens the pair (a query's work grows with its offset), the other the rest. Work moves,
 every token count stays, no document is added between the two, and a document stays a few runs however
@@ -34,6 +34,29 @@ the busiest rank is within ``tol / 2`` of the mean or none helps; only when the 
 over ``tol`` (its byte-lean placement stands otherwise). A rank's local order is increasing global
 position, as in every layout, so the local causal mask is the global one and ``shard_tensor`` is one
 gather.
+
+Note [Fast document greedy]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The greedy above, as first written, looped over every piece and tested every rank for each; where every
+rank is over its work budget, ``_cut``'s piece is one head token, so a long document was dealt one token
+at a time (27k passes at P = 32, N = 262144: most of a second). ``plan_intervals`` computes the *same*
+placement (tests/core/test_doc_plan_fast.py holds the old code and compares) faster:
+
+* the ranks with room sit in a list sorted by (load, rank): the least loaded is its head, and whether
+  some rank takes the rest whole is one test on the first rank with the token room (a rank's test only
+  passes where a less loaded one's does: float rounding is monotone);
+* a run of one-token pieces is dealt without the loop's tests (``_peel_run``) as far as they provably
+  hold for every token of the run: a bound below every load the run can meet (each load only moves by the
+  dealt tokens' work minus rho, so it stays above the least load plus the run's negative steps), above
+  every budget, and the tests are concave in the token index (the rest's work minus rho per token falls
+  by a non-decreasing step), so they hold between the run's two ends; margins far above float rounding.
+  What is left is a heap of (load, rank): each token to the head;
+* only a shared document's token count, work and first token on each rank survive the greedy (what
+  ``defragment`` reads); a document one rank holds is one interval;
+* the re-cuts (doc_recut.py) keep each pair's union of a document and skip the documents whose cheapest
+  window is no cheaper than the busier rank's own tokens (no window moves work); a one-run union under
+  one global layer has a window work linear in its start, solved and stepped onto the binary search's
+  answer.
 
 Note [Document exchange bytes]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
