@@ -82,10 +82,10 @@ def _doc_index(lay: DocumentLayout) -> Tensor:
     return new.cumsum(1)
 
 
-def _last_queries(lay: DocumentLayout, owner: Tensor) -> Tensor:
-    """int64 [B, P, D]: the last global position each rank holds of each document of each row (-1: none)."""
+def _last_queries(lay: DocumentLayout, owner: Tensor, doc: Tensor) -> Tensor:
+    """int64 [B, P, D]: the last global position each rank holds of each document of each row (-1: none);
+    ``doc``: ``_doc_index(lay)``."""
     b, n = lay.ids.shape
-    doc = _doc_index(lay)
     docs = int(doc[:, -1].max()) + 1
     last = torch.full((b * lay.cp_size * docs,), -1, dtype=torch.int64)
     slot = (torch.arange(b)[:, None] * lay.cp_size + owner) * docs + doc  # [B, N]
@@ -127,8 +127,8 @@ def exchange_plan(lay: DocumentLayout, rank: int, is_causal: bool, window) -> di
     mine = lay.order[:, rank * s : (rank + 1) * s]  # [B, S]
     # what every peer needs of mine, all peers at once: peer p's queries against my keys, [B, P, S]
     if lo is None:  # a query keeps every earlier key of its document within hi: each rank's last query will do
-        last = _last_queries(lay, owner)  # [B, P, docs]
         doc = _doc_index(lay)
+        last = _last_queries(lay, owner, doc)  # [B, P, docs]
         first = start if hi is None else torch.maximum(start, torch.arange(lay.seq_len) - hi)  # [B, N]
         out_rows = last.gather(2, doc.gather(1, mine)[:, None, :].expand(b, world, s)) >= first.gather(1, mine)[:, None, :]
         need = last[:, rank].gather(1, doc) >= first  # [B, N]: what I need
