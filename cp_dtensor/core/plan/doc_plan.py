@@ -169,6 +169,7 @@ def plan_intervals(lengths: list[int], world: int, *, windows: Any = None, tol: 
         raise ValueError(f"document lengths must be positive; got {lengths}.")
     lefts = window_lefts(windows)
     f = _prefix_fn(lefts)
+    quadratic = lefts == (None,)
 
     def piece(start: int, lo: int, hi: int, h: int, t: int) -> int:  # _piece_cost
         return f(lo + h - start) - f(lo - start) + f(hi - start) - f(hi - (t - h) - start)
@@ -223,7 +224,7 @@ def plan_intervals(lengths: list[int], world: int, *, windows: Any = None, tol: 
                 else:
                     h, t = _cut(start, lo, hi, room[r], budget, rho, cost, piece, last=free == room[r])
                 if h == t == 1 and (taken := _peel_run(queue, room, load, got, f, start, lo, hi, target=target, thr=thr,
-                                                       rho=rho, small=small)):
+                                                       rho=rho, small=small, quadratic=quadratic)):
                     lo += taken  # a run of head tokens, each to the least loaded rank: Note [Fast document greedy]
                     free -= taken
                     continue
@@ -294,7 +295,7 @@ def plan_intervals(lengths: list[int], world: int, *, windows: Any = None, tol: 
     doc_at = {start: d for d, start in enumerate(starts)}
     held = [sum(costs[doc_at[a]] for a, _ in whole[r]) + sum(f(y) - f(x) for offs in mine_of[r].values()
                                                              for x, y in offs) for r in range(world)]
-    rebalance(held, mine_of, f, tol=tol, quadratic=lefts == (None,))
+    rebalance(held, mine_of, f, tol=tol, quadratic=quadratic)
     out = []
     for r in range(world):
         ivs = list(whole[r])
@@ -306,11 +307,12 @@ def plan_intervals(lengths: list[int], world: int, *, windows: Any = None, tol: 
 
 
 def _peel_run(queue: list, room: list[int], load: list[float], got: dict, f, start: int, lo: int, hi: int, *,
-              target: float, thr: float, rho: float, small: int) -> int:
+              target: float, thr: float, rho: float, small: int, quadratic: bool = False) -> int:
     """The head tokens of the rest [lo, hi) of a document that the greedy deals one at a time to the least
     loaded rank, dealt here without its tests, as far as they provably hold (Note [Fast document greedy]);
-    ``queue``: the sorted (load, rank) of the ranks with room, kept sorted. Returns the tokens dealt (0: the
-    tests are too close to call; the greedy's loop goes on)."""
+    ``queue``: the sorted (load, rank) of the ranks with room, kept sorted; ``quadratic``: ``f`` is one global
+    layer's x (x + 1) / 2. Returns the tokens dealt (0: the tests are too close to call; the greedy's loop
+    goes on)."""
     low, rest = queue[0][0], hi - lo
     head, end = f(hi - start), f(lo - start)
     tail = head - f(hi - 1 - start) - rho
@@ -345,9 +347,12 @@ def _peel_run(queue: list, room: list[int], load: list[float], got: dict, f, sta
     prev = end
     for pos in range(lo, lo + a + 1):
         ld, r = queue[0]
-        nxt = f(pos + 1 - start)
-        w = nxt - prev
-        prev = nxt
+        if quadratic:  # one global layer: a token's work is its offset + 1
+            w = pos - start + 1
+        else:
+            nxt = f(pos + 1 - start)
+            w = nxt - prev
+            prev = nxt
         ld += w - rho
         if not count[r]:
             first[r] = pos
