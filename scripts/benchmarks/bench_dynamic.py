@@ -11,6 +11,8 @@ one dp row, short ones elsewhere):
   * K/V rows each rank receives per layer (``needed_rows``: the document exchange sends exactly those) and
     the busiest rank's bytes per layer for a model of ``--kv-heads`` x ``--head-dim`` in bf16;
   * the plan's host cost (``document_layout`` of the global batch);
+  * the plan's host cost of a global batch of 262144 tokens at P = 32, 64, 128 (``document_layout`` + one
+    rank's ``exchange_plan``, process CPU time);
   * at dp 2 x cp 2 on a skewed batch: each rank's attention (per run of its queries, against the keys its
     mask keeps) + a linear layer over its tokens, timed in this process one rank after another with
     ``time.thread_time`` (honest when ranks share cores), max/mean per placement.
@@ -131,6 +133,37 @@ def compute_times(rows: list[list[int]], cp: int, heads: int, head_dim: int, hid
     return {"static": static, "dynamic": dynamic}
 
 
+def host_cost(worlds=(32, 64, 128), n: int = 262144, median: float = 500.0, reps: int = 5) -> list[dict]:
+    """The plan's host cost of one global batch of N tokens over P ranks: ``document_layout`` + one rank's
+    ``exchange_plan`` (causal), process CPU time, one thread, median of ``reps`` after a warm-up."""
+    import statistics
+
+    from cp_dtensor.core.exchange.doc_exchange import exchange_plan
+
+    torch.set_num_threads(1)
+    lengths = lognormal_lengths(0, n, median, cap=131072)
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]
+    out = []
+    for world in worlds:
+        def one():
+            t0 = time.process_time()
+            lay = cp_dtensor.document_layout(ids, world)
+            t1 = time.process_time()
+            exchange_plan(lay, world // 2, True, None)
+            return t1 - t0, time.process_time() - t1
+
+        one()
+        xs = [one() for _ in range(reps)]
+        rec = dict(world=world, n=n, docs=len(lengths), layout_ms=1e3 * statistics.median(x[0] for x in xs),
+                   exchange_plan_ms=1e3 * statistics.median(x[1] for x in xs),
+                   total_ms=1e3 * statistics.median(sum(x) for x in xs))
+        out.append(rec)
+        print(f"plan host cost P = {world:3d}, N = {n}, {len(lengths)} log-normal documents: document_layout "
+              f"{rec['layout_ms']:.1f} ms + exchange_plan (one rank) {rec['exchange_plan_ms']:.1f} ms = "
+              f"{rec['total_ms']:.1f} ms", flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--row", type=int, default=8192, help="tokens of one data-parallel rank's packed row")
@@ -140,6 +173,8 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--time-row", type=int, default=4096, help="row length of the timed dp 2 x cp 2 batch")
+    ap.add_argument("--host-worlds", type=int, nargs="*", default=[32, 64, 128],
+                    help="P of the plan's host cost (N = 262144); none to skip")
     ap.add_argument("--out", default=str(ROOT / "bench_out" / "dynamic.json"))
     args = ap.parse_args()
     row_bytes = 2 * args.kv_heads * args.head_dim * 2  # K and V, bf16
@@ -174,7 +209,8 @@ def main() -> None:
           "kept runs + a linear layer), max/mean")
     for name, ts in times.items():
         print(f"  {name:>8}: {' '.join(f'{t:.3f}' for t in ts)} s   max/mean {balance(ts):.3f}")
-    print(f"  dynamic / static max: {max(times['dynamic']) / max(times['static']):.3f}")
+    print(f"  dynamic / static max: {max(times['dynamic']) / max(times['static']):.3f}\n")
+    out["host"] = host_cost(tuple(args.host_worlds)) if args.host_worlds else []
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(args.out).write_text(json.dumps(out, indent=1))
     print(f"wrote {args.out}")
