@@ -16,7 +16,7 @@ _V03 = ("_cpu", "attention", "linear", "trainer", "main", "tiling")
 LAYERS: list[tuple[str, set[str]]] = [
     ("private torch touch points, deprecation, torch-free layout facts",
      {"_compat", "_compat.torch_versions", "_deprecated", "_extras", "checkpoint.manifest", "core.plan.layout",
-      "core.compute.kernels", "core.linear.linear_plan", "core.plan.documents", "core.plan.doc_plan",
+      "core.compute.kernels", "core.linear.linear_plan", "core.plan.documents", "core.plan.doc_plan", "core.plan.doc_recut",
       "core.plan", "core.compute", "core.exchange", "core.linear"}),  # the subpackages' __init__s import nothing
     ("pure math; the network; a ring call's spec",
      {"core.plan.masks", "core.plan.wire", "core.exchange.comm", "tools.debug", "core.agreement", "core.plan.spec",

@@ -75,6 +75,40 @@ def _needs(lay: DocumentLayout, r: int, keys: Tensor, start: Tensor, lo: int | N
     return keep
 
 
+def _doc_index(lay: DocumentLayout) -> Tensor:
+    """int64 [B, N]: each token's document as 0, 1, ... along its row."""
+    new = torch.zeros(lay.ids.shape, dtype=torch.int64)
+    new[:, 1:] = (lay.ids[:, 1:] != lay.ids[:, :-1]).long()
+    return new.cumsum(1)
+
+
+def _last_queries(lay: DocumentLayout, owner: Tensor, doc: Tensor) -> Tensor:
+    """int64 [B, P, D]: the last global position each rank holds of each document of each row (-1: none);
+    ``doc``: ``_doc_index(lay)``."""
+    b, n = lay.ids.shape
+    docs = int(doc[:, -1].max()) + 1
+    last = torch.full((b * lay.cp_size * docs,), -1, dtype=torch.int64)
+    slot = (torch.arange(b)[:, None] * lay.cp_size + owner) * docs + doc  # [B, N]
+    last.scatter_reduce_(0, slot.view(-1), torch.arange(n).expand(b, n).reshape(-1), "amax")
+    return last.view(b, lay.cp_size, docs)
+
+
+def _needs_all(lay: DocumentLayout, keys: Tensor, start: Tensor, lo: int | None, hi: int | None) -> Tensor:
+    """bool [B, P, M]: ``_needs`` of every rank p at once, for the keys [B, P, M] (global positions)."""
+    b, world, m = keys.shape
+    s = lay.s_local
+    qpos = lay.order.view(b * world, s)  # each rank's sorted positions
+    first = start.gather(1, keys.reshape(b, world * m))
+    if hi is not None:
+        first = torch.maximum(first, keys.reshape(b, world * m) - hi)
+    idx = torch.searchsorted(qpos, first.view(b * world, m))  # [B * P, M]
+    i = qpos.gather(1, idx.clamp(max=s - 1)).view(b, world * m)
+    keep = (idx.view(b, world * m) < s) & (lay.ids.gather(1, i) == lay.ids.gather(1, keys.reshape(b, world * m)))
+    if lo is not None:
+        keep &= keys.reshape(b, world * m) - i >= lo
+    return keep.view(b, world, m)
+
+
 def exchange_plan(lay: DocumentLayout, rank: int, is_causal: bool, window) -> dict:
     """The exchange of ``rank`` under the mask (Note [Document exchange]), cached on the layout: the local
     rows it sends to each peer (``send``: flat b * S + i indices, peer-major; ``send_splits``), the rows it
@@ -91,29 +125,29 @@ def exchange_plan(lay: DocumentLayout, rank: int, is_causal: bool, window) -> di
     owner = torch.empty_like(lay.order)
     owner.scatter_(1, lay.order, (torch.arange(lay.seq_len) // s).expand_as(lay.order))
     mine = lay.order[:, rank * s : (rank + 1) * s]  # [B, S]
-    flat = torch.arange(b * s).view(b, s)  # a row's flat index in this rank's [B * S] rows
-    send, send_splits, recv_splits, recv_pos = [], [], [], []
-    need = _needs(lay, rank, torch.arange(lay.seq_len).expand(b, -1), start, lo, hi)  # [B, N]: what I need
-    for peer in range(world):
-        if peer == rank:
-            send_splits.append(0)
-            recv_splits.append(0)
-            continue
-        out_rows = _needs(lay, peer, mine, start, lo, hi)  # what peer needs of mine, [B, S]
-        send_splits.append(int(out_rows.sum()))
-        send.append(flat[out_rows])  # row-major over (b, position): ascending position per b
-        in_rows = need & (owner == peer)
-        recv_splits.append(int(in_rows.sum()))
-        recv_pos.append(torch.nonzero(in_rows, as_tuple=True))  # the same order as the peer sends them
-    if recv_pos:
-        bb = torch.cat([x[0] for x in recv_pos])
-        jj = torch.cat([x[1] for x in recv_pos])
+    # what every peer needs of mine, all peers at once: peer p's queries against my keys, [B, P, S]
+    if lo is None:  # a query keeps every earlier key of its document within hi: each rank's last query will do
+        doc = _doc_index(lay)
+        last = _last_queries(lay, owner, doc)  # [B, P, docs]
+        first = start if hi is None else torch.maximum(start, torch.arange(lay.seq_len) - hi)  # [B, N]
+        out_rows = last.gather(2, doc.gather(1, mine)[:, None, :].expand(b, world, s)) >= first.gather(1, mine)[:, None, :]
+        need = last[:, rank].gather(1, doc) >= first  # [B, N]: what I need
     else:
-        bb = jj = torch.zeros(0, dtype=torch.int64)
+        out_rows = _needs_all(lay, mine[:, None, :].expand(b, world, s), start, lo, hi)  # [B, P, S]
+        need = _needs(lay, rank, torch.arange(lay.seq_len).expand(b, -1), start, lo, hi)  # [B, N]: what I need
+    out_rows[:, rank] = False  # what each peer needs of mine
+    send_splits = out_rows.sum((0, 2)).tolist()
+    peer_b_i = torch.nonzero(out_rows.transpose(0, 1))  # [M, 3]: (peer, b, i), peer-major, ascending position per b
+    send = peer_b_i[:, 1] * s + peer_b_i[:, 2]  # a row's flat index in this rank's [B * S] rows
+    bb, jj = torch.nonzero(need & (owner != rank), as_tuple=True)  # row-major (b, j)
+    src = owner[bb, jj]
+    by_peer = torch.sort(src, stable=True).indices  # peer-major: the order each peer sends them in
+    bb, jj = bb[by_peer], jj[by_peer]
+    recv_splits = torch.bincount(src, minlength=world).tolist()
     rows = [torch.nonzero(bb == r, as_tuple=True)[0] for r in range(b)]
     spans = bool((owner != owner.gather(1, start)).any())  # a document on more than one rank
     plan = {
-        "send": torch.cat(send) if send else torch.zeros(0, dtype=torch.int64),
+        "send": send,
         "send_splits": send_splits, "recv_splits": recv_splits,
         "rows": rows, "pos": [jj[r] for r in rows], "total": int(spans), "bounds": (lo, hi),
     }

@@ -25,7 +25,7 @@ The placement is a greedy pass over the documents, longest first:
 
 Longest first leaves the short, cheap documents for last, where they fill the token rooms left with
 little work. A few large documents leave the greedy coarse (14 documents a row: one rank at 0.81 of the
-mean), so a last pass evens it out (``_rebalance``): the busiest rank and a less busy one that share a
+mean), so a last pass evens it out (``rebalance`` in doc_recut.py): the busiest rank and a less busy one that share a
 document cut their tokens of it again -- the busier keeps as many tokens as it had, the window of their
 union whose work evens the pair (a query's work grows with its offset), the other the rest. Work moves,
 every token count stays, no document is added between the two, and a document stays a few runs however
@@ -34,6 +34,29 @@ the busiest rank is within ``tol / 2`` of the mean or none helps; only when the 
 over ``tol`` (its byte-lean placement stands otherwise). A rank's local order is increasing global
 position, as in every layout, so the local causal mask is the global one and ``shard_tensor`` is one
 gather.
+
+Note [Fast document greedy]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The greedy above, as first written, looped over every piece and tested every rank for each; where every
+rank is over its work budget, ``_cut``'s piece is one head token, so a long document was dealt one token
+at a time (27k passes at P = 32, N = 262144: most of a second). ``plan_intervals`` computes the *same*
+placement (tests/core/test_doc_plan_fast.py holds the old code and compares) faster:
+
+* the ranks with room sit in a list sorted by (load, rank): the least loaded is its head, and whether
+  some rank takes the rest whole is one test on the first rank with the token room (a rank's test only
+  passes where a less loaded one's does: float rounding is monotone);
+* a run of one-token pieces is dealt without the loop's tests (``_peel_run``) as far as they provably
+  hold for every token of the run: a bound below every load the run can meet (each load only moves by the
+  dealt tokens' work minus rho, so it stays above the least load plus the run's negative steps), above
+  every budget, and the tests are concave in the token index (the rest's work minus rho per token falls
+  by a non-decreasing step), so they hold between the run's two ends; margins far above float rounding.
+  What is left is a heap of (load, rank): each token to the head;
+* only a shared document's token count, work and first token on each rank survive the greedy (what
+  ``defragment`` reads); a document one rank holds is one interval;
+* the re-cuts (doc_recut.py) keep each pair's union of a document and skip the documents whose cheapest
+  window is no cheaper than the busier rank's own tokens (no window moves work); a one-run union under
+  one global layer has a window work linear in its start, solved and stepped onto the binary search's
+  answer.
 
 Note [Document exchange bytes]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -46,9 +69,14 @@ striped ring sends (P - 1) * S rows per rank whatever the documents.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, insort
+from collections.abc import Callable
+from heapq import heappop, heapreplace
 from typing import Any
 
-__all__ = ["Window", "lengths_of", "needed_rows", "plan_row", "rank_work", "row_balance", "window_lefts"]
+from .doc_recut import defragment, rebalance
+
+__all__ = ["Window", "lengths_of", "needed_rows", "plan_intervals", "plan_row", "rank_work", "row_balance", "window_lefts"]
 
 Window = int | tuple[int, int] | None
 
@@ -107,10 +135,32 @@ def lengths_of(ids: list[int]) -> list[int]:
     return out
 
 
+def _prefix_fn(lefts: tuple[int | None, ...]) -> Callable[[int], int]:
+    """``_prefix_cost`` of ``lefts`` as a one-argument function (a closed form for one global layer)."""
+    if lefts == (None,):
+        return lambda x: x * (x + 1) // 2
+    return lambda x: _prefix_cost(x, lefts)
+
+
 def plan_row(lengths: list[int], world: int, *, windows: Any = None, tol: float = 0.02, sand_share: int = 4,
              small: int = 16) -> list[list[int]]:
     """The global positions each of ``world`` ranks holds of one row of packed documents of ``lengths``
     (sum N, a multiple of ``world``), each rank's sorted, N / world each. See Note [Document placement]."""
+    s = sum(lengths) // max(world, 1)
+    out = []
+    for ivs in plan_intervals(lengths, world, windows=windows, tol=tol, sand_share=sand_share, small=small):
+        pos: list[int] = []
+        for a, b in ivs:
+            pos.extend(range(a, b))
+        assert len(pos) == s, (len(pos), s)
+        out.append(pos)
+    return out
+
+
+def plan_intervals(lengths: list[int], world: int, *, windows: Any = None, tol: float = 0.02, sand_share: int = 4,
+                   small: int = 16) -> list[list[tuple[int, int]]]:
+    """:func:`plan_row` as each rank's sorted intervals ``[a, b)`` of global positions (what
+    ``document_layout`` builds its order from without a Python int per token). Note [Fast document greedy]."""
     n = sum(lengths)
     if world < 1 or n % world:
         raise ValueError(f"document_layout needs the row length divisible by the CP degree ({world}); got {n}. "
@@ -118,213 +168,225 @@ def plan_row(lengths: list[int], world: int, *, windows: Any = None, tol: float 
     if any(length < 1 for length in lengths):
         raise ValueError(f"document lengths must be positive; got {lengths}.")
     lefts = window_lefts(windows)
+    f = _prefix_fn(lefts)
+    quadratic = lefts == (None,)
+
+    def piece(start: int, lo: int, hi: int, h: int, t: int) -> int:  # _piece_cost
+        return f(lo + h - start) - f(lo - start) + f(hi - start) - f(hi - (t - h) - start)
+
     s = n // world
     starts = [0]
     for length in lengths[:-1]:
         starts.append(starts[-1] + length)
-    costs = [_prefix_cost(length, lefts) for length in lengths]
+    costs = [f(length) for length in lengths]
     total = sum(costs)
     target = total / world
+    thr = target * (1 + tol)
     # the density of the documents that will fill the last token rooms: see Note [Document placement]
     sand = [d for d in range(len(lengths)) if costs[d] * sand_share <= target and lengths[d] * sand_share <= s]
     rho = sum(costs[d] for d in sand) / max(1, sum(lengths[d] for d in sand))
     room = [s] * world
     load = [rho * s] * world  # effective load: the work held plus rho per token of room still to fill
-    held: list[list[tuple[int, int, int]]] = [[] for _ in range(world)]  # intervals [a, b) of document d per rank
-    for d in sorted(range(len(lengths)), key=lambda d: (-lengths[d], d)):
+    queue = [(load[r], r) for r in range(world)]  # (load, r) of the ranks with room, sorted
+    free = n  # sum(room)
+    whole: list[list[tuple[int, int]]] = [[] for _ in range(world)]  # the documents a rank holds alone
+    shared = []  # (first rank, order, d, {r: [tokens, work, first position]}) of the documents ranks share
+    for i_d, d in enumerate(sorted(range(len(lengths)), key=lambda d: (-lengths[d], d))):
         start = starts[d]
         lo, hi = start, start + lengths[d]
+        got: dict[int, list[int]] = {}
         while lo < hi:
             rest = hi - lo
-            cost = _piece_cost(start, lo, hi, rest, rest, lefts)  # the whole rest
-            fits = [r for r in range(world) if room[r] >= rest and load[r] + cost - rho * rest <= target * (1 + tol)]
-            if not fits and cost * small <= target:  # a small document stays whole (its bytes would cost more)
-                fits = [r for r in range(world) if room[r] >= rest]
-            if fits:
-                r = min(fits, key=lambda r: (load[r], r))
+            cost = f(hi - start) - f(lo - start)  # the whole rest
+            r = -1
+            # the least loaded rank with token room for the rest, if its work room (or smallness) admits it:
+            # the loads only pass the bound in queue order (Note [Fast document greedy])
+            if queue[0][0] + cost - rho * rest <= thr or cost * small <= target:
+                for ld, q in queue:
+                    if room[q] >= rest:
+                        if ld + cost - rho * rest <= thr or cost * small <= target:
+                            r = q
+                        break
+            if r >= 0:
                 h = t = rest
             else:
-                r = min((r for r in range(world) if room[r] > 0), key=lambda r: (load[r], r))
-                h, t = _cut(start, lo, hi, room[r], target - load[r], rho, cost, lefts, last=sum(room) == room[r])
-            for iv in ((lo, lo + h, d), (hi - (t - h), hi, d)):
-                if iv[1] > iv[0]:
-                    held[r].append(iv)
-            load[r] += _piece_cost(start, lo, hi, h, t, lefts) - rho * t
-            room[r] -= t
-            lo, hi = lo + h, hi - (t - h)
-    held = _rebalance(_defragment(held, starts, lengths, lefts), starts, lefts, tol=tol)
-    out = []
-    for r in range(world):
-        pos = [p for a, b, _ in sorted(held[r]) for p in range(a, b)]
-        assert len(pos) == s, (r, len(pos), s)
-        out.append(pos)
-    return out
-
-
-def _defragment(held: list[list[tuple[int, int, int]]], starts: list[int], lengths: list[int],
-                lefts) -> list[list[tuple[int, int, int]]]:
-    """``held`` with every document that several ranks share cut again into nested head-tail pieces, one
-    pair per rank (outermost first: the rank holding its first token), each rank keeping its token count
-    and about its work in it. The greedy's pieces may alternate between two ranks many times (one rank's
-    room filled a few tokens at a time: hundreds of runs), and the kernels run once per run pair."""
-    world = len(held)
-    pieces: dict[int, dict[int, list[tuple[int, int]]]] = {}
-    for r, ivs in enumerate(held):
-        for a, b, d in ivs:
-            pieces.setdefault(d, {}).setdefault(r, []).append((a, b))
-    out = [[iv for iv in held[r] if len(pieces[iv[2]]) == 1] for r in range(world)]
-    for d, by_rank in pieces.items():
-        if len(by_rank) == 1:
-            continue
-        start = starts[d]
-        count = {r: sum(b - a for a, b in ivs) for r, ivs in by_rank.items()}
-        work = {r: sum(_prefix_cost(b - start, lefts) - _prefix_cost(a - start, lefts) for a, b in ivs)
-                for r, ivs in by_rank.items()}
-        order = sorted(by_rank, key=lambda r: min(a for a, _ in by_rank[r]))  # the outermost piece first
-        lo, hi = start, start + lengths[d]
-        for i, r in enumerate(order):
-            t = count[r]
-            if i == len(order) - 1:
-                h = t  # the innermost rank takes what is left: [lo, hi)
-            else:
-                a_, b_ = 0, t  # the smallest h whose piece's work is at most the rank's (it falls as h grows)
-                while a_ < b_:
-                    mid = (a_ + b_) // 2
-                    if _piece_cost(start, lo, hi, mid, t, lefts) <= work[r]:
-                        b_ = mid
-                    else:
-                        a_ = mid + 1
-                h = a_
-            for iv in ((lo, lo + h, d), (hi - (t - h), hi, d)):
-                if iv[1] > iv[0]:
-                    out[r].append(iv)
-            lo, hi = lo + h, hi - (t - h)
-    return out
-
-
-def _union(x: list[tuple[int, int]], y: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The union of two disjoint sorted interval lists, sorted, touching intervals joined."""
-    out: list[list[int]] = []
-    for lo, hi in sorted(x + y):
-        if out and out[-1][1] == lo:
-            out[-1][1] = hi
-        else:
-            out.append([lo, hi])
-    return [(lo, hi) for lo, hi in out]
-
-
-def _offset(ivs: list[tuple[int, int]], i: int) -> tuple[int, int]:
-    """(interval index, offset) of the i-th token of the sorted intervals ``ivs`` (i may be their count)."""
-    seen = 0
-    for j, (lo, hi) in enumerate(ivs):
-        if i < seen + hi - lo:
-            return j, lo + i - seen
-        seen += hi - lo
-    return len(ivs), ivs[-1][1] if ivs else 0
-
-
-def _window(ivs: list[tuple[int, int]], i: int, n: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """(tokens [i, i + n) of the sorted intervals ``ivs``, the rest), both as sorted intervals."""
-    inside, rest, seen = [], [], 0
-    for lo, hi in ivs:
-        a, b = max(lo, lo + i - seen), min(hi, lo + i + n - seen)
-        if a < b:
-            inside.append((a, b))
-            rest += [iv for iv in ((lo, a), (b, hi)) if iv[1] > iv[0]]
-        else:
-            rest.append((lo, hi))
-        seen += hi - lo
-    return inside, rest
-
-
-def _rebalance(held: list[list[tuple[int, int, int]]], starts: list[int], lefts, *, tol: float,
-               max_cuts: int = 8) -> list[list[tuple[int, int, int]]]:
-    """The greedy placement (``held``: intervals [a, b) of document d per rank), evened out when its busiest
-    rank is more than ``tol`` over the mean, by re-cutting a document two ranks share (``recut``): work
-    moves, token counts stay, no new document spans the two ranks. See Note [Document placement]. Interval
-    arithmetic throughout (a document is a few runs), at most ``max_cuts * world`` re-cuts."""
-    world = len(held)
-
-    def work(ivs: list[tuple[int, int]]) -> int:  # kept pairs of the queries at these offsets of a document
-        return sum(_prefix_cost(hi, lefts) - _prefix_cost(lo, lefts) for lo, hi in ivs)
-
-    spans: dict[int, set[int]] = {}
-    for r, ivs in enumerate(held):
-        for _, _, d in ivs:
-            spans.setdefault(d, set()).add(r)
-    split = {d for d, ranks in spans.items() if len(ranks) > 1}
-    mine: list[dict[int, list[tuple[int, int]]]] = [{} for _ in range(world)]  # rank -> split doc -> offsets
-    load = [0] * world
-    for r, ivs in enumerate(held):
-        for a, b, d in ivs:
-            load[r] += _prefix_cost(b - starts[d], lefts) - _prefix_cost(a - starts[d], lefts)
-            if d in split:
-                mine[r][d] = _union(mine[r].get(d, []), [(a - starts[d], b - starts[d])])
-    mean = sum(load) / world
-    if max(load) <= mean * (1 + tol):
-        return held
-
-    def window_work(union: list[tuple[int, int]], pre: list[int], i: int, n: int) -> int:
-        """Work of tokens [i, i + n) of ``union`` (``pre``: the work before each of its intervals)."""
-        (j0, o0), (j1, o1) = _offset(union, i), _offset(union, i + n)
-        at = lambda j, o: pre[j] + (_prefix_cost(o, lefts) - _prefix_cost(union[j][0], lefts) if j < len(union) else 0)  # noqa: E731
-        return at(j1, o1) - at(j0, o0)
-
-    def recut(a: int, b: int):
-        """The best re-cut from busier ``a`` to ``b``: (the pair's new max, document, a's new intervals, b's,
-        work moved) or None. The two ranks' tokens of a document they share, U (sorted), are cut again: ``a``
-        keeps as many as it had, a window U[i : i + n] (work grows with i), ``b`` the rest -- so repeated
-        re-cuts never fragment a document into more than a few runs."""
-        gap, best = load[a] - load[b], None
-        for d in mine[a].keys() & mine[b].keys():
-            union = _union(mine[a][d], mine[b][d])
-            pre = [0]
-            for lo, hi in union:
-                pre.append(pre[-1] + _prefix_cost(hi, lefts) - _prefix_cost(lo, lefts))
-            n = sum(hi - lo for lo, hi in mine[a][d])
-            have = work(mine[a][d])
-            want = have - gap / 2  # a's work in d that evens the pair
-            lo_i, hi_i = 0, sum(hi - lo for lo, hi in union) - n  # the smallest i whose window reaches it
-            while lo_i < hi_i:
-                mid = (lo_i + hi_i) // 2
-                if window_work(union, pre, mid, n) >= want:
-                    hi_i = mid
+                ld, r = queue[0]
+                budget = target - ld
+                t = 0
+                if free != room[r]:  # _cut's t, and its answer for one token (the peeling of Note [Fast document greedy])
+                    k = max(2, math.ceil((cost - rho * rest) / max(budget, 1.0)))
+                    t = min(room[r], -(-rest // k))
+                    if t == rest and rest > 1:
+                        t = rest - 1
+                    t = max(1, t)
+                if t == 1:
+                    h = 0 if f(hi - start) - f(hi - 1 - start) - rho * t <= budget else 1
                 else:
-                    lo_i = mid + 1
-            for i in {max(0, lo_i - 1), lo_i}:
-                moved = have - window_work(union, pre, i, n)
-                top = max(load[a] - moved, load[b] + moved)
-                if moved > 0 and top < load[a] and (best is None or top < best[0]):
-                    best = (top, d, *_window(union, i, n), moved)
-        return best
-
-    for _ in range(max_cuts * world):
-        top = max(range(world), key=lambda r: (load[r], -r))
-        if load[top] <= mean * (1 + tol / 2):
-            break
-        # the busiest rank's best re-cut; else (no partner it shares a document with is less busy) the
-        # widest pairs that can re-cut, so that work flows towards the busiest rank's partners first
-        pairs = [(top, b) for b in sorted(range(world), key=lambda r: load[r])]
-        pairs += sorted(((a, b) for a in range(world) for b in range(world) if load[a] > load[b] and mine[a].keys()
-                         & mine[b].keys()), key=lambda ab: load[ab[1]] - load[ab[0]])[: 4 * world]
-        for a, b in pairs:
-            if a != b and load[a] > load[b] and (found := recut(a, b)) is not None:
-                break
+                    h, t = _cut(start, lo, hi, room[r], budget, rho, cost, piece, last=free == room[r])
+                if h == t == 1 and (taken := _peel_run(queue, room, load, got, f, start, lo, hi, target=target, thr=thr,
+                                                       rho=rho, small=small, quadratic=quadratic)):
+                    lo += taken  # a run of head tokens, each to the least loaded rank: Note [Fast document greedy]
+                    free -= taken
+                    continue
+                if h == t == 1:  # rank r peels head tokens while it stays the least loaded: Note [Fast document greedy]
+                    nxt = queue[1] if len(queue) > 1 else None
+                    ld, rm, first, taken, work = load[r], room[r], lo, 0, 0
+                    tail = f(hi - start) - f(hi - 1 - start) - rho
+                    while True:  # one token of the loop above, then the loop's tests for the next one
+                        w = f(lo + 1 - start) - f(lo - start)
+                        ld += w - rho
+                        rm -= 1
+                        free -= 1
+                        lo += 1
+                        taken += 1
+                        work += w
+                        rest = hi - lo
+                        if not rest or not rm or free == rm or (nxt is not None and (ld, r) >= nxt):
+                            break
+                        cost = f(hi - start) - f(lo - start)
+                        if ld + cost - rho * rest <= thr or cost * small <= target:
+                            break
+                        budget = target - ld
+                        k = max(2, math.ceil((cost - rho * rest) / max(budget, 1.0)))
+                        t = min(rm, -(-rest // k))
+                        if t == rest and rest > 1:
+                            t = rest - 1
+                        if max(1, t) != 1 or tail <= budget:
+                            break
+                    del queue[0]  # r's entry
+                    load[r], room[r] = ld, rm
+                    if rm:
+                        insort(queue, (ld, r))
+                    mine = got.get(r)
+                    if mine is None:
+                        got[r] = [taken, work, first]
+                    else:
+                        mine[0] += taken
+                        mine[1] += work
+                        mine[2] = min(mine[2], first)
+                    continue
+            work = piece(start, lo, hi, h, t)
+            old = load[r]
+            load[r] += work - rho * t
+            room[r] -= t
+            free -= t
+            del queue[bisect_left(queue, (old, r))]
+            if room[r]:
+                insort(queue, (load[r], r))
+            first = lo if h else hi - t
+            mine = got.get(r)
+            if mine is None:
+                got[r] = [t, work, first]
+            else:
+                mine[0] += t
+                mine[1] += work
+                mine[2] = min(mine[2], first)
+            lo, hi = lo + h, hi - (t - h)
+        if len(got) == 1:
+            whole[next(iter(got))].append((start, start + lengths[d]))
         else:
-            break
-        _, d, mine[a][d], mine[b][d], moved = found
-        load[a] -= moved
-        load[b] += moved
+            shared.append((min(got), i_d, d, got))
+    # the greedy's ranks listed the shared documents by first rank, then placement order
+    cuts = defragment({d: got for *_, d, got in sorted(shared, key=lambda x: x[:2])}, starts, lengths, piece)
+    mine_of: list[dict[int, list[tuple[int, int]]]] = [{} for _ in range(world)]
+    for d, by_rank in cuts.items():
+        for r, offs in by_rank.items():
+            mine_of[r][d] = offs
+    doc_at = {start: d for d, start in enumerate(starts)}
+    held = [sum(costs[doc_at[a]] for a, _ in whole[r]) + sum(f(y) - f(x) for offs in mine_of[r].values()
+                                                             for x, y in offs) for r in range(world)]
+    rebalance(held, mine_of, f, tol=tol, quadratic=quadratic)
     out = []
     for r in range(world):
-        ivs = [iv for iv in held[r] if iv[2] not in split]
-        for d, offs in mine[r].items():
-            ivs += [(starts[d] + x, starts[d] + y, d) for x, y in offs if y > x]
+        ivs = list(whole[r])
+        for d, offs in mine_of[r].items():
+            ivs += [(starts[d] + x, starts[d] + y) for x, y in offs if y > x]
+        ivs.sort()
         out.append(ivs)
     return out
 
 
-def _cut(start: int, lo: int, hi: int, room: int, budget: float, rho: float, cost: int, lefts, *, last: bool):
+def _peel_run(queue: list, room: list[int], load: list[float], got: dict, f, start: int, lo: int, hi: int, *,
+              target: float, thr: float, rho: float, small: int, quadratic: bool = False) -> int:
+    """The head tokens of the rest [lo, hi) of a document that the greedy deals one at a time to the least
+    loaded rank, dealt here without its tests, as far as they provably hold (Note [Fast document greedy]);
+    ``queue``: the sorted (load, rank) of the ranks with room, kept sorted; ``quadratic``: ``f`` is one global
+    layer's x (x + 1) / 2. Returns the tokens dealt (0: the tests are too close to call; the greedy's loop
+    goes on)."""
+    low, rest = queue[0][0], hi - lo
+    head, end = f(hi - start), f(lo - start)
+    tail = head - f(hi - 1 - start) - rho
+    a, b = 0, rest  # the cheap head tokens (work under rho: a load falls as it takes one) come first
+    while a < b:
+        mid = (a + b) // 2
+        if f(lo + mid + 1 - start) - f(lo + mid - start) < rho:
+            a = mid + 1
+        else:
+            b = mid
+    low += f(lo + a - start) - end - rho * a  # below every load the run can meet
+    most = max(target - low, 1.0)  # above every budget the greedy divides by
+    if not _above(tail, target - low):
+        return 0  # the head token is not always the cheaper one
+
+    def holds(j: int) -> bool:  # the greedy's tests before the j-th token: no rank takes the rest whole, it is
+        cost, left = head - f(lo + j - start), rest - j  # not small, and _cut's piece is one token
+        return (_above(low + cost - rho * left, thr) and cost * small > target
+                and _above((cost - rho * left) / most, left - 1))
+
+    if not holds(0):
+        return 0
+    a, b = 0, rest - 1  # the last j that holds (the tests are concave in j: they hold between two that do)
+    while a < b:
+        mid = (a + b + 1) // 2
+        if holds(mid):
+            a = mid
+        else:
+            b = mid - 1
+    world = len(room)
+    count, work, first = [0] * world, [0] * world, [0] * world
+    prev = end
+    for pos in range(lo, lo + a + 1):
+        ld, r = queue[0]
+        if quadratic:  # one global layer: a token's work is its offset + 1
+            w = pos - start + 1
+        else:
+            nxt = f(pos + 1 - start)
+            w = nxt - prev
+            prev = nxt
+        ld += w - rho
+        if not count[r]:
+            first[r] = pos
+        count[r] += 1
+        work[r] += w
+        room[r] -= 1
+        if room[r]:
+            heapreplace(queue, (ld, r))
+        else:
+            load[r] = ld
+            heappop(queue)
+            if len(queue) == 1:  # the next token goes to the last rank with room: the greedy's own case
+                break
+    for ld, r in queue:
+        load[r] = ld
+    for r in range(world):
+        if count[r]:
+            mine = got.get(r)
+            if mine is None:
+                got[r] = [count[r], work[r], first[r]]
+            else:
+                mine[0] += count[r]
+                mine[1] += work[r]
+                mine[2] = min(mine[2], first[r])
+    queue.sort()
+    return pos + 1 - lo
+
+
+def _above(x: float, y: float) -> bool:
+    """x > y by far more than the rounding of a few float operations on either."""
+    return x > y + 1e-9 * (abs(x) + abs(y) + 1.0)
+
+
+def _cut(start: int, lo: int, hi: int, room: int, budget: float, rho: float, cost: int, piece, *, last: bool):
     """(h, t): the piece of the rest [lo, hi) of a document that a rank with ``room`` tokens and ``budget``
     effective work left takes -- h head tokens and t - h tail ones. See Note [Document placement]."""
     rest = hi - lo
@@ -337,16 +399,16 @@ def _cut(start: int, lo: int, hi: int, room: int, budget: float, rho: float, cos
     a, b = 0, t  # smallest h whose piece fits the budget (its cost falls as h grows)
     while a < b:
         mid = (a + b) // 2
-        if _piece_cost(start, lo, hi, mid, t, lefts) - rho * t <= budget:
+        if piece(start, lo, hi, mid, t) - rho * t <= budget:
             b = mid
         else:
             a = mid + 1
-    if a == t and not last and _piece_cost(start, lo, hi, t, t, lefts) - rho * t > budget:
+    if a == t and not last and piece(start, lo, hi, t, t) - rho * t > budget:
         # even all head passes the budget: fewer head tokens, leaving the room to cheaper ones
         a2, b2 = 1, t
         while a2 < b2:
             mid = (a2 + b2 + 1) // 2
-            if _piece_cost(start, lo, hi, mid, mid, lefts) - rho * mid <= budget:
+            if piece(start, lo, hi, mid, mid) - rho * mid <= budget:
                 a2 = mid
             else:
                 b2 = mid - 1

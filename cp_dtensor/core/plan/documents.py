@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..._deprecated import old_keywords, warn_once
-from .doc_plan import Window, lengths_of, needed_rows, plan_row, rank_work, row_balance, window_lefts
+from .doc_plan import Window, lengths_of, needed_rows, plan_intervals, plan_row, rank_work, row_balance, window_lefts
 
 if TYPE_CHECKING:
     import torch
@@ -206,9 +206,13 @@ def document_layout(document_ids, cp_size: int, *, windows: Any = None, placemen
     if placement == "documents":
         rows = []
         for r in range(b):
-            pos = plan_row(lengths_of(ids[r].tolist()), world, windows=list(lefts))
-            rows.append([p for rank_pos in pos for p in rank_pos])
-        order = torch.tensor(rows, dtype=torch.int64).view(b, n)
+            lengths = torch.unique_consecutive(ids[r], return_counts=True)[1].tolist()
+            ivs = torch.tensor([iv for rank_ivs in plan_intervals(lengths, world, windows=list(lefts))
+                                for iv in rank_ivs], dtype=torch.int64)  # [I, 2]: rank-major runs [a, b)
+            runs = ivs[:, 1] - ivs[:, 0]
+            # each run's positions a, a + 1, ..., b - 1, laid end to end
+            rows.append(torch.arange(n) + torch.repeat_interleave(ivs[:, 0] - (runs.cumsum(0) - runs), runs))
+        order = torch.stack(rows)
     else:
         from .layout import check_seq_len, global_order
 
