@@ -18,7 +18,7 @@ import warnings
 
 import torch
 
-from _dist import run_ranks
+from _dist import RankFailure, run_ranks
 from _ref import rel_err
 
 V, B, N, PROMPT, NEW = 64, 2, 24, 12, 3  # N: a multiple of 2P for P = 2, 3 (headtail)
@@ -280,7 +280,11 @@ def sweep(worlds=(2, 3), only: list[str] | None = None) -> dict[str, str]:
         else:
             verdicts[kind] = why
     for world in worlds:
-        got = run_ranks(world, _sweep_ranks, todo, timeout=900)[0]
+        try:
+            got = run_ranks(world, _sweep_ranks, todo, timeout=900)[0]
+        except RankFailure as e:  # a rank died (gloo aborts on collectives that differ across ranks)
+            raise RankFailure(f"the sweep at CP={world} lost a rank; CP_CONFORMANCE_VERBOSE=1 names the family it ran "
+                              f"last: give it a verdict in UNSWEPT (tests/hf/_conformance.py).\n{e}") from None
         for kind, verdict in got.items():
             if verdicts.get(kind, "served") == "served":
                 verdicts[kind] = verdict
