@@ -122,7 +122,7 @@ VERDICTS: dict[str, str] = {  # noqa: E501
     'llama': 'served',
     'llama4': "the sweep's tiny model was not built: AttributeError: 'Llama4Config' object has no attribute 'pad_token_id'",
     'llama4_text': 'refused at the door: Llama4ForCausalLM has chunked_attention layers (config.layer_types)',
-    'longcat_flash': 'its CP=2 run issues different collectives on different ranks (the ranks disagree on what to send and gloo aborts): not served',
+    'longcat_flash': 'served',
     'mamba': 'refused at the door: MambaForCausalLM has 2 linear_attention layers (config.layer_types) but 0',
     'mamba2': "the sweep's tiny model was not built: StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture':",
     'marian': 'refused at the door: MarianForCausalLM.model.decoder.embed_positions is a MarianSinusoidalPositionalEmbedding: an embedding table besides the token embeddings (learned positions?)',
