@@ -182,3 +182,29 @@ def test_packed_documents_and_windows_match_cp1_dense_mask(world):
     """Packed sequences (ids, or position ids restarting at 0) and a sliding window through
     apply_context_parallel: logits and gradients equal a CP=1 model given the dense mask."""
     run_ranks(world, _check_packed)
+
+
+def _grad_on_some_ranks(rank: int, world: int) -> list[float]:
+    """A parameter only some ranks' tokens reach (an MoE expert unused on this rank's shard): grad None here.
+    reduce_gradients agrees on which parameters have one, so every rank sums the same tensors (no mismatched
+    collective), and the result is the sum over the ranks that reached it."""
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"shared": nn.Linear(3, 3), "expert": nn.Linear(3, 3)})
+    x = torch.full((2, 3), float(rank + 1))
+    out = model["shared"](x)
+    if rank == 0:  # only rank 0's tokens were routed to the expert
+        out = model["expert"](out)
+    out.sum().backward()
+    want = model["expert"].weight.grad.clone() if rank == 0 else None
+    reduce_gradients(model, mesh)
+    got = model["expert"].weight.grad
+    assert got is not None
+    if rank == 0:
+        assert torch.equal(got, want)  # rank 1 added zeros
+    return got.flatten().tolist()
+
+
+def test_reduce_gradients_with_a_parameter_only_some_ranks_reached():
+    results = run_ranks(2, _grad_on_some_ranks)
+    assert results[0] == results[1] and any(v != 0 for v in results[0])

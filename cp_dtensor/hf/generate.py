@@ -76,6 +76,8 @@ fingerprint cannot see could make the ranks differ, and there it also checks the
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import Tensor, nn
 
@@ -116,6 +118,8 @@ def _base_pre_hook(module, args, kwargs):
         raise ValueError("a cp_dtensor ShardedCache is filled by model.generate() under CP only; pass no cache to a "
                          "forward. To continue a conversation, pass the cache to model.generate(ids, cache=...) with "
                          "the whole conversation on every rank.")
+    if len(args) == 1 and "input_ids" not in kwargs and _first_parameter(module) == "input_ids":
+        args, kwargs = (), {**kwargs, "input_ids": args[0]}  # GPT-NeoX's causal LM passes the ids by position
     ids, mask, pos = kwargs.get("input_ids"), kwargs.get("attention_mask"), kwargs.get("position_ids")
     if ids is None or args or pos is None or kwargs.get("inputs_embeds") is not None:
         raise ValueError("generate() under CP passes input_ids, position_ids and the cache by keyword; got another call.")
@@ -157,6 +161,10 @@ def _base_pre_hook(module, args, kwargs):
     cache.note_tokens(ids, real)
     state.decoding = decode_attention  # what the attention function runs instead of the ring (registered here)
     return args, kwargs
+
+
+def _first_parameter(module) -> str | None:
+    return next(iter(inspect.signature(module.forward).parameters), None)
 
 
 def _base_post_hook(module, args, kwargs, output):

@@ -374,11 +374,23 @@ def remove_own_model(model: nn.Module) -> nn.Module:
 @old_keywords("cp_dtensor.reduce_gradients", cp_mesh="mesh")
 @torch.no_grad()
 def reduce_gradients(model: nn.Module, mesh: DeviceMesh) -> None:
-    """Sum every parameter gradient over the CP group (each rank's covers only its own tokens).
-    Not needed when FSDP / DDP already reduce over a mesh dim that includes CP."""
+    """Sum every parameter gradient over the CP group (each rank's covers only its own tokens); a parameter
+    whose gradient is None on some ranks only (an MoE expert no token of their shards reached) gets zeros there
+    first (one small all-reduce agrees on which). Not needed when FSDP / DDP already reduce over a mesh dim that
+    includes CP."""
     check_cp_mesh(mesh)
     group = mesh.get_group()
-    for p in model.parameters():
-        if p.grad is not None:
-            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            dist.all_reduce(g, group=group)
+    params = list(model.parameters())
+    if not params:
+        return
+    # a parameter only some ranks' tokens reached (an MoE expert no token of this shard was routed to) has a
+    # gradient there and None here: agree on which have one first, so every rank sums the same tensors
+    have = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=params[0].device)
+    dist.all_reduce(have, group=group)
+    for p, n in zip(params, have.tolist()):
+        if n == 0:
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        dist.all_reduce(g, group=group)

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
+from _conformance import tiny_config
 from _dist import run_ranks
 from _ref import rel_err
 
@@ -83,7 +84,9 @@ def _compare(where: str, loss: float, grads: torch.Tensor, ref) -> None:
 
 
 def test_every_entry_has_a_test():
-    assert set(TILED_FAMILIES) <= set(FAMILIES) and CP_FAMILIES == set(FAMILIES) | HYBRIDS
+    """The families tested here by hand stay served; every other CP_FAMILIES entry is the conformance sweep's
+    (tests/hf/test_hf_conformance.py)."""
+    assert set(TILED_FAMILIES) <= set(FAMILIES) and set(FAMILIES) | HYBRIDS <= CP_FAMILIES
     for kind, (_, cls, _) in FAMILIES.items():
         assert cls.config_class.model_type == kind and (kind not in TILED_FAMILIES or TILED_FAMILIES[kind][0] == cls.__name__)
 
@@ -181,6 +184,8 @@ def _refusals(rank: int, world: int) -> dict:
         "bert (learned positions, bidirectional)": (T.BertLMHeadModel(T.BertConfig(
             vocab_size=V, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=48,
             is_decoder=True)), "model_type 'bert'"),
+        "deepseek_v32 (sparse attention)": (T.DeepseekV32ForCausalLM(tiny_config("deepseek_v32")),
+                                            "indexed_attention layers .* DeepSeek Sparse Attention"),
         "llama + conv": (conv, r"layers\.0\.conv is a Conv1d"),
         "llama + wpe": (wpe, r"model\.wpe is a Embedding"),
     }
@@ -195,7 +200,7 @@ def _refusals(rank: int, world: int) -> dict:
 
 def test_refused_on_every_rank():
     results = run_ranks(2, _refusals)
-    assert results[0] == results[1] and all(results[0].values()) and len(results[0]) == 13
+    assert results[0] == results[1] and all(results[0].values()) and len(results[0]) == 14
 
 
 def _cp_families(rank: int, world: int) -> list[str]:
@@ -245,6 +250,35 @@ def _router_loss(rank: int, world: int) -> list[str]:
             raised.append(kind)
         assert on(**kw).aux_loss is not None and torch.isfinite(off(**train).loss)
     return raised
+
+
+def _family_dropout(rank: int, world: int) -> list[str]:
+    """A family whose default config turns attention dropout on (Seed-OSS: attention_dropout=0.1): a training call
+    under CP raises on every rank, naming the config key; evaluation runs, and so does training with it at 0."""
+    mesh = init_device_mesh("cpu", (world,))
+    tokens, positions, labels = _batch()
+    shifted = hf.shift_labels(labels)
+    tok, pos, lab = shard_batch((tokens, positions, shifted), mesh, layout="headtail")
+    train = dict(input_ids=tok, position_ids=pos, labels=lab, shift_labels=lab, use_cache=False,
+                 num_items_in_batch=(shifted != -100).sum())
+    seen = []
+    for dropout in (None, 0.0):
+        torch.manual_seed(0)
+        extra = {} if dropout is None else dict(attention_dropout=dropout)
+        model = hf.apply_context_parallel(T.SeedOssForCausalLM(T.SeedOssConfig(**TINY, **extra)), mesh,
+                                          layout="headtail").train()
+        if dropout is None:
+            assert model.config.attention_dropout == 0.1  # the family's default
+            with pytest.raises(ValueError, match=r"config\.attention_dropout = 0"):
+                model(**train)
+            seen.append("refused")
+            model.eval()
+        seen.append(f"{model(**train).loss.item() > 0}")
+    return seen
+
+
+def test_family_default_attention_dropout_refused_naming_the_key():
+    assert run_ranks(2, _family_dropout) == [["refused", "True", "True"]] * 2
 
 
 def test_router_loss_refused_under_cp_on_every_rank():
