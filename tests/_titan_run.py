@@ -85,7 +85,7 @@ _REFERENCES: dict[tuple, str] = {}
 
 def reference_run(nproc: int, *overrides: str, config: Path = CONFIG) -> str:
     """The output of a job that only serves as a reference (its losses are compared, its dump folder is not
-    read): run once a test session for the same ranks, TOML and overrides, whichever test asks first."""
+    read): run once per pytest run for the same ranks, TOML and overrides, whichever test asks first."""
     key = (nproc, str(config), overrides)
     if key not in _REFERENCES:
         _REFERENCES[key] = torchrun(nproc, Path(tempfile.mkdtemp(prefix="titan-reference-")), *overrides,
@@ -98,7 +98,7 @@ _SEEDS: dict[tuple, Path] = {}
 
 def seed_checkpoint(*overrides: str, config: Path = CONFIG) -> Path:
     """The step-0 checkpoint (fp32 weights before any step) of one rank's job with ``overrides``, made once a
-    test session, for every test that starts from it."""
+    pytest run, for every test that starts from it."""
     key = (str(config), overrides)
     if key not in _SEEDS:
         dump = Path(tempfile.mkdtemp(prefix="titan-seed-"))

@@ -4,7 +4,7 @@ Every job of the plugin's own entry point (``-m cp_dtensor.titan.train``) used t
 interpreters through torchrun, and each spent ~7 s of CPU importing torch, torchtitan and the plugin before
 its first step: on 2 cores that was ~8 s of wall time per job, a third of a typical job. Here one server
 process (the zygote) imports exactly what the entry point imports first -- ``cp_dtensor.titan.train``, which
-imports the plugin and then torchtitan -- once per test session, and forks the ranks of each job from that
+imports the plugin and then torchtitan -- once per pytest run, and forks the ranks of each job from that
 state. A rank is then what torchrun would have started after its imports: the same environment variables
 (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``), the same ``sys.argv``, the entry
 module run as ``__main__``, stdout and stderr of every rank into one output. The zygote runs nothing else:
