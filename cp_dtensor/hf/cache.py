@@ -3,6 +3,19 @@ layers' K/V (``ShardedCacheLayer``, in the layout's order of global positions, g
 time while decoding) and the full recurrent / conv states of a hybrid's linear-attention layers
 (``ReplicatedLinearLayer``, the same on every rank). See Note [generate() under CP] in generate.py and Note
 [Hybrid generate() under CP] in linear.py.
+
+Note [Masks by column]
+~~~~~~~~~~~~~~~~~~~~~~
+transformers masks a cached forward by *column* -- the cache position, pads included -- not by the
+position ids the rotary embedding reads (``cumsum(attention_mask) - 1``): a query at column q sees the
+unpadded keys at columns k with q - W < k <= q. With left padding only the two agree up to a row's
+constant, but padding *inside* a conversation (rows whose follow-ups differ in length, padded on the
+left of each follow-up; a chunk of a chunked prefill) makes them differ: the window then spans fewer
+real tokens in the padded row. So the sharded cache records, for each slot, its global column (-1 for
+padding), and the decode and pass-KV attention mask by those columns: causality is the same either way
+(positions grow with columns), the window is the model's own. The ring prefill's mask is by column
+already (its global index, the layout's pad columns before the prompt). The position ids go only to the
+model (its rotary embedding), as transformers passes them.
 """
 
 from __future__ import annotations
@@ -69,7 +82,7 @@ class GenerateCall:
 
 class ShardedCacheLayer(CacheLayerMixin):
     """One layer's share of the KV cache on this rank: ``keys`` [B, Hkv, S_r, D], ``values`` [B, Hkv, S_r, Dv]
-    and ``positions`` [B, S_r] (global positions; -1 an empty slot). ``get_seq_length`` is the global length."""
+    and ``positions`` [B, S_r] (the slots' global columns: Note [Masks by column]; -1 a padding slot). ``get_seq_length`` is the global length."""
 
     is_compileable = False
     is_croppable = False
@@ -208,6 +221,10 @@ class ShardedCache(Cache):
         """Let ``call`` (a generate() call continuing this cache) fill it."""
         for layer in self.layers:
             layer._call = call
+
+    def columns(self, b: int, n: int, device) -> Tensor:
+        """[B, n] int64: the global columns of a forward's ``n`` new tokens (Note [Masks by column])."""
+        return torch.arange(self.seen, self.seen + n, device=device).expand(b, n)
 
     def note_tokens(self, ids: Tensor, real: Tensor) -> None:
         """Record the ``ids`` [B, n] (``real`` [B, n]: not padding) a forward adds at columns seen .. seen + n,

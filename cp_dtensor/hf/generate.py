@@ -123,6 +123,7 @@ def _base_pre_hook(module, args, kwargs):
     pos = pos.expand(b, n)
     cp, rank = state.mesh.size(), state.mesh.get_local_rank()
     real = torch.ones(b, n, dtype=torch.bool, device=ids.device) if mask is None else mask[:, -n:].bool()
+    col = cache.columns(b, n, ids.device)  # [B, n]: the global columns the masks count by (Note [Masks by column])
     if cache.get_seq_length() == 0:  # prefill: this rank's layout shard of the prompt, padded on the left
         unit = layout_unit(ring_layout(state), cp)
         pad = -n % unit  # masked columns before the prompt: its last token ends the sequence (the final states)
@@ -130,7 +131,7 @@ def _base_pre_hook(module, args, kwargs):
         shard = lambda x: shard_tensor(x, seq_dim=1, layout=ring_layout(state), rank=rank, cp_size=cp).contiguous()  # noqa: E731
         cols = shard(torch.arange(n + pad, device=ids.device)[None])[0]  # global columns held here
         keep = torch.nonzero(cols >= pad).flatten()
-        kpos = shard(padded(pos.masked_fill(~real, -1), -1)).index_select(1, keep)
+        kpos = shard(padded(col.masked_fill(~real, -1), -1)).index_select(1, keep)
         call.step = _Step("prefill", kpos, keep, n)
         call.prompt = (n, pad)
         every = global_order(ring_layout(state), cp, n + pad).view(cp, -1)  # [P, S_local]: each rank's columns
@@ -141,7 +142,7 @@ def _base_pre_hook(module, args, kwargs):
             kwargs["attention_mask"] = shard(padded(real.long(), 0))
         return args, kwargs
     if turn_mode(state, module, cache, b, n) == "pass-kv":  # a long turn or chunk: Note [Pass-KV turns] in pass_kv.py
-        pass_kv_step(state, call, cache, ids, pos, real, kwargs)
+        pass_kv_step(state, call, cache, ids, pos, col, real, kwargs)
         state.decoding = pass_kv_attention
         return args, kwargs
     # decode, a later turn or prefill chunk (pass-Q: Note [Continuing a sharded cache] in turns.py): each new
@@ -152,8 +153,8 @@ def _base_pre_hook(module, args, kwargs):
         owners.append(min(range(cp), key=lambda r: (cache.held[r], r)))
         cache.held[owners[-1]] += 1
     keep = torch.nonzero(torch.tensor(owners) == rank).flatten()
-    kpos = pos.masked_fill(~real, -1).index_select(1, keep.to(ids.device))
-    call.step = _Step("decode", kpos, keep, n, q_positions=pos.contiguous(), q_padding=~real)
+    kpos = col.masked_fill(~real, -1).index_select(1, keep.to(ids.device))
+    call.step = _Step("decode", kpos, keep, n, q_positions=col, q_padding=~real)
     cache.note_tokens(ids, real)
     state.decoding = decode_attention  # what the attention function runs instead of the ring (registered here)
     return args, kwargs
@@ -340,6 +341,10 @@ def _generate_error(model, args, kwargs) -> tuple[str | None, tuple, object]:
         if not bool(mask[:, -1].bool().all()):
             return ("generate() under CP needs left padding: some row's last token is padding (right padding). "
                     "Pad on the left (tokenizer.padding_side = 'left').", (), config)
+        if _given_cache(kwargs) is None:
+            err = _inner_padding_error(mask.bool(), chunk)
+            if err is not None:
+                return err, (), config
     if kwargs.get("position_ids") is not None:
         return ("generate() under CP computes position_ids from the attention_mask; do not pass position_ids.", (),
                 config)
@@ -357,6 +362,23 @@ def _generate_error(model, args, kwargs) -> tuple[str | None, tuple, object]:
     given = kwargs.get("attention_mask")
     return None, (tuple(ids.shape), digest(ids.cpu()), digest(None if given is None else given.cpu()), settings,
                   repr(kwargs.get("synced_gpus")), cache_facts(cache)), config
+
+
+def _inner_padding_error(real: Tensor, chunk: int | None) -> str | None:
+    """Why the ring prefill cannot run the first chunk of a prompt whose mask ``real`` [B, N] has padding inside a
+    row (a pad column after a real one), or None. The later chunks and turns serve it: Note [Masks by column] in
+    hf/cache.py."""
+    first = real[:, :chunk] if chunk else real
+    inner = first & ~torch.nn.functional.pad(first[:, 1:], (0, 1), value=True)  # a real column, then a pad
+    if not bool(inner.any()):
+        return None
+    row, col = (int(x) for x in torch.nonzero(inner)[0])
+    after = int(torch.nonzero(inner.any(0))[0]) + 1  # the first pad column after a real one, in any row
+    return (f"generate() under CP: attention_mask row {row} has padding inside the prompt (a pad at column {col + 1} "
+            f"after a token){'' if chunk is None else f' within its first chunk of {chunk} columns'}; the ring prefill "
+            "of a prompt's first chunk runs left padding only. Pad the prompt on the left; or let the first chunk end "
+            f"before the inner padding (prefill_chunk_size <= {after}), or send the part after it as a follow-up turn "
+            "(generate(..., cache=out.cache)): later chunks and turns mask padding anywhere, as transformers does.")
 
 
 def _given_cache(kwargs: dict):

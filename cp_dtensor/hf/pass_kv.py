@@ -75,15 +75,17 @@ class _PassKV:
         self.src = src  # [m]: where this rank's kept new columns lie in the gathered sequence axis
 
 
-def pass_kv_step(state: HFState, call, cache: ShardedCache, ids: Tensor, pos: Tensor, real: Tensor, kwargs: dict):
+def pass_kv_step(state: HFState, call, cache: ShardedCache, ids: Tensor, pos: Tensor, col: Tensor, real: Tensor,
+                 kwargs: dict):
     """The pre-hook's part for a pass-KV forward: shard the new columns, decide who keeps them, gather the
-    cache shares' positions. See Note [Pass-KV turns]."""
+    cache shares' positions. ``pos`` [B, n]: the position ids (the model's rotary embedding); ``col`` [B, n]: the
+    global columns the masks count by (Note [Masks by column] in hf/cache.py). See Note [Pass-KV turns]."""
     b, n = ids.shape
     layout, cp, rank = ring_layout(state), state.mesh.size(), state.mesh.get_local_rank()
     pad = -n % layout_unit(layout, cp)
     padded = lambda x, v: torch.nn.functional.pad(x, (pad, 0), value=v)  # noqa: E731
     shard = lambda x: shard_tensor(x, seq_dim=1, layout=layout, rank=rank, cp_size=cp).contiguous()  # noqa: E731
-    kpos = pos.masked_fill(~real, -1)  # [B, n]
+    kpos = col.masked_fill(~real, -1)  # [B, n]
     local = (n + pad) // cp
     before = list(cache.held)
     s_max = max(before)
@@ -103,7 +105,7 @@ def pass_kv_step(state: HFState, call, cache: ShardedCache, ids: Tensor, pos: Te
     new_pos = padded(kpos, -1)[:, every]  # [B, P, T_local]
     k_positions = torch.cat([cached.transpose(0, 1), new_pos], 2).reshape(b, -1)  # [B, P * (S_max + T_local)]
     call.step = _Step("pass-kv", kpos.index_select(1, mine.to(ids.device)), mine, n,
-                      q_positions=shard(padded(pos, -1)), q_padding=~shard(padded(real, False)))
+                      q_positions=shard(padded(col, -1)), q_padding=~shard(padded(real, False)))
     call.step.pass_kv = _PassKV(s_max, k_positions, src.to(ids.device))
     call.prompt = (n, pad)  # the hook after the base model gathers the rows the LM head reads
     cache.note_tokens(ids, real)

@@ -111,6 +111,55 @@ def _check_chunked(rank: int, world: int, full: bool) -> int:
     return len(CHUNKED) if full else 1
 
 
+def _ragged(ids, mask, seed: int, lens):
+    """The conversation so far [B, M] with follow-ups of ``lens`` tokens (one a row), each padded on the left to
+    the longest: padding inside the conversation, which transformers' windows count (Note [Masks by column])."""
+    g, t = torch.Generator().manual_seed(seed), max(lens)
+    new = torch.zeros(ids.shape[0], t, dtype=torch.long)
+    real = torch.zeros(ids.shape[0], t, dtype=mask.dtype)
+    for row, n in enumerate(lens):
+        new[row, t - n:], real[row, t - n:] = torch.randint(1, V, (n,), generator=g), 1
+    ones = torch.ones(ids.shape[0], ids.shape[1] - mask.shape[1], dtype=mask.dtype)
+    return torch.cat([ids, new], 1), torch.cat([mask, ones, real], 1)
+
+
+RAGGED = [  # (model, follow-ups' lengths per row, turn by turn): windows across padding inside the conversation
+    ("mistral", [(3, 7), (30, 12)]),  # pass-Q, then pass-KV
+    ("gpt-oss", [(20, 30), (2, 5)]),  # pass-KV, then pass-Q; sinks, MoE
+]
+
+
+def _check_ragged(rank: int, world: int) -> int:
+    """Ragged follow-ups (padding inside the conversation) and a chunked prefill with padding after its first
+    chunk, with sliding windows: the tokens and logits of the model without CP; padding inside the first chunk
+    is refused on every rank."""
+    mesh = init_device_mesh("cpu", (world,))
+    runs = Counter()
+    for i, (name, follow) in enumerate(RAGGED):
+        base = _model(name)
+        ref_model, model = copy.deepcopy(base), hf.apply_context_parallel(copy.deepcopy(base), mesh)
+        ids, mask = _prompt(40 + i, 2, 11, [0, 3])
+        ref, out = _generate(ref_model, ids, mask), _generate(model, ids, mask)
+        for turn, lens in enumerate(follow, 2):
+            ids, mask = _ragged(out.sequences, mask, 10 * i + turn, lens)
+            ref = _generate(ref_model, ids, mask, cache=ref.cache)
+            out = _generate(model, ids, mask, cache=out.cache)
+            _compare(out, ref, f"{name} P={world} ragged turn {turn} {lens}")
+        runs += out.cache.runs
+        ids, mask = _prompt(50 + i, 2, 30, [0, 3])
+        mask[1, 12:15] = 0  # padding inside row 1, after the first chunk
+        ids[1, 12:15] = 0
+        ref = _generate(copy.deepcopy(base), ids, mask)
+        chunked = _generate(model, ids, mask, prefill_chunk_size=8)
+        _compare(chunked, ref, f"{name} P={world} chunked, padding inside")
+        runs += chunked.cache.runs
+        _expect(r"padding inside the prompt \(a pad at column 12.*within its first chunk of 16.*prefill_chunk_size "
+                r"<= 12", lambda: _generate(model, ids, mask, prefill_chunk_size=16))
+        _expect("padding inside the prompt", lambda: _generate(model, ids, mask))
+    assert runs["pass-kv"] > 0 and runs["decode"] > 0, runs
+    return 1
+
+
 def _turn_bytes(model, cached: int, new: int) -> int:
     """Bytes this rank sends for a turn of ``new`` tokens (one forward, no decoding) after ``cached`` ones."""
     ids = torch.randint(1, V, (1, cached), generator=torch.Generator().manual_seed(cached))
@@ -212,7 +261,7 @@ def _check_hybrid(rank: int, world: int) -> None:
 
 
 def _all(rank: int, world: int, full: bool) -> int:
-    n = _check_turns(rank, world, full) + _check_chunked(rank, world, full)
+    n = _check_turns(rank, world, full) + _check_chunked(rank, world, full) + _check_ragged(rank, world)
     if full:
         _check_hybrid(rank, world)
         _check_bytes(rank, world)
@@ -226,7 +275,7 @@ def test_turns_and_chunked_prefill_match_cp1(world):
     2 with left padding) and prefill_chunk_size (16 on a 70-token prompt, ...) vs CP=1; at P=2 also the bytes of
     a 6-token turn after 48 and 144 cached tokens, and the refusals."""
     checked, *_ = run_ranks(world, _all, world == 2)
-    assert checked == (9 + len(CHUNKED) if world == 2 else 8), checked
+    assert checked == (10 + len(CHUNKED) if world == 2 else 9), checked
 
 
 @slow("every case at P = 3 and 4")
@@ -234,4 +283,4 @@ def test_turns_and_chunked_prefill_match_cp1(world):
 def test_turns_every_case_more_ranks(world):
     """The default test's every case (turns, chunks, the hybrid, bytes, refusals) at P = 3 and 4."""
     checked, *_ = run_ranks(world, _all, True, timeout=600.0)
-    assert checked == 9 + len(CHUNKED), checked
+    assert checked == 10 + len(CHUNKED), checked
