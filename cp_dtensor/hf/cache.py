@@ -48,7 +48,7 @@ class _Positions:
         """Slots ``held - t .. held`` hold ``pos`` [B, t] (written by the first layer to get there)."""
         if self.buf is None or self.held < held:
             n = held - pos.shape[1]
-            if self.buf is None or held > self.buf.shape[1]:
+            if self.buf is None or held > self.buf.shape[1] or _frozen(self.buf):
                 grown = pos.new_empty(pos.shape[0], cap)
                 if n:
                     grown[:, :n] = self.buf[:, :n]
@@ -56,6 +56,13 @@ class _Positions:
             self.buf[:, n:held] = pos
             self.held = held
         return self.buf[:, :held]
+
+
+def _frozen(x: Tensor) -> bool:
+    """Whether ``x`` cannot be written in place here: an inference tensor (a turn run under
+    ``torch.inference_mode()``) outside inference mode. It is copied instead, as transformers' ``torch.cat``
+    copies its cache (Note [Transactional turns])."""
+    return x.is_inference() and not torch.is_inference_mode_enabled()
 
 
 class _Step:
@@ -104,8 +111,8 @@ class ShardedCacheLayer(CacheLayerMixin):
 
     def _append(self, k: Tensor, v: Tensor, pos: Tensor) -> None:
         n, t = self.held, k.shape[2]
-        if n + t > self._k.shape[2]:  # grow by whole blocks: amortised appends, a bounded overhang
-            cap = n + t + (_GROW if self._call.step.kind == "decode" else 0)
+        if n + t > self._k.shape[2] or _frozen(self._k):  # grow by whole blocks: amortised appends, a bounded overhang
+            cap = max(n + t + (_GROW if self._call.step.kind == "decode" else 0), self._k.shape[2])
             grow = lambda x: torch.cat([x[:, :, :n], x.new_empty(*x.shape[:2], cap - n, x.shape[3])], 2)  # noqa: E731
             self._k, self._v = grow(self._k), grow(self._v)
         self._k[:, :, n:n + t], self._v[:, :, n:n + t] = k, v
@@ -188,6 +195,24 @@ class ReplicatedLinearLayer(LinearAttentionLayer):
         self.conv_states[state_idx].copy_(state)
         self.has_previous_state[state_idx] = True
 
+    _STATE = ("conv_states", "recurrent_states", "is_conv_states_initialized", "is_recurrent_states_initialized",
+              "has_previous_state", "conv_kernel_size", "device", "dtype")
+
+    def work_on_copies(self) -> dict:
+        """The layer's state as it is (returned, to restore), the layer going on with copies of its tensors --
+        which a turn outside ``torch.inference_mode()`` may also write after one inside it."""
+        saved = {name: getattr(self, name) for name in self._STATE}
+        for name in ("conv_states", "recurrent_states"):
+            setattr(self, name, {i: None if x is None else x.clone() for i, x in saved[name].items()})
+        for name in ("is_conv_states_initialized", "is_recurrent_states_initialized", "has_previous_state",
+                     "conv_kernel_size"):
+            setattr(self, name, dict(saved[name]))
+        return saved
+
+    def restore(self, saved: dict) -> None:
+        for name, value in saved.items():
+            setattr(self, name, value)
+
     def _refuse(self, *_args, **_kwargs):
         raise ValueError(_REFUSED)
 
@@ -202,15 +227,18 @@ class ShardedCache(Cache):
     it holds, [B] int64) let a later generate() continue it (Note [Continuing a sharded cache] in hf/turns.py)."""
 
     def __init__(self, call: GenerateCall | None, num_layers: int, linear=(), *,
-                 maker: tuple[int, int, str] | None = None):
+                 maker: tuple[int, int, str] | None = None, shape: dict | None = None):
         positions = _Positions()  # shared: every layer holds the same slots
         super().__init__(layers=[ReplicatedLinearLayer(call) if i in set(linear) else ShardedCacheLayer(call, positions)
                                  for i in range(num_layers)])
         self.maker = maker
+        self.shape = shape  # the attention shape of the model it was made for (turns.model_shape)
         self.linear = tuple(sorted(set(linear)))
         self.held: list[int] | None = None  # tokens each rank's share holds, set by the first (prefill) forward
         self.seen = 0  # columns of the global sequence the cache holds
         self.tokens: Tensor | None = None  # [B] int64: fingerprint of those columns' ids and mask (turns.py)
+        self.plain: Tensor | None = None  # [B] int64: fingerprint of those columns' ids alone
+        self.checkpoints: tuple = ()  # (seen, tokens) where each continuing call began
         self.runs: Counter[str] = Counter()  # forwards by kind: "prefill", "decode" (pass-Q), "pass-kv"
 
     def _kind(self) -> str:
@@ -222,6 +250,34 @@ class ShardedCache(Cache):
         for layer in self.layers:
             layer._call = call
 
+    def begin_turn(self) -> tuple:
+        """Start a generate() call that continues this cache: what :meth:`restore` puts back if the call fails.
+        A linear layer works on copies of its states from here on (its originals are the saved state). See
+        Note [Transactional turns] in hf/turns.py."""
+        shared = {id(x._pos): x._pos for x in self.layers if isinstance(x, ShardedCacheLayer)}
+        layers = []
+        for x in self.layers:
+            if isinstance(x, ShardedCacheLayer):
+                layers.append((x._k, x._v, x.keys, x.values, x.positions, x.held, x.columns, x.is_initialized))
+            else:
+                layers.append(x.work_on_copies())
+        saved = (None if self.held is None else list(self.held), self.seen, self.tokens, self.plain, self.checkpoints,
+                 Counter(self.runs), [(p, p.buf, p.held) for p in shared.values()], layers)
+        self.checkpoints += ((self.seen, self.tokens),)
+        return saved
+
+    def restore(self, saved: tuple) -> None:
+        """Put back what :meth:`begin_turn` saved: the cache as it was before the failed call."""
+        held, self.seen, self.tokens, self.plain, self.checkpoints, self.runs, shared, layers = saved
+        self.held = None if held is None else list(held)
+        for p, buf, n in shared:
+            p.buf, p.held = buf, n
+        for x, state in zip(self.layers, layers):
+            if isinstance(x, ShardedCacheLayer):
+                x._k, x._v, x.keys, x.values, x.positions, x.held, x.columns, x.is_initialized = state
+            else:
+                x.restore(state)
+
     def columns(self, b: int, n: int, device) -> Tensor:
         """[B, n] int64: the global columns of a forward's ``n`` new tokens (Note [Masks by column])."""
         return torch.arange(self.seen, self.seen + n, device=device).expand(b, n)
@@ -232,6 +288,8 @@ class ShardedCache(Cache):
         self.runs[self._kind()] += 1
         part = token_fingerprint(ids, real, self.seen)
         self.tokens = part if self.tokens is None else self.tokens + part
+        part = token_fingerprint(ids, torch.ones_like(real), self.seen)
+        self.plain = part if self.plain is None else self.plain + part
         self.seen += ids.shape[1]
 
 

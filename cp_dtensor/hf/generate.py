@@ -96,7 +96,7 @@ from .cache import cache_bytes as cache_bytes  # noqa: E402  (a name of the old 
 from .documents import ring_layout  # noqa: E402
 from .pass_kv import pass_kv_attention, pass_kv_step, turn_mode  # noqa: E402
 from .state import ATTR, HFState  # noqa: E402
-from .turns import cache_facts, continuation_error  # noqa: E402
+from .turns import cache_facts, continuation_error, model_shape  # noqa: E402
 
 __all__ = ["AgreedStopping", "decode_attention", "enable_generate", "generate"]
 
@@ -337,7 +337,15 @@ def _generate_error(model, args, kwargs) -> tuple[str | None, tuple, object]:
         mask = (ids != pad).long()  # the mask generate() infers from pad tokens
     if mask is not None:
         if not isinstance(mask, Tensor) or tuple(mask.shape) != tuple(ids.shape):
-            return f"attention_mask must be a 2-D [B, N] = {tuple(ids.shape)} padding mask under CP.", (), config
+            got = tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__
+            if _given_cache(kwargs) is not None and isinstance(mask, Tensor) and mask.dim() == 2 \
+                    and mask.shape[1] > ids.shape[1]:
+                return (f"generate() with a cache takes the whole conversation, as transformers does: input_ids "
+                        f"{tuple(ids.shape)} is shorter than its attention_mask {got} (the new tokens alone?). Pass "
+                        "the conversation so far (out.sequences) with the follow-up appended as input_ids, and the "
+                        "mask of all of it.", (), config)
+            return (f"attention_mask must be a 2-D [B, N] padding mask of input_ids' shape {tuple(ids.shape)} under "
+                    f"CP; got {got}. Pass the mask of the tokens you pass (1 a token, 0 padding).", (), config)
         if not bool(mask[:, -1].bool().all()):
             return ("generate() under CP needs left padding: some row's last token is padding (right padding). "
                     "Pad on the left (tokenizer.padding_side = 'left').", (), config)
@@ -352,8 +360,8 @@ def _generate_error(model, args, kwargs) -> tuple[str | None, tuple, object]:
     if cache is not None:  # a later turn: Note [Continuing a sharded cache] in turns.py
         state: HFState = getattr(model, ATTR)
         text = model.config.get_text_config(decoder=True)
-        err = continuation_error(cache, maker=_maker(state), layers=text.num_hidden_layers, linear=_linear(text),
-                                 ids=ids, mask=mask)
+        err = continuation_error(cache, maker=_maker(state), shape=model_shape(text, _linear(text)), ids=ids,
+                                 mask=mask)
         if err is not None:
             return err, (), config
     # every option but max_time (whose decision is rank 0's: Note [Agreed stopping and sampling]); synced_gpus:
@@ -400,8 +408,26 @@ def _plain_repr(value) -> str:
     return type(value).__name__ if " at 0x" in text else text
 
 
+def _cache_words(facts: tuple) -> str:
+    return "no cache" if not facts else f"a ShardedCache of {facts[0]} columns (shares {list(facts[1])})"
+
+
+class _CallRules(Rules):
+    """The call's agreement, naming the caches when they differ between ranks."""
+
+    def raise_differ(self, rows) -> None:
+        at = self.fields.index("cache")
+        if any(row[at] != rows[0][at] for row in rows):
+            table = "; ".join(f"rank {r}: {_cache_words(row[at])}" for r, row in enumerate(rows))
+            raise ValueError(
+                f"generate() under CP needs every rank of the CP group to continue the same conversation's cache -- "
+                f"each rank its own share, out.cache of the same generate() call -- but the ranks passed different "
+                f"caches ({table}). Pass each rank the cache its own rank's call returned, or no cache on every rank.")
+        super().raise_differ(rows)
+
+
 # the wrapper's call agreement (Note [One agreement] in core/agreement.py): _generate_error's fingerprint
-_CALL = Rules(
+_CALL = _CallRules(
     "generate() under CP", ("input_ids shape", "input_ids", "attention_mask", "options", "synced_gpus", "cache"),
     refused="{what} refused the call on rank(s) {rank_list}: {error}",
     differ="{what} needs the same call on every rank of the CP group -- the full, unsharded input_ids and "
@@ -440,13 +466,15 @@ def generate(model: nn.Module, *args, **kwargs):
         kwargs = {**kwargs, "cache_implementation": None}
     call = GenerateCall()
     text = model.config.get_text_config(decoder=True)
-    given = _given_cache(kwargs)
+    given, saved = _given_cache(kwargs), None
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("cache", "past_key_values")}  # None too: ours is passed
     if given is None:
-        call.cache = ShardedCache(call, text.num_hidden_layers, _linear(text), maker=_maker(state))
+        call.cache = ShardedCache(call, text.num_hidden_layers, _linear(text), maker=_maker(state),
+                                  shape=model_shape(text, _linear(text)))
     else:  # a later turn (agreed and checked above): Note [Continuing a sharded cache] in turns.py
         call.cache = given
         given.bind(call)
-        kwargs = {k: v for k, v in kwargs.items() if k not in ("cache", "past_key_values")}
+        saved = given.begin_turn()  # Note [Transactional turns] in turns.py
     state.generating = call
     try:
         if sampling:
@@ -454,6 +482,10 @@ def generate(model: nn.Module, *args, **kwargs):
         agreed = (lambda criteria: AgreedStopping(criteria, state.mesh)) if steps else (lambda criteria: criteria)
         with generation_stopping_criteria(model, agreed):
             return type(model).generate(model, *args, cache=call.cache, **kwargs)
+    except BaseException:
+        if saved is not None:  # the cache as it was before the call: the turn can be retried
+            given.restore(saved)
+        raise
     finally:
         state.generating, state.decoding, call.step = None, None, None
         if sampling and rank != 0:

@@ -41,16 +41,9 @@ from ..core.plan.layout import global_order, layout_unit, shard_tensor  # noqa: 
 from .cache import ShardedCache, _Step  # noqa: E402
 from .documents import ring_layout  # noqa: E402
 from .state import HFState  # noqa: E402
-from .turns import turn_plan  # noqa: E402
+from .turns import kv_dims, turn_plan  # noqa: E402
 
 __all__ = ["pass_kv_attention", "pass_kv_step", "turn_mode"]
-
-
-def _dims(config) -> tuple[int, int, int, int]:
-    hq = config.num_attention_heads
-    hkv = getattr(config, "num_key_value_heads", None) or hq
-    d = getattr(config, "head_dim", None) or config.hidden_size // hq
-    return hq, hkv, d, getattr(config, "v_head_dim", None) or d
 
 
 def turn_mode(state: HFState, module: nn.Module, cache: ShardedCache, batch: int, new: int) -> str:
@@ -59,7 +52,7 @@ def turn_mode(state: HFState, module: nn.Module, cache: ShardedCache, batch: int
     cp = state.mesh.size()
     if cp == 1 or new < 2 or cache.linear:
         return "pass-q"
-    hq, hkv, d, dv = _dims(module.config.get_text_config(decoder=True))
+    hq, hkv, d, dv = kv_dims(module.config.get_text_config(decoder=True))
     esize = torch.empty((), dtype=module.dtype).element_size()
     return turn_plan(new=new, cached=cache.seen, cp=cp, batch=batch, q_heads=hq, kv_heads=hkv, head_dim=d,
                      value_dim=dv, kv_bytes=esize, largest_share=max(cache.held),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from collections import Counter
 
 import pytest
@@ -235,12 +236,69 @@ def _check_refusals(rank: int, world: int) -> None:
             12, 14)[None].expand(2, 2), cache=out.cache))
     # on one rank only: refused on every rank
     _expect("refused the call on rank", lambda: go(DynamicCache() if rank == world - 1 else out.cache))
-    _expect("same call on every rank", lambda: go(out.cache if rank == 0 else None))
+    _expect(r"passed different caches \(rank 0: a ShardedCache of 11 columns \(shares \[\d, \d\]\); rank 1: no cache",
+            lambda: go(out.cache if rank == 0 else None))
     other, mask3 = _follow(out.sequences, mask, 2 + rank, 4)  # a follow-up that differs between ranks
     _expect("same call on every rank", lambda: go(out.cache, other, mask3))
     # still in step: the refused calls changed nothing; the good one equals CP=1
     ref = _generate(plain, ids, mask, max_new_tokens=3)
     _compare(go(out.cache), _generate(plain, ids2, mask2, cache=ref.cache), "after the refusals")
+
+
+class _Fails(transformers.StoppingCriteria):
+    """A stopping criterion that raises at the ``at``-th step (on every rank): a turn that fails midway."""
+
+    def __init__(self, at: int):
+        self.at, self.steps = at, 0
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.steps += 1
+        if self.steps == self.at:
+            raise RuntimeError("stopped midway")
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+def _check_failed_turns(rank: int, world: int) -> None:
+    """A failed turn leaves the cache as it was (the retry equals transformers' retry); inference-mode caches
+    continue under no_grad; a model of other K/V heads is refused; the refusals say what to pass."""
+    mesh = init_device_mesh("cpu", (world,))
+    base = _model("mistral")
+    ref_model, model = copy.deepcopy(base), hf.apply_context_parallel(copy.deepcopy(base), mesh)
+    ids, mask = _prompt(60, 2, 11, [0, 3])
+    with torch.inference_mode():  # turn 1 under inference mode, turn 2 under no_grad (_generate): as transformers
+        ref, out = _generate(ref_model, ids, mask), _generate(model, ids, mask)
+    ids2, mask2 = _ragged(out.sequences, mask, 61, (4, 6))
+    held = out.cache.get_seq_length()
+    with pytest.raises(RuntimeError, match="stopped midway"):  # a turn that fails at its third step
+        _generate(model, ids2, mask2, cache=out.cache, stopping_criteria=[_Fails(3)])
+    assert out.cache.get_seq_length() == held and out.cache.layers[0].keys.shape[2] <= math.ceil(held / world)
+    other = copy.deepcopy(base.config)
+    other.num_key_value_heads = 4  # another model shape: refused on every rank before anything runs
+    wrong = hf.apply_context_parallel(type(base)(other).eval(), mesh)
+    _expect(r"another model shape \(K/V heads 2; this model: K/V heads 4\)",
+            lambda: _generate(wrong, ids2, mask2, cache=out.cache))
+    ref2 = _generate(ref_model, ids2, mask2, cache=ref.cache)  # the retry with the right model: transformers'
+    branch = copy.deepcopy(out.cache)  # a copy branches the conversation
+    out2 = _generate(model, ids2, mask2, cache=out.cache)
+    _compare(out2, ref2, f"P={world} retried turn")
+    # a second follow-up from the cache the first one continued: the message says to copy it
+    ids3, mask3 = _ragged(out.sequences, mask, 62, (5, 2))
+    _expect(r"updated in place.*copy.deepcopy", lambda: _generate(model, ids3, mask3, cache=out.cache))
+    ref_branch = copy.deepcopy(ref_model)
+    ref3 = _generate(ref_branch, ids3, mask3, cache=_generate(ref_branch, ids, mask).cache)
+    _compare(_generate(model, ids3, mask3, cache=branch), ref3, f"P={world} branched")
+    # the new tokens alone, with the whole conversation's mask
+    _expect(r"takes the whole conversation.*the new tokens alone",
+            lambda: _generate(model, ids3[:, -5:], mask3, cache=copy.deepcopy(branch)))
+    _expect(r"the follow-up alone", lambda: _generate(model, ids3[:, -5:], None, cache=copy.deepcopy(branch)))
+    # the generated columns masked with 0 (a mask derived from the pad token): say they keep mask 1
+    ids4, zeroed = _follow(out2.sequences, mask2, 63, 3)
+    zeroed[0, mask2.shape[1] + 1] = 0
+    _expect(r"columns a generate\(\) call produced keep mask 1", lambda: _generate(model, ids4, zeroed, cache=out2.cache))
+    with warnings.catch_warnings():  # past_key_values=None is no cache, without a warning (as transformers)
+        warnings.simplefilter("error")
+        _compare(_generate(model, ids, mask, past_key_values=None), _generate(copy.deepcopy(base), ids, mask),
+                 "past_key_values=None")
 
 
 def _check_hybrid(rank: int, world: int) -> None:
@@ -266,6 +324,7 @@ def _all(rank: int, world: int, full: bool) -> int:
         _check_hybrid(rank, world)
         _check_bytes(rank, world)
         _check_refusals(rank, world)
+        _check_failed_turns(rank, world)
     return n
 
 
