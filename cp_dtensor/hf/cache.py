@@ -16,6 +16,24 @@ padding), and the decode and pass-KV attention mask by those columns: causality 
 (positions grow with columns), the window is the model's own. The ring prefill's mask is by column
 already (its global index, the layout's pad columns before the prompt). The position ids go only to the
 model (its rotary embedding), as transformers passes them.
+
+Note [Windowed caches]
+~~~~~~~~~~~~~~~~~~~~~~
+A layer with a sliding window W (Mistral; gpt-oss's alternate layers) never reads a cached key again once
+it is W - 1 or more columns behind the next query: the next forward's first query is at the column the
+cache has seen, c, and sees keys at columns >= c - (W - 1). So each windowed layer drops the slots below
+that column -- before every append (prefill chunks, turns, decode steps) and when generate() returns --
+and keeps only what the window can still reach: at most W - 1 columns across the ranks (plus the pads
+among them), as transformers' sliding cache keeps W - 1. The new columns go to the ranks by the balance
+rule (the rank holding the fewest tokens), which deals consecutive columns round the ranks after a
+striped prefill, so each rank keeps about (W - 1) / P of them. The layer learns W from its attention
+(``note_reach``, the window the attention runs with), so a layer is trimmed only by the window it uses.
+A trimmed layer holds its own slot columns (``_Positions.suffix``), no longer the full layers' shared ones;
+a pass-KV turn gathers them (one small all-gather per windowed layer) for its blocks. A share is never
+empty (the last slot stays). Trimming slices views, so a failed turn's saved state stays whole (Note
+[Transactional turns] in hf/turns.py); the dropped prefix is freed when the buffer next grows.
+After a contiguous or headtail prefill the prompt's last columns lie on one or two ranks, which then keep
+up to min(W - 1, their share) until decoding deals new columns round the ranks.
 """
 
 from __future__ import annotations
@@ -38,14 +56,18 @@ _GROW = 32  # columns added to a layer's buffer at a time while decoding
 
 
 class _Positions:
-    """The global positions of this rank's cache slots, [B, S_r]: the same for every layer, stored once."""
+    """The global columns of this rank's cache slots, [B, S_r] (-1 padding), and the same without the padding,
+    [S_r] on the host (``cols``): shared by the layers that hold the same slots (all but the windowed ones, Note
+    [Windowed caches])."""
 
     def __init__(self):
         self.buf: Tensor | None = None
+        self.cols = torch.empty(0, dtype=torch.long)
         self.held = 0
 
-    def extend(self, held: int, pos: Tensor, cap: int) -> Tensor:
-        """Slots ``held - t .. held`` hold ``pos`` [B, t] (written by the first layer to get there)."""
+    def extend(self, held: int, pos: Tensor, cols: Tensor, cap: int) -> Tensor:
+        """Slots ``held - t .. held`` hold ``pos`` [B, t], at columns ``cols`` [t] (written by the first layer to
+        get there)."""
         if self.buf is None or self.held < held:
             n = held - pos.shape[1]
             if self.buf is None or held > self.buf.shape[1] or _frozen(self.buf):
@@ -54,8 +76,15 @@ class _Positions:
                     grown[:, :n] = self.buf[:, :n]
                 self.buf = grown
             self.buf[:, n:held] = pos
+            self.cols = torch.cat([self.cols[:n], cols])
             self.held = held
         return self.buf[:, :held]
+
+    def suffix(self, d: int) -> _Positions:
+        """A copy holding the slots from ``d`` on (a windowed layer's own, once it drops slots)."""
+        out = _Positions()
+        out.buf, out.cols, out.held = self.buf[:, d:self.held], self.cols[d:self.held], self.held - d
+        return out
 
 
 def _frozen(x: Tensor) -> bool:
@@ -69,9 +98,10 @@ class _Step:
     """What the base model's pre-hook decided for this forward, read by the cache layers and attention."""
 
     def __init__(self, kind: str, positions: Tensor, keep: Tensor, columns: int, q_positions: Tensor | None = None,
-                 q_padding: Tensor | None = None):
+                 q_padding: Tensor | None = None, *, slots: Tensor):
         self.kind = kind  # "prefill" or "decode"
-        self.positions = positions  # [B, n]: global positions of the columns this rank keeps (-1: padding)
+        self.positions = positions  # [B, n]: global columns of the columns this rank keeps (-1: padding)
+        self.slots = slots  # [n] int64 on the host: those columns, padding or not
         self.keep = keep  # [n]: which of this forward's (local) columns this rank keeps
         self.columns = columns  # columns this forward adds to the global sequence
         self.q_positions = q_positions  # decode: [B, T] positions of the new tokens
@@ -103,13 +133,29 @@ class ShardedCacheLayer(CacheLayerMixin):
         self.positions: Tensor | None = None
         self.held = 0  # S_r
         self.columns = 0  # the global sequence length seen
+        self.reach: int | None = None  # a windowed layer's W - 1 (its attention says so): Note [Windowed caches]
+
+    def trim(self) -> None:
+        """Drop the slots no later query can reach: columns below ``columns - reach`` (Note [Windowed caches]).
+        The last slot stays (a share is never empty). Views, not copies: a failed turn's saved state stays whole."""
+        if self.reach is None or self.held < 2:
+            return
+        d = min(int((self._pos.cols[:self.held] < self.columns - self.reach).sum()), self.held - 1)
+        if d == 0:
+            return
+        self._pos = self._pos.suffix(d)
+        self._k, self._v = self._k[:, :, d:], self._v[:, :, d:]
+        self.held -= d
+        self.keys, self.values = self._k[:, :, :self.held], self._v[:, :, :self.held]
+        self.positions = self._pos.buf[:, :self.held]
 
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         self._k, self._v = key_states[:, :, :0].clone(), value_states[:, :, :0].clone()
         self.keys, self.values = self._k, self._v
         self.is_initialized = True
 
-    def _append(self, k: Tensor, v: Tensor, pos: Tensor) -> None:
+    def _append(self, k: Tensor, v: Tensor, pos: Tensor, cols: Tensor) -> None:
+        self.trim()
         n, t = self.held, k.shape[2]
         if n + t > self._k.shape[2] or _frozen(self._k):  # grow by whole blocks: amortised appends, a bounded overhang
             cap = max(n + t + (_GROW if self._call.step.kind == "decode" else 0), self._k.shape[2])
@@ -118,7 +164,7 @@ class ShardedCacheLayer(CacheLayerMixin):
         self._k[:, :, n:n + t], self._v[:, :, n:n + t] = k, v
         self.held = n + t
         self.keys, self.values = self._k[:, :, :n + t], self._v[:, :, :n + t]
-        self.positions = self._pos.extend(n + t, pos, self._k.shape[2])
+        self.positions = self._pos.extend(n + t, pos, cols, self._k.shape[2])
 
     def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
         step = None if self._call is None else self._call.step
@@ -132,15 +178,15 @@ class ShardedCacheLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         keep = step.keep.to(key_states.device)
         self._append(key_states.index_select(2, keep), value_states.index_select(2, keep),
-                     step.positions.to(key_states.device))
+                     step.positions.to(key_states.device), step.slots)
         self.columns += step.columns
         if step.kind == "prefill":  # the ring runs on this rank's shard as it came (pads included)
             return key_states, value_states
         return self.keys, self.values
 
-    def keep_new(self, k: Tensor, v: Tensor, positions: Tensor) -> None:
-        """A pass-KV forward's new columns this rank keeps: k [B, Hkv, m, D], v, positions [B, m]."""
-        self._append(k, v, positions)
+    def keep_new(self, k: Tensor, v: Tensor, positions: Tensor, cols: Tensor) -> None:
+        """A pass-KV forward's new columns this rank keeps: k [B, Hkv, m, D], v, positions [B, m], cols [m]."""
+        self._append(k, v, positions, cols)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return (self.columns + query_length if self.columns else query_length), 0
@@ -228,7 +274,7 @@ class ShardedCache(Cache):
 
     def __init__(self, call: GenerateCall | None, num_layers: int, linear=(), *,
                  maker: tuple[int, int, str] | None = None, shape: dict | None = None):
-        positions = _Positions()  # shared: every layer holds the same slots
+        positions = self._shared = _Positions()  # shared: every layer holds the same slots (but trimmed ones)
         super().__init__(layers=[ReplicatedLinearLayer(call) if i in set(linear) else ShardedCacheLayer(call, positions)
                                  for i in range(num_layers)])
         self.maker = maker
@@ -258,11 +304,11 @@ class ShardedCache(Cache):
         layers = []
         for x in self.layers:
             if isinstance(x, ShardedCacheLayer):
-                layers.append((x._k, x._v, x.keys, x.values, x.positions, x.held, x.columns, x.is_initialized))
+                layers.append((x._k, x._v, x.keys, x.values, x.positions, x.held, x.columns, x.is_initialized, x._pos))
             else:
                 layers.append(x.work_on_copies())
         saved = (None if self.held is None else list(self.held), self.seen, self.tokens, self.plain, self.checkpoints,
-                 Counter(self.runs), [(p, p.buf, p.held) for p in shared.values()], layers)
+                 Counter(self.runs), [(p, p.buf, p.cols, p.held) for p in shared.values()], layers)
         self.checkpoints += ((self.seen, self.tokens),)
         return saved
 
@@ -270,13 +316,34 @@ class ShardedCache(Cache):
         """Put back what :meth:`begin_turn` saved: the cache as it was before the failed call."""
         held, self.seen, self.tokens, self.plain, self.checkpoints, self.runs, shared, layers = saved
         self.held = None if held is None else list(held)
-        for p, buf, n in shared:
-            p.buf, p.held = buf, n
+        for p, buf, cols, n in shared:
+            p.buf, p.cols, p.held = buf, cols, n
         for x, state in zip(self.layers, layers):
             if isinstance(x, ShardedCacheLayer):
-                x._k, x._v, x.keys, x.values, x.positions, x.held, x.columns, x.is_initialized = state
+                x._k, x._v, x.keys, x.values, x.positions, x.held, x.columns, x.is_initialized, x._pos = state
             else:
                 x.restore(state)
+
+    def shared_positions(self) -> _Positions:
+        return self._shared
+
+    def shared_layer(self) -> int | None:
+        """A layer holding every slot of this rank's share (untrimmed), or None."""
+        return next((i for i, x in enumerate(self.layers) if isinstance(x, ShardedCacheLayer) and x._pos is self._shared
+                     and x.positions is not None), None)
+
+    def trim(self) -> None:
+        """Every windowed layer's share down to what its window can still reach (Note [Windowed caches])."""
+        for layer in self.layers:
+            if isinstance(layer, ShardedCacheLayer):
+                layer.trim()
+
+    def note_reach(self, idx: int, window) -> None:
+        """The attention of layer ``idx`` runs with ``window`` ((left, right) or None): a cached key older than
+        ``left`` columns before a query is never read again."""
+        layer = self.layers[idx]
+        if isinstance(layer, ShardedCacheLayer) and window is not None and window[0] >= 0:
+            layer.reach = window[0]
 
     def columns(self, b: int, n: int, device) -> Tensor:
         """[B, n] int64: the global columns of a forward's ``n`` new tokens (Note [Masks by column])."""

@@ -129,10 +129,10 @@ def _base_pre_hook(module, args, kwargs):
         pad = -n % unit  # masked columns before the prompt: its last token ends the sequence (the final states)
         padded = lambda x, v: torch.nn.functional.pad(x, (pad, 0), value=v)  # noqa: E731
         shard = lambda x: shard_tensor(x, seq_dim=1, layout=ring_layout(state), rank=rank, cp_size=cp).contiguous()  # noqa: E731
-        cols = shard(torch.arange(n + pad, device=ids.device)[None])[0]  # global columns held here
+        cols = shard(torch.arange(n + pad)[None])[0]  # global columns held here (with the pad columns), on the host
         keep = torch.nonzero(cols >= pad).flatten()
-        kpos = shard(padded(col.masked_fill(~real, -1), -1)).index_select(1, keep)
-        call.step = _Step("prefill", kpos, keep, n)
+        kpos = shard(padded(col.masked_fill(~real, -1), -1)).index_select(1, keep.to(ids.device))
+        call.step = _Step("prefill", kpos, keep, n, slots=cols[keep] - pad)
         call.prompt = (n, pad)
         every = global_order(ring_layout(state), cp, n + pad).view(cp, -1)  # [P, S_local]: each rank's columns
         cache.held = (every >= pad).sum(1).tolist()  # the prompt tokens each rank keeps
@@ -154,7 +154,7 @@ def _base_pre_hook(module, args, kwargs):
         cache.held[owners[-1]] += 1
     keep = torch.nonzero(torch.tensor(owners) == rank).flatten()
     kpos = col.masked_fill(~real, -1).index_select(1, keep.to(ids.device))
-    call.step = _Step("decode", kpos, keep, n, q_positions=col, q_padding=~real)
+    call.step = _Step("decode", kpos, keep, n, q_positions=col, q_padding=~real, slots=keep + cache.seen)
     cache.note_tokens(ids, real)
     state.decoding = decode_attention  # what the attention function runs instead of the ring (registered here)
     return args, kwargs
@@ -481,7 +481,9 @@ def generate(model: nn.Module, *args, **kwargs):
             set_rng(every[0][0])  # rank 0's generator: Note [Agreed stopping and sampling]
         agreed = (lambda criteria: AgreedStopping(criteria, state.mesh)) if steps else (lambda criteria: criteria)
         with generation_stopping_criteria(model, agreed):
-            return type(model).generate(model, *args, cache=call.cache, **kwargs)
+            out = type(model).generate(model, *args, cache=call.cache, **kwargs)
+        call.cache.trim()  # the windowed layers' shares: what the next turn's windows can reach
+        return out
     except BaseException:
         if saved is not None:  # the cache as it was before the call: the turn can be retried
             given.restore(saved)

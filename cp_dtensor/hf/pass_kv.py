@@ -90,7 +90,8 @@ def pass_kv_step(state: HFState, call, cache: ShardedCache, ids: Tensor, pos: Te
     where = torch.argsort(global_order(layout, cp, n + pad))[mine + pad]  # rank-major index r * local + j
     src = (where // local) * (s_max + local) + s_max + where % local
     # every rank's cache positions, padded to S_max with -1, then its new shard's (known everywhere)
-    own = next(layer for layer in cache.layers if getattr(layer, "positions", None) is not None).positions
+    full = cache.layers[cache.shared_layer()] if cache.shared_layer() is not None else None
+    own = full.positions if full is not None else ids.new_full((b, 0), -1)  # every windowed layer gathers its own
     own = torch.nn.functional.pad(own, (0, s_max - own.shape[1]), value=-1)  # [B, S_max]
     group = state.mesh.get_group()
     cached = wait(all_gather(own.reshape(-1), group), group).view(cp, b, s_max)  # [P, B, S_max]
@@ -98,11 +99,23 @@ def pass_kv_step(state: HFState, call, cache: ShardedCache, ids: Tensor, pos: Te
     new_pos = padded(kpos, -1)[:, every]  # [B, P, T_local]
     k_positions = torch.cat([cached.transpose(0, 1), new_pos], 2).reshape(b, -1)  # [B, P * (S_max + T_local)]
     call.step = _Step("pass-kv", kpos.index_select(1, mine.to(ids.device)), mine, n,
-                      q_positions=shard(padded(col, -1)), q_padding=~shard(padded(real, False)))
+                      q_positions=shard(padded(col, -1)), q_padding=~shard(padded(real, False)), slots=mine + cache.seen)
     call.step.pass_kv = _PassKV(s_max, k_positions, src.to(ids.device))
     call.prompt = (n, pad)  # the hook after the base model gathers the rows the LM head reads
     cache.note_tokens(ids, real)
     kwargs["input_ids"], kwargs["position_ids"] = shard(padded(ids, 0)), shard(padded(pos, 0))
+
+
+def _own_positions(state: HFState, own: Tensor, s_max: int, k_positions: Tensor, s: int) -> Tensor:
+    """A windowed layer's block positions, [B, P * S']: every rank's own trimmed share's columns (gathered, padded
+    to S_max with -1) in place of the shared ones, the new shards' as planned."""
+    b, cp = own.shape[0], state.mesh.size()
+    own = torch.nn.functional.pad(own, (0, s_max - own.shape[1]), value=-1)  # [B, S_max]
+    group = state.mesh.get_group()
+    every = wait(all_gather(own.reshape(-1), group), group).view(cp, b, s_max).transpose(0, 1)  # [B, P, S_max]
+    blocks = k_positions.view(b, cp, s).clone()
+    blocks[:, :, :s_max] = every
+    return blocks.reshape(b, -1)
 
 
 def pass_kv_attention(state: HFState, module: nn.Module, query: Tensor, key: Tensor, value: Tensor, scaling, window,
@@ -118,6 +131,9 @@ def pass_kv_attention(state: HFState, module: nn.Module, query: Tensor, key: Ten
     kept_k = key.new_empty(*key.shape[:2], len(plan.src), key.shape[3])  # the new columns this rank keeps
     kept_v = value.new_empty(*value.shape[:2], len(plan.src), value.shape[3])
     ring = RingComm(state.mesh.get_group())
+    k_positions = plan.k_positions
+    if layer.reach is not None and layer._pos is not call.cache.shared_positions():  # Note [Windowed caches]
+        k_positions = _own_positions(state, layer.positions, plan.s_max, k_positions, s)
 
     def blocks():  # every rank's block in ring order, one in flight while the current one is attended
         buf = pack(k_own, v_own)  # [K | V] flat
@@ -129,11 +145,11 @@ def pass_kv_attention(state: HFState, module: nn.Module, query: Tensor, key: Ten
             if len(at):
                 cols = plan.src.index_select(0, at) % s
                 kept_k[:, :, at], kept_v[:, :, at] = k_blk.index_select(2, cols), v_blk.index_select(2, cols)
-            yield k_blk.to(query.dtype), v_blk.to(query.dtype), plan.k_positions[:, src * s:(src + 1) * s]
+            yield k_blk.to(query.dtype), v_blk.to(query.dtype), k_positions[:, src * s:(src + 1) * s]
             if nxt is not None:
                 buf = ring.wait(nxt)
 
     out = attend_blocks(query, blocks(), q_positions=step.q_positions, scale=scaling, window_size=window,
                         sinks=sinks, padding=step.q_padding)
-    layer.keep_new(kept_k, kept_v, step.positions)
+    layer.keep_new(kept_k, kept_v, step.positions, step.slots)
     return out.transpose(1, 2).contiguous()

@@ -74,7 +74,7 @@ def _check_turns(rank: int, world: int, full: bool) -> int:
             _compare(out, ref, where)
             assert out.cache.get_seq_length() == out.sequences.shape[1] - 1 > cached, where
             assert _same_on_every_rank(torch.stack(out.logits), world), where
-            _check_cache(out, rank, world, where)
+            _check_cache(out, rank, world, where, ref)
             _share_bound(out, world, where)
             checked += 1
         runs += out.cache.runs
@@ -108,7 +108,7 @@ def _check_chunked(rank: int, world: int, full: bool) -> int:
         out = _generate(model, ids, mask, prefill_chunk_size=chunk)
         where = f"{name} {layout} P={world} N={n} chunk={chunk}"
         _compare(out, ref, where)
-        _check_cache(out, rank, world, where)
+        _check_cache(out, rank, world, where, ref)
     return len(CHUNKED) if full else 1
 
 
