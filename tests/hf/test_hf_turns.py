@@ -318,6 +318,42 @@ def _check_hybrid(rank: int, world: int) -> None:
              f"qwen3_next P={world} chunked")
 
 
+def _windowed_shares(out, ref, world: int, where: str) -> int:
+    """Each windowed layer's share <= ceil(C / P) + 2 and the shares together >= C, C what CP=1's sliding cache
+    holds for the layer (Note [Windowed caches]); returns how many windowed layers."""
+    n = 0
+    for layer, ref_layer in zip(out.cache.layers, ref.cache.layers):
+        if getattr(ref_layer, "is_sliding", False):
+            c, sizes = ref_layer.keys.shape[2], [None] * world
+            dist.all_gather_object(sizes, layer.keys.shape[2])
+            assert layer.reach is not None and max(sizes) <= -(-c // world) + 2 and sum(sizes) >= c, (where, sizes, c)
+            n += 1
+    return n
+
+
+def _check_hybrid_windowed(rank: int, world: int) -> None:
+    """A hybrid with a sliding-window layer (Lara-Mini: Gated DeltaNet, MoE; window 6), headtail: three turns equal
+    CP=1, and after turns 2 and 3 the windowed layer's shares are trimmed to what the window reaches."""
+    from test_hf_hybrid_generate import OTHERS
+
+    cfg_cls, cls, extra = OTHERS["lara_mini"]
+    torch.manual_seed(0)
+    types = ["linear_attention", "sliding_attention", "linear_attention", "full_attention"]
+    base = cls(cfg_cls(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=2, max_position_embeddings=256, attn_implementation="sdpa", layer_types=types,
+                       sliding_window=6, pad_token_id=0, **extra)).float().eval()
+    mesh = init_device_mesh("cpu", (world,))
+    ref_model, model = copy.deepcopy(base), hf.apply_context_parallel(copy.deepcopy(base), mesh, layout="headtail")
+    ids, mask = _prompt(70, 2, 11, [0, 3], vocab=128)
+    ref, out = _generate(ref_model, ids, mask, max_new_tokens=3), _generate(model, ids, mask, max_new_tokens=3)
+    _compare(out, ref, f"lara_mini P={world} turn 1")
+    for turn, t in enumerate((6, 7), 2):
+        ids, mask = _follow(out.sequences, mask, 70 + turn, t)
+        ref, out = _generate(ref_model, ids, mask, cache=ref.cache), _generate(model, ids, mask, cache=out.cache)
+        _compare(out, ref, f"lara_mini P={world} turn {turn}")
+        assert _windowed_shares(out, ref, world, f"lara_mini P={world} turn {turn}") == 1
+
+
 def _all(rank: int, world: int, full: bool) -> int:
     n = _check_turns(rank, world, full) + _check_chunked(rank, world, full) + _check_ragged(rank, world)
     if full:
@@ -325,6 +361,8 @@ def _all(rank: int, world: int, full: bool) -> int:
         _check_bytes(rank, world)
         _check_refusals(rank, world)
         _check_failed_turns(rank, world)
+        if world > 2:  # the slow tier's
+            _check_hybrid_windowed(rank, world)
     return n
 
 
@@ -340,6 +378,7 @@ def test_turns_and_chunked_prefill_match_cp1(world):
 @slow("every case at P = 3 and 4")
 @pytest.mark.parametrize("world", [3, 4])
 def test_turns_every_case_more_ranks(world):
-    """The default test's every case (turns, chunks, the hybrid, bytes, refusals) at P = 3 and 4."""
+    """The default test's every case (turns, chunks, the hybrid, bytes, refusals) at P = 3 and 4, and a hybrid with
+    a sliding-window layer (Lara-Mini) over three turns, its windowed shares trimmed."""
     checked, *_ = run_ranks(world, _all, True, timeout=600.0)
     assert checked == 10 + len(CHUNKED), checked
