@@ -86,7 +86,7 @@ require("hf", "cp_dtensor.hf (transformers generate() under context parallelism)
 from transformers.generation.stopping_criteria import StoppingCriteriaList  # noqa: E402
 
 from .._compat import generation_stopping_criteria, prepare_generation_config  # noqa: E402
-from ..core.agreement import Rules, agree_objects  # noqa: E402
+from ..core.agreement import agree_objects  # noqa: E402
 from ..core.decode import attend, digest, local_error  # noqa: E402
 from ..core.exchange.comm import all_gather, host_group, wait  # noqa: E402
 from ..core.plan.layout import global_order, layout_unit, shard_tensor  # noqa: E402
@@ -96,7 +96,7 @@ from .cache import cache_bytes as cache_bytes  # noqa: E402  (a name of the old 
 from .documents import ring_layout  # noqa: E402
 from .pass_kv import pass_kv_attention, pass_kv_step, turn_mode  # noqa: E402
 from .state import ATTR, HFState  # noqa: E402
-from .turns import cache_facts, continuation_error, model_shape  # noqa: E402
+from .turns import CallRules, cache_facts, continuation_error, inner_padding_error, model_shape  # noqa: E402
 
 __all__ = ["AgreedStopping", "decode_attention", "enable_generate", "generate"]
 
@@ -350,7 +350,7 @@ def _generate_error(model, args, kwargs) -> tuple[str | None, tuple, object]:
             return ("generate() under CP needs left padding: some row's last token is padding (right padding). "
                     "Pad on the left (tokenizer.padding_side = 'left').", (), config)
         if _given_cache(kwargs) is None:
-            err = _inner_padding_error(mask.bool(), chunk)
+            err = inner_padding_error(mask.bool(), chunk)
             if err is not None:
                 return err, (), config
     if kwargs.get("position_ids") is not None:
@@ -372,23 +372,6 @@ def _generate_error(model, args, kwargs) -> tuple[str | None, tuple, object]:
                   repr(kwargs.get("synced_gpus")), cache_facts(cache)), config
 
 
-def _inner_padding_error(real: Tensor, chunk: int | None) -> str | None:
-    """Why the ring prefill cannot run the first chunk of a prompt whose mask ``real`` [B, N] has padding inside a
-    row (a pad column after a real one), or None. The later chunks and turns serve it: Note [Masks by column] in
-    hf/cache.py."""
-    first = real[:, :chunk] if chunk else real
-    inner = first & ~torch.nn.functional.pad(first[:, 1:], (0, 1), value=True)  # a real column, then a pad
-    if not bool(inner.any()):
-        return None
-    row, col = (int(x) for x in torch.nonzero(inner)[0])
-    after = int(torch.nonzero(inner.any(0))[0]) + 1  # the first pad column after a real one, in any row
-    return (f"generate() under CP: attention_mask row {row} has padding inside the prompt (a pad at column {col + 1} "
-            f"after a token){'' if chunk is None else f' within its first chunk of {chunk} columns'}; the ring prefill "
-            "of a prompt's first chunk runs left padding only. Pad the prompt on the left; or let the first chunk end "
-            f"before the inner padding (prefill_chunk_size <= {after}), or send the part after it as a follow-up turn "
-            "(generate(..., cache=out.cache)): later chunks and turns mask padding anywhere, as transformers does.")
-
-
 def _given_cache(kwargs: dict):
     return kwargs.get("cache", kwargs.get("past_key_values"))
 
@@ -408,26 +391,8 @@ def _plain_repr(value) -> str:
     return type(value).__name__ if " at 0x" in text else text
 
 
-def _cache_words(facts: tuple) -> str:
-    return "no cache" if not facts else f"a ShardedCache of {facts[0]} columns (shares {list(facts[1])})"
-
-
-class _CallRules(Rules):
-    """The call's agreement, naming the caches when they differ between ranks."""
-
-    def raise_differ(self, rows) -> None:
-        at = self.fields.index("cache")
-        if any(row[at] != rows[0][at] for row in rows):
-            table = "; ".join(f"rank {r}: {_cache_words(row[at])}" for r, row in enumerate(rows))
-            raise ValueError(
-                f"generate() under CP needs every rank of the CP group to continue the same conversation's cache -- "
-                f"each rank its own share, out.cache of the same generate() call -- but the ranks passed different "
-                f"caches ({table}). Pass each rank the cache its own rank's call returned, or no cache on every rank.")
-        super().raise_differ(rows)
-
-
 # the wrapper's call agreement (Note [One agreement] in core/agreement.py): _generate_error's fingerprint
-_CALL = _CallRules(
+_CALL = CallRules(
     "generate() under CP", ("input_ids shape", "input_ids", "attention_mask", "options", "synced_gpus", "cache"),
     refused="{what} refused the call on rank(s) {rank_list}: {error}",
     differ="{what} needs the same call on every rank of the CP group -- the full, unsharded input_ids and "

@@ -62,9 +62,11 @@ from .._extras import require
 
 require("hf", "cp_dtensor.hf (transformers generate() under context parallelism)")
 
+from ..core.agreement import Rules  # noqa: E402
 from .cache import ShardedCache, token_fingerprint  # noqa: E402
 
-__all__ = ["TurnPlan", "continuation_error", "cache_facts", "kv_dims", "model_shape", "turn_plan"]
+__all__ = ["CallRules", "TurnPlan", "continuation_error", "cache_facts", "inner_padding_error", "kv_dims", "model_shape",
+           "turn_plan"]
 
 
 def kv_dims(config) -> tuple[int, int, int, int]:
@@ -135,6 +137,41 @@ def continuation_error(cache, *, maker: tuple[int, int, str], shape: dict, ids: 
                 f"hold those {c} columns and at least one new one; got {m}{alone}. {whole}")
     return (f"generate() under CP: the first {c} columns of input_ids / attention_mask are not the tokens the cache "
             f"holds (an edited history, other padding, or another conversation). {whole} Or pass no cache.")
+
+
+def inner_padding_error(real: Tensor, chunk: int | None) -> str | None:
+    """Why the ring prefill cannot run the first chunk of a prompt whose mask ``real`` [B, N] has padding inside a
+    row (a pad column after a real one), or None. The later chunks and turns serve it: Note [Masks by column] in
+    hf/cache.py."""
+    first = real[:, :chunk] if chunk else real
+    inner = first & ~torch.nn.functional.pad(first[:, 1:], (0, 1), value=True)  # a real column, then a pad
+    if not bool(inner.any()):
+        return None
+    row, col = (int(x) for x in torch.nonzero(inner)[0])
+    after = int(torch.nonzero(inner.any(0))[0]) + 1  # the first pad column after a real one, in any row
+    return (f"generate() under CP: attention_mask row {row} has padding inside the prompt (a pad at column {col + 1} "
+            f"after a token){'' if chunk is None else f' within its first chunk of {chunk} columns'}; the ring prefill "
+            "of a prompt's first chunk runs left padding only. Pad the prompt on the left; or let the first chunk end "
+            f"before the inner padding (prefill_chunk_size <= {after}), or send the part after it as a follow-up turn "
+            "(generate(..., cache=out.cache)): later chunks and turns mask padding anywhere, as transformers does.")
+
+
+def _cache_words(facts: tuple) -> str:
+    return "no cache" if not facts else f"a ShardedCache of {facts[0]} columns (shares {list(facts[1])})"
+
+
+class CallRules(Rules):
+    """generate()'s call agreement (hf/generate.py), naming the caches when they differ between ranks."""
+
+    def raise_differ(self, rows) -> None:
+        at = self.fields.index("cache")
+        if any(row[at] != rows[0][at] for row in rows):
+            table = "; ".join(f"rank {r}: {_cache_words(row[at])}" for r, row in enumerate(rows))
+            raise ValueError(
+                f"generate() under CP needs every rank of the CP group to continue the same conversation's cache -- "
+                f"each rank its own share, out.cache of the same generate() call -- but the ranks passed different "
+                f"caches ({table}). Pass each rank the cache its own rank's call returned, or no cache on every rank.")
+        super().raise_differ(rows)
 
 
 def cache_facts(cache) -> tuple:
