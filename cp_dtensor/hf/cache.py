@@ -29,7 +29,8 @@ rule (the rank holding the fewest tokens), which deals consecutive columns round
 striped prefill, so each rank keeps about (W - 1) / P of them. The layer learns W from its attention
 (``note_reach``, the window the attention runs with), so a layer is trimmed only by the window it uses.
 A trimmed layer holds its own slot columns (``_Positions.suffix``), no longer the full layers' shared ones;
-a pass-KV turn gathers them (one small all-gather per windowed layer) for its blocks. A share is never
+a pass-KV turn gathers them (one small all-gather per windowed layer, trimmed here or not: whether a
+rank trimmed differs between ranks, the layer's window does not) for its blocks. A share is never
 empty (the last slot stays). Trimming slices views, so a failed turn's saved state stays whole (Note
 [Transactional turns] in hf/turns.py); the dropped prefix is freed when the buffer next grows.
 After a contiguous or headtail prefill the prompt's last columns lie on one or two ranks, which then keep
@@ -323,9 +324,6 @@ class ShardedCache(Cache):
                 x._k, x._v, x.keys, x.values, x.positions, x.held, x.columns, x.is_initialized, x._pos = state
             else:
                 x.restore(state)
-
-    def shared_positions(self) -> _Positions:
-        return self._shared
 
     def shared_layer(self) -> int | None:
         """A layer holding every slot of this rank's share (untrimmed), or None."""

@@ -132,7 +132,7 @@ def pass_kv_attention(state: HFState, module: nn.Module, query: Tensor, key: Ten
     kept_v = value.new_empty(*value.shape[:2], len(plan.src), value.shape[3])
     ring = RingComm(state.mesh.get_group())
     k_positions = plan.k_positions
-    if layer.reach is not None and layer._pos is not call.cache.shared_positions():  # Note [Windowed caches]
+    if layer.reach is not None:  # Note [Windowed caches]: the model's window, the same on every rank (a collective)
         k_positions = _own_positions(state, layer.positions, plan.s_max, k_positions, s)
 
     def blocks():  # every rank's block in ring order, one in flight while the current one is attended
