@@ -1,6 +1,6 @@
 """Pass-KV for a turn on a non-empty sharded cache: the new tokens sharded in the layout, every rank's K/V
 (its cache share and its shard of the new tokens) passed round the ring once per layer, each rank attending
-its queries to every block by global position. Chosen per forward by the bytes rule of Note [Continuing a sharded cache]
+its queries to every block by global column. Chosen per forward by the bytes rule of Note [Continuing a sharded cache]
 (hf/turns.py): when the new tokens are a large share of the conversation.
 
 Note [Pass-KV turns]
@@ -16,7 +16,7 @@ A turn of T new tokens after C cached ones, in pass-KV (hf/generate.py's pre-hoo
   while this one is attended): (P - 1) * B * (S_max + T_local) * Hkv * (Dqk + Dv) * e bytes per rank,
   about (P - 1) / P of all C + T tokens' K/V; a rank holds two blocks at a time, not the whole cache.
   The cache shares' positions are gathered once per forward, in the pre-hook. Each rank attends its
-  queries to each block causally by global position, with the window, and merges the partials by the
+  queries to each block causally by global column, with the window, and merges the partials by the
   stable log-sum-exp rule; sinks join once (core/decode.py's :func:`attend_blocks`);
 * each new column's K/V are kept by the rank holding the fewest tokens (the lowest on ties), copied from
   the block it arrives in -- the balance rule of decoding, so every share stays within one of the mean;

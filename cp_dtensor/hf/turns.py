@@ -12,9 +12,9 @@ a decode step -- *pass-Q*:
   holding the fewest tokens (the lowest on ties), the cache's balance rule since the prefill: every share
   stays within one of the mean, at most ceil(total / P) tokens;
 * attention is Note [Decoding from a sharded cache] (core/decode.py): each rank attends the T queries to
-  its share -- the cached turns and the new tokens it keeps -- causally *by global position*, so the new
-  tokens see the cached ones and each other exactly, windows reach back into the cached turns, sinks join
-  once; one all-gather of ``[out | lse]`` and the stable merge on every rank. No K/V moves: a follow-up
+  its share -- the cached turns and the new tokens it keeps -- causally *by global column* (Note [Masks by
+  column] in hf/cache.py), so the new tokens see the cached ones and each other exactly, windows reach
+  back into the cached turns, sinks join once; one all-gather of ``[out | lse]`` and the stable merge on every rank. No K/V moves: a follow-up
   after a long conversation sends (P - 1) * B * Hq * T * (Dv + 1) * 4 bytes per rank and layer, whatever C.
 * a hybrid's linear layers continue their full recurrent and conv states with transformers' own chunked
   rule (the same on every rank).
