@@ -88,7 +88,7 @@ require("hf", "cp_dtensor.hf (transformers generate() under context parallelism)
 from transformers.generation.stopping_criteria import StoppingCriteriaList  # noqa: E402
 
 from .._compat import generation_stopping_criteria, prepare_generation_config  # noqa: E402
-from ..core.agreement import Rules, agree_objects  # noqa: E402
+from ..core.agreement import agree_objects  # noqa: E402
 from ..core.decode import attend, digest, local_error  # noqa: E402
 from ..core.exchange.comm import all_gather, host_group, wait  # noqa: E402
 from ..core.plan.layout import global_order, layout_unit, shard_tensor  # noqa: E402
@@ -98,7 +98,7 @@ from .cache import cache_bytes as cache_bytes  # noqa: E402  (a name of the old 
 from .documents import ring_layout  # noqa: E402
 from .pass_kv import pass_kv_attention, pass_kv_step, turn_mode  # noqa: E402
 from .state import ATTR, HFState  # noqa: E402
-from .turns import cache_facts, continuation_error  # noqa: E402
+from .turns import CallRules, cache_facts, continuation_error, inner_padding_error, model_shape  # noqa: E402
 
 __all__ = ["AgreedStopping", "decode_attention", "enable_generate", "generate"]
 
@@ -127,15 +127,16 @@ def _base_pre_hook(module, args, kwargs):
     pos = pos.expand(b, n)
     cp, rank = state.mesh.size(), state.mesh.get_local_rank()
     real = torch.ones(b, n, dtype=torch.bool, device=ids.device) if mask is None else mask[:, -n:].bool()
+    col = cache.columns(b, n, ids.device)  # [B, n]: the global columns the masks count by (Note [Masks by column])
     if cache.get_seq_length() == 0:  # prefill: this rank's layout shard of the prompt, padded on the left
         unit = layout_unit(ring_layout(state), cp)
         pad = -n % unit  # masked columns before the prompt: its last token ends the sequence (the final states)
         padded = lambda x, v: torch.nn.functional.pad(x, (pad, 0), value=v)  # noqa: E731
         shard = lambda x: shard_tensor(x, seq_dim=1, layout=ring_layout(state), rank=rank, cp_size=cp).contiguous()  # noqa: E731
-        cols = shard(torch.arange(n + pad, device=ids.device)[None])[0]  # global columns held here
+        cols = shard(torch.arange(n + pad)[None])[0]  # global columns held here (with the pad columns), on the host
         keep = torch.nonzero(cols >= pad).flatten()
-        kpos = shard(padded(pos.masked_fill(~real, -1), -1)).index_select(1, keep)
-        call.step = _Step("prefill", kpos, keep, n)
+        kpos = shard(padded(col.masked_fill(~real, -1), -1)).index_select(1, keep.to(ids.device))
+        call.step = _Step("prefill", kpos, keep, n, slots=cols[keep] - pad)
         call.prompt = (n, pad)
         every = global_order(ring_layout(state), cp, n + pad).view(cp, -1)  # [P, S_local]: each rank's columns
         cache.held = (every >= pad).sum(1).tolist()  # the prompt tokens each rank keeps
@@ -145,7 +146,7 @@ def _base_pre_hook(module, args, kwargs):
             kwargs["attention_mask"] = shard(padded(real.long(), 0))
         return args, kwargs
     if turn_mode(state, module, cache, b, n) == "pass-kv":  # a long turn or chunk: Note [Pass-KV turns] in pass_kv.py
-        pass_kv_step(state, call, cache, ids, pos, real, kwargs)
+        pass_kv_step(state, call, cache, ids, pos, col, real, kwargs)
         state.decoding = pass_kv_attention
         return args, kwargs
     # decode, a later turn or prefill chunk (pass-Q: Note [Continuing a sharded cache] in turns.py): each new
@@ -156,8 +157,8 @@ def _base_pre_hook(module, args, kwargs):
         owners.append(min(range(cp), key=lambda r: (cache.held[r], r)))
         cache.held[owners[-1]] += 1
     keep = torch.nonzero(torch.tensor(owners) == rank).flatten()
-    kpos = pos.masked_fill(~real, -1).index_select(1, keep.to(ids.device))
-    call.step = _Step("decode", kpos, keep, n, q_positions=pos.contiguous(), q_padding=~real)
+    kpos = col.masked_fill(~real, -1).index_select(1, keep.to(ids.device))
+    call.step = _Step("decode", kpos, keep, n, q_positions=col, q_padding=~real, slots=keep + cache.seen)
     cache.note_tokens(ids, real)
     state.decoding = decode_attention  # what the attention function runs instead of the ring (registered here)
     return args, kwargs
@@ -344,10 +345,22 @@ def _generate_error(model, args, kwargs) -> tuple[str | None, tuple, object]:
         mask = (ids != pad).long()  # the mask generate() infers from pad tokens
     if mask is not None:
         if not isinstance(mask, Tensor) or tuple(mask.shape) != tuple(ids.shape):
-            return f"attention_mask must be a 2-D [B, N] = {tuple(ids.shape)} padding mask under CP.", (), config
+            got = tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__
+            if _given_cache(kwargs) is not None and isinstance(mask, Tensor) and mask.dim() == 2 \
+                    and mask.shape[1] > ids.shape[1]:
+                return (f"generate() with a cache takes the whole conversation, as transformers does: input_ids "
+                        f"{tuple(ids.shape)} is shorter than its attention_mask {got} (the new tokens alone?). Pass "
+                        "the conversation so far (out.sequences) with the follow-up appended as input_ids, and the "
+                        "mask of all of it.", (), config)
+            return (f"attention_mask must be a 2-D [B, N] padding mask of input_ids' shape {tuple(ids.shape)} under "
+                    f"CP; got {got}. Pass the mask of the tokens you pass (1 a token, 0 padding).", (), config)
         if not bool(mask[:, -1].bool().all()):
             return ("generate() under CP needs left padding: some row's last token is padding (right padding). "
                     "Pad on the left (tokenizer.padding_side = 'left').", (), config)
+        if _given_cache(kwargs) is None:
+            err = inner_padding_error(mask.bool(), chunk)
+            if err is not None:
+                return err, (), config
     if kwargs.get("position_ids") is not None:
         return ("generate() under CP computes position_ids from the attention_mask; do not pass position_ids.", (),
                 config)
@@ -355,8 +368,8 @@ def _generate_error(model, args, kwargs) -> tuple[str | None, tuple, object]:
     if cache is not None:  # a later turn: Note [Continuing a sharded cache] in turns.py
         state: HFState = getattr(model, ATTR)
         text = model.config.get_text_config(decoder=True)
-        err = continuation_error(cache, maker=_maker(state), layers=text.num_hidden_layers, linear=_linear(text),
-                                 ids=ids, mask=mask)
+        err = continuation_error(cache, maker=_maker(state), shape=model_shape(text, _linear(text)), ids=ids,
+                                 mask=mask)
         if err is not None:
             return err, (), config
     # every option but max_time (whose decision is rank 0's: Note [Agreed stopping and sampling]); synced_gpus:
@@ -387,7 +400,7 @@ def _plain_repr(value) -> str:
 
 
 # the wrapper's call agreement (Note [One agreement] in core/agreement.py): _generate_error's fingerprint
-_CALL = Rules(
+_CALL = CallRules(
     "generate() under CP", ("input_ids shape", "input_ids", "attention_mask", "options", "synced_gpus", "cache"),
     refused="{what} refused the call on rank(s) {rank_list}: {error}",
     differ="{what} needs the same call on every rank of the CP group -- the full, unsharded input_ids and "
@@ -426,20 +439,28 @@ def generate(model: nn.Module, *args, **kwargs):
         kwargs = {**kwargs, "cache_implementation": None}
     call = GenerateCall()
     text = model.config.get_text_config(decoder=True)
-    given = _given_cache(kwargs)
+    given, saved = _given_cache(kwargs), None
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("cache", "past_key_values")}  # None too: ours is passed
     if given is None:
-        call.cache = ShardedCache(call, text.num_hidden_layers, _linear(text), maker=_maker(state))
+        call.cache = ShardedCache(call, text.num_hidden_layers, _linear(text), maker=_maker(state),
+                                  shape=model_shape(text, _linear(text)))
     else:  # a later turn (agreed and checked above): Note [Continuing a sharded cache] in turns.py
         call.cache = given
         given.bind(call)
-        kwargs = {k: v for k, v in kwargs.items() if k not in ("cache", "past_key_values")}
+        saved = given.begin_turn()  # Note [Transactional turns] in turns.py
     state.generating = call
     try:
         if sampling:
             set_rng(every[0][0])  # rank 0's generator: Note [Agreed stopping and sampling]
         agreed = (lambda criteria: AgreedStopping(criteria, state.mesh)) if steps else (lambda criteria: criteria)
         with generation_stopping_criteria(model, agreed):
-            return type(model).generate(model, *args, cache=call.cache, **kwargs)
+            out = type(model).generate(model, *args, cache=call.cache, **kwargs)
+        call.cache.trim()  # the windowed layers' shares: what the next turn's windows can reach
+        return out
+    except BaseException:
+        if saved is not None:  # the cache as it was before the call: the turn can be retried
+            given.restore(saved)
+        raise
     finally:
         state.generating, state.decoding, call.step = None, None, None
         if sampling and rank != 0:

@@ -1,6 +1,6 @@
 """Pass-KV for a turn on a non-empty sharded cache: the new tokens sharded in the layout, every rank's K/V
 (its cache share and its shard of the new tokens) passed round the ring once per layer, each rank attending
-its queries to every block by global position. Chosen per forward by the bytes rule of Note [Continuing a sharded cache]
+its queries to every block by global column. Chosen per forward by the bytes rule of Note [Continuing a sharded cache]
 (hf/turns.py): when the new tokens are a large share of the conversation.
 
 Note [Pass-KV turns]
@@ -16,7 +16,7 @@ A turn of T new tokens after C cached ones, in pass-KV (hf/generate.py's pre-hoo
   while this one is attended): (P - 1) * B * (S_max + T_local) * Hkv * (Dqk + Dv) * e bytes per rank,
   about (P - 1) / P of all C + T tokens' K/V; a rank holds two blocks at a time, not the whole cache.
   The cache shares' positions are gathered once per forward, in the pre-hook. Each rank attends its
-  queries to each block causally by global position, with the window, and merges the partials by the
+  queries to each block causally by global column, with the window, and merges the partials by the
   stable log-sum-exp rule; sinks join once (core/decode.py's :func:`attend_blocks`);
 * each new column's K/V are kept by the rank holding the fewest tokens (the lowest on ties), copied from
   the block it arrives in -- the balance rule of decoding, so every share stays within one of the mean;
@@ -41,16 +41,9 @@ from ..core.plan.layout import global_order, layout_unit, shard_tensor  # noqa: 
 from .cache import ShardedCache, _Step  # noqa: E402
 from .documents import ring_layout  # noqa: E402
 from .state import HFState  # noqa: E402
-from .turns import turn_plan  # noqa: E402
+from .turns import kv_dims, turn_plan  # noqa: E402
 
 __all__ = ["pass_kv_attention", "pass_kv_step", "turn_mode"]
-
-
-def _dims(config) -> tuple[int, int, int, int]:
-    hq = config.num_attention_heads
-    hkv = getattr(config, "num_key_value_heads", None) or hq
-    d = getattr(config, "head_dim", None) or config.hidden_size // hq
-    return hq, hkv, d, getattr(config, "v_head_dim", None) or d
 
 
 def turn_mode(state: HFState, module: nn.Module, cache: ShardedCache, batch: int, new: int) -> str:
@@ -59,7 +52,7 @@ def turn_mode(state: HFState, module: nn.Module, cache: ShardedCache, batch: int
     cp = state.mesh.size()
     if cp == 1 or new < 2 or cache.linear:
         return "pass-q"
-    hq, hkv, d, dv = _dims(module.config.get_text_config(decoder=True))
+    hq, hkv, d, dv = kv_dims(module.config.get_text_config(decoder=True))
     esize = torch.empty((), dtype=module.dtype).element_size()
     return turn_plan(new=new, cached=cache.seen, cp=cp, batch=batch, q_heads=hq, kv_heads=hkv, head_dim=d,
                      value_dim=dv, kv_bytes=esize, largest_share=max(cache.held),
@@ -75,15 +68,17 @@ class _PassKV:
         self.src = src  # [m]: where this rank's kept new columns lie in the gathered sequence axis
 
 
-def pass_kv_step(state: HFState, call, cache: ShardedCache, ids: Tensor, pos: Tensor, real: Tensor, kwargs: dict):
+def pass_kv_step(state: HFState, call, cache: ShardedCache, ids: Tensor, pos: Tensor, col: Tensor, real: Tensor,
+                 kwargs: dict):
     """The pre-hook's part for a pass-KV forward: shard the new columns, decide who keeps them, gather the
-    cache shares' positions. See Note [Pass-KV turns]."""
+    cache shares' positions. ``pos`` [B, n]: the position ids (the model's rotary embedding); ``col`` [B, n]: the
+    global columns the masks count by (Note [Masks by column] in hf/cache.py). See Note [Pass-KV turns]."""
     b, n = ids.shape
     layout, cp, rank = ring_layout(state), state.mesh.size(), state.mesh.get_local_rank()
     pad = -n % layout_unit(layout, cp)
     padded = lambda x, v: torch.nn.functional.pad(x, (pad, 0), value=v)  # noqa: E731
     shard = lambda x: shard_tensor(x, seq_dim=1, layout=layout, rank=rank, cp_size=cp).contiguous()  # noqa: E731
-    kpos = pos.masked_fill(~real, -1)  # [B, n]
+    kpos = col.masked_fill(~real, -1)  # [B, n]
     local = (n + pad) // cp
     before = list(cache.held)
     s_max = max(before)
@@ -95,7 +90,8 @@ def pass_kv_step(state: HFState, call, cache: ShardedCache, ids: Tensor, pos: Te
     where = torch.argsort(global_order(layout, cp, n + pad))[mine + pad]  # rank-major index r * local + j
     src = (where // local) * (s_max + local) + s_max + where % local
     # every rank's cache positions, padded to S_max with -1, then its new shard's (known everywhere)
-    own = next(layer for layer in cache.layers if getattr(layer, "positions", None) is not None).positions
+    full = cache.layers[cache.shared_layer()] if cache.shared_layer() is not None else None
+    own = full.positions if full is not None else ids.new_full((b, 0), -1)  # every windowed layer gathers its own
     own = torch.nn.functional.pad(own, (0, s_max - own.shape[1]), value=-1)  # [B, S_max]
     group = state.mesh.get_group()
     cached = wait(all_gather(own.reshape(-1), group), group).view(cp, b, s_max)  # [P, B, S_max]
@@ -103,11 +99,23 @@ def pass_kv_step(state: HFState, call, cache: ShardedCache, ids: Tensor, pos: Te
     new_pos = padded(kpos, -1)[:, every]  # [B, P, T_local]
     k_positions = torch.cat([cached.transpose(0, 1), new_pos], 2).reshape(b, -1)  # [B, P * (S_max + T_local)]
     call.step = _Step("pass-kv", kpos.index_select(1, mine.to(ids.device)), mine, n,
-                      q_positions=shard(padded(pos, -1)), q_padding=~shard(padded(real, False)))
+                      q_positions=shard(padded(col, -1)), q_padding=~shard(padded(real, False)), slots=mine + cache.seen)
     call.step.pass_kv = _PassKV(s_max, k_positions, src.to(ids.device))
     call.prompt = (n, pad)  # the hook after the base model gathers the rows the LM head reads
     cache.note_tokens(ids, real)
     kwargs["input_ids"], kwargs["position_ids"] = shard(padded(ids, 0)), shard(padded(pos, 0))
+
+
+def _own_positions(state: HFState, own: Tensor, s_max: int, k_positions: Tensor, s: int) -> Tensor:
+    """A windowed layer's block positions, [B, P * S']: every rank's own trimmed share's columns (gathered, padded
+    to S_max with -1) in place of the shared ones, the new shards' as planned."""
+    b, cp = own.shape[0], state.mesh.size()
+    own = torch.nn.functional.pad(own, (0, s_max - own.shape[1]), value=-1)  # [B, S_max]
+    group = state.mesh.get_group()
+    every = wait(all_gather(own.reshape(-1), group), group).view(cp, b, s_max).transpose(0, 1)  # [B, P, S_max]
+    blocks = k_positions.view(b, cp, s).clone()
+    blocks[:, :, :s_max] = every
+    return blocks.reshape(b, -1)
 
 
 def pass_kv_attention(state: HFState, module: nn.Module, query: Tensor, key: Tensor, value: Tensor, scaling, window,
@@ -123,6 +131,9 @@ def pass_kv_attention(state: HFState, module: nn.Module, query: Tensor, key: Ten
     kept_k = key.new_empty(*key.shape[:2], len(plan.src), key.shape[3])  # the new columns this rank keeps
     kept_v = value.new_empty(*value.shape[:2], len(plan.src), value.shape[3])
     ring = RingComm(state.mesh.get_group())
+    k_positions = plan.k_positions
+    if layer.reach is not None:  # Note [Windowed caches]: the model's window, the same on every rank (a collective)
+        k_positions = _own_positions(state, layer.positions, plan.s_max, k_positions, s)
 
     def blocks():  # every rank's block in ring order, one in flight while the current one is attended
         buf = pack(k_own, v_own)  # [K | V] flat
@@ -134,11 +145,11 @@ def pass_kv_attention(state: HFState, module: nn.Module, query: Tensor, key: Ten
             if len(at):
                 cols = plan.src.index_select(0, at) % s
                 kept_k[:, :, at], kept_v[:, :, at] = k_blk.index_select(2, cols), v_blk.index_select(2, cols)
-            yield k_blk.to(query.dtype), v_blk.to(query.dtype), plan.k_positions[:, src * s:(src + 1) * s]
+            yield k_blk.to(query.dtype), v_blk.to(query.dtype), k_positions[:, src * s:(src + 1) * s]
             if nxt is not None:
                 buf = ring.wait(nxt)
 
     out = attend_blocks(query, blocks(), q_positions=step.q_positions, scale=scaling, window_size=window,
                         sinks=sinks, padding=step.q_padding)
-    layer.keep_new(kept_k, kept_v, step.positions)
+    layer.keep_new(kept_k, kept_v, step.positions, step.slots)
     return out.transpose(1, 2).contiguous()

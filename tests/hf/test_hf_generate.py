@@ -78,25 +78,35 @@ def _generate(model, ids, mask, **options):
         return model.generate(input_ids=ids, attention_mask=mask, **{**kw, **options})
 
 
-def _check_cache(out, rank: int, world: int, where: str) -> None:
-    """Each rank's cache: [B, Hkv, S_r, D] per layer, S_r within one of the mean; the S_r sum to the tokens held."""
+def _check_cache(out, rank: int, world: int, where: str, ref=None) -> None:
+    """Each rank's cache: [B, Hkv, S_r, D] per layer, S_r within one of the mean; the S_r sum to the tokens held.
+    A windowed layer (Note [Windowed caches]): S_r <= ceil(C / P) + 2 and the S_r sum to at least C, C what the
+    CP=1 run's sliding cache (``ref``) holds for that layer."""
     cache = out.cache
     assert isinstance(cache, ShardedCache), where
     held = out.sequences.shape[1] - 1  # the last token is never fed back
-    for layer in cache.layers:
+    for i, layer in enumerate(cache.layers):
         s = layer.keys.shape[2]
         assert layer.values.shape[2] == s and layer.positions.shape == (out.sequences.shape[0], s), where
         every = [torch.zeros((), dtype=torch.long) for _ in range(world)]
         torch.distributed.all_gather(every, torch.tensor(s))
         sizes = [int(x) for x in every]
-        assert sum(sizes) == held, (where, sizes, held)
-        assert max(sizes) - min(sizes) <= 1, (where, sizes)
-        # every real token is held exactly once: each row's positions over all ranks are 0 .. its length - 1
+        if ref is not None and ref.cache.layers[i].is_sliding:
+            c = ref.cache.layers[i].keys.shape[2]
+            assert layer.reach is not None and c < held, (where, i, c, held)  # the window cut: CP=1's cache too
+            assert max(sizes) <= -(-c // world) + 2 and c <= sum(sizes) <= c + world, (where, i, sizes, c)
+        else:
+            assert layer.reach is None or ref is None, (where, i)
+            assert sum(sizes) == held, (where, sizes, held)
+            assert max(sizes) - min(sizes) <= 1, (where, sizes)
+        # every real token is held exactly once: each row's columns over all ranks are its last ones (left
+        # padding: the row's first columns are pads, held as -1)
         every_pos = [None] * world
         torch.distributed.all_gather_object(every_pos, layer.positions.tolist())
         for row in range(out.sequences.shape[0]):
             got = sorted(p for ranks in every_pos for p in ranks[row] if p >= 0)
-            assert got == list(range(len(got))), (where, row, got)
+            assert got == list(range(out.sequences.shape[1] - 1 - len(got), out.sequences.shape[1] - 1)), (
+                where, row, got)
 
 
 def _compare(out, ref, where: str) -> None:
@@ -138,7 +148,7 @@ def _check_generate(rank: int, world: int) -> None:
         where = f"{name} {layout} P={world} B={b} N={n} pad={pad}"
         _compare(out, ref, where)
         assert _same_on_every_rank(torch.stack(out.logits), world), where
-        _check_cache(out, rank, world, where)
+        _check_cache(out, rank, world, where, ref)
         # EOS: every rank stops at the step the reference does
         if i == 0:
             eos = int(ref.sequences[0, n + 2])

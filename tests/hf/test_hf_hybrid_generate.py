@@ -97,7 +97,7 @@ def _compare_states(cache, ref_cache, world: int, where: str) -> int:
 
 def _check_shares(out, layout: str, world: int, where: str) -> None:
     """Each rank's attention-layer cache: [B, Hkv, S_r, D] with S_r about 1/P of the tokens held (within the
-    layout's padding), the shares summing to them, every real token held exactly once."""
+    layout's padding), the shares summing to them, every real token held exactly once (its column: Note [Masks by column])."""
     cache = out.cache
     held = out.sequences.shape[1] - 1  # the last token is never fed back
     attention = [layer for layer in cache.layers if isinstance(layer, ShardedCacheLayer)]
@@ -112,7 +112,7 @@ def _check_shares(out, layout: str, world: int, where: str) -> None:
         every_pos = _every(layer.positions.tolist(), world)
         for row in range(out.sequences.shape[0]):
             got = sorted(p for ranks in every_pos for p in ranks[row] if p >= 0)
-            assert got == list(range(len(got))), (where, row, got)
+            assert got == list(range(held - len(got), held)), (where, row, got)  # the row's columns, pads -1
 
 
 def _check_generate(rank: int, world: int) -> dict:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from collections import Counter
 
 import pytest
@@ -73,7 +74,7 @@ def _check_turns(rank: int, world: int, full: bool) -> int:
             _compare(out, ref, where)
             assert out.cache.get_seq_length() == out.sequences.shape[1] - 1 > cached, where
             assert _same_on_every_rank(torch.stack(out.logits), world), where
-            _check_cache(out, rank, world, where)
+            _check_cache(out, rank, world, where, ref)
             _share_bound(out, world, where)
             checked += 1
         runs += out.cache.runs
@@ -107,8 +108,57 @@ def _check_chunked(rank: int, world: int, full: bool) -> int:
         out = _generate(model, ids, mask, prefill_chunk_size=chunk)
         where = f"{name} {layout} P={world} N={n} chunk={chunk}"
         _compare(out, ref, where)
-        _check_cache(out, rank, world, where)
+        _check_cache(out, rank, world, where, ref)
     return len(CHUNKED) if full else 1
+
+
+def _ragged(ids, mask, seed: int, lens):
+    """The conversation so far [B, M] with follow-ups of ``lens`` tokens (one a row), each padded on the left to
+    the longest: padding inside the conversation, which transformers' windows count (Note [Masks by column])."""
+    g, t = torch.Generator().manual_seed(seed), max(lens)
+    new = torch.zeros(ids.shape[0], t, dtype=torch.long)
+    real = torch.zeros(ids.shape[0], t, dtype=mask.dtype)
+    for row, n in enumerate(lens):
+        new[row, t - n:], real[row, t - n:] = torch.randint(1, V, (n,), generator=g), 1
+    ones = torch.ones(ids.shape[0], ids.shape[1] - mask.shape[1], dtype=mask.dtype)
+    return torch.cat([ids, new], 1), torch.cat([mask, ones, real], 1)
+
+
+RAGGED = [  # (model, follow-ups' lengths per row, turn by turn): windows across padding inside the conversation
+    ("mistral", [(3, 7), (30, 12)]),  # pass-Q, then pass-KV
+    ("gpt-oss", [(20, 30), (2, 5)]),  # pass-KV, then pass-Q; sinks, MoE
+]
+
+
+def _check_ragged(rank: int, world: int, full: bool) -> int:
+    """Ragged follow-ups (padding inside the conversation) and a chunked prefill with padding after its first
+    chunk, with sliding windows: the tokens and logits of the model without CP; padding inside the first chunk
+    is refused on every rank."""
+    mesh = init_device_mesh("cpu", (world,))
+    runs = Counter()
+    for i, (name, follow) in enumerate(RAGGED if full else RAGGED[:1]):  # the default tier's P=3: Mistral
+        base = _model(name)
+        ref_model, model = copy.deepcopy(base), hf.apply_context_parallel(copy.deepcopy(base), mesh)
+        ids, mask = _prompt(40 + i, 2, 11, [0, 3])
+        ref, out = _generate(ref_model, ids, mask), _generate(model, ids, mask)
+        for turn, lens in enumerate(follow, 2):
+            ids, mask = _ragged(out.sequences, mask, 10 * i + turn, lens)
+            ref = _generate(ref_model, ids, mask, cache=ref.cache)
+            out = _generate(model, ids, mask, cache=out.cache)
+            _compare(out, ref, f"{name} P={world} ragged turn {turn} {lens}")
+        runs += out.cache.runs
+        ids, mask = _prompt(50 + i, 2, 30, [0, 3])
+        mask[1, 12:15] = 0  # padding inside row 1, after the first chunk
+        ids[1, 12:15] = 0
+        ref = _generate(copy.deepcopy(base), ids, mask)
+        chunked = _generate(model, ids, mask, prefill_chunk_size=8)
+        _compare(chunked, ref, f"{name} P={world} chunked, padding inside")
+        runs += chunked.cache.runs
+        _expect(r"padding inside the prompt \(a pad at column 12.*within its first chunk of 16.*prefill_chunk_size "
+                r"<= 12", lambda: _generate(model, ids, mask, prefill_chunk_size=16))
+        _expect("padding inside the prompt", lambda: _generate(model, ids, mask))
+    assert runs["pass-kv"] > 0 and runs["decode"] > 0, runs
+    return 1
 
 
 def _turn_bytes(model, cached: int, new: int) -> int:
@@ -186,12 +236,69 @@ def _check_refusals(rank: int, world: int) -> None:
             12, 14)[None].expand(2, 2), cache=out.cache))
     # on one rank only: refused on every rank
     _expect("refused the call on rank", lambda: go(DynamicCache() if rank == world - 1 else out.cache))
-    _expect("same call on every rank", lambda: go(out.cache if rank == 0 else None))
+    _expect(r"passed different caches \(rank 0: a ShardedCache of 11 columns \(shares \[[\d, ]+\]\); rank 1: no cache",
+            lambda: go(out.cache if rank == 0 else None))
     other, mask3 = _follow(out.sequences, mask, 2 + rank, 4)  # a follow-up that differs between ranks
     _expect("same call on every rank", lambda: go(out.cache, other, mask3))
     # still in step: the refused calls changed nothing; the good one equals CP=1
     ref = _generate(plain, ids, mask, max_new_tokens=3)
     _compare(go(out.cache), _generate(plain, ids2, mask2, cache=ref.cache), "after the refusals")
+
+
+class _Fails(transformers.StoppingCriteria):
+    """A stopping criterion that raises at the ``at``-th step (on every rank): a turn that fails midway."""
+
+    def __init__(self, at: int):
+        self.at, self.steps = at, 0
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.steps += 1
+        if self.steps == self.at:
+            raise RuntimeError("stopped midway")
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+def _check_failed_turns(rank: int, world: int) -> None:
+    """A failed turn leaves the cache as it was (the retry equals transformers' retry); inference-mode caches
+    continue under no_grad; a model of other K/V heads is refused; the refusals say what to pass."""
+    mesh = init_device_mesh("cpu", (world,))
+    base = _model("mistral")
+    ref_model, model = copy.deepcopy(base), hf.apply_context_parallel(copy.deepcopy(base), mesh)
+    ids, mask = _prompt(60, 2, 11, [0, 3])
+    with torch.inference_mode():  # turn 1 under inference mode, turn 2 under no_grad (_generate): as transformers
+        ref, out = _generate(ref_model, ids, mask), _generate(model, ids, mask)
+    ids2, mask2 = _ragged(out.sequences, mask, 61, (4, 6))
+    held = out.cache.get_seq_length()
+    with pytest.raises(RuntimeError, match="stopped midway"):  # a turn that fails at its third step
+        _generate(model, ids2, mask2, cache=out.cache, stopping_criteria=[_Fails(3)])
+    assert out.cache.get_seq_length() == held and out.cache.layers[0].keys.shape[2] <= math.ceil(held / world)
+    other = copy.deepcopy(base.config)
+    other.num_key_value_heads = 4  # another model shape: refused on every rank before anything runs
+    wrong = hf.apply_context_parallel(type(base)(other).eval(), mesh)
+    _expect(r"another model shape \(K/V heads 2; this model: K/V heads 4\)",
+            lambda: _generate(wrong, ids2, mask2, cache=out.cache))
+    ref2 = _generate(ref_model, ids2, mask2, cache=ref.cache)  # the retry with the right model: transformers'
+    branch = copy.deepcopy(out.cache)  # a copy branches the conversation
+    out2 = _generate(model, ids2, mask2, cache=out.cache)
+    _compare(out2, ref2, f"P={world} retried turn")
+    # a second follow-up from the cache the first one continued: the message says to copy it
+    ids3, mask3 = _ragged(out.sequences, mask, 62, (5, 2))
+    _expect(r"updated in place.*copy.deepcopy", lambda: _generate(model, ids3, mask3, cache=out.cache))
+    ref_branch = copy.deepcopy(ref_model)
+    ref3 = _generate(ref_branch, ids3, mask3, cache=_generate(ref_branch, ids, mask).cache)
+    _compare(_generate(model, ids3, mask3, cache=branch), ref3, f"P={world} branched")
+    # the new tokens alone, with the whole conversation's mask
+    _expect(r"takes the whole conversation.*the new tokens alone",
+            lambda: _generate(model, ids3[:, -5:], mask3, cache=copy.deepcopy(branch)))
+    _expect(r"the follow-up alone", lambda: _generate(model, ids3[:, -5:], None, cache=copy.deepcopy(branch)))
+    # the generated columns masked with 0 (a mask derived from the pad token): say they keep mask 1
+    ids4, zeroed = _follow(out2.sequences, mask2, 63, 3)
+    zeroed[0, mask2.shape[1] + 1] = 0
+    _expect(r"columns a generate\(\) call produced keep mask 1", lambda: _generate(model, ids4, zeroed, cache=out2.cache))
+    with warnings.catch_warnings():  # past_key_values=None is no cache, without a warning (as transformers)
+        warnings.simplefilter("error")
+        _compare(_generate(model, ids, mask, past_key_values=None), _generate(copy.deepcopy(base), ids, mask),
+                 "past_key_values=None")
 
 
 def _check_hybrid(rank: int, world: int) -> None:
@@ -211,12 +318,51 @@ def _check_hybrid(rank: int, world: int) -> None:
              f"qwen3_next P={world} chunked")
 
 
+def _windowed_shares(out, ref, world: int, where: str) -> int:
+    """Each windowed layer's share <= ceil(C / P) + 2 and the shares together >= C, C what CP=1's sliding cache
+    holds for the layer (Note [Windowed caches]); returns how many windowed layers."""
+    n = 0
+    for layer, ref_layer in zip(out.cache.layers, ref.cache.layers):
+        if getattr(ref_layer, "is_sliding", False):
+            c, sizes = ref_layer.keys.shape[2], [None] * world
+            dist.all_gather_object(sizes, layer.keys.shape[2])
+            assert layer.reach is not None and max(sizes) <= -(-c // world) + 2 and sum(sizes) >= c, (where, sizes, c)
+            n += 1
+    return n
+
+
+def _check_hybrid_windowed(rank: int, world: int) -> None:
+    """A hybrid with a sliding-window layer (Lara-Mini: Gated DeltaNet, MoE; window 6), headtail: three turns equal
+    CP=1, and after turns 2 and 3 the windowed layer's shares are trimmed to what the window reaches."""
+    from test_hf_hybrid_generate import OTHERS
+
+    cfg_cls, cls, extra = OTHERS["lara_mini"]
+    torch.manual_seed(0)
+    types = ["linear_attention", "sliding_attention", "linear_attention", "full_attention"]
+    base = cls(cfg_cls(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=2, max_position_embeddings=256, attn_implementation="sdpa", layer_types=types,
+                       sliding_window=6, pad_token_id=0, **extra)).float().eval()
+    mesh = init_device_mesh("cpu", (world,))
+    ref_model, model = copy.deepcopy(base), hf.apply_context_parallel(copy.deepcopy(base), mesh, layout="headtail")
+    ids, mask = _prompt(70, 2, 11, [0, 3], vocab=128)
+    ref, out = _generate(ref_model, ids, mask, max_new_tokens=3), _generate(model, ids, mask, max_new_tokens=3)
+    _compare(out, ref, f"lara_mini P={world} turn 1")
+    for turn, t in enumerate((6, 7), 2):
+        ids, mask = _follow(out.sequences, mask, 70 + turn, t)
+        ref, out = _generate(ref_model, ids, mask, cache=ref.cache), _generate(model, ids, mask, cache=out.cache)
+        _compare(out, ref, f"lara_mini P={world} turn {turn}")
+        assert _windowed_shares(out, ref, world, f"lara_mini P={world} turn {turn}") == 1
+
+
 def _all(rank: int, world: int, full: bool) -> int:
-    n = _check_turns(rank, world, full) + _check_chunked(rank, world, full)
+    n = _check_turns(rank, world, full) + _check_chunked(rank, world, full) + _check_ragged(rank, world, full)
     if full:
         _check_hybrid(rank, world)
         _check_bytes(rank, world)
         _check_refusals(rank, world)
+        _check_failed_turns(rank, world)
+        if world > 2:  # the slow tier's
+            _check_hybrid_windowed(rank, world)
     return n
 
 
@@ -226,12 +372,13 @@ def test_turns_and_chunked_prefill_match_cp1(world):
     2 with left padding) and prefill_chunk_size (16 on a 70-token prompt, ...) vs CP=1; at P=2 also the bytes of
     a 6-token turn after 48 and 144 cached tokens, and the refusals."""
     checked, *_ = run_ranks(world, _all, world == 2)
-    assert checked == (9 + len(CHUNKED) if world == 2 else 8), checked
+    assert checked == (10 + len(CHUNKED) if world == 2 else 9), checked
 
 
 @slow("every case at P = 3 and 4")
 @pytest.mark.parametrize("world", [3, 4])
 def test_turns_every_case_more_ranks(world):
-    """The default test's every case (turns, chunks, the hybrid, bytes, refusals) at P = 3 and 4."""
+    """The default test's every case (turns, chunks, the hybrid, bytes, refusals) at P = 3 and 4, and a hybrid with
+    a sliding-window layer (Lara-Mini) over three turns, its windowed shares trimmed."""
     checked, *_ = run_ranks(world, _all, True, timeout=600.0)
-    assert checked == 9 + len(CHUNKED), checked
+    assert checked == 10 + len(CHUNKED), checked
