@@ -27,6 +27,21 @@ ints a rank; linear attention), ``agree`` with ``Rules.digest`` (one int64 a ran
 only on a mismatch: decoding, once per generated token), ``agree_objects`` with picklable values (the
 transformers wrappers, once per call). Each entry point's fields stay in its own module.
 
+Note [Compiled agreement of the other ops]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``sharded_causal_conv1d``, ``sharded_delta_rule`` and ``sharded_cache_attention`` agree as the ring does
+under ``torch.compile`` (Note [Compiled agreement] in checks.py), through one opaque op,
+``cp_dtensor::agree_call_``: its arguments are the entry point's name (its :class:`Rules`, registered with
+:func:`compiled_rules`), the fingerprint's shape-and-option ints (constants of each rank's graph), this
+rank's local error text or None, the CP group's name, the tensors whose *values* the fingerprint reads
+(:func:`digest`ed at run time: decoding's replicated queries) and a tensor to gather on the host (the conv's
+document ids at the runs' ends). At run time it does what :func:`agree` does eagerly -- every rank raises
+the same ``ValueError`` -- and returns the gathered tensor (an empty one without). The caller ties the first
+collective's payload to that result (``tie_``), so no data moves before the agreement; with a local error
+the caller returns a placeholder of the output's shape, tied the same way, that the op's raise never lets
+anyone see. Data-dependent checks after the exchange (a decoded query that sees no key) are ops too
+(``cp_dtensor::seen_or_raise`` in decode.py): the graph has no guard on a tensor's value.
+
 Note [Agreeing on checkpoint errors]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 A check that fails on one rank only (its share of the checksums, a file it could not read, a bad
@@ -41,6 +56,7 @@ first failing rank's exception first.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,9 +64,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._compat import resolve_process_group
 from .exchange.comm import Groups, all_gather_host, all_gather_objects, group_size, host_group
 
-__all__ = ["SAME_SHARDS", "Rules", "agree", "agree_objects", "agree_on_call", "agreed", "rank_world"]
+__all__ = ["SAME_SHARDS", "Rules", "agree", "agree_call_", "agree_compiled", "agree_objects", "agree_on_call", "agreed",
+           "compiled_rules", "digest", "rank_world"]
 
 SAME_SHARDS = "Every rank must hold an equal-length shard of one sequence and pass the same options."
 
@@ -202,3 +220,67 @@ def agree_on_call(error: str | None, fingerprint: dict[str, int], group: dist.Pr
     rules = Rules(what, tuple(fingerprint), refused="{what} rejected the arguments of rank(s) {ranks}: {error}",
                   advice="Every rank must pass the same arguments, with tensors of the same shapes.")
     agree(rules, list(fingerprint.values()), error, group)
+
+
+def digest(x: torch.Tensor | None) -> int:
+    """An exact fingerprint of a CPU tensor's bits (wrapping integer arithmetic: the same on every rank);
+    -1 for none, -2 off the CPU (reading it there would wait for the device)."""
+    if x is None:
+        return -1
+    if x.device.type != "cpu":
+        return -2
+    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+    flat = x.detach().contiguous().view(-1).view(ints).long()
+    weights = torch.arange(1, flat.numel() + 1, dtype=torch.int64) * 1000003 + 7
+    return int((flat * weights).sum()) ^ (flat.numel() << 40)
+
+
+_COMPILED: dict[str, Rules] = {}  # the entry points that agree inside a compiled graph, by name (constant rules)
+
+
+def compiled_rules(rules: Rules) -> Rules:
+    """Register ``rules`` for :func:`agree_compiled` (at import of the entry point's module); returns them."""
+    _COMPILED[rules.what] = rules
+    return rules
+
+
+@torch.library.custom_op("cp_dtensor::agree_call_", mutates_args=("token",))
+def agree_call_(token: torch.Tensor, what: str, fingerprint: list[int], texts: str, error: str | None,
+                group: str, values: list[torch.Tensor], gather: torch.Tensor | None) -> torch.Tensor:
+    """:func:`agree` as an op a compiled graph runs: see Note [Compiled agreement of the other ops]. ``texts``:
+    crc32'd after the fingerprint (joined by ``_SEP``). Returns
+    every rank's ``gather`` [P, *gather.shape] (on the host), or an empty tensor."""
+    pg = resolve_process_group(group)
+    fp = list(fingerprint) if error is not None else [*fingerprint, *(zlib.crc32(t.encode()) for t in _split(texts)),
+                                                      *(digest(v) for v in values)]
+    agree(_COMPILED[what], fp, error, pg)
+    token.fill_(1)
+    if gather is None:
+        return token.new_empty(0)
+    return all_gather_host(gather.detach().to("cpu").contiguous(), host_group(pg))
+
+
+@agree_call_.register_fake
+def _(token, what, fingerprint, texts, error, group, values, gather):
+    if gather is None:
+        return token.new_empty(0)
+    return gather.new_empty((dist.get_world_size(resolve_process_group(group)), *gather.shape), device="cpu")
+
+
+def agree_compiled(rules: Rules, fingerprint: Sequence[int], error: str | None, group: dist.ProcessGroup, *,
+                   texts: Sequence[str] = (), values: Sequence[torch.Tensor] = (),
+                   gather: torch.Tensor | None = None) -> torch.Tensor:
+    """Inside a compiled graph, the agreement of ``rules`` (registered with :func:`compiled_rules`) over
+    ``group``: the op's result, which the caller's first collective must wait for (``tie``). The fingerprint
+    is ``fingerprint``, then the crc32 of each of ``texts``, then the :func:`digest` of each of ``values``
+    (both read at run time; without an ``error``)."""
+    token = torch.zeros(1, dtype=torch.int64)
+    return agree_call_(token, rules.what, [int(x) for x in fingerprint], _SEP.join(texts), error, group.group_name,
+                       list(values), gather)
+
+
+_SEP = "\x1f"  # the texts travel as one string (an op's schema has no list of strings)
+
+
+def _split(texts: str) -> list[str]:
+    return texts.split(_SEP) if texts else []

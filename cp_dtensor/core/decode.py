@@ -34,7 +34,8 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from .._deprecated import old_keywords
-from .agreement import Rules, agree
+from .agreement import Rules, agree, agree_compiled, compiled_rules, digest
+from .compute.ordering import tie
 from .exchange.comm import all_gather, wait
 
 __all__ = ["sharded_cache_attention"]
@@ -101,20 +102,9 @@ def _bits(x: float) -> int:
     return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
-def digest(x: Tensor | None) -> int:
-    """An exact fingerprint of a CPU tensor's bits (wrapping integer arithmetic: the same on every rank);
-    -1 for none, -2 off the CPU (reading it there would wait for the device)."""
-    if x is None:
-        return -1
-    if x.device.type != "cpu":
-        return -2
-    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
-    flat = x.detach().contiguous().view(-1).view(ints).long()
-    weights = torch.arange(1, flat.numel() + 1, dtype=torch.int64) * 1000003 + 7
-    return int((flat * weights).sum()) ^ (flat.numel() << 40)
-
-
-def _fingerprint(q, k, v, q_positions, scale, window_size, sinks, ok: bool) -> list[int]:
+def _fingerprint(q, k, v, q_positions, scale, window_size, sinks, ok: bool, *, values: bool = True) -> list[int]:
+    """The agreement's ints; ``values=False``: without the last three (the digests of sinks, q and
+    q_positions), which the compiled agreement reads at run time."""
     def dim(x, i):
         return int(x.shape[i]) if isinstance(x, Tensor) and x.dim() == 4 else -1
 
@@ -123,17 +113,17 @@ def _fingerprint(q, k, v, q_positions, scale, window_size, sinks, ok: bool) -> l
         dim(q, 0), dim(q, 1), dim(k, 1), dim(q, 2), dim(q, 3), dim(v, 3),
         _DTYPES.index(q.dtype) if isinstance(q, Tensor) and q.dtype in _DTYPES else -1,
         _bits(scale) if isinstance(scale, (int, float)) else -1, int(window[0]), int(window[1]),
-        digest(sinks) if ok else -3, digest(q) if ok else -3, digest(q_positions) if ok else -3,
-    ]
+    ] + ([digest(sinks) if ok else -3, digest(q) if ok else -3, digest(q_positions) if ok else -3]
+         if values or not ok else [])
 
 
 # Note [One agreement] (agreement.py) for this op, by digest: one int64 a rank over the group's host (gloo)
 # twin, so the check adds 8 * (P - 1) bytes to the call's wire; the fields travel only when ranks differ
-_RULES = Rules(
+_RULES = compiled_rules(Rules(
     _NAME, _FIELDS, digest=True,
     advice="The new tokens' q and q_positions and every option must be replicated; only k, v, k_positions are this "
            "rank's share (sinks, q and positions are compared exactly where they live on the CPU).",
-)
+))
 
 
 def _partial(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, scale: float, window, dtype):
@@ -209,17 +199,31 @@ def sharded_cache_attention(
         raise ValueError(f"{_NAME} was called on a rank outside its CP group (global rank {dist.get_rank()}); "
                          "call it on the group's ranks only, or pass their group.")
     err = local_error(q, k, v, q_positions, k_positions, scale, window_size, sinks)
-    fp = _fingerprint(q, k, v, q_positions, scale, window_size, sinks, err is None) if world > 1 else []
-    agree(_RULES, fp, err, group)
+    ready = None
+    if torch.compiler.is_compiling() and world > 1:  # Note [Compiled agreement of the other ops] in agreement.py
+        fp = _fingerprint(q, k, v, q_positions, scale, window_size, sinks, err is None, values=False)
+        values = [] if err is not None else [q_positions] if sinks is None else [sinks, q, q_positions]
+        if err is None and sinks is None:
+            fp.append(-1)  # digest(None): the sinks' field
+            values.insert(0, q)
+        ready = agree_compiled(_RULES, fp, err, group, values=values)
+        if err is not None:  # the op raises at run time, on every rank: a placeholder here
+            if not all(isinstance(x, Tensor) and x.dim() == 4 for x in (q, v)):
+                raise ValueError(err)
+            return tie(q.new_zeros(*q.shape[:3], v.shape[3]), ready)
+    else:
+        fp = _fingerprint(q, k, v, q_positions, scale, window_size, sinks, err is None) if world > 1 else []
+        agree(_RULES, fp, err, group)
     return attend(q, k, v, q_positions=q_positions, k_positions=k_positions, group=group, world=world, scale=scale,
-                  window_size=window_size, sinks=sinks)
+                  window_size=window_size, sinks=sinks, ready=ready)
 
 
 def attend(q, k, v, *, q_positions, k_positions, group, world: int, scale, window_size, sinks,
-           padding: Tensor | None = None) -> Tensor:
+           padding: Tensor | None = None, ready: Tensor | None = None) -> Tensor:
     """:func:`sharded_cache_attention` after its checks: for callers whose replicated inputs agree by
     construction (generate() under CP, where every rank computes the new tokens' q alike). ``padding`` [B, T]
-    bool: queries of padding columns, which may see no key (their output is then 0) instead of raising."""
+    bool: queries of padding columns, which may see no key (their output is then 0) instead of raising;
+    ``ready``: the compiled agreement's result, which the all-gather's payload waits for."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     b, hq, t, dv = q.shape[0], q.shape[1], q.shape[2], v.shape[3]
@@ -227,7 +231,7 @@ def attend(q, k, v, *, q_positions, k_positions, group, world: int, scale, windo
         out, lse = _partial(q, k, v, q_positions.to(q.device), k_positions.to(q.device), scale,
                             None if window_size is None else tuple(window_size), dtype)
         if world > 1:
-            mine = torch.cat([out, lse[..., None]], -1).reshape(-1)  # [B*Hq*T*(Dv+1)]: [out | lse]
+            mine = tie(torch.cat([out, lse[..., None]], -1).reshape(-1), ready)  # [B*Hq*T*(Dv+1)]: [out | lse]
             every = wait(all_gather(mine, group), group).view(world, b, hq, t, dv + 1)
             out, lse = _merge(every[..., :dv], every[..., dv])
         return _finish(q, out, lse, q_positions, window_size, sinks, padding, dtype)
@@ -258,13 +262,34 @@ def _finish(q, out, lse, q_positions, window_size, sinks, padding, dtype) -> Ten
         blind = torch.isinf(lse[:, 0])  # [B, T]; the masks do not depend on the head
         if padding is not None:
             blind &= ~padding.to(blind.device)
-        if bool(blind.any()):  # every rank holds the same merged lse: every rank raises
-            row, col = torch.nonzero(blind)[0].tolist()
-            raise ValueError(
-                f"{_NAME}: the query at q_positions[{row}, {col}] = {int(q_positions[row, col])} sees no key on "
-                f"any rank (causal 0 <= j <= i, window {window_size}, empty slots -1). Give it a key (its own "
-                "K/V in the cache) or pass sinks."
-            )
+        if torch.compiler.is_compiling():  # See Note [Compiled agreement of the other ops]: the check is an op
+            out = seen_or_raise(out, blind, q_positions, str(window_size))
+        else:
+            _raise_blind(blind, q_positions, window_size)
     else:  # sinks join the softmax once: out * sigmoid(lse - sink)
         out = out * torch.sigmoid(lse - sinks.to(dtype)[None, :, None])[..., None]
     return out.to(q.dtype)
+
+
+def _raise_blind(blind: Tensor, q_positions: Tensor, window_size) -> None:
+    if bool(blind.any()):  # every rank holds the same merged lse: every rank raises
+        row, col = torch.nonzero(blind)[0].tolist()
+        raise ValueError(
+            f"{_NAME}: the query at q_positions[{row}, {col}] = {int(q_positions[row, col])} sees no key on "
+            f"any rank (causal 0 <= j <= i, window {window_size}, empty slots -1). Give it a key (its own "
+            "K/V in the cache) or pass sinks."
+        )
+
+
+@torch.library.custom_op("cp_dtensor::seen_or_raise", mutates_args=())
+def seen_or_raise(out: Tensor, blind: Tensor, q_positions: Tensor, window: str) -> Tensor:
+    """``out`` (a copy) once no query is ``blind`` (sees no key on any rank); else the ValueError, on every
+    rank alike (every rank holds the same merged lse). A compiled graph's check: Note [Compiled agreement of
+    the other ops] in agreement.py."""
+    _raise_blind(blind, q_positions, window)
+    return out.clone()
+
+
+@seen_or_raise.register_fake
+def _(out, blind, q_positions, window):
+    return torch.empty_like(out)

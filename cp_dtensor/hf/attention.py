@@ -84,6 +84,7 @@ from ..core.checks import check_call, check_cp_mesh, options_error  # noqa: E402
 from ..core.plan.layout import in_global_order, shard_tensor  # noqa: E402
 from .documents import KWARG, check_model_layout, documents_of, plan_error, ring_layout  # noqa: E402
 from .generate import enable_generate, generate  # noqa: E402
+from .router import enable_router_loss  # noqa: E402
 from .served import cp_error, layer_types  # noqa: E402
 from .state import ATTR, CPGenerate, HFState, attach, implementations, remove_context_parallel  # noqa: E402
 from .tiling import apply_sequence_tiling, check_tileable  # noqa: E402
@@ -369,16 +370,7 @@ def _top_level_error(model: nn.Module, args, kwargs) -> str | None:
     if get("shift_labels") is not None and get("num_items_in_batch") is None:
         return ("with shift_labels= under context parallelism pass num_items_in_batch= (the global count of labels "
                 "!= -100): each rank's mean would otherwise be over its own tokens only.")
-    config = getattr(model, "config", None)
-    router = get("output_router_logits")
-    router = getattr(config, "output_router_logits", False) if router is None else router
-    if router and get("labels") is not None and getattr(config, "router_aux_loss_coef", 1.0):
-        return ("output_router_logits=True adds the MoE router's load-balancing loss to the loss, computed by the "
-                "model over this rank's tokens only: summed over the ranks, P losses of shards are not the loss of "
-                "the whole sequence (a balancing loss is not additive over tokens). Under context parallelism "
-                "train with output_router_logits=False (model.config.output_router_logits = False), or run this "
-                "model without context parallelism.")
-    return None
+    return None  # an MoE's router loss: from the global means, Note [Router loss under CP] in hf/router.py
 
 
 @old_keywords("cp_dtensor.hf.apply_context_parallel", cp_mesh="mesh")
@@ -463,6 +455,7 @@ def apply_context_parallel(
     state.handles += [model.register_forward_pre_hook(_call_starts, with_kwargs=True),
                       model.register_forward_hook(_call_ends, always_call=True),
                       model.base_model.register_forward_pre_hook(_forward_starts)]
+    enable_router_loss(model, state)  # an MoE's load-balancing loss from the global means
     enable_generate(model, state)  # generate(): ring prefill, then a sequence-sharded KV cache
     model.generate = CPGenerate(model, generate)
     if linear is not None:  # the linear layers' convolution and delta rule (state passing; generate()'s states):
@@ -484,7 +477,8 @@ def _call_starts(model: nn.Module, args, kwargs):
 
 
 def _call_ends(model: nn.Module, args, output):
-    getattr(model, ATTR).pending = None  # the refusal was this call's only
+    state = getattr(model, ATTR)
+    state.pending = state.real = None  # the refusal and the Trainer's padding were this call's only
     return output
 
 

@@ -30,12 +30,11 @@ shard:
 Checked at the forward's first attention call, on every rank before any K/V moves (one agreement,
 then the exchange's own per layer): a missing plan, a plan for another mesh size or batch shape, and a
 plan of another batch or a batch sharded in another order -- a token whose position id is 0 where the
-plan has no document start; a token whose position is not one more than its predecessor's in the row
-while the plan has both in one document (``DocumentLayout.positions_error``: checked where this rank
-holds both tokens, so a plan coarser than the positions and a batch sharded with a layout name but given
-a documents plan raise; a pair split across ranks is not checked); a pad token (``attention_mask`` 0)
-the plan does not keep apart -- local checks, no collective; a plan that cuts the documents *finer* than
-the positions is taken (that is a plan of ``document_ids=``). The agreement carries the plan's key and
+plan has no document start; positions that do not restart at 0 where the plan's documents start, or
+do not go up by 1 inside them (``DocumentLayout.positions_error``, Note [A plan fits its batch]: each
+token's position against its offset in its plan document, so coarser, finer and shifted plans and pairs
+split across ranks are all seen); a pad token (``attention_mask`` 0) the plan does not keep apart, or a
+padded row's tokens in more than one plan document -- local checks, no collective. The agreement carries the plan's key and
 every rank's error, so all ranks raise when one does, and plans that differ across ranks raise too.
 
 generate() is unchanged: its prompt is one sequence a row, so its prefill runs the striped ring
@@ -193,12 +192,11 @@ def plan_error(state: HFState, plan, query: Tensor, pos: Tensor, attention_mask)
     if bool(((pos.detach().expand(b, -1).cpu() == 0) & ~start.gather(1, held)).any()):
         return ("the plan (cp_layout=) was built for another batch: a token with position id 0 (a new document) "
                 "is inside one of the plan's documents. Build the plan from this batch's full position_ids.")
-    error = plan.positions_error(rank, pos.detach().expand(b, -1)) if isinstance(pos, Tensor) else None
-    if error is not None:  # a coarser plan, or a batch sharded by a layout name: positions inside a document
-        return error
     if isinstance(attention_mask, Tensor) and attention_mask.dim() == 2:
         pad = attention_mask.detach().cpu() == 0
         if bool((pad & ~(start & end).gather(1, held)).any()):
             return ("the plan (cp_layout=) does not keep this batch's padding apart: build it with the padding "
                     "mask, cp_dtensor.hf.plan_batch(model, position_ids=..., attention_mask=full_mask).")
-    return None
+    real = attention_mask.detach().cpu().bool() if isinstance(attention_mask, Tensor) and attention_mask.dim() == 2 else None
+    # a coarser, finer or shifted plan, a batch sharded by a layout name: Note [A plan fits its batch]
+    return plan.positions_error(rank, pos.detach().expand(b, -1), real=real) if isinstance(pos, Tensor) else None

@@ -54,7 +54,7 @@ __all__ = ["ATTR", "CPGenerate", "HFState", "attach", "implementations", "remove
 
 ATTR = "_cp_dtensor_hf"  # the attribute holding the HFState on the model and every submodule
 
-_PER_CALL = ("pending", "plan", "last", "id_range", "keep_logits", "generating", "decoding")
+_PER_CALL = ("pending", "plan", "last", "id_range", "keep_logits", "generating", "decoding", "real")
 
 
 @dataclass(eq=False)
@@ -76,6 +76,9 @@ class HFState:
     linear: Any = None  #: linear.LinearState for a hybrid linear-attention model
     comm_dtype: Any = None  #: ring_attention's comm_dtype for every ring call (None: K/V as they are)
     kv_exchange: str = "ring"  #: ring_attention's kv_exchange for every ring call
+    #: the Trainer's next call: this rank's tokens of the user's rows ([S_local] or [B, S_local] bool; None: no CP
+    #: padding), which the router loss counts (Note [Router loss under CP] in router.py); cleared after the call
+    real: Any = None
 
     def _fresh(self, copied: dict) -> None:
         for f in fields(self):

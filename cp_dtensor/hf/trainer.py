@@ -100,6 +100,7 @@ from ..core.tiling import check_tile_size  # noqa: E402
 from .attention import apply_context_parallel  # noqa: E402
 from .collator import META, CollatedBatch, ShardingCollator  # noqa: E402
 from .documents import KWARG, check_model_layout, model_windows  # noqa: E402
+from .state import state_of  # noqa: E402
 
 __all__ = ["ShardingCollator", "with_context_parallel"]
 
@@ -225,6 +226,9 @@ class _ContextParallel:
                              "dataloaders wrap it; a custom get_*_dataloader must use self.data_collator.")
         inputs = dict(inputs)
         meta = inputs.pop(META)
+        state = state_of(self.model)
+        if state is not None:  # CP's own padding, left out of the router loss (Note [Router loss under CP])
+            state.real = meta.real
         if meta.plan is not None:  # layout="documents": the batch's plan, for every layer of the model call
             inputs[KWARG] = meta.plan
         cp = self.cp_mesh.size()

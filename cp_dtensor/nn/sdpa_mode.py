@@ -209,7 +209,7 @@ class RingSDPA(TorchFunctionMode):
         rank (one small all-gather, before any K/V moves): see Note [A plan at the model door]."""
         rank, world = self.mesh.get_local_rank(), self.mesh.size()
         error = _plan_error(plan, self.layout, world, rank, ids, pos if self.documents == "position_ids" else None)
-        if error is None and isinstance(pos, Tensor):  # positions inside the plan's documents advance by 1
+        if error is None and ids is None and isinstance(pos, Tensor):  # See Note [A plan fits its batch]
             error = plan.positions_error(rank, pos.reshape(-1, pos.shape[-1]))
         agree_on_call(error, {"plan": plan.key if error is None else -1}, self.mesh.get_group(),
                       what="apply_context_parallel")
@@ -225,7 +225,9 @@ class RingSDPA(TorchFunctionMode):
 # with it (``shard_batch(..., layout=plan)``) and passes it to the forward as ``cp_layout=plan``, a keyword the
 # hook takes away (the Hugging Face door's spelling; a model's own ``layout`` argument stays its own). The hook checks it
 # -- built for this CP size and a placement the door takes, the positions' and ids' document starts its
-# own, positions advancing by 1 inside its documents (``DocumentLayout.positions_error``) -- and the ranks agree on it (its key: equal ids on every rank) before the first SDPA call. A named
+# own, the positions restarting at 0 exactly where its documents start and going up by 1 inside them
+# (``DocumentLayout.positions_error``: Note [A plan fits its batch]; with ``document_ids=`` the ids are
+# checked instead) -- and the ranks agree on it (its key: equal ids on every rank) before the first SDPA call. A named
 # layout needs no plan from the caller: from ``position_ids`` the hook gathers the start flags once and
 # builds the named placement's plan itself; from ``document_ids`` (this rank's shard) it passes them to
 # the ring as they are (no communication).

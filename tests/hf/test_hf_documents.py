@@ -210,10 +210,14 @@ def _check_errors(rank: int, world: int) -> None:
     other = hf.plan_batch(model, position_ids=torch.arange(N).expand(2, N) % 8)
     _expect_error(lambda: call(cp_layout=other), "another batch")
     _expect_error(lambda: call(cp_layout=other if rank == world - 1 else plan), "another batch|rejected")
-    # plans that differ across ranks, each consistent with the positions (rank 1's cuts a document once more):
-    # the agreement on the plan's key
+    # a plan that cuts a document once more than the positions, on rank 1 only (Note [A plan fits its batch])
     ids = (positions == 0).long().cumsum(1) + (rank > 0) * (torch.arange(N) >= 20).long()
-    mine = hf.plan_batch(model, document_ids=ids)
+    finer = hf.plan_batch(model, document_ids=ids)
+    fine_tok, fine_pos = shard_batch((tokens, positions), mesh, layout=finer)
+    _expect_error(lambda: call(input_ids=fine_tok, position_ids=fine_pos, cp_layout=finer), "does not fit")
+    # plans that differ across ranks, each consistent with the positions (rank 1's balanced for a window):
+    # the agreement on the plan's key
+    mine = document_layout(plan.ids, world, windows=[2] if rank > 0 else None)
     mine_tok, mine_pos = shard_batch((tokens, positions), mesh, layout=mine)
     _expect_error(lambda: call(input_ids=mine_tok, position_ids=mine_pos, cp_layout=mine), "plan key")
     # a plan for another mesh size, for another batch shape
@@ -224,7 +228,7 @@ def _check_errors(rank: int, world: int) -> None:
     # padding the plan does not keep apart
     mask = torch.ones(2, N, dtype=torch.long)
     mask[0, -6:] = 0
-    _expect_error(lambda: call(attention_mask=shard_batch(mask, mesh, layout=plan)), "padding apart")
+    _expect_error(lambda: call(attention_mask=shard_batch(mask, mesh, layout=plan)), "padding apart|more than one")
     # built from the full batch: N not divisible by P, ids that decrease, padding inside a row -- every rank
     _expect_error(lambda: hf.plan_batch(model, position_ids=positions[:, :N - 1]), "divisible")
     _expect_error(lambda: hf.plan_batch(model, document_ids=torch.arange(N).flip(0).expand(2, N)), "decrease")

@@ -232,24 +232,37 @@ def test_cp_families_equal_plain():
 
 
 def _router_loss(rank: int, world: int) -> list[str]:
-    """An MoE training call with its router loss on (config or call) raises on every rank under CP; without labels
-    (evaluation) or with the router loss off it runs."""
+    """An MoE training call with its router loss on (config or call) under CP, tiled or not: the ranks' losses and
+    aux_loss shares sum to the plain model's, and the gradients summed over the ranks are its (Note [Router loss
+    under CP] in hf/router.py); without labels (evaluation) it runs too."""
     mesh = init_device_mesh("cpu", (world,))
     tokens, positions, labels = _batch()
     shifted = hf.shift_labels(labels)
+    count = (shifted != -100).sum()
     tok, pos, lab = shard_batch((tokens, positions, shifted), mesh, layout="headtail")
     kw = dict(input_ids=tok, position_ids=pos, use_cache=False)
-    train = dict(kw, labels=lab, shift_labels=lab, num_items_in_batch=(shifted != -100).sum())
-    raised = []
+    train = dict(kw, labels=lab, shift_labels=lab, num_items_in_batch=count)
+    served = []
     for kind in ("gpt_oss", "mixtral", "qwen3_moe"):
-        on = hf.apply_context_parallel(_model(kind, output_router_logits=True), mesh, layout="headtail")
-        off = hf.apply_context_parallel(_model(kind), mesh, layout="headtail")
-        for model, call in ((on, train), (off, dict(train, output_router_logits=True))):
-            with pytest.raises(ValueError, match="output_router_logits=False"):
-                model(**call)
-            raised.append(kind)
-        assert on(**kw).aux_loss is not None and torch.isfinite(off(**train).loss)
-    return raised
+        plain = _model(kind, output_router_logits=True, router_aux_loss_coef=0.5)
+        want = plain(input_ids=tokens, position_ids=positions, labels=labels, num_items_in_batch=count, use_cache=False)
+        want.loss.backward()
+        want_grads = torch.cat([p.grad.flatten() for p in plain.parameters() if p.grad is not None])
+        for tiled, in_call in ((False, False), (True, True)):
+            model = _model(kind, router_aux_loss_coef=0.5, **({} if in_call else {"output_router_logits": True}))
+            model = hf.apply_context_parallel(model, mesh, layout="headtail", sequence_tiling=4 if tiled else False)
+            out = model(**train, **({"output_router_logits": True} if in_call else {}))
+            out.loss.backward()
+            got = torch.stack([out.loss.detach(), out.aux_loss.detach()])
+            torch.distributed.all_reduce(got)
+            grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+            torch.distributed.all_reduce(grads)
+            assert abs(float(got[0]) - want.loss.item()) < 1e-5, (kind, tiled, float(got[0]), want.loss.item())
+            assert abs(float(got[1]) - want.aux_loss.item()) < 1e-5, (kind, tiled)
+            assert (grads - want_grads).abs().max() < 1e-4, (kind, tiled)
+            assert model(**kw, output_router_logits=True).aux_loss is not None
+            served.append(kind)
+    return served
 
 
 def _family_dropout(rank: int, world: int) -> list[str]:
@@ -281,7 +294,7 @@ def test_family_default_attention_dropout_refused_naming_the_key():
     assert run_ranks(2, _family_dropout) == [["refused", "True", "True"]] * 2
 
 
-def test_router_loss_refused_under_cp_on_every_rank():
+def test_router_loss_served_under_cp():
     assert run_ranks(2, _router_loss) == [[k for k in ("gpt_oss", "mixtral", "qwen3_moe") for _ in range(2)]] * 2
 
 

@@ -243,6 +243,15 @@ def reduce_scatter(buf: Tensor, group: dist.ProcessGroup) -> Tensor:
         raise lost_peer(e, group) from e
 
 
+def all_reduce_sum(buf: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """The sum of every rank's ``buf`` over ``group`` (a new tensor; waited): the MoE router loss's sums
+    (Note [Router loss under CP] in hf/router.py)."""
+    try:
+        return funcol.wait_tensor(funcol.all_reduce(buf, "sum", group))
+    except RuntimeError as e:
+        raise lost_peer(e, group) from e
+
+
 def wait(buf: Tensor, group: dist.ProcessGroup) -> Tensor:
     """Block until a posted collective's result has arrived (see :meth:`RingComm.wait`)."""
     try:

@@ -146,7 +146,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..._deprecated import old_keywords
-from ..agreement import Rules, agree
+from ..agreement import Rules, agree, agree_compiled, compiled_rules
+from ..compute.ordering import tie
 from ..plan.layout import LAYOUTS
 from .linear_conv import sharded_causal_conv1d  # noqa: F401 -- re-exported: its old home
 from .linear_plan import (  # noqa: F401 -- re-exported: their old home
@@ -184,7 +185,7 @@ _run_starts, _owner = run_starts, run_owner  # this module's own short names
 
 # one all-gather of every rank's fingerprint, the same ValueError on every rank when any rank's local checks
 # failed or the ranks differ: Note [One agreement] in agreement.py (run eagerly, between the compiled parts)
-_DELTA_RULES = Rules("sharded_delta_rule", _DELTA_FIELDS, describe=_describe)
+_DELTA_RULES = compiled_rules(Rules("sharded_delta_rule", _DELTA_FIELDS, describe=_describe))
 
 
 def _delta_error(kernel, q, k, v, g, beta, layout, ids, kernel_kwargs) -> str | None:
@@ -219,17 +220,39 @@ def _delta_error(kernel, q, k, v, g, beta, layout, ids, kernel_kwargs) -> str | 
     return _layout_error(what, layout, s) or _ids_error(what, ids, b, s)
 
 
-@torch.compiler.disable
-def _check_delta(kernel, q, k, v, g, beta, layout, ids, l2norm, kernel_kwargs, group, world: int) -> None:
-    """Local checks, then the agreement: the same ValueError on every rank, or none."""
+def _check_delta(kernel, q, k, v, g, beta, layout, ids, l2norm, kernel_kwargs, group, world: int, gather=None):
+    """Local checks, then the agreement: the same ValueError on every rank, or none. Compiled (Note [Compiled
+    agreement of the other ops] in agreement.py): (the agreement's result -- every rank's ``gather`` when
+    given -- and this rank's error or None), the first payload tied to the result."""
     err = _delta_error(kernel, q, k, v, g, beta, layout, ids, kernel_kwargs)
-    fp = [-1] * len(_DELTA_FIELDS)
+    fp, texts = [-1] * len(_DELTA_FIELDS), []
     if err is None:
         fp = [*q.shape, *v.shape[2:], g.dim(), _FLOATS.index(q.dtype), LAYOUTS.index(layout), int(ids is not None),
-              int(bool(l2norm)),
-              _crc(f"{getattr(kernel, '__module__', '')}.{getattr(kernel, '__qualname__', type(kernel).__name__)}"),
-              _crc(repr(sorted(kernel_kwargs.items())))]
+              int(bool(l2norm))]
+        texts = [f"{getattr(kernel, '__module__', '')}.{getattr(kernel, '__qualname__', type(kernel).__name__)}",
+                 repr(sorted(kernel_kwargs.items()))]
+    if torch.compiler.is_compiling() and world > 1:  # the texts' crc32 at run time (zlib is not traceable)
+        return agree_compiled(_DELTA_RULES, fp, err, group, texts=texts,
+                              gather=None if err is not None else gather), err
+    fp += [_crc(t) for t in texts]
     agree(_DELTA_RULES, fp, err, group)
+    return None, None
+
+
+@torch.compiler.disable
+def _document_runs(ids: Tensor, last: Tensor, starts, run_len: int, layout: str, world: int):
+    """Per run: (fresh [B] -- whether each row's first token starts a document --, cuts [B] -- the local
+    starts of documents inside it), read from the ids' values (on the host; a graph break when compiled:
+    the kernel calls follow the documents). ``last``: every run's last id, [P, B, runs]."""
+    out = []
+    for s0, j in starts:
+        row = ids[:, s0:s0 + run_len]
+        fresh = [j == 0] * ids.shape[0]
+        if j > 0:
+            r, i = _owner(layout, world, j - 1)
+            fresh = (row[:, 0] != last[r, :, i]).tolist()
+        out.append((fresh, [(torch.nonzero(x[1:] != x[:-1]).flatten() + 1).tolist() for x in row]))
+    return out
 
 
 # -- the delta rule ------------------------------------------------------------------------------------
@@ -297,7 +320,20 @@ def sharded_delta_rule(
     of every run's summary: no extra communication) -- what decoding continues from (Note [Prefill for
     decoding])."""
     group, rank, world = _group(mesh)
-    _check_delta(kernel, q, k, v, g, beta, layout, document_ids, use_qk_l2norm_in_kernel, kernel_kwargs, group, world)
+    b, s = (q.shape[0], q.shape[1]) if isinstance(q, Tensor) and q.dim() == 4 else (0, 0)
+    good_ids = isinstance(document_ids, Tensor) and tuple(document_ids.shape) == (b, s) and s > 0
+    starts = _run_starts(layout, rank, world, s) if good_ids and layout in LAYOUTS else []
+    run_len = s // max(1, len(starts))
+    mine_last = (document_ids[:, [s0 + run_len - 1 for s0, _ in starts]].to("cpu", torch.int64)
+                 if good_ids and starts and not document_ids.dtype.is_floating_point else None)
+    ready, failed = _check_delta(kernel, q, k, v, g, beta, layout, document_ids, use_qk_l2norm_in_kernel,
+                                 kernel_kwargs, group, world, gather=mine_last)
+    if failed is not None:  # compiled: the agreement raises at run time, on every rank (placeholders here)
+        if not (isinstance(q, Tensor) and isinstance(v, Tensor) and q.dim() == v.dim() == 4):
+            raise ValueError(failed)
+        out = tie(v.new_zeros(v.shape, dtype=q.dtype), ready)
+        state = v.new_zeros(v.shape[0], v.shape[2], q.shape[3], v.shape[3])
+        return (out, state) if output_final_state else out
     b, s, hk, dk = q.shape
     hv, dv = v.shape[2:]
 
@@ -305,25 +341,20 @@ def sharded_delta_rule(
     run_len = s // len(starts)
     state_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     kw = dict(kernel_kwargs, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    plans = [([j == 0] * b, [[] for _ in range(b)]) for _, j in starts]
     if document_ids is not None:
-        last = _gather_last_ids(document_ids, starts, run_len, group, world)  # [P, B, runs]
-        ids = document_ids.to("cpu", torch.int64)
+        last = (ready if ready is not None else
+                _gather_last_ids(document_ids, starts, run_len, group, world))  # [P, B, runs]
+        plans = _document_runs(document_ids.to("cpu", torch.int64), last, starts, run_len, layout, world)
     outs = []
-    for s0, j in starts:
+    for (s0, _), (fresh, cuts) in zip(starts, plans):
         xs = [x[:, s0:s0 + run_len] for x in (q, k, v, g, beta)]
-        fresh, cuts = [j == 0] * b, [[] for _ in range(b)]
-        if document_ids is not None:
-            row = ids[:, s0:s0 + run_len]
-            if j > 0:
-                prev = last[_owner(layout, world, j - 1)[0], :, _owner(layout, world, j - 1)[1]]
-                fresh = (row[:, 0] != prev).tolist()
-            cuts = [(torch.nonzero(r[1:] != r[:-1]).flatten() + 1).tolist() for r in row]
         outs.append(_run(kernel, xs, fresh, cuts, state_dtype, kw))
 
     # the summaries [runs, B, Hv, dk, dk + dv] of every rank, in global order, folded (fp32)
     summaries = torch.stack([torch.cat([a if a is not None else bst.new_zeros(b, hv, dk, dk), bst], -1)
                              for _, _, a, bst in outs])
-    every = _gather(summaries.flatten(), group, world).view(world, len(starts), b, hv, dk, dk + dv)
+    every = _gather(tie(summaries, ready).flatten(), group, world).view(world, len(starts), b, hv, dk, dk + dv)
     entries, state = {}, summaries.new_zeros(b, hv, dk, dv)
     mine = {j for _, j in starts}
     for j in range(world * len(starts) if output_final_state else max(mine) + 1):  # the final state: every run

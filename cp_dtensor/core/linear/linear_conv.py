@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..._deprecated import old_keywords
-from ..agreement import Rules, agree
+from ..agreement import Rules, agree, agree_compiled, compiled_rules
+from ..compute.ordering import tie
 from ..exchange.comm import all_gather_host, host_group
 from ..plan.layout import LAYOUTS
 from .linear_plan import _CONV_FIELDS
@@ -21,7 +22,7 @@ from .linear_runs import run_starts as _run_starts
 __all__ = ["sharded_causal_conv1d"]
 
 # one all-gather of every rank's fingerprint: Note [One agreement] in agreement.py
-_CONV_RULES = Rules("sharded_causal_conv1d", _CONV_FIELDS, describe=_describe)
+_CONV_RULES = compiled_rules(Rules("sharded_causal_conv1d", _CONV_FIELDS, describe=_describe))
 
 
 # -- the short causal conv -----------------------------------------------------------------------------
@@ -44,14 +45,34 @@ def _conv_error(x, weight, bias, activation, layout, ids) -> str | None:
     return _layout_error(what, layout, s) or _ids_error(what, ids, b, s)
 
 
-@torch.compiler.disable
-def _check_conv(x, weight, bias, activation, layout, ids, group, world: int) -> None:
+def _check_conv(x, weight, bias, activation, layout, ids, group, world: int, gather=None):
+    """Local checks, then the agreement: the same ValueError on every rank, or none. Compiled (Note [Compiled
+    agreement of the other ops] in agreement.py): (the agreement's result, this rank's error or None); the
+    result is ``gather`` of every rank ([P, ...]) when given, else a value to tie the first payload to."""
     err = _conv_error(x, weight, bias, activation, layout, ids)
     fp = [-1] * len(_CONV_FIELDS)
     if err is None:
         fp = [*x.shape, weight.shape[1], _FLOATS.index(x.dtype), _FLOATS.index(weight.dtype), int(bias is not None),
               _ACTIVATIONS.index(activation), LAYOUTS.index(layout), int(ids is not None)]
+    if torch.compiler.is_compiling() and world > 1:
+        return agree_compiled(_CONV_RULES, fp, err, group, gather=None if err is not None else gather), err
     agree(_CONV_RULES, fp, err, group)
+    return None, None
+
+
+def _id_tails(x, weight, layout, ids, rank: int, world: int):
+    """[runs, B, t]: the document ids of this rank's runs' last t = min(run, K - 1) tokens (on the host), the
+    halo's ids every rank gathers; None without ids, with t = 0 or inputs the checks refuse."""
+    if ids is None or _conv_error(x, weight, None, None, layout, ids) is not None:
+        return None
+    b, _, s = x.shape
+    starts = _run_starts(layout, rank, world, s)
+    run_len = s // len(starts)
+    t = min(run_len, weight.shape[1] - 1)
+    if not t:
+        return None
+    ids = ids.to("cpu", torch.int64)
+    return ids[:, [s0 + run_len - t + i for s0, _ in starts for i in range(t)]].view(b, len(starts), t).transpose(0, 1)
 
 
 @old_keywords("cp_dtensor.sharded_causal_conv1d", group="mesh")
@@ -70,7 +91,11 @@ def sharded_causal_conv1d(
     them), the same on every rank -- from the halo's all-gather, one column more per run (Note [Prefill for
     decoding])."""
     group, rank, world = _group(mesh)
-    _check_conv(x, weight, bias, activation, layout, document_ids, group, world)
+    id_tails = _id_tails(x, weight, layout, document_ids, rank, world)
+    ready, failed = _check_conv(x, weight, bias, activation, layout, document_ids, group, world, gather=id_tails)
+    if failed is not None:  # compiled: the agreement raises at run time, on every rank (placeholders here)
+        out = tie(x.new_zeros(x.shape), ready)
+        return (out, x.new_zeros(*x.shape[:2], weight.shape[1])) if output_final_state else out
 
     b, c, s = x.shape
     kk = weight.shape[1]
@@ -82,14 +107,13 @@ def sharded_causal_conv1d(
     n = world * len(starts)
     order = [_owner(layout, world, j) for j in range(n)]
     if tg:  # every run's last tg tokens, in global order: [B, C, n * t] (the halo) and [B, C, n * tg]
-        tails = torch.stack([r[..., run_len - tg:] for r in runs])
+        tails = tie(torch.stack([r[..., run_len - tg:] for r in runs]), ready)
         every = _gather(tails.flatten(), group, world).view(world, len(starts), b, c, tg)
         halo_src = torch.cat([every[r, i, ..., tg - t:] for r, i in order], -1)
     if document_ids is not None:
         ids = document_ids.to("cpu", torch.int64)
     if document_ids is not None and t:
-        id_tails = ids[:, [s0 + run_len - t + i for s0, _ in starts for i in range(t)]].view(b, len(starts), t).transpose(0, 1)
-        every_ids = (id_tails.unsqueeze(0) if world == 1 else
+        every_ids = (id_tails.unsqueeze(0) if world == 1 else ready if ready is not None else
                      all_gather_host(id_tails.contiguous(), host_group(group))).view(world, len(starts), b, t)
         halo_ids = torch.cat([every_ids[r, i] for r, i in order], -1)  # [B, n * t]
     w = weight
@@ -116,6 +140,8 @@ def sharded_causal_conv1d(
     out = outs[0] if len(outs) == 1 else torch.cat(outs, -1)
     if tg and world > 1 and (not t or all(j == 0 for _, j in starts)):  # the output reads no halo: see _Tie
         out = _Tie.apply(out, every)
+    elif ready is not None and not tg:  # no collective to tie: the output carries the agreement
+        out = tie(out.clone(), ready)
     if not output_final_state:
         return out
     # the last K inputs: the last run's tail when it holds K, else every run whole (tg = run_len)

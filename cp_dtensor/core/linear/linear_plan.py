@@ -4,7 +4,8 @@ rank sends (Note [Linear attention under CP] in linear_attention.py), for the pl
 
 from __future__ import annotations
 
-__all__ = ["LINEAR_LAYOUTS", "check_bytes", "check_linear_layout", "conv_halo_bytes", "linear_state_bytes"]
+__all__ = ["LINEAR_LAYOUTS", "check_bytes", "check_linear_layout", "conv_halo_bytes", "linear_layout_error",
+           "linear_state_bytes"]
 
 LINEAR_LAYOUTS = ("contiguous", "headtail")
 _DELTA_FIELDS = ("batch", "seq_len_local", "k_heads", "k_dim", "v_heads", "v_dim", "gate", "dtype", "layout",
@@ -15,16 +16,22 @@ _CONV_FIELDS = ("batch", "channels", "seq_len_local", "kernel_size", "dtype", "w
 
 def check_linear_layout(layout: str) -> str:
     """``layout`` if linear attention runs on it; else the ValueError (the same on every rank)."""
-    if layout == "striped":
-        raise ValueError(
-            "linear attention (gated delta rule) under CP needs each rank's tokens in contiguous runs; the "
-            "'striped' layout makes every token its own run, whose [dk, dk + dv] state summary outweighs the "
-            "token. Use layout='headtail' (load-balanced for the softmax layers of a hybrid model too) or "
-            "'contiguous'."
-        )
-    if layout not in LINEAR_LAYOUTS:
-        raise ValueError(f"unknown sequence layout {layout!r}; linear attention takes one of {', '.join(LINEAR_LAYOUTS)}.")
+    error = linear_layout_error(layout)
+    if error is not None:
+        raise ValueError(error)
     return layout
+
+
+def linear_layout_error(layout) -> str | None:
+    """:func:`check_linear_layout`'s error text, or None (no exception: a compiled graph formats it)."""
+    if layout == "striped":
+        return ("linear attention (gated delta rule) under CP needs each rank's tokens in contiguous runs; the "
+                "'striped' layout makes every token its own run, whose [dk, dk + dv] state summary outweighs the "
+                "token. Use layout='headtail' (load-balanced for the softmax layers of a hybrid model too) or "
+                "'contiguous'.")
+    if layout not in LINEAR_LAYOUTS:
+        return f"unknown sequence layout {layout!r}; linear attention takes one of {', '.join(LINEAR_LAYOUTS)}."
+    return None
 
 
 def _runs(layout: str) -> int:

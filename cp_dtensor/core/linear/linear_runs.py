@@ -14,7 +14,7 @@ from torch import Tensor
 
 from ..exchange.comm import all_gather, all_gather_host, host_group, reduce_scatter, wait
 from ..plan.layout import LAYOUTS
-from .linear_plan import check_linear_layout
+from .linear_plan import linear_layout_error
 
 __all__ = ["run_owner", "run_starts"]
 
@@ -72,10 +72,9 @@ def _describe(field: str, value: int):
 
 
 def _layout_error(what: str, layout, s_local: int) -> str | None:
-    try:
-        check_linear_layout(layout)
-    except ValueError as e:
-        return f"{what}: {e}"
+    error = linear_layout_error(layout)
+    if error is not None:
+        return f"{what}: {error}"
     if layout == "headtail" and s_local % 2:
         return (f"{what}: the headtail layout holds two equal runs per rank; got S_local = {s_local} (odd). Pad the "
                 "sequence to a multiple of 2 * P.")

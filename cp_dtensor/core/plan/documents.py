@@ -17,6 +17,23 @@ Hugging Face), ``with_context_parallel``'s collator, ``context_parallel``, torch
 with it, and passes it as the ``layout`` of every attention call of that forward: layer after layer
 reuses it (and its cached exchange plans). ``layout="documents"`` places the documents themselves; a
 layout name keeps that layout's order and the plan carries the ids the ring masks by.
+
+Note [A plan fits its batch]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A plan is an object the caller passes with each forward (``cp_layout=plan``), so it can be the plan of
+another batch: the ring would then mask by the plan's documents, not the batch's, and answer wrong without
+a word. Where the batch's documents are in its position ids (restarting at 0 for every document: the
+transformers door, the own-model door given positions), ``positions_error`` checks every token a rank holds
+against the plan, from that rank's tokens alone: a token ``g`` of the plan document that starts at token
+``s`` must have position ``g - s``. A token's own position and its plan document's start are all it needs,
+so no pair of tokens has to sit on one rank (a striped shard holds no neighbours; a pair split across ranks
+is checked on both sides of the split) and every kind of misfit is seen on the rank holding the first token
+it touches: a coarser plan (a position 0 inside a plan document), a finer one (a plan document starting at
+a position above 0), a shifted one, a batch sharded in another order, another rank's positions. The row's
+first document is the one exception -- a row cut from a longer sequence starts mid-document -- so there
+the positions need only go up by 1 (``position - g`` one value >= 0 on each rank). With a 2-D padding mask
+(transformers' padded rows: each pad a document, the tokens one sequence whose positions may count the
+pads) the tokens of a row must lie in one plan document, the pads in documents of their own.
 """
 
 from __future__ import annotations
@@ -108,12 +125,11 @@ class DocumentLayout:
         """int64 [B, S]: the document ids of the tokens ``rank`` holds."""
         return self.ids.gather(1, self.local_positions(rank, self.cp_size, self.seq_len))
 
-    def positions_error(self, rank: int, positions) -> str | None:
-        """Whether ``positions`` ([B | 1, S], this rank's shard of the batch's position ids) can be the shard
-        of a batch this plan was built for, from this rank's tokens only (no communication): wherever the
-        rank holds a token and the token before it in the row, both in one of the plan's documents, its
-        position is one more (else the plan's documents are coarser than the positions, or the batch was
-        sharded in another order, a named layout's, than the plan's). None, or the error."""
+    def positions_error(self, rank: int, positions, *, real=None) -> str | None:
+        """Whether ``positions`` ([B | 1, S], this rank's shard of the batch's position ids, restarting at 0
+        for every document) can be the shard of a batch this plan was built for, from this rank's tokens
+        only (no communication): see Note [A plan fits its batch]. ``real``: this rank's shard of a 2-D
+        padding mask ([B, S] bool, True for tokens) or None. None, or the error."""
         import torch
 
         held = self.local_positions(rank, self.cp_size, self.seq_len)  # [B_plan, S]: global index of each local slot
@@ -123,19 +139,42 @@ class DocumentLayout:
             return None  # the shape checks are the door's
         held, pos = held.expand(rows, -1), pos.expand(rows, -1)
         ids = self.ids.expand(rows, -1)
-        slot = torch.full(ids.shape, -1, dtype=torch.int64).scatter_(1, held, torch.arange(held.shape[1]).expand_as(held))
-        before = slot.gather(1, (held - 1).clamp(min=0))  # [rows, S]: the local slot of each token's predecessor
-        same = (held > 0) & (before >= 0) & (ids.gather(1, held) == ids.gather(1, (held - 1).clamp(min=0)))
-        bad = same & (pos != pos.gather(1, before.clamp(min=0)) + 1)
+        n = ids.shape[1]
+        start = torch.ones(ids.shape, dtype=torch.bool)
+        start[:, 1:] = ids[:, 1:] != ids[:, :-1]
+        first = torch.where(start, torch.arange(n).expand(rows, n), 0).cummax(1).values  # [rows, N]: each doc's start
+        s = first.gather(1, held)  # [rows, S]: the start of each held token's plan document
+        offset = pos - (held - s)  # [rows, S]: 0 wherever the positions restart where the plan's documents do
+        free = s == 0  # a row's first document may start mid-document (a row cut from a longer one)
+        if real is not None:  # See Note [A plan fits its batch]: a padded row is one run of tokens
+            mask = real.detach().to("cpu", torch.bool).expand(rows, -1)
+            free = free | mask
+            tok_ids = torch.where(mask, ids.gather(1, held), -1)
+            one = tok_ids.max(1, keepdim=True).values
+            split = mask & (tok_ids != one)
+            if bool(split.any()):
+                b, i = (int(x) for x in torch.nonzero(split)[0])
+                return (f"the plan (cp_layout=) does not fit this batch: row {b}'s tokens (attention_mask 1) lie in "
+                        "more than one of the plan's documents, while a padded row is one sequence. Build the plan "
+                        "from this batch: cp_dtensor.hf.plan_batch(model, position_ids=..., attention_mask=full_mask).")
+            checked = mask
+        else:
+            checked = torch.ones_like(free)
+        bad = checked & ~free & (offset != 0)
+        # a free document's offset is one value on this rank (positions go up by 1 inside it) and >= 0
+        base = torch.where(checked & free, offset, torch.iinfo(torch.int64).max).min(1, keepdim=True).values
+        bad = bad | (checked & free & ((offset != base) | (offset < 0)))
         if not bool(bad.any()):
             return None
         b, i = (int(x) for x in torch.nonzero(bad)[0])
-        g = int(held[b, i])
+        g, d = int(held[b, i]), int(s[b, i])
+        want = f"{g - d}" if d > 0 else "one more than the token before it"
         return (f"the plan (cp_layout=) does not fit this batch's positions: row {b}, global token {g} has position "
-                f"{int(pos[b, i])} after {int(pos[b, int(before[b, i])])} at token {g - 1}, inside one of the plan's "
-                "documents -- a plan built for another batch (whose documents are coarser than these positions), "
-                "or a batch sharded in another order than the plan's (shard it with cp_dtensor.shard_batch(..., "
-                "layout=plan), not a layout name). Build the plan from this batch's full ids and shard with it.")
+                f"{int(pos[b, i])}; the plan has it in a document starting at token {d}, where its position would be "
+                f"{want} (positions restart at 0 where a document starts). The plan was built for another batch "
+                "(coarser, finer or shifted documents), or the batch was sharded in another order than the plan's "
+                "(shard it with cp_dtensor.shard_batch(..., layout=plan), not a layout name), or this rank holds "
+                "another rank's shard. Build the plan from this batch's full ids and shard with it.")
 
 
 def _gather(x, dim: int, idx, batch: int):
