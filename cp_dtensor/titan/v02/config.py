@@ -82,8 +82,6 @@ def check_config(job_config: Any, world_size: int) -> None:
         )
 
     unsupported = []
-    if par.pipeline_parallel_degree > 1:
-        unsupported.append("[parallelism] pipeline_parallel_degree > 1")
     if par.expert_parallel_degree > 1:
         unsupported.append("[parallelism] expert_parallel_degree > 1")
     name = job_config.model.name

@@ -75,6 +75,7 @@ from .families import (
     tied_embedding_fsdp,
     tied_embedding_tp,
 )
+from .pipeline import attach_stage_masks
 from .validate import build_ring_validator
 
 __all__ = ["FAMILIES", "parallelize_with_ring", "refuse_cp_for_other_models", "train_spec"]
@@ -111,8 +112,8 @@ def _ring_in_place(attention_modules, cp_mesh, attention_type: str) -> None:
                 f"K/V ring payload {payload}")
 
 
-def _bind_batch_sharding(layout: str, ulysses: int = 1) -> None:
-    bound = functools.partial(shard_cp_batch, layout=layout, ulysses=ulysses)
+def _bind_batch_sharding(layout: str, ulysses: int = 1, pipeline: bool = False) -> None:
+    bound = functools.partial(shard_cp_batch, layout=layout, ulysses=ulysses, pipeline=pipeline)
     bound._cp_dtensor = True
     n_bound = 0
     for module in list(sys.modules.values()):
@@ -156,7 +157,9 @@ def parallelize_with_ring(model: nn.Module, parallel_dims, job_config, *, titan_
             apply_ring_attention(model, parallel_dims.get_mesh("cp") if parallel_dims.cp_enabled else None, section)
             stack.enter_context(_cp_hidden(job_config))
         if parallel_dims.cp_enabled:
-            _bind_batch_sharding(section.layout, section.ulysses_degree)
+            _bind_batch_sharding(section.layout, section.ulysses_degree, pipeline=parallel_dims.pp_enabled)
+            if parallel_dims.pp_enabled:  # this model is one pipeline stage: Note [CP under pipeline parallelism]
+                attach_stage_masks(model)
             if hasattr(titan_module, TITAN_CP_STEP):
                 stack.enter_context(_swapped(titan_module, TITAN_CP_STEP, _ring_in_place))
             else:  # gpt_oss: its parallelize has no CP step
