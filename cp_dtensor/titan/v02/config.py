@@ -109,8 +109,6 @@ def _check_tiling(job_config: Any) -> None:
     if getattr(par, "fsdp_reshard_after_forward", "default") == "always":
         clash.append('[parallelism] fsdp_reshard_after_forward = "always" (the tiled loss uses the LM head\'s '
                      "unsharded weights after its forward)")
-    if par.pipeline_parallel_degree > 1:
-        clash.append("[parallelism] pipeline_parallel_degree > 1")
     if clash:
         raise ValueError("[cp_dtensor] sequence_tiling does not support " + "; ".join(clash)
                          + ". Change these or remove sequence_tiling.")

@@ -1,0 +1,176 @@
+"""torchtitan 0.2.2: cp_dtensor context parallelism beside pipeline parallelism (Note [CP under pipeline parallelism]).
+
+End-to-end (slow tier; 4 ranks on 2 CPU cores): llama3 debugmodel, fp32, 3 steps from one seed checkpoint;
+every PP = 2 x CP = 2 job logs the losses of PP = 2 x CP = 1 (the same stages and microbatches without CP)
+to rel 2e-5, and a documents-layout job on the flex flavor those of PP = 1 x CP = 2. Default tier: the
+batch as the schedule splits it (no processes): each microbatch's positions, mask ids and document plan
+equal what sharding that microbatch alone gives, and bad PP x CP configurations raise before any collective.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+from _tiers import slow
+
+if importlib.util.find_spec("torchtitan") is None:
+    pytest.skip("torchtitan is not installed", allow_module_level=True)
+from _titan_run import skip_unless_titan  # noqa: E402
+
+skip_unless_titan((0, 2))
+
+import cp_dtensor.titan  # noqa: E402, F401  before any torchtitan import: see Note [torchtitan on CPU]
+from _titan_run import CONFIG, REPO, step_losses, torchrun  # noqa: E402
+
+import torch  # noqa: E402
+
+STEPS = 3
+RTOL = 2e-5
+_PP_JOB = slow("a 4-rank pipeline x CP torchtitan run (~60 s on 2 CPU cores)")
+
+
+def _parse(config: Path, *overrides: str):
+    from torchtitan.config import ConfigManager
+
+    return ConfigManager().parse_args(["--job.config_file", str(config), *overrides])
+
+
+def _pp(schedule: str) -> list[str]:
+    return ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", schedule]
+
+
+@pytest.fixture(scope="module")
+def seed_ckpt(tmp_path_factory) -> Path:
+    dump = tmp_path_factory.mktemp("seed")
+    torchrun(1, dump, "--parallelism.context_parallel_degree", "1", "--checkpoint.enable",
+             "--checkpoint.create_seed_checkpoint")
+    return dump / "checkpoint" / "step-0"
+
+
+def _from_seed(seed_ckpt: Path) -> list[str]:
+    return ["--checkpoint.enable", "--checkpoint.initial_load_path", str(seed_ckpt), "--checkpoint.load_only",
+            "--training.steps", str(STEPS)]
+
+
+@pytest.fixture(scope="module")
+def pp2_cp1_losses(seed_ckpt, tmp_path_factory) -> list[float]:
+    out = torchrun(2, tmp_path_factory.mktemp("pp2cp1"), "--parallelism.context_parallel_degree", "1",
+                   *_pp("1F1B"), *_from_seed(seed_ckpt))
+    losses = step_losses(out, last=STEPS)  # the last stage logs the loss; the first logs -1 per rank (not parsed)
+    assert losses[-1] < losses[0], f"the reference run does not train: {losses}"
+    return losses
+
+
+@_PP_JOB
+@pytest.mark.parametrize(
+    ("schedule", "extra"),
+    [("1F1B", []),
+     # several stages per rank, the headtail layout and the tiled LM head + loss on the last stage, in one job
+     ("Interleaved1F1B", ["--cp_dtensor.layout", "headtail", "--cp_dtensor.sequence_tiling=64"])],
+    ids=["1f1b_striped", "interleaved_headtail_tiled"],
+)
+def test_pp2_cp2_matches_pp2_cp1(schedule, extra, seed_ckpt, pp2_cp1_losses, tmp_path):
+    out = torchrun(4, tmp_path, "--parallelism.context_parallel_degree", "2", *_pp(schedule), *extra,
+                   *_from_seed(seed_ckpt))
+    assert "Applied cp_dtensor ring attention" in out
+    losses = step_losses(out, last=STEPS)
+    assert losses == pytest.approx(pp2_cp1_losses, rel=RTOL), f"PP x CP {losses} vs PP x CP=1 {pp2_cp1_losses}"
+
+
+@_PP_JOB
+def test_pp2_cp2_documents_matches_pp1_cp2(seed_ckpt, tmp_path):
+    # the flex flavor's block_causal masks, planned per batch: every stage rebuilds its microbatch's plan.
+    # GPipe here, so the three schedules are covered by the two tests
+    flex = ["--model.flavor", "debugmodel_flex_attn", "--cp_dtensor.layout", "documents",
+            "--parallelism.context_parallel_degree", "2", *_from_seed(seed_ckpt)]
+    ref = step_losses(torchrun(2, tmp_path / "pp1", *flex), last=STEPS)
+    out = torchrun(4, tmp_path / "pp2", *flex, *_pp("GPipe"))
+    assert "Applied cp_dtensor ring attention (layout=documents)" in out
+    losses = step_losses(out, last=STEPS)
+    assert losses == pytest.approx(ref, rel=RTOL), f"PP=2 x CP=2 {losses} vs PP=1 x CP=2 {ref}"
+
+
+class _FakeCPMesh:
+    def __init__(self, rank: int, world: int):
+        self.rank, self.world = rank, world
+
+    def get_local_rank(self) -> int:
+        return self.rank
+
+    def size(self) -> int:
+        return self.world
+
+
+class _Echo(torch.nn.Module):
+    def forward(self, tokens, attention_masks=None, positions=None):
+        return tokens, attention_masks, positions
+
+
+def _doc_ids(batch: int, n: int) -> torch.Tensor:
+    # every row its own documents: row b starts one at every multiple of (5 + 3 b) and at 2 b + 1
+    ids = torch.zeros(batch, n, dtype=torch.long)
+    for b in range(batch):
+        for s in sorted({2 * b + 1, *range(5 + 3 * b, n, 5 + 3 * b)}):
+            ids[b, s:] += 1
+    return ids
+
+
+@pytest.mark.parametrize("layout", ["striped", "headtail", "documents"])
+@pytest.mark.parametrize("masks", ["none", "one", "dict"])
+def test_schedule_split_equals_sharding_each_microbatch(layout, masks):
+    # shard_cp_batch(pipeline=True), split into microbatches as torch's pipeline schedule splits the step's
+    # arguments, then rebuilt by a stage's pre-hook: each microbatch's tokens, positions, masks and document
+    # plan equal those of sharding that microbatch's rows alone (the reference: no pipeline, no split)
+    from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
+
+    from cp_dtensor.core.plan.documents import DocumentLayout
+    from cp_dtensor.titan.v02.attention import shard_cp_batch
+    from cp_dtensor.titan.v02.flex import RingMask
+    from cp_dtensor.titan.v02.pipeline import attach_stage_masks
+
+    if layout == "documents" and masks == "none":
+        pytest.skip("the documents layout needs the batch's masks (refused without: test_titan.py)")
+    batch, n, world, n_mb = 4, 48, 2, 2
+    g = torch.Generator().manual_seed(0)
+    inputs, labels = torch.randint(0, 1000, (batch, n), generator=g), torch.randint(0, 1000, (batch, n), generator=g)
+    ids = _doc_ids(batch, n)
+
+    def kwargs_of(rows):
+        if masks == "none":
+            return {}
+        if masks == "one":
+            return {"attention_masks": RingMask.make(ids[rows])}
+        return {"attention_masks": {"basic_mask": RingMask.make(ids[rows], is_causal=False),
+                                    "sliding_window_mask": RingMask.make(ids[rows], window_size=(6, 0))}}
+
+    stage = _Echo()
+    attach_stage_masks(stage)
+    for rank in range(world):
+        mesh = _FakeCPMesh(rank, world)
+        x, y, kw = shard_cp_batch(inputs, labels, kwargs_of(slice(None)), mesh, torch.device("cpu"), layout=layout,
+                                  pipeline=True)
+        args_mb, kwargs_mb = split_args_kwargs_into_chunks((x,), kw, n_mb)
+        labels_mb = torch.tensor_split(y, n_mb)
+        assert len(args_mb) == len(kwargs_mb) == n_mb
+        for i in range(n_mb):
+            rows = slice(i * batch // n_mb, (i + 1) * batch // n_mb)
+            rx, ry, rkw = shard_cp_batch(inputs[rows], labels[rows], kwargs_of(rows), mesh, torch.device("cpu"),
+                                         layout=layout)
+            tokens, got_masks, pos = stage(*args_mb[i], **kwargs_mb[i])
+            assert torch.equal(tokens, rx) and torch.equal(labels_mb[i], ry)
+            assert torch.equal(pos, rkw["positions"].expand_as(pos)) and pos.shape == rx.shape
+            if masks == "none":
+                assert got_masks is None
+                continue
+            ref_masks = rkw["attention_masks"]
+            pairs = [(got_masks, ref_masks)] if masks == "one" else [(got_masks[k], ref_masks[k]) for k in ref_masks]
+            for got, ref in pairs:
+                assert isinstance(got, RingMask) and torch.equal(got.ids, ref.ids)
+                assert (got.is_causal, got.window_size) == (ref.is_causal, ref.window_size)
+                if layout == "documents":
+                    assert isinstance(got.plan, DocumentLayout) and got.plan.key == ref.plan.key
+                    assert torch.equal(got.plan.order, ref.plan.order) and got.plan.windows == ref.plan.windows
+                else:
+                    assert got.plan is None and ref.plan is None
