@@ -223,18 +223,18 @@ def _layout_of(order, ids, cp_size: int, lefts: tuple, placement: str) -> Docume
                           placement=placement)
 
 
-def layout_rows(layout: DocumentLayout, order, ids) -> DocumentLayout:
-    """The plan of some of ``layout``'s rows, from those rows of its ``order`` and ``ids`` ([b, N] each, e.g.
-    one pipeline microbatch's): each row is planned alone, so this is what ``document_layout`` of those
-    rows' ids returns, without planning them again."""
+def layout_rows(order, ids, *, cp_size: int, windows: tuple = (None,), placement: str = "documents") -> DocumentLayout:
+    """The plan of some rows of a batch's plan, from those rows of its ``order`` and ``ids`` ([b, N] each, e.g.
+    one pipeline microbatch's) and its ``cp_size``, ``windows`` and ``placement``: each row is planned alone,
+    so this is what ``document_layout`` of those rows' ids returns, without planning them again."""
     import torch
 
     order = order.detach().to("cpu", torch.int64).contiguous()
     ids = ids.detach().to("cpu", torch.int64).contiguous()
-    if order.shape != ids.shape or order.dim() != 2 or ids.shape[1] != layout.seq_len:
-        raise ValueError(f"layout_rows takes [b, {layout.seq_len}] rows of the plan's order and ids; got "
-                         f"{tuple(order.shape)} and {tuple(ids.shape)}.")
-    return _layout_of(order, ids, layout.cp_size, layout.windows, layout.placement)
+    if order.shape != ids.shape or order.dim() != 2:
+        raise ValueError(f"layout_rows takes [b, N] rows of a plan's order and ids; got {tuple(order.shape)} and "
+                         f"{tuple(ids.shape)}.")
+    return _layout_of(order, ids, cp_size, tuple(windows), placement)
 
 
 def full_document_ids(*, document_ids=None, position_ids=None, where: str = "cp_dtensor"):

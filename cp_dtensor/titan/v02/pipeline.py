@@ -17,10 +17,11 @@ Two things would not survive that split, and ``shard_cp_batch(..., pipeline=True
   row into M microbatches (it would refuse: "Expecting M arg_mbs but got 1"). They travel as [B, S_local].
 * A ``RingMask`` is a ``BlockMask`` of one batch row, which the schedule gives whole to every microbatch:
   its ids [B, S_local] and the step's document plan (rows of B) would not match a microbatch's rows. The
-  masks travel instead as a ``StageMasks`` dict of tensors the schedule splits by rows -- each mask's
-  shard ids, and under ``layout = "documents"`` the plan's ``order`` and full ``ids`` [B, N] -- beside
-  the rules (causal, window) and the plan object, which it passes whole. A forward pre-hook on every
-  stage (``attach_stage_masks``) rebuilds the microbatch's ``RingMask``s; the plan of its rows is
+  masks travel instead as a dict (marked ``STAGE_MASKS``) of tensors the schedule splits by rows -- each
+  mask's shard ids, and under ``layout = "documents"`` the plan's ``order`` and full ``ids`` [B, N] --
+  beside the rules (causal, window) and the plan's CP size, windows and placement, which it passes whole
+  (plain values: FSDP's input cast walks the dict). A forward pre-hook on every stage
+  (``attach_stage_masks``) rebuilds the microbatch's ``RingMask``s; the plan of its rows is
   ``layout_rows`` of the plan's rows (the documents placement plans each row alone, so that is the plan
   ``document_layout`` would build from those rows). Every stage thus builds the same plan for a
   microbatch, and the CP ranks of a stage agree on it, as the ring checks before any K/V moves.
@@ -53,18 +54,18 @@ def masks_for_schedule(masks: RingMask | dict[str, RingMask], plan: Any) -> dict
     one = isinstance(masks, RingMask)
     found = {"": masks} if one else masks
     rules = {k: {"ids": m.ids, "is_causal": m.is_causal, "window_size": m.window_size} for k, m in found.items()}
-    travel: dict[str, Any] = {STAGE_MASKS: True, "one": one, "masks": rules, "plan": plan}
-    if isinstance(plan, DocumentLayout):  # [B, N] each: the rows of every microbatch's plan
-        travel["order"], travel["full_ids"] = plan.order, plan.ids
+    travel: dict[str, Any] = {STAGE_MASKS: True, "one": one, "masks": rules, "plan": None}
+    if isinstance(plan, DocumentLayout):  # order, ids: [B, N] each, the rows of every microbatch's plan
+        travel["plan"] = {"order": plan.order, "ids": plan.ids, "cp_size": plan.cp_size,
+                          "windows": tuple(plan.windows), "placement": plan.placement}
     return travel
 
 
 def _rebuild(travel: dict[str, Any]) -> RingMask | dict[str, RingMask]:
     plan = travel["plan"]
-    if isinstance(plan, DocumentLayout):
-        plan = layout_rows(plan, travel["order"], travel["full_ids"])  # this microbatch's rows
-    else:
-        plan = None
+    if plan is not None:  # this microbatch's rows of the step's plan
+        plan = layout_rows(plan["order"], plan["ids"], cp_size=plan["cp_size"], windows=plan["windows"],
+                           placement=plan["placement"])
     masks = {k: RingMask.make(r["ids"], is_causal=r["is_causal"], window_size=r["window_size"], plan=plan)
              for k, r in travel["masks"].items()}
     return masks[""] if travel["one"] else masks
@@ -81,7 +82,7 @@ def attach_stage_masks(stage: nn.Module) -> None:
     """Let a pipeline stage take its microbatch's masks in their travelling form (idempotent)."""
     if getattr(stage, "_cp_dtensor_stage_masks", False):
         return
-    stage.register_forward_pre_hook(_stage_masks_hook, with_kwargs=True)
+    stage.register_forward_pre_hook(_stage_masks_hook, with_kwargs=True, prepend=True)  # before FSDP's input cast
     stage._cp_dtensor_stage_masks = True
 
 

@@ -147,7 +147,8 @@ def parallelize_with_ring(model: nn.Module, parallel_dims, job_config, *, titan_
         compiled = getattr(getattr(job_config, "compile", None), "enable", False)  # MoE layers tiled in eager only
         tiled, whole = apply_sequence_tiling(model, tile, tile_mlps=not parallel_dims.tp_enabled, tile_moe=not compiled,
                                              stage=parallel_dims.pp_enabled)
-        logger.info(f"cp_dtensor: sequence tiling, {tile} tokens a tile: the LM head + loss and {tiled} MLPs"
+        head = "the LM head + loss and " if getattr(model, "output", None) is not None else ""  # PP: last stage only
+        logger.info(f"cp_dtensor: sequence tiling, {tile} tokens a tile: {head}{tiled} MLPs"
                     + (f" ({whole} MoE layers whole)" if whole and not parallel_dims.tp_enabled else "")
                     + (f" ({whole} MLPs whole under TP)" if whole and parallel_dims.tp_enabled else ""))
 

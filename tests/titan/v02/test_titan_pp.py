@@ -10,6 +10,7 @@ equal what sharding that microbatch alone gives, and bad PP x CP configurations 
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -21,10 +22,10 @@ from _titan_run import skip_unless_titan  # noqa: E402
 
 skip_unless_titan((0, 2))
 
-import cp_dtensor.titan  # noqa: E402, F401  before any torchtitan import: see Note [torchtitan on CPU]
-from _titan_run import CONFIG, REPO, step_losses, torchrun  # noqa: E402
-
 import torch  # noqa: E402
+
+import cp_dtensor.titan  # noqa: E402, F401  before any torchtitan import: see Note [torchtitan on CPU]
+from _titan_run import CONFIG, step_losses, torchrun  # noqa: E402
 
 STEPS = 3
 RTOL = 2e-5
@@ -79,17 +80,29 @@ def test_pp2_cp2_matches_pp2_cp1(schedule, extra, seed_ckpt, pp2_cp1_losses, tmp
     assert losses == pytest.approx(pp2_cp1_losses, rel=RTOL), f"PP x CP {losses} vs PP x CP=1 {pp2_cp1_losses}"
 
 
+def _validation_losses(out: str) -> list[float]:
+    # the last stage logs the validation loss; the first logs -1 / tokens (not parsed)
+    found: dict[int, set[float]] = {}
+    for step, loss in re.findall(r"validate step:\s*(\d+)\s+loss:\s*([0-9.]+)", out):
+        found.setdefault(int(step), set()).add(float(loss))
+    assert sorted(found) == [1, 2] and all(len(v) == 1 for v in found.values()), f"validation losses: {found}"
+    return [found[1].pop(), found[2].pop()]
+
+
 @_PP_JOB
 def test_pp2_cp2_documents_matches_pp1_cp2(seed_ckpt, tmp_path):
-    # the flex flavor's block_causal masks, planned per batch: every stage rebuilds its microbatch's plan.
-    # GPipe here, so the three schedules are covered by the two tests
+    # the flex flavor's block_causal masks, planned per batch: every stage rebuilds its microbatch's plan; the
+    # validator runs the same schedule. GPipe here, so the two tests cover the three schedules
     flex = ["--model.flavor", "debugmodel_flex_attn", "--cp_dtensor.layout", "documents",
-            "--parallelism.context_parallel_degree", "2", *_from_seed(seed_ckpt)]
-    ref = step_losses(torchrun(2, tmp_path / "pp1", *flex), last=STEPS)
+            "--parallelism.context_parallel_degree", "2", "--validation.enable", "--validation.freq", "2",
+            "--validation.steps", "2", *_from_seed(seed_ckpt)]
+    ref_out = torchrun(2, tmp_path / "pp1", *flex)
     out = torchrun(4, tmp_path / "pp2", *flex, *_pp("GPipe"))
     assert "Applied cp_dtensor ring attention (layout=documents)" in out
-    losses = step_losses(out, last=STEPS)
+    ref, losses = step_losses(ref_out, last=STEPS), step_losses(out, last=STEPS)
     assert losses == pytest.approx(ref, rel=RTOL), f"PP=2 x CP=2 {losses} vs PP=1 x CP=2 {ref}"
+    ref_val, val = _validation_losses(ref_out), _validation_losses(out)
+    assert val == pytest.approx(ref_val, rel=RTOL), f"validation PP=2 x CP=2 {val} vs PP=1 x CP=2 {ref_val}"
 
 
 class _FakeCPMesh:
@@ -117,8 +130,9 @@ def _doc_ids(batch: int, n: int) -> torch.Tensor:
     return ids
 
 
-@pytest.mark.parametrize("layout", ["striped", "headtail", "documents"])
-@pytest.mark.parametrize("masks", ["none", "one", "dict"])
+@pytest.mark.parametrize(("layout", "masks"), [(layout, masks) for layout in ("striped", "headtail", "documents")
+                                               for masks in ("none", "one", "dict")
+                                               if (layout, masks) != ("documents", "none")])  # refused: test_titan.py
 def test_schedule_split_equals_sharding_each_microbatch(layout, masks):
     # shard_cp_batch(pipeline=True), split into microbatches as torch's pipeline schedule splits the step's
     # arguments, then rebuilt by a stage's pre-hook: each microbatch's tokens, positions, masks and document
@@ -130,8 +144,6 @@ def test_schedule_split_equals_sharding_each_microbatch(layout, masks):
     from cp_dtensor.titan.v02.flex import RingMask
     from cp_dtensor.titan.v02.pipeline import attach_stage_masks
 
-    if layout == "documents" and masks == "none":
-        pytest.skip("the documents layout needs the batch's masks (refused without: test_titan.py)")
     batch, n, world, n_mb = 4, 48, 2, 2
     g = torch.Generator().manual_seed(0)
     inputs, labels = torch.randint(0, 1000, (batch, n), generator=g), torch.randint(0, 1000, (batch, n), generator=g)
@@ -174,3 +186,35 @@ def test_schedule_split_equals_sharding_each_microbatch(layout, masks):
                     assert torch.equal(got.plan.order, ref.plan.order) and got.plan.windows == ref.plan.windows
                 else:
                     assert got.plan is None and ref.plan is None
+
+
+@pytest.mark.parametrize(
+    ("overrides", "world", "message"),
+    [
+        (["--parallelism.pipeline_parallel_microbatch_size", "3"], 4,
+         r"local_batch_size \(2\) must be a multiple of \[parallelism\] pipeline_parallel_microbatch_size \(3\)"),
+        (["--validation.enable", "--validation.local_batch_size", "1"], 4,
+         r"\[validation\] local_batch_size \(1\) and seq_len \(256\) must equal \[training\]'s \(2, 256\)"),
+        (["--parallelism.pipeline_parallel_degree", "5", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"],
+         10, r"cuts llama3 debugmodel into 10 stages, more than its 6 layers \+ embedding \+ head"),
+        (["--training.seq_len", "250"], 4, r"seq_len \(250\) must be divisible by 2 \* context_parallel_degree \* "
+                                          r"tensor_parallel_degree = 4"),
+    ],
+    ids=["microbatch", "validation_shape", "stage_cut", "seq_len"],
+)
+def test_bad_pipeline_config_is_rejected(overrides, world, message):
+    # check_config runs on every rank before torchtitan builds a mesh (CPTrainer.init_distributed)
+    from cp_dtensor.titan import check_config
+
+    cfg = _parse(CONFIG, *_pp("1F1B"), *overrides)
+    with pytest.raises(ValueError, match=message):
+        check_config(cfg, world_size=world)
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "GPipe", "Interleaved1F1B"])
+def test_pipeline_with_cp_is_served(schedule):
+    from cp_dtensor.titan import check_config
+
+    check_config(_parse(CONFIG, *_pp(schedule), "--cp_dtensor.sequence_tiling=64"), world_size=4)
+    check_config(_parse(CONFIG, *_pp(schedule), "--model.flavor", "debugmodel_flex_attn", "--cp_dtensor.layout",
+                        "documents"), world_size=4)
