@@ -12,8 +12,11 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+
+import _titan_zygote
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "titan_configs" / "llama3_debug.toml"
@@ -47,15 +50,26 @@ class TorchrunFailed(AssertionError):
     """A job that had to succeed exited non-zero; the message ends with the tail of its output."""
 
 
+def _launch(nproc: int, args: Sequence[str], *, launcher_args: Sequence[str] = (), timeout: float | None
+            ) -> tuple[int, str]:
+    """One job: ``args`` is the entry (``-m module`` or a script) and its flags. The plugin's own entry runs on
+    ranks forked from a pre-imported zygote (tests/_titan_zygote.py); any other entry, launcher arguments, or
+    CP_DTENSOR_TITAN_FORK=0, through torchrun's fresh interpreters."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    if tuple(args[:2]) == _titan_zygote.ENTRY and not launcher_args and _titan_zygote.enabled():
+        return _titan_zygote.run_job(nproc, args[1], list(args[2:]), env=env, cwd=REPO, timeout=timeout)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           *launcher_args, *args]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
 def run_torchrun(nproc: int, dump: Path, *overrides: str, entry: Sequence[str] = TRAIN, config: Path = CONFIG,
                  timeout: float | None = 420, launcher_args: Sequence[str] = ()) -> tuple[int, str]:
     """Run one training job of ``nproc`` ranks; returns its exit code and the output of every rank."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           *launcher_args, *entry, "--job.config_file", str(config), "--job.dump_folder", str(dump), *overrides]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    return proc.returncode, proc.stdout + proc.stderr
+    args = [*entry, "--job.config_file", str(config), "--job.dump_folder", str(dump), *overrides]
+    return _launch(nproc, args, launcher_args=launcher_args, timeout=timeout)
 
 
 def torchrun(nproc: int, dump: Path, *overrides: str, **kwargs) -> str:
@@ -64,6 +78,36 @@ def torchrun(nproc: int, dump: Path, *overrides: str, **kwargs) -> str:
     if code != 0:
         raise TorchrunFailed(f"exit {code}: {nproc} ranks, {' '.join(overrides)}\n...\n{out[-6000:]}")
     return out
+
+
+_REFERENCES: dict[tuple, str] = {}
+
+
+def reference_run(nproc: int, *overrides: str, config: Path = CONFIG) -> str:
+    """The output of a job that only serves as a reference (its losses are compared, its dump folder is not
+    read): run once a test session for the same ranks, TOML and overrides, whichever test asks first."""
+    key = (nproc, str(config), overrides)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = torchrun(nproc, Path(tempfile.mkdtemp(prefix="titan-reference-")), *overrides,
+                                    config=config)
+    return _REFERENCES[key]
+
+
+_SEEDS: dict[tuple, Path] = {}
+
+
+def seed_checkpoint(*overrides: str, config: Path = CONFIG) -> Path:
+    """The step-0 checkpoint (fp32 weights before any step) of one rank's job with ``overrides``, made once a
+    test session, for every test that starts from it."""
+    key = (str(config), overrides)
+    if key not in _SEEDS:
+        dump = Path(tempfile.mkdtemp(prefix="titan-seed-"))
+        torchrun(1, dump, "--parallelism.context_parallel_degree", "1", *overrides, "--checkpoint.enable",
+                 "--checkpoint.create_seed_checkpoint", config=config)
+        step0 = dump / "checkpoint" / "step-0"
+        assert (step0 / ".metadata").is_file(), f"no seed checkpoint in {dump}"
+        _SEEDS[key] = step0
+    return _SEEDS[key]
 
 
 def step_losses(out: str, *, first: int = 1, last: int | None = None) -> list[float]:
@@ -84,12 +128,8 @@ def run_torchrun_03(nproc: int, dump: Path, *args: str, entry: Sequence[str] = T
                     ) -> tuple[int, str]:
     """Run one torchtitan 0.3 job of ``nproc`` ranks (``args``: --module, --config and flags); returns its exit
     code and the output of every rank."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *entry,
-           *args, "--dump_folder", str(dump), "--metrics.disable_color_printing"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    return proc.returncode, proc.stdout + proc.stderr
+    return _launch(nproc, [*entry, *args, "--dump_folder", str(dump), "--metrics.disable_color_printing"],
+                   timeout=timeout)
 
 
 def torchrun_03(nproc: int, dump: Path, *args: str, **kwargs) -> str:

@@ -24,7 +24,7 @@ from _titan_run import skip_unless_titan  # noqa: E402
 skip_unless_titan((0, 2))  # torchtitan 0.3: tests/test_titan03*.py
 
 import cp_dtensor.titan  # noqa: E402, F401  before any torchtitan import: see Note [torchtitan on CPU]
-from _titan_run import CONFIG, REPO, TRAIN, run_torchrun, step_losses, torchrun  # noqa: E402  the one launcher
+from _titan_run import CONFIG, REPO, TRAIN, run_torchrun, seed_checkpoint, step_losses, torchrun  # noqa: E402  the one launcher
 
 STEPS = 4
 RTOL = 1e-5
@@ -51,13 +51,8 @@ _FOUR_RANKS = slow("4 ranks on 2 CPU cores: ~40-55 s each")
 
 @pytest.fixture(scope="module")
 def seed_ckpt(tmp_path_factory) -> Path:
-    """fp32 model weights at step 0, made once on one rank and loaded by every run."""
-    dump = tmp_path_factory.mktemp("seed")
-    _torchrun(1, dump, "--parallelism.context_parallel_degree", "1",
-              "--checkpoint.enable", "--checkpoint.create_seed_checkpoint")
-    step0 = dump / "checkpoint" / "step-0"
-    assert (step0 / ".metadata").is_file()
-    return step0
+    """fp32 model weights at step 0, made once a session on one rank and loaded by every run."""
+    return seed_checkpoint()
 
 
 def _from_seed(seed_ckpt: Path) -> list[str]:

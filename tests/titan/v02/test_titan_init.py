@@ -18,7 +18,7 @@ from _tiers import exhaustive, slow
 
 if importlib.util.find_spec("torchtitan") is None:
     pytest.skip("torchtitan is not installed", allow_module_level=True)
-from _titan_run import skip_unless_titan  # noqa: E402
+from _titan_run import reference_run, skip_unless_titan  # noqa: E402
 
 skip_unless_titan((0, 2))  # torchtitan 0.3: tests/test_titan03*.py
 
@@ -34,7 +34,7 @@ _FRESH = ["--training.steps", "4"]  # no seed checkpoint: every run initialises 
 
 @pytest.fixture(scope="module")
 def one_rank_losses(tmp_path_factory) -> list[float]:
-    out = _torchrun(1, tmp_path_factory.mktemp("cp1"), "--parallelism.context_parallel_degree", "1", *_FRESH)
+    out = reference_run(1, "--parallelism.context_parallel_degree", "1", *_FRESH)
     assert "unsharded CPU replica" not in out  # one rank has no DTensor parameters: torchtitan's own init
     return _losses(out)
 

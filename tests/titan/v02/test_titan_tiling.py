@@ -28,7 +28,7 @@ from _tiers import slow  # noqa: E402
 
 import cp_dtensor.titan  # noqa: E402, F401  before any torchtitan import: see Note [torchtitan on CPU]
 from _dist import run_ranks  # noqa: E402
-from _titan_run import CONFIG, step_losses, torchrun  # noqa: E402
+from _titan_run import CONFIG, reference_run, step_losses, torchrun  # noqa: E402
 
 B, N, EOS, TILE = 2, 64, 1, 5
 
@@ -264,8 +264,7 @@ def test_non_linear_head_is_refused_by_name():
 def test_cp2_tiled_job_matches_cp1_untiled(flags, tmp_path):
     # the whole job: FSDP over the CP ranks (the head's unsharded weight in the loss), 4 steps; compiled: torchtitan
     # compiles each block (fullgraph) with its tiled, checkpointed MLP inside
-    ref = step_losses(torchrun(1, tmp_path / "cp1", "--parallelism.context_parallel_degree", "1",
-                               "--training.steps", "4"), last=4)
+    ref = step_losses(reference_run(1, "--parallelism.context_parallel_degree", "1", "--training.steps", "4"), last=4)
     out = torchrun(2, tmp_path / "cp2", "--parallelism.context_parallel_degree", "2", "--cp_dtensor.sequence_tiling=64",
                    "--training.steps", "4", *flags)
     assert "cp_dtensor: sequence tiling, 64 tokens a tile: the LM head + loss and 6 MLPs" in out
@@ -276,8 +275,7 @@ def test_cp2_tiled_job_matches_cp1_untiled(flags, tmp_path):
 def test_tp2_tiled_job_matches_tp1_untiled(tmp_path):
     # the whole job at TP = 2 (torchtitan's plan, loss parallel): the vocabulary-parallel head tagged past TP's
     # output hook by the plugin's parallelize, the MLPs whole under TP
-    ref = step_losses(torchrun(1, tmp_path / "tp1", "--parallelism.context_parallel_degree", "1",
-                               "--training.steps", "4"), last=4)
+    ref = step_losses(reference_run(1, "--parallelism.context_parallel_degree", "1", "--training.steps", "4"), last=4)
     out = torchrun(2, tmp_path / "tp2", "--parallelism.context_parallel_degree", "1",
                    "--parallelism.tensor_parallel_degree", "2", "--cp_dtensor.sequence_tiling=64", "--training.steps", "4")
     assert "cp_dtensor: sequence tiling, 64 tokens a tile: the LM head + loss and 0 MLPs (6 MLPs whole under TP)" in out
