@@ -25,7 +25,7 @@ skip_unless_titan((0, 2))
 import torch  # noqa: E402
 
 import cp_dtensor.titan  # noqa: E402, F401  before any torchtitan import: see Note [torchtitan on CPU]
-from _titan_run import CONFIG, step_losses, torchrun  # noqa: E402
+from _titan_run import CONFIG, reference_run, seed_checkpoint, step_losses, torchrun  # noqa: E402
 
 STEPS = 3
 RTOL = 2e-5
@@ -43,11 +43,8 @@ def _pp(schedule: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def seed_ckpt(tmp_path_factory) -> Path:
-    dump = tmp_path_factory.mktemp("seed")
-    torchrun(1, dump, "--parallelism.context_parallel_degree", "1", "--checkpoint.enable",
-             "--checkpoint.create_seed_checkpoint")
-    return dump / "checkpoint" / "step-0"
+def seed_ckpt() -> Path:
+    return seed_checkpoint()  # the session's llama3 debugmodel seed, shared with test_titan.py
 
 
 def _from_seed(seed_ckpt: Path) -> list[str]:
@@ -56,9 +53,8 @@ def _from_seed(seed_ckpt: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def pp2_cp1_losses(seed_ckpt, tmp_path_factory) -> list[float]:
-    out = torchrun(2, tmp_path_factory.mktemp("pp2cp1"), "--parallelism.context_parallel_degree", "1",
-                   *_pp("1F1B"), *_from_seed(seed_ckpt))
+def pp2_cp1_losses(seed_ckpt) -> list[float]:
+    out = reference_run(2, "--parallelism.context_parallel_degree", "1", *_pp("1F1B"), *_from_seed(seed_ckpt))
     losses = step_losses(out, last=STEPS)  # the last stage logs the loss; the first logs -1 per rank (not parsed)
     assert losses[-1] < losses[0], f"the reference run does not train: {losses}"
     return losses
