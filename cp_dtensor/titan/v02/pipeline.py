@@ -24,7 +24,9 @@ Two things would not survive that split, and ``shard_cp_batch(..., pipeline=True
   (``attach_stage_masks``) rebuilds the microbatch's ``RingMask``s; the plan of its rows is
   ``layout_rows`` of the plan's rows (the documents placement plans each row alone, so that is the plan
   ``document_layout`` would build from those rows). Every stage thus builds the same plan for a
-  microbatch, and the CP ranks of a stage agree on it, as the ring checks before any K/V moves.
+  microbatch, and the CP ranks of a stage agree on it, as the ring checks before any K/V moves. A flex
+flavor at CP = 1 runs the ring too (on one rank), and nothing shards its batch: there the stage's
+``get_attention_masks`` returns the travelling form itself (``schedule_masks``), with the full ids.
 
 The loss is unchanged: the last stage's loss function sums cross entropy over its microbatch's S_local
 tokens, torchtitan divides the sum over microbatches by the global count of valid tokens, and the
@@ -43,7 +45,7 @@ from torch import nn
 from ...core.plan.documents import DocumentLayout, layout_rows
 from .flex import RingMask
 
-__all__ = ["STAGE_MASKS", "attach_stage_masks", "masks_for_schedule", "rows_for_schedule"]
+__all__ = ["STAGE_MASKS", "attach_stage_masks", "masks_for_schedule", "rows_for_schedule", "schedule_masks"]
 
 STAGE_MASKS = "cp_dtensor_stage_masks"  # the key that marks the masks' travelling form
 
@@ -59,6 +61,16 @@ def masks_for_schedule(masks: RingMask | dict[str, RingMask], plan: Any) -> dict
         travel["plan"] = {"order": plan.order, "ids": plan.ids, "cp_size": plan.cp_size,
                           "windows": tuple(plan.windows), "placement": plan.placement}
     return travel
+
+
+def schedule_masks(get_masks):
+    """A stage's ``get_attention_masks`` (the plugin's ``ring_masks``) whose masks travel in the form the
+    schedule splits: at CP = 1 no ``shard_cp_batch`` reshapes them (Note [CP under pipeline parallelism])."""
+    def wrapped(*args, **kwargs):
+        masks = get_masks(*args, **kwargs)
+        return None if masks is None else masks_for_schedule(masks, None)
+
+    return wrapped
 
 
 def _rebuild(travel: dict[str, Any]) -> RingMask | dict[str, RingMask]:

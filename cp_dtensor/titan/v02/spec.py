@@ -75,7 +75,7 @@ from .families import (
     tied_embedding_fsdp,
     tied_embedding_tp,
 )
-from .pipeline import attach_stage_masks
+from .pipeline import attach_stage_masks, schedule_masks
 from .validate import build_ring_validator
 
 __all__ = ["FAMILIES", "parallelize_with_ring", "refuse_cp_for_other_models", "train_spec"]
@@ -160,12 +160,14 @@ def parallelize_with_ring(model: nn.Module, parallel_dims, job_config, *, titan_
             stack.enter_context(_cp_hidden(job_config))
         if parallel_dims.cp_enabled:
             _bind_batch_sharding(section.layout, section.ulysses_degree, pipeline=parallel_dims.pp_enabled)
-            if parallel_dims.pp_enabled:  # this model is one pipeline stage: Note [CP under pipeline parallelism]
-                attach_stage_masks(model)
             if hasattr(titan_module, TITAN_CP_STEP):
                 stack.enter_context(_swapped(titan_module, TITAN_CP_STEP, _ring_in_place))
             else:  # gpt_oss: its parallelize has no CP step
                 _ring_in_place([a.inner_attention for a in attention_modules(model)], None, "")
+        if parallel_dims.pp_enabled and (parallel_dims.cp_enabled or flex):  # Note [CP under pipeline parallelism]
+            attach_stage_masks(model)
+            if flex and not parallel_dims.cp_enabled:
+                model.get_attention_masks = schedule_masks(model.get_attention_masks)
         if getattr(model.model_args, "enable_weight_tying", False) and hasattr(titan_module, "apply_fsdp"):
             stack.enter_context(_swapped(titan_module, "apply_fsdp", tied_embedding_fsdp(titan_module.apply_fsdp)))
         if getattr(model.model_args, "enable_weight_tying", False) and hasattr(titan_module, "apply_non_moe_tp"):

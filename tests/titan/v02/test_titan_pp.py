@@ -188,6 +188,27 @@ def test_schedule_split_equals_sharding_each_microbatch(layout, masks):
                     assert got.plan is None and ref.plan is None
 
 
+def test_cp1_flex_masks_split_by_rows():
+    # CP = 1 with a flex flavor: nothing shards the batch, so the stage's get_attention_masks gives the travelling
+    # form; each microbatch's rebuilt mask holds that microbatch's rows of the full ids
+    from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
+
+    from cp_dtensor.titan.v02.flex import RingMask
+    from cp_dtensor.titan.v02.pipeline import attach_stage_masks, schedule_masks
+
+    ids = _doc_ids(4, 24)
+    get_masks = schedule_masks(lambda: {"basic_mask": RingMask.make(ids), "window": RingMask.make(ids, window_size=(3, 0))})
+    stage = _Echo()
+    attach_stage_masks(stage)
+    tokens = torch.arange(4 * 24).view(4, 24)
+    args_mb, kwargs_mb = split_args_kwargs_into_chunks((tokens,), {"attention_masks": get_masks()}, 2)
+    for i in range(2):
+        got_tokens, masks, _ = stage(*args_mb[i], **kwargs_mb[i])
+        assert torch.equal(got_tokens, tokens[2 * i : 2 * i + 2])
+        assert torch.equal(masks["basic_mask"].ids, ids[2 * i : 2 * i + 2]) and masks["basic_mask"].plan is None
+        assert masks["window"].window_size == (3, 0) and torch.equal(masks["window"].ids, ids[2 * i : 2 * i + 2])
+
+
 @pytest.mark.parametrize(
     ("overrides", "world", "message"),
     [
