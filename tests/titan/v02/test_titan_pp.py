@@ -76,6 +76,17 @@ def test_pp2_cp2_matches_pp2_cp1(schedule, extra, seed_ckpt, pp2_cp1_losses, tmp
     assert losses == pytest.approx(pp2_cp1_losses, rel=RTOL), f"PP x CP {losses} vs PP x CP=1 {pp2_cp1_losses}"
 
 
+@slow("an 8-rank and a 4-rank torchtitan run on 2 CPU cores")
+def test_4d_fsdp2_cp2_pp2_matches_cp1(seed_ckpt, tmp_path):
+    # dp_shard 2 x cp 2 x pp 2 (8 ranks): two data-parallel groups read different data, so the reference is the
+    # same mesh at CP = 1 (dp_shard 2 x pp 2); FSDP spans dp_shard x cp inside each stage
+    mesh = ["--parallelism.data_parallel_shard_degree", "2", *_pp("1F1B"), *_from_seed(seed_ckpt)]
+    ref = step_losses(reference_run(4, "--parallelism.context_parallel_degree", "1", *mesh), last=STEPS)
+    out = torchrun(8, tmp_path, "--parallelism.context_parallel_degree", "2", *mesh)
+    losses = step_losses(out, last=STEPS)
+    assert losses == pytest.approx(ref, rel=RTOL), f"dp2 x cp2 x pp2 {losses} vs dp2 x pp2 {ref}"
+
+
 def _validation_losses(out: str) -> list[float]:
     # the last stage logs the validation loss; the first logs -1 / tokens (not parsed)
     found: dict[int, set[float]] = {}
