@@ -302,6 +302,10 @@ def _add_longest(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tile", type=int, default=1024, help="sequence tiling's tokens per tile (default 1024)")
     p.add_argument("--checkpointing", choices=["none", "full"], default="full",
                    help="activation checkpointing of every layer (default full)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (each holds ceil(L / pp) layers; default 1)")
+    p.add_argument("--schedule", choices=["1F1B", "GPipe"], default="1F1B",
+                   help="the pipeline schedule: how many microbatches a stage holds in flight (default 1F1B)")
+    p.add_argument("--microbatches", type=int, default=None, help="pipeline microbatches of one row (default --pp)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.set_defaults(func=_cmd_longest)
 
@@ -310,7 +314,8 @@ def _cmd_longest(args: argparse.Namespace) -> int:
     if args.cp < 1:
         raise ValueError(f"--cp must be a positive integer; got {args.cp}.")
     shape = _plan_model.MODELS[args.model]
-    kw = dict(cp=args.cp, dtype=args.dtype, checkpointing=args.checkpointing, reserved_gib=args.reserved_gib)
+    kw = dict(cp=args.cp, dtype=args.dtype, checkpointing=args.checkpointing, reserved_gib=args.reserved_gib,
+              pp=args.pp, schedule=args.schedule, microbatches=args.microbatches)
     out = {}
     for name, tile in (("untiled", None), ("tiled", args.tile)):
         s = _plan_model.longest_s_local(shape, args.mem_budget_gib, tile=tile, **kw)
@@ -320,8 +325,10 @@ def _cmd_longest(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(out))
         return 0
-    print(f"{args.model} at CP={args.cp}, {args.mem_budget_gib:g} GiB a rank ({args.reserved_gib:g} reserved), "
-          f"{args.dtype}, checkpointing {args.checkpointing}")
+    pipeline = "" if args.pp == 1 else (f" x PP={args.pp} ({args.schedule}, "
+                                        f"{args.microbatches or args.pp} microbatches; the worst stage)")
+    print(f"{args.model} at CP={args.cp}{pipeline}, {args.mem_budget_gib:g} GiB a rank ({args.reserved_gib:g} "
+          f"reserved), {args.dtype}, checkpointing {args.checkpointing}")
     for name in ("untiled", "tiled"):
         r, m = out[name], out[name]["memory"]
         terms = ", ".join(f"{k} {_bytes(v)}" for k, v in m.items() if k != "total")

@@ -16,6 +16,12 @@ vocabulary) on S = N / P tokens, in the compute dtype (e bytes) unless stated:
 * the LM head + loss: untiled, the [S, V] logits (e), their fp32 copy, the fp32 softmax / gradient and
   its cast back (e): S V (2e + 8) bytes; tiled, one [T, V] tile of the same, and the hidden gradient.
 
+Pipeline parallelism (``pp`` stages, ``microbatches`` M of one row each): a stage holds ceil(L / pp) layers,
+and the saved activations of every microbatch it has run forward but not yet backward -- under 1F1B the
+first stage min(pp, M), the last one; under GPipe every stage all M. The head + loss lives on the last
+stage (its saved terms once per microbatch in flight there); one layer's ring working set and (with
+checkpointing) one layer's recomputation at a time. The rank's figure is its worst stage, first or last.
+
 Weights, gradients, optimizer state and allocator slack are ``reserved_gib``. Calibration (CPU, fp32,
 vocab 32768, H = 128, I = 512, L = 2, CP = 2, S_local 1024 -> 3072; scripts/benchmarks/bench_tiling.py): the model
 says 545.5 KiB a token untiled and 17.5 KiB tiled; measured 540.7 and 5.3 KiB. It is conservative where the
@@ -61,28 +67,43 @@ MODELS = {
 
 
 def model_memory(shape: ModelShape, s_local: int, *, cp: int, dtype: str = "bf16", tile: int | None = None,
-                 checkpointing: str = "none", reserved_gib: float = 0.0) -> dict[str, int]:
-    """Per-rank bytes of one fwd+bwd; ``tile``: sequence tiling's tokens per tile (None: untiled). See
-    Note [Plan model memory]."""
+                 checkpointing: str = "none", reserved_gib: float = 0.0, pp: int = 1, schedule: str = "1F1B",
+                 microbatches: int | None = None) -> dict[str, int]:
+    """Per-rank bytes of one fwd+bwd; ``tile``: sequence tiling's tokens per tile (None: untiled); ``pp``
+    pipeline stages running ``schedule`` ("1F1B" or "GPipe") over ``microbatches`` (default ``pp``): the
+    worst stage's terms. See Note [Plan model memory]."""
     if checkpointing not in ("none", "full"):
         raise ValueError(f"checkpointing must be 'none' or 'full'; got {checkpointing!r}.")
     if tile is not None and tile < 1:
         raise ValueError(f"tile must be a positive int or None; got {tile!r}.")
+    m = pp if microbatches is None else microbatches
+    if pp < 1 or m < 1 or schedule not in ("1F1B", "GPipe"):
+        raise ValueError(f"pipeline: pp and microbatches are positive ints and schedule is '1F1B' or 'GPipe'; got "
+                         f"pp={pp!r}, microbatches={microbatches!r}, schedule={schedule!r}.")
     e, s, h, i, v = DTYPE_BYTES[dtype], s_local, shape.hidden, shape.intermediate, shape.vocab
     ckpt = checkpointing == "full"
-    attn = memory_bytes(PlanInput(seq_len=s * cp, cp=cp, head_dim=shape.head_dim, q_heads=shape.q_heads,
-                                  kv_heads=shape.kv_heads, dtype=dtype, layers=1 if ckpt else shape.layers,
-                                  layout="contiguous"))
+    n_layers = -(-shape.layers // pp)  # the most layers one stage holds
+    attn1 = memory_bytes(PlanInput(seq_len=s * cp, cp=cp, head_dim=shape.head_dim, q_heads=shape.q_heads,
+                                   kv_heads=shape.kv_heads, dtype=dtype, layers=1, layout="contiguous"))
+    attn_layer, attn_work = attn1["saved_all_layers"], max(attn1["forward_working_set"], attn1["backward_working_set"])
     t = s if tile is None else min(tile, s)
     mlp_saved = 0 if tile is not None else 4 * i * e * s  # one layer's SwiGLU, saved for backward
     mlp_tile = 6 * i * e * t if tile is not None else 0  # one tile while it runs
     layer = 4 * h * e * s + mlp_saved  # one layer's non-attention activations
-    saved = h * e * s * shape.layers + layer if ckpt else layer * shape.layers
+    # one microbatch's saved bytes on a stage, and what one recomputed layer adds once (checkpointing)
+    mb_layers, mb_attn = (h * e * s * n_layers, 0) if ckpt else (layer * n_layers, attn_layer * n_layers)
+    once_layers, once_attn = (layer, attn_layer) if ckpt else (0, 0)
     head = (2 * e + 8) * v * t + 2 * h * e * s  # untiled: t = s
-    out = {"attention": attn["saved_all_layers"] + max(attn["forward_working_set"], attn["backward_working_set"]),
-           "layers": saved, "mlp_tile": mlp_tile, "head_loss": head, "reserved": int(reserved_gib * GIB)}
-    out["total"] = sum(out.values())
-    return out
+    first = m if schedule == "GPipe" else min(pp, m)  # microbatches in flight on the first stage
+    last = m if schedule == "GPipe" else 1
+    stages = [(last, head)] if pp == 1 else [(first, 0), (last, head)]
+    worst = None
+    for k, head_bytes in stages:
+        out = {"attention": k * mb_attn + once_attn + attn_work, "layers": k * mb_layers + once_layers,
+               "mlp_tile": mlp_tile, "head_loss": k * head_bytes, "reserved": int(reserved_gib * GIB)}
+        out["total"] = sum(out.values())
+        worst = out if worst is None or out["total"] > worst["total"] else worst
+    return worst
 
 
 def longest_s_local(shape: ModelShape, budget_gib: float, *, cp: int, unit: int = 256, **kw) -> int:

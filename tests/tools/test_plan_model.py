@@ -49,3 +49,36 @@ def test_cli_longest_8b_at_cp8(capsys):
         cli.main(["longest", "--model", "llama3-8b", "--cp", "0", "--mem-budget-gib", "80"])
     with pytest.raises(ValueError, match="checkpointing"):
         model_memory(TINY, 10, cp=1, checkpointing="some")
+
+
+def test_pipeline_stages_by_hand():
+    """fp32, untiled, no checkpointing, 2 layers: at PP = 2 a stage holds one layer; 1F1B's first stage holds 2
+    microbatches in flight (no head), its last stage 1 (with the head); GPipe's hold all M."""
+    s, v, h, i = 2048, TINY.vocab, TINY.hidden, TINY.intermediate
+    one = model_memory(TINY, s, cp=2, dtype="fp32")  # PP = 1: 2 layers + head
+    layer = 4 * h * 4 * s + 4 * i * 4 * s  # one layer's non-attention saved bytes, one microbatch
+    head = s * v * 16 + 2 * h * 4 * s
+    assert one["layers"] == 2 * layer and one["head_loss"] == head
+    f1b = model_memory(TINY, s, cp=2, dtype="fp32", pp=2)
+    # the last stage (1 microbatch, 1 layer, the head) outweighs the first (2 microbatches of 1 layer) here
+    assert f1b["head_loss"] == head and f1b["layers"] == layer
+    assert f1b["total"] < one["total"]
+    gpipe = model_memory(TINY, s, cp=2, dtype="fp32", pp=2, schedule="GPipe", microbatches=4)
+    assert gpipe["layers"] == 4 * layer and gpipe["head_loss"] == 4 * head  # every microbatch in flight
+    small_vocab = ModelShape(TINY.hidden, TINY.intermediate, 2, 16, 4, 4, 32)  # a tiny head: the first stage wins
+    first = model_memory(small_vocab, s, cp=2, dtype="fp32", pp=2, microbatches=8)
+    assert first["head_loss"] == 0 and first["layers"] == 2 * layer
+    with pytest.raises(ValueError, match="schedule is '1F1B' or 'GPipe'"):
+        model_memory(TINY, s, cp=2, pp=2, schedule="Interleaved1F1B")
+
+
+def test_cli_longest_with_pipeline(capsys):
+    base = ["longest", "--model", "llama3-70b", "--cp", "8", "--mem-budget-gib", "80", "--reserved-gib", "20", "--json"]
+    assert cli.main(base) == 0
+    alone = json.loads(capsys.readouterr().out)
+    assert cli.main([*base, "--pp", "4"]) == 0
+    staged = json.loads(capsys.readouterr().out)
+    # a quarter of the layers a stage: with full checkpointing (the default) the first stage's 4 microbatches of
+    # L / 4 layer inputs weigh the same as one of L, and the head moves to the last stage: a longer S_local fits
+    assert staged["untiled"]["s_local"] >= alone["untiled"]["s_local"]
+    assert staged["tiled"]["memory"]["total"] <= 80 * GIB

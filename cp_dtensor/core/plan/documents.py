@@ -47,7 +47,7 @@ from .doc_plan import Window, lengths_of, needed_rows, plan_intervals, plan_row,
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DocumentLayout", "Window", "document_layout", "full_document_ids", "plan_batch", "plan_row", "row_balance",
+__all__ = ["DocumentLayout", "Window", "document_layout", "full_document_ids", "layout_rows", "plan_batch", "plan_row", "row_balance",
            "rank_work", "needed_rows", "lengths_of", "window_lefts"]
 
 
@@ -217,8 +217,6 @@ def document_layout(document_ids, cp_size: int, *, windows: Any = None, placemen
     ``unshard_tensor``, ``shard_batch`` / ``unshard_batch`` and ``ring_attention(q, k, v, layout=lay, ...)``
     (``document_ids`` optional there: the plan carries them). Build it once per batch; every layer reuses
     it. No communication (the ring's agreement checks that every rank's is equal)."""
-    import zlib
-
     import torch
 
     world = cp_size
@@ -257,8 +255,29 @@ def document_layout(document_ids, cp_size: int, *, windows: Any = None, placemen
 
         check_seq_len(placement, world, n)
         order = global_order(placement, world, n).to(torch.int64).expand(b, n).contiguous()
-    key = zlib.crc32(ids.numpy().tobytes(), zlib.crc32(order.numpy().tobytes())) ^ (world << 32)
-    return DocumentLayout(cp_size=world, seq_len=n, order=order, ids=ids, windows=lefts, key=key, placement=placement)
+    return _layout_of(order, ids, world, lefts, placement)
+
+
+def _layout_of(order, ids, cp_size: int, lefts: tuple, placement: str) -> DocumentLayout:
+    import zlib
+
+    key = zlib.crc32(ids.numpy().tobytes(), zlib.crc32(order.numpy().tobytes())) ^ (cp_size << 32)
+    return DocumentLayout(cp_size=cp_size, seq_len=ids.shape[1], order=order, ids=ids, windows=lefts, key=key,
+                          placement=placement)
+
+
+def layout_rows(order, ids, *, cp_size: int, windows: tuple = (None,), placement: str = "documents") -> DocumentLayout:
+    """The plan of some rows of a batch's plan, from those rows of its ``order`` and ``ids`` ([b, N] each, e.g.
+    one pipeline microbatch's) and its ``cp_size``, ``windows`` and ``placement``: each row is planned alone,
+    so this is what ``document_layout`` of those rows' ids returns, without planning them again."""
+    import torch
+
+    order = order.detach().to("cpu", torch.int64).contiguous()
+    ids = ids.detach().to("cpu", torch.int64).contiguous()
+    if order.shape != ids.shape or order.dim() != 2:
+        raise ValueError(f"layout_rows takes [b, N] rows of a plan's order and ids; got {tuple(order.shape)} and "
+                         f"{tuple(ids.shape)}.")
+    return _layout_of(order, ids, cp_size, tuple(windows), placement)
 
 
 def full_document_ids(*, document_ids=None, position_ids=None, where: str = "cp_dtensor"):

@@ -103,15 +103,19 @@ def _uncounted(moe: nn.Module):
 
 
 def apply_sequence_tiling(model: nn.Module, tile: int, *, head_name: str = "output", tile_mlps: bool = True,
-                          tile_moe: bool = False) -> tuple[int, int]:
+                          tile_moe: bool = False, stage: bool = False) -> tuple[int, int]:
     """Tile ``model``'s head + loss, (``tile_mlps``) its blocks' dense MLPs and (``tile_moe`` too) their MoE
-    layers (Note [Sequence tiling in torchtitan]). Refuses, by name, a head that is not an ``nn.Linear``.
+    layers (Note [Sequence tiling in torchtitan]). Refuses, by name, a head that is not an ``nn.Linear``;
+    ``stage``: ``model`` is a pipeline stage, whose head is None unless it is the last.
     Returns (tiled MLPs and MoE layers, those left whole)."""
     head = getattr(model, head_name, None)
-    if not isinstance(head, nn.Linear):
+    if stage and head is None:
+        pass  # a pipeline stage before the last: its blocks only
+    elif not isinstance(head, nn.Linear):
         raise ValueError(f"[cp_dtensor] sequence_tiling tiles the LM head with the loss; {type(model).__name__}."
                          f"{head_name} is {type(head).__name__}, not an nn.Linear. Remove sequence_tiling for this model.")
-    head.forward = functools.partial(_head_forward, head)
+    else:
+        head.forward = functools.partial(_head_forward, head)
     tiled = moe = 0
     for block in getattr(model, "layers", {}).values():
         ffn = getattr(block, "feed_forward", None)

@@ -34,6 +34,7 @@ from ..shared.heads import (
 from ..shared.inner import RingInner, infinite_lse
 from ..shared.plan import check_titan_seq_len, rope_positions, shard_rows
 from .flex import RingMask, mask_plan, shard_masks
+from .pipeline import masks_for_schedule, rows_for_schedule
 
 __all__ = ["RingAttention", "shard_cp_batch"]
 
@@ -90,6 +91,7 @@ def shard_cp_batch(
     *,
     layout: str,
     ulysses: int = 1,
+    pipeline: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
     """This CP rank's share of a batch; see Note [CP batch and positions].
 
@@ -99,7 +101,9 @@ def shard_cp_batch(
     inputs, labels: [B, N] -> [B, S_local]; adds extra_kwargs["positions"]: [1, S_local] ([B, S_local] under
     ``layout="documents"``); the ids of extra_kwargs["attention_masks"] (RingMask or a dict of them): [B, N] ->
     [B, S_local]. ``layout="documents"`` plans the batch's documents from those masks first (Note [One plan
-    per torchtitan batch] in titan/shared/plan.py) and shards everything with that plan.
+    per torchtitan batch] in titan/shared/plan.py) and shards everything with that plan. ``pipeline``: the
+    positions and masks in the form a pipeline schedule splits into microbatches (Note [CP under pipeline
+    parallelism] in pipeline.py).
     """
     rank, world = cp_mesh.get_local_rank(), cp_mesh.size()
     rank = ulysses_shard_index(rank, world, ulysses)  # this rank's 1-D shard index; = rank when ulysses == 1
@@ -112,4 +116,8 @@ def shard_cp_batch(
         extra_kwargs["attention_masks"] = shard_masks(masks, layout=plan, rank=rank, world=world)
     inputs, labels = shard_rows(inputs, plan, rank, world), shard_rows(labels, plan, rank, world)
     extra_kwargs["positions"] = rope_positions(plan, rank, world, seq_len).to(device)
+    if pipeline:  # See Note [CP under pipeline parallelism]
+        extra_kwargs["positions"] = rows_for_schedule(extra_kwargs["positions"], inputs.shape[0])
+        if masks is not None:
+            extra_kwargs["attention_masks"] = masks_for_schedule(extra_kwargs["attention_masks"], plan)
     return inputs, labels, extra_kwargs

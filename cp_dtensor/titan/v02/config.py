@@ -53,6 +53,7 @@ def check_config(job_config: Any, world_size: int) -> None:
         )
     _check_ulysses(job_config, cp, tp)
     _check_tiling(job_config)
+    _check_pipeline(job_config)
     if cp == 1:
         return
     layout = cp_section(job_config).layout
@@ -82,8 +83,6 @@ def check_config(job_config: Any, world_size: int) -> None:
         )
 
     unsupported = []
-    if par.pipeline_parallel_degree > 1:
-        unsupported.append("[parallelism] pipeline_parallel_degree > 1")
     if par.expert_parallel_degree > 1:
         unsupported.append("[parallelism] expert_parallel_degree > 1")
     name = job_config.model.name
@@ -111,11 +110,56 @@ def _check_tiling(job_config: Any) -> None:
     if getattr(par, "fsdp_reshard_after_forward", "default") == "always":
         clash.append('[parallelism] fsdp_reshard_after_forward = "always" (the tiled loss uses the LM head\'s '
                      "unsharded weights after its forward)")
-    if par.pipeline_parallel_degree > 1:
-        clash.append("[parallelism] pipeline_parallel_degree > 1")
     if clash:
         raise ValueError("[cp_dtensor] sequence_tiling does not support " + "; ".join(clash)
                          + ". Change these or remove sequence_tiling.")
+
+
+def _check_pipeline(job_config: Any) -> None:
+    # Note [CP under pipeline parallelism] (pipeline.py): the schedule splits the (CP-sharded) batch into microbatches
+    par, training = job_config.parallelism, job_config.training
+    pp = par.pipeline_parallel_degree
+    if pp <= 1:
+        return
+    batch, micro = training.local_batch_size, par.pipeline_parallel_microbatch_size
+    if micro < 1 or batch % micro:
+        raise ValueError(
+            f"[training] local_batch_size ({batch}) must be a multiple of [parallelism] "
+            f"pipeline_parallel_microbatch_size ({micro}): the pipeline schedule splits each batch into "
+            f"microbatches of that many rows. Use a local_batch_size that is a multiple of {max(micro, 1)} or a "
+            f"microbatch size that divides {batch}.")
+    validation = getattr(job_config, "validation", None)
+    if validation is not None and validation.enable and (validation.local_batch_size, validation.seq_len) != (
+            batch, training.seq_len):
+        raise ValueError(
+            f"[validation] local_batch_size ({validation.local_batch_size}) and seq_len ({validation.seq_len}) must "
+            f"equal [training]'s ({batch}, {training.seq_len}) with pipeline_parallel_degree = {pp}: the validator "
+            "runs the training schedule, whose stages exchange microbatches of the training shape. Set them equal.")
+    name, flavor = job_config.model.name, job_config.model.flavor
+    if par.module_fqns_per_model_part is not None or par.pipeline_parallel_layers_per_stage is not None:
+        return  # the user placed the stages; torchtitan checks the cut
+    if name not in FAMILIES or flavor not in _flavors(name):
+        return  # refused elsewhere
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
+
+    try:
+        looped = issubclass(get_schedule_class(par.pipeline_parallel_schedule), PipelineScheduleMulti)
+    except ValueError:
+        return  # torchtitan names the schedules it knows
+    stages = pp * (2 if looped else 1)  # torchtitan's default: 2 stages per rank for looped schedules
+    layers = getattr(_flavor_args(name, flavor), "n_layers", None)
+    if layers is not None and stages > layers + 2:  # the embedding and the head count as a layer each
+        raise ValueError(
+            f"pipeline_parallel_degree = {pp} with the {par.pipeline_parallel_schedule} schedule cuts {name} {flavor} "
+            f"into {stages} stages, more than its {layers} layers + embedding + head: a stage would split a layer. "
+            f"Use pipeline_parallel_degree <= {(layers + 2) // (2 if looped else 1)} or a single-stage schedule "
+            "(1F1B, GPipe).")
+
+
+def _flavors(family: str):
+    import importlib
+
+    return importlib.import_module(f"torchtitan.models.{family}").get_train_spec().model_args
 
 
 def _documents_unsupported(name: str, flavor: str, tp: int) -> list[str]:

@@ -75,6 +75,7 @@ from .families import (
     tied_embedding_fsdp,
     tied_embedding_tp,
 )
+from .pipeline import attach_stage_masks, schedule_masks
 from .validate import build_ring_validator
 
 __all__ = ["FAMILIES", "parallelize_with_ring", "refuse_cp_for_other_models", "train_spec"]
@@ -111,8 +112,8 @@ def _ring_in_place(attention_modules, cp_mesh, attention_type: str) -> None:
                 f"K/V ring payload {payload}")
 
 
-def _bind_batch_sharding(layout: str, ulysses: int = 1) -> None:
-    bound = functools.partial(shard_cp_batch, layout=layout, ulysses=ulysses)
+def _bind_batch_sharding(layout: str, ulysses: int = 1, pipeline: bool = False) -> None:
+    bound = functools.partial(shard_cp_batch, layout=layout, ulysses=ulysses, pipeline=pipeline)
     bound._cp_dtensor = True
     n_bound = 0
     for module in list(sys.modules.values()):
@@ -144,8 +145,10 @@ def parallelize_with_ring(model: nn.Module, parallel_dims, job_config, *, titan_
     tile = getattr(getattr(job_config, "cp_dtensor", None), "tile_size", None)
     if tile is not None:  # before the family's AC / compile / FSDP wrap the blocks: Note [Sequence tiling in torchtitan]
         compiled = getattr(getattr(job_config, "compile", None), "enable", False)  # MoE layers tiled in eager only
-        tiled, whole = apply_sequence_tiling(model, tile, tile_mlps=not parallel_dims.tp_enabled, tile_moe=not compiled)
-        logger.info(f"cp_dtensor: sequence tiling, {tile} tokens a tile: the LM head + loss and {tiled} MLPs"
+        tiled, whole = apply_sequence_tiling(model, tile, tile_mlps=not parallel_dims.tp_enabled, tile_moe=not compiled,
+                                             stage=parallel_dims.pp_enabled)
+        head = "the LM head + loss and " if getattr(model, "output", None) is not None else ""  # PP: last stage only
+        logger.info(f"cp_dtensor: sequence tiling, {tile} tokens a tile: {head}{tiled} MLPs"
                     + (f" ({whole} MoE layers whole)" if whole and not parallel_dims.tp_enabled else "")
                     + (f" ({whole} MLPs whole under TP)" if whole and parallel_dims.tp_enabled else ""))
 
@@ -156,11 +159,15 @@ def parallelize_with_ring(model: nn.Module, parallel_dims, job_config, *, titan_
             apply_ring_attention(model, parallel_dims.get_mesh("cp") if parallel_dims.cp_enabled else None, section)
             stack.enter_context(_cp_hidden(job_config))
         if parallel_dims.cp_enabled:
-            _bind_batch_sharding(section.layout, section.ulysses_degree)
+            _bind_batch_sharding(section.layout, section.ulysses_degree, pipeline=parallel_dims.pp_enabled)
             if hasattr(titan_module, TITAN_CP_STEP):
                 stack.enter_context(_swapped(titan_module, TITAN_CP_STEP, _ring_in_place))
             else:  # gpt_oss: its parallelize has no CP step
                 _ring_in_place([a.inner_attention for a in attention_modules(model)], None, "")
+        if parallel_dims.pp_enabled and (parallel_dims.cp_enabled or flex):  # Note [CP under pipeline parallelism]
+            attach_stage_masks(model)
+            if flex and not parallel_dims.cp_enabled:
+                model.get_attention_masks = schedule_masks(model.get_attention_masks)
         if getattr(model.model_args, "enable_weight_tying", False) and hasattr(titan_module, "apply_fsdp"):
             stack.enter_context(_swapped(titan_module, "apply_fsdp", tied_embedding_fsdp(titan_module.apply_fsdp)))
         if getattr(model.model_args, "enable_weight_tying", False) and hasattr(titan_module, "apply_non_moe_tp"):

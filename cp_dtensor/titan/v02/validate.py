@@ -22,7 +22,8 @@ sequence before sharding (summed over the batch ranks), run the forward on the r
 is already in every block; no torch CP context), divide each rank's loss sum by that count and sum over
 the ``loss`` mesh (dp x cp). At CP = 1 it is torchtitan's own ``validate``, unchanged -- which is what
 the CP = 1 vs CP = P tests compare against. The plugin's train specs install it for every family
-(``build_validator_fn``); pipeline parallelism is refused with CP at start (config.py).
+(``build_validator_fn``); under pipeline parallelism the schedule runs the forward, as in torchtitan's own
+``validate`` (Note [CP under pipeline parallelism] in pipeline.py).
 """
 
 from __future__ import annotations
@@ -45,9 +46,8 @@ class RingValidator(Validator):
         dims = self.parallel_dims
         if not dims.cp_enabled:
             return super().validate(model_parts, step)
-        assert not dims.pp_enabled and len(model_parts) == 1, "CP with pipeline parallelism is refused at start"
-        model = model_parts[0]
-        model.eval()
+        for model in model_parts:
+            model.eval()
         device = titan_utils.device_type
         max_steps = self.job_config.validation.steps
         losses = []
@@ -62,12 +62,27 @@ class RingValidator(Validator):
                 valid = torch.tensor(dist_utils.dist_sum(valid, dims.get_mesh("batch"), None), device=device)
             inputs, labels, extra_inputs, extra_kwargs = self.post_dataloading_process(input_dict, labels, model_parts)
             # inputs, labels: [B, S_local], this rank's layout shard; extra_kwargs has its positions (and masks)
-            with self.validation_context(), self.maybe_enable_amp:
-                loss_sum = self.loss_fn(model(inputs, **extra_inputs, **extra_kwargs), labels)
+            if dims.pp_enabled:  # Note [CP under pipeline parallelism]: the schedule splits the sharded batch
+                loss_sum = self._pipeline_loss_sum(inputs, labels, extra_inputs, extra_kwargs)
+            else:
+                with self.validation_context(), self.maybe_enable_amp:
+                    loss_sum = self.loss_fn(model_parts[0](inputs, **extra_inputs, **extra_kwargs), labels)
             losses.append(loss_sum.detach() / valid)
         loss = torch.stack(losses).sum() / len(losses)
         self.metrics_processor.log_validation(loss=dist_utils.dist_sum(loss, dims.get_optional_mesh("loss")), step=step)
-        model.train()
+        for model in model_parts:
+            model.train()
+
+    def _pipeline_loss_sum(self, inputs, labels, extra_inputs, extra_kwargs) -> torch.Tensor:
+        # torchtitan's own pipeline branch: the last stage sums its microbatches' losses; the others log -1
+        targets, losses = (labels, []) if self.pp_has_last_stage else (None, None)
+        first = (inputs,) if self.pp_has_first_stage else ()
+        more = extra_inputs if self.pp_has_first_stage else {}
+        with self.validation_context():
+            self.pp_schedule.eval(*first, **more, **extra_kwargs, target=targets, losses=losses)
+        if self.pp_has_last_stage:
+            return torch.sum(torch.stack(losses)).to(labels.device)
+        return torch.tensor([-1.0], device=labels.device)
 
 
 def build_ring_validator(**kwargs) -> RingValidator:

@@ -121,8 +121,6 @@ def check_config(config: Any, world_size: int) -> None:
                else "its Gated DeltaNet layers are not served under TP")
         unsupported.append(f"--parallelism.tensor_parallel_degree > 1 with {name} ({why}; CP x TP is served for "
                            f"{', '.join(TP_FAMILIES)})")
-    if par.pipeline_parallel_degree > 1:
-        unsupported.append("--parallelism.pipeline_parallel_degree > 1")
     if par.expert_parallel_degree > 1:
         unsupported.append("--parallelism.expert_parallel_degree > 1")
     if section.tile_size is not None:  # Note [Sequence tiling in torchtitan]
@@ -277,8 +275,10 @@ def parallelize_with_ring(model: nn.Module, *, titan_fn, section: CPDTensor, par
         logger.info(f"cp_dtensor: {n} gpt_oss expert modules return their input's dtype (fp32 training)")
     cp_mesh = parallel_dims.get_mesh("cp") if parallel_dims.cp_enabled else None
     if section.tile_size is not None:  # Note [Sequence tiling in torchtitan] (titan/shared/tiling.py)
-        tiled, whole = apply_sequence_tiling(model, section.tile_size, head_name="lm_head")
-        logger.info(f"cp_dtensor: sequence tiling, {section.tile_size} tokens a tile: the LM head + loss and {tiled} "
+        tiled, whole = apply_sequence_tiling(model, section.tile_size, head_name="lm_head",
+                                             stage=parallel_dims.pp_enabled)
+        head = "the LM head + loss and " if getattr(model, "lm_head", None) is not None else ""  # PP: the last stage
+        logger.info(f"cp_dtensor: sequence tiling, {section.tile_size} tokens a tile: {head}{tiled} "
                     "MLPs" + (f" ({whole} MoE layers whole)" if whole else ""))
     if parallel_dims.tp_enabled:
         _retie_after_parallelize(model)

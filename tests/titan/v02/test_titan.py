@@ -185,7 +185,6 @@ def test_unknown_layout_is_rejected():
         (["--parallelism.context_parallel_degree", "4", "--training.seq_len", "250"], 4,
          r"striped layout on 4 CP ranks needs a multiple of 4"),
         (["--training.seq_len", "250"], 2, r"divisible by 2 \* context_parallel_degree \* tensor_parallel_degree = 4"),
-        (["--parallelism.pipeline_parallel_degree", "2"], 4, r"does not support: \[parallelism\] pipeline_parallel"),
         (["--model.name", "flux"], 2, r'name = "flux" \(cp_dtensor serves llama3, qwen3, deepseek_v3, llama4, gpt_oss\)'),
         (["--model.flavor", "debugmodel_varlen_attn"], 2, r'attn_type "varlen" \(the ring serves "sdpa" and "flex"'),
         (["--model.name", "qwen3", "--model.flavor", "8B_flex"], 2, r'"8B_flex" is not a qwen3 flavor'),

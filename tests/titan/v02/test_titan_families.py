@@ -122,8 +122,8 @@ def test_cp4_matches_cp1(run_id, families, tmp_path):
 
 # ---- compositions (slow tier), each against its family's CP = 1 run from the same seed ----
 # Where torchtitan 0.2.2 allows them on CPU; FSDP x CP, CP x TP, compile, AC, float8 and resume on llama3
-# are in test_titan.py, test_titan_init.py, test_float8.py and test_titan_resume.py. Not here: expert
-# parallelism (refused with CP at start) and pipeline parallelism (refused with CP).
+# are in test_titan.py, test_titan_init.py, test_float8.py and test_titan_resume.py; pipeline parallelism in
+# test_titan_pp.py. Not here: expert parallelism (refused with CP at start).
 
 COMPOSITIONS = {  # id -> (family run, ranks, overrides on top of CP = 2)
     # torchtitan's own qwen3 CP x TP is broken upstream: its TP plan hands attention DTensors (heads) and

@@ -1,0 +1,251 @@
+"""torchtitan 0.2.2: cp_dtensor context parallelism beside pipeline parallelism (Note [CP under pipeline parallelism]).
+
+End-to-end (slow tier; 4 ranks on 2 CPU cores): llama3 debugmodel, fp32, 3 steps from one seed checkpoint;
+every PP = 2 x CP = 2 job logs the losses of PP = 2 x CP = 1 (the same stages and microbatches without CP)
+to rel 2e-5, and a documents-layout job on the flex flavor those of PP = 1 x CP = 2. Default tier: the
+batch as the schedule splits it (no processes): each microbatch's positions, mask ids and document plan
+equal what sharding that microbatch alone gives, and bad PP x CP configurations raise before any collective.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+from _tiers import slow
+
+if importlib.util.find_spec("torchtitan") is None:
+    pytest.skip("torchtitan is not installed", allow_module_level=True)
+from _titan_run import skip_unless_titan  # noqa: E402
+
+skip_unless_titan((0, 2))
+
+import torch  # noqa: E402
+
+import cp_dtensor.titan  # noqa: E402, F401  before any torchtitan import: see Note [torchtitan on CPU]
+from _titan_run import CONFIG, reference_run, seed_checkpoint, step_losses, torchrun  # noqa: E402
+
+STEPS = 3
+RTOL = 2e-5
+_PP_JOB = slow("a 4-rank pipeline x CP torchtitan run (~60 s on 2 CPU cores)")
+
+
+def _parse(config: Path, *overrides: str):
+    from torchtitan.config import ConfigManager
+
+    return ConfigManager().parse_args(["--job.config_file", str(config), *overrides])
+
+
+def _pp(schedule: str) -> list[str]:
+    return ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", schedule]
+
+
+@pytest.fixture(scope="module")
+def seed_ckpt() -> Path:
+    return seed_checkpoint()  # the session's llama3 debugmodel seed, shared with test_titan.py
+
+
+def _from_seed(seed_ckpt: Path) -> list[str]:
+    return ["--checkpoint.enable", "--checkpoint.initial_load_path", str(seed_ckpt), "--checkpoint.load_only",
+            "--training.steps", str(STEPS)]
+
+
+@pytest.fixture(scope="module")
+def pp2_cp1_losses(seed_ckpt) -> list[float]:
+    out = reference_run(2, "--parallelism.context_parallel_degree", "1", *_pp("1F1B"), *_from_seed(seed_ckpt))
+    losses = step_losses(out, last=STEPS)  # the last stage logs the loss; the first logs -1 per rank (not parsed)
+    assert losses[-1] < losses[0], f"the reference run does not train: {losses}"
+    return losses
+
+
+@_PP_JOB
+@pytest.mark.parametrize(
+    ("schedule", "extra"),
+    [("1F1B", []),
+     # several stages per rank, the headtail layout and the tiled LM head + loss on the last stage, in one job
+     ("Interleaved1F1B", ["--cp_dtensor.layout", "headtail", "--cp_dtensor.sequence_tiling=64"])],
+    ids=["1f1b_striped", "interleaved_headtail_tiled"],
+)
+def test_pp2_cp2_matches_pp2_cp1(schedule, extra, seed_ckpt, pp2_cp1_losses, tmp_path):
+    out = torchrun(4, tmp_path, "--parallelism.context_parallel_degree", "2", *_pp(schedule), *extra,
+                   *_from_seed(seed_ckpt))
+    assert "Applied cp_dtensor ring attention" in out
+    losses = step_losses(out, last=STEPS)
+    assert losses == pytest.approx(pp2_cp1_losses, rel=RTOL), f"PP x CP {losses} vs PP x CP=1 {pp2_cp1_losses}"
+
+
+@slow("an 8-rank and a 4-rank torchtitan run on 2 CPU cores")
+def test_4d_fsdp2_cp2_pp2_matches_cp1(seed_ckpt, tmp_path):
+    # dp_shard 2 x cp 2 x pp 2 (8 ranks): two data-parallel groups read different data, so the reference is the
+    # same mesh at CP = 1 (dp_shard 2 x pp 2); FSDP spans dp_shard x cp inside each stage
+    mesh = ["--parallelism.data_parallel_shard_degree", "2", *_pp("1F1B"), *_from_seed(seed_ckpt)]
+    ref = step_losses(reference_run(4, "--parallelism.context_parallel_degree", "1", *mesh), last=STEPS)
+    out = torchrun(8, tmp_path, "--parallelism.context_parallel_degree", "2", *mesh)
+    losses = step_losses(out, last=STEPS)
+    assert losses == pytest.approx(ref, rel=RTOL), f"dp2 x cp2 x pp2 {losses} vs dp2 x pp2 {ref}"
+
+
+def _validation_losses(out: str) -> list[float]:
+    # the last stage logs the validation loss; the first logs -1 / tokens (not parsed)
+    found: dict[int, set[float]] = {}
+    for step, loss in re.findall(r"validate step:\s*(\d+)\s+loss:\s*([0-9.]+)", out):
+        found.setdefault(int(step), set()).add(float(loss))
+    assert sorted(found) == [1, 2] and all(len(v) == 1 for v in found.values()), f"validation losses: {found}"
+    return [found[1].pop(), found[2].pop()]
+
+
+def _train_losses(out: str) -> list[float]:
+    return step_losses("\n".join(line for line in out.splitlines() if "validate step" not in line), last=STEPS)
+
+
+@_PP_JOB
+def test_pp2_cp2_documents_matches_pp1_cp2(seed_ckpt, tmp_path):
+    # the flex flavor's block_causal masks, planned per batch: every stage rebuilds its microbatch's plan; the
+    # validator runs the same schedule. GPipe here, so the two tests cover the three schedules
+    flex = ["--model.flavor", "debugmodel_flex_attn", "--cp_dtensor.layout", "documents",
+            "--parallelism.context_parallel_degree", "2", "--validation.enable", "--validation.freq", "2",
+            "--validation.steps", "2", *_from_seed(seed_ckpt)]
+    ref_out = torchrun(2, tmp_path / "pp1", *flex)
+    out = torchrun(4, tmp_path / "pp2", *flex, *_pp("GPipe"))
+    assert "Applied cp_dtensor ring attention (layout=documents)" in out
+    ref, losses = _train_losses(ref_out), _train_losses(out)
+    assert losses == pytest.approx(ref, rel=RTOL), f"PP=2 x CP=2 {losses} vs PP=1 x CP=2 {ref}"
+    ref_val, val = _validation_losses(ref_out), _validation_losses(out)
+    assert val == pytest.approx(ref_val, rel=RTOL), f"validation PP=2 x CP=2 {val} vs PP=1 x CP=2 {ref_val}"
+
+
+class _FakeCPMesh:
+    def __init__(self, rank: int, world: int):
+        self.rank, self.world = rank, world
+
+    def get_local_rank(self) -> int:
+        return self.rank
+
+    def size(self) -> int:
+        return self.world
+
+
+class _Echo(torch.nn.Module):
+    def forward(self, tokens, attention_masks=None, positions=None):
+        return tokens, attention_masks, positions
+
+
+def _doc_ids(batch: int, n: int) -> torch.Tensor:
+    # every row its own documents: row b starts one at every multiple of (5 + 3 b) and at 2 b + 1
+    ids = torch.zeros(batch, n, dtype=torch.long)
+    for b in range(batch):
+        for s in sorted({2 * b + 1, *range(5 + 3 * b, n, 5 + 3 * b)}):
+            ids[b, s:] += 1
+    return ids
+
+
+@pytest.mark.parametrize(("layout", "masks"), [(layout, masks) for layout in ("striped", "headtail", "documents")
+                                               for masks in ("none", "one", "dict")
+                                               if (layout, masks) != ("documents", "none")])  # refused: test_titan.py
+def test_schedule_split_equals_sharding_each_microbatch(layout, masks):
+    # shard_cp_batch(pipeline=True), split into microbatches as torch's pipeline schedule splits the step's
+    # arguments, then rebuilt by a stage's pre-hook: each microbatch's tokens, positions, masks and document
+    # plan equal those of sharding that microbatch's rows alone (the reference: no pipeline, no split)
+    from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
+
+    from cp_dtensor.core.plan.documents import DocumentLayout
+    from cp_dtensor.titan.v02.attention import shard_cp_batch
+    from cp_dtensor.titan.v02.flex import RingMask
+    from cp_dtensor.titan.v02.pipeline import attach_stage_masks
+
+    batch, n, world, n_mb = 4, 48, 2, 2
+    g = torch.Generator().manual_seed(0)
+    inputs, labels = torch.randint(0, 1000, (batch, n), generator=g), torch.randint(0, 1000, (batch, n), generator=g)
+    ids = _doc_ids(batch, n)
+
+    def kwargs_of(rows):
+        if masks == "none":
+            return {}
+        if masks == "one":
+            return {"attention_masks": RingMask.make(ids[rows])}
+        return {"attention_masks": {"basic_mask": RingMask.make(ids[rows], is_causal=False),
+                                    "sliding_window_mask": RingMask.make(ids[rows], window_size=(6, 0))}}
+
+    stage = _Echo()
+    attach_stage_masks(stage)
+    for rank in range(world):
+        mesh = _FakeCPMesh(rank, world)
+        x, y, kw = shard_cp_batch(inputs, labels, kwargs_of(slice(None)), mesh, torch.device("cpu"), layout=layout,
+                                  pipeline=True)
+        args_mb, kwargs_mb = split_args_kwargs_into_chunks((x,), kw, n_mb)
+        labels_mb = torch.tensor_split(y, n_mb)
+        assert len(args_mb) == len(kwargs_mb) == n_mb
+        for i in range(n_mb):
+            rows = slice(i * batch // n_mb, (i + 1) * batch // n_mb)
+            rx, ry, rkw = shard_cp_batch(inputs[rows], labels[rows], kwargs_of(rows), mesh, torch.device("cpu"),
+                                         layout=layout)
+            tokens, got_masks, pos = stage(*args_mb[i], **kwargs_mb[i])
+            assert torch.equal(tokens, rx) and torch.equal(labels_mb[i], ry)
+            assert torch.equal(pos, rkw["positions"].expand_as(pos)) and pos.shape == rx.shape
+            if masks == "none":
+                assert got_masks is None
+                continue
+            ref_masks = rkw["attention_masks"]
+            pairs = [(got_masks, ref_masks)] if masks == "one" else [(got_masks[k], ref_masks[k]) for k in ref_masks]
+            for got, ref in pairs:
+                assert isinstance(got, RingMask) and torch.equal(got.ids, ref.ids)
+                assert (got.is_causal, got.window_size) == (ref.is_causal, ref.window_size)
+                if layout == "documents":
+                    assert isinstance(got.plan, DocumentLayout) and got.plan.key == ref.plan.key
+                    assert torch.equal(got.plan.order, ref.plan.order) and got.plan.windows == ref.plan.windows
+                else:
+                    assert got.plan is None and ref.plan is None
+
+
+def test_cp1_flex_masks_split_by_rows():
+    # CP = 1 with a flex flavor: nothing shards the batch, so the stage's get_attention_masks gives the travelling
+    # form; each microbatch's rebuilt mask holds that microbatch's rows of the full ids
+    from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
+
+    from cp_dtensor.titan.v02.flex import RingMask
+    from cp_dtensor.titan.v02.pipeline import attach_stage_masks, schedule_masks
+
+    ids = _doc_ids(4, 24)
+    get_masks = schedule_masks(lambda: {"basic_mask": RingMask.make(ids), "window": RingMask.make(ids, window_size=(3, 0))})
+    stage = _Echo()
+    attach_stage_masks(stage)
+    tokens = torch.arange(4 * 24).view(4, 24)
+    args_mb, kwargs_mb = split_args_kwargs_into_chunks((tokens,), {"attention_masks": get_masks()}, 2)
+    for i in range(2):
+        got_tokens, masks, _ = stage(*args_mb[i], **kwargs_mb[i])
+        assert torch.equal(got_tokens, tokens[2 * i : 2 * i + 2])
+        assert torch.equal(masks["basic_mask"].ids, ids[2 * i : 2 * i + 2]) and masks["basic_mask"].plan is None
+        assert masks["window"].window_size == (3, 0) and torch.equal(masks["window"].ids, ids[2 * i : 2 * i + 2])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "world", "message"),
+    [
+        (["--parallelism.pipeline_parallel_microbatch_size", "3"], 4,
+         r"local_batch_size \(2\) must be a multiple of \[parallelism\] pipeline_parallel_microbatch_size \(3\)"),
+        (["--validation.enable", "--validation.local_batch_size", "1"], 4,
+         r"\[validation\] local_batch_size \(1\) and seq_len \(256\) must equal \[training\]'s \(2, 256\)"),
+        (["--parallelism.pipeline_parallel_degree", "5", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"],
+         10, r"cuts llama3 debugmodel into 10 stages, more than its 6 layers \+ embedding \+ head"),
+        (["--training.seq_len", "250"], 4, r"seq_len \(250\) must be divisible by 2 \* context_parallel_degree \* "
+                                          r"tensor_parallel_degree = 4"),
+    ],
+    ids=["microbatch", "validation_shape", "stage_cut", "seq_len"],
+)
+def test_bad_pipeline_config_is_rejected(overrides, world, message):
+    # check_config runs on every rank before torchtitan builds a mesh (CPTrainer.init_distributed)
+    from cp_dtensor.titan import check_config
+
+    cfg = _parse(CONFIG, *_pp("1F1B"), *overrides)
+    with pytest.raises(ValueError, match=message):
+        check_config(cfg, world_size=world)
+
+
+def test_pipeline_with_cp_is_served():
+    from cp_dtensor.titan import check_config
+
+    check_config(_parse(CONFIG, *_pp("Interleaved1F1B"), "--cp_dtensor.sequence_tiling=64"), world_size=4)
+    check_config(_parse(CONFIG, *_pp("GPipe"), "--model.flavor", "debugmodel_flex_attn", "--cp_dtensor.layout",
+                        "documents"), world_size=4)
