@@ -8,6 +8,7 @@ annotations`` here: tyro resolves the field types in torchtitan's namespace.)
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..shared.compile_check import tp_compile_clash
 from ..shared.options import COMM_DTYPES, CPDTensor
 from ..shared.plan import DOCUMENTS, titan_unit
 
@@ -53,6 +54,7 @@ def check_config(job_config: Any, world_size: int) -> None:
         )
     _check_ulysses(job_config, cp, tp)
     _check_tiling(job_config)
+    _check_tp_compile(job_config, cp, tp)
     if cp == 1:
         return
     layout = cp_section(job_config).layout
@@ -99,6 +101,17 @@ def check_config(job_config: Any, world_size: int) -> None:
             "cp_dtensor context parallelism does not support: " + "; ".join(unsupported)
             + ". Turn these off or set context_parallel_degree = 1."
         )
+
+
+def _check_tp_compile(job_config: Any, cp: int, tp: int) -> None:
+    # See Note [Tensor parallelism under torch.compile]
+    import torch
+
+    comp = getattr(job_config, "compile", None)
+    why = tp_compile_clash(cp=cp, tp=tp, compile_enabled=bool(getattr(comp, "enable", False)),
+                           backend=getattr(comp, "backend", "inductor"), accelerator=torch.accelerator.is_available())
+    if why is not None:
+        raise ValueError(why + ".")
 
 
 def _check_tiling(job_config: Any) -> None:
