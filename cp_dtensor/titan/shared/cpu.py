@@ -23,9 +23,11 @@ no accelerator (or, for 3, only on gloo), so a CUDA run is untouched.
    factor, 1.0, which is skipped: the same gradients.
 4. MoE. (a) The routers count tokens per expert with ``torch.histc`` on int64 expert indices, which
    torch has no CPU kernel for (``"histogram_cpu" not implemented for 'Long'``). On CPU,
-   ``torch.histc`` is rebound once, here, to a wrapper that computes integer histograms with
-   ``bincount`` (the same bins: width (max - min) / bins, max in the last bin, outside values dropped)
-   and passes every other call to torch's own. (b) The grouped-GEMM experts pad with torchtitan's
+   ``torch.histc`` is rebound once, here, to a wrapper that computes integer histograms with a
+   ``scatter_add`` into bins + 1 counters (the same bins: width (max - min) / bins, max in the last
+   bin, outside values counted in the extra bin and dropped) and passes every other call to torch's
+   own. Every size in it is static, so torch.compile traces the routers whole (``bincount`` or a
+   boolean mask would give Dynamo a size that depends on the data). (b) The grouped-GEMM experts pad with torchtitan's
    triton kernels (step 1); on CPU every MoE layer uses torchtitan's for-loop experts instead
    (``use_grouped_mm = False``, what torchtitan's own args choose below SM90 for most families),
    which also keeps them in the parameters' dtype instead of bf16.
@@ -173,10 +175,13 @@ def _integer_histc(histc):
     def wrapped(input, bins=100, min=0, max=0, *, out=None):
         if input.is_floating_point() or out is not None or input.device.type != "cpu" or min >= max:
             return histc(input, bins=bins, min=min, max=max, **({} if out is None else {"out": out}))
+        # static shapes only, so torch.compile traces it (no boolean indexing, no bincount: their sizes
+        # depend on the data): values outside [min, max] go to an extra bin that is dropped
         x = input.reshape(-1).double()
-        keep = (x >= min) & (x <= max)
-        idx = ((x[keep] - min) * bins / (max - min)).long().clamp_(max=bins - 1)  # max falls in the last bin
-        return torch.bincount(idx, minlength=bins).to(input.dtype)
+        idx = ((x - min) * bins / (max - min)).long().clamp_(0, bins - 1)  # max falls in the last bin
+        idx = torch.where((x < min) | (x > max), bins, idx)
+        counts = torch.zeros(bins + 1, dtype=torch.long, device=input.device)
+        return counts.scatter_add_(0, idx, torch.ones_like(idx))[:bins].to(input.dtype)
 
     wrapped._cp_dtensor = True
     return wrapped
