@@ -11,7 +11,11 @@ no accelerator (or, for 3, only on gloo), so a CUDA run is untouched.
    and a fake would mislead it. Instead, before torchtitan is imported, we register a stand-in for
    the one module that needs it, ``torchtitan.models.moe.kernels``, whose functions raise. Dense
    models (llama3) never call them. This has to happen before the first ``import torchtitan``,
-   which is why ``python -m cp_dtensor.titan.train`` is the CPU entry point.
+   which is why ``python -m cp_dtensor.titan.train`` is the CPU entry point. The one kernel expert
+   parallelism calls on every device, ``generate_permute_indices`` (the order of the tokens an
+   all-to-all brought in, grouped by local expert), has a CPU implementation in the same file
+   (``use_cpu=True``); the stand-in's ``generate_permute_indices`` is that function, loaded from
+   torchtitan's file without triton (``_compat.titan_cpu_permute_indices``).
 2. Device. ``torchtitan.tools.utils`` picks ``device_type = _get_available_device_type() or "cuda"``
    at import and other modules copy that name (and ``device_module``). We rebind those names to
    "cpu" and to ``CpuDeviceModule``, which answers the few device-module calls torchtitan makes
@@ -64,7 +68,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..._compat import TITAN_DEVICE_HOLDERS, TITAN_MOE_KERNELS
+from ..._compat import TITAN_DEVICE_HOLDERS, TITAN_MOE_KERNELS, titan_cpu_permute_indices
 
 __all__ = [
     "install_triton_stand_in", "use_cpu_device", "use_sum_reduction_on_gloo", "CpuDeviceModule",
@@ -93,11 +97,22 @@ def install_triton_stand_in() -> bool:
         )
 
     stand_in = types.ModuleType(_KERNELS, "cp_dtensor stand-in: torchtitan MoE kernels without triton")
-    stand_in.generate_permute_indices = _needs_triton
+    stand_in.generate_permute_indices = _cpu_permute_indices
     stand_in.fill_indices_wrapper = _needs_triton
     stand_in.__all__ = ["generate_permute_indices", "fill_indices_wrapper"]
     sys.modules[_KERNELS] = stand_in
     return True
+
+
+@functools.cache
+def _titan_cpu_permute():
+    return titan_cpu_permute_indices()
+
+
+def _cpu_permute_indices(*args, **kwargs):
+    # expert parallelism's token permutation through torchtitan's own CPU implementation: Note [torchtitan on CPU] 1
+    kwargs.pop("use_cpu", None)
+    return _titan_cpu_permute()(*args, **kwargs)
 
 
 class CpuDeviceModule:

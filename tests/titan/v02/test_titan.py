@@ -196,8 +196,11 @@ def test_unknown_layout_is_rejected():
         (["--model.name", "qwen3", "--model.flavor", "8B_flex"], 2, r'"8B_flex" is not a qwen3 flavor'),
         (["--model.name", "gpt_oss", "--model.flavor", "debugmodel_flex_attn"], 2,
          r'"debugmodel_flex_attn" is not a gpt_oss flavor of torchtitan; pick one of 120b, 20b, debugmodel'),
-        (["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--parallelism.expert_parallel_degree", "2"], 2,
-         r"does not support: \[parallelism\] expert_parallel_degree > 1"),
+        (["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--parallelism.expert_parallel_degree", "4"], 2,
+         r"expert_parallel_degree \(4\) does not divide the ranks torchtitan gives it: EP borrows from "
+         r"data_parallel_shard_degree \(1\) x context_parallel_degree \(2\) = 2 ranks"),
+        (["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--parallelism.expert_parallel_degree", "3"], 6,
+         r"expert_parallel_degree \(3\) must divide the experts of deepseek_v3 debugmodel \(8\)"),
         (["--cp_dtensor.layout", "headtail", "--validation.enable", "--validation.seq_len", "250"], 2,
          r"\[validation\] seq_len \(250\) does not fit: .* headtail layout on 2 CP ranks needs a multiple of 4"),
         (["--parallelism.tensor_parallel_degree", "2", "--validation.enable", "--validation.seq_len", "250"], 4,
