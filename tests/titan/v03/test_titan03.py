@@ -803,6 +803,9 @@ def test_sequence_tiling_config_and_refusals():
 
     assert _config("llama3", "--cp_dtensor.sequence_tiling=64").cp_dtensor.tile_size == 64
     assert _config("llama3").cp_dtensor.tile_size is None
+    # the TOML's spellings on the command line too
+    assert _config("llama3", "--cp_dtensor.sequence_tiling", "true").cp_dtensor.tile_size == 1024
+    assert _config("llama3", "--cp_dtensor.sequence_tiling", "false").cp_dtensor.tile_size is None
     assert tiled_loss_config(_config("llama3").loss, 64).build().tiled is not None
     assert isinstance(tiled_loss_config(_config("llama3").loss, 64).build(), TiledCrossEntropyLoss)
     assert isinstance(_config("llama3").loss, ChunkedLossWrapper.Config)  # 0.3's default, replaced by the tiles
