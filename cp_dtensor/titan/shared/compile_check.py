@@ -15,8 +15,13 @@ CPU ranks (gloo) with the torch this project pins, that trace does not give the 
   that expects a DTensor gradient.
 * With ``--compile.backend eager`` (Dynamo only, no AOTAutograd) both jobs log the eager losses.
 
-So the cause is AOTAutograd's handling of DTensor gradients, not the ring. Since a silent wrong
-gradient is the one failure a user cannot see, the plugin refuses TP > 1 with compile at start, on
+* torchtitan 0.3 on torch 2.15 (its own TP plan, the same ring): llama3 TP = 2 and CP = 2 x TP = 2
+  compiled (inductor) log the CP = 1 eager losses 8.17432 / 7.90685 / 7.79355, so 0.3's check does not
+  refuse them.
+
+So the cause is AOTAutograd's handling of DTensor gradients, under torch 2.13 with torchtitan 0.2.2's TP
+plan (which of the two changed by 0.3 on 2.15 is not pinned down), not the ring. Since a silent wrong
+gradient is the one failure a user cannot see, the 0.2.2 plugin refuses TP > 1 with compile at start, on
 every rank, unless the backend is "eager": on CPU at every CP degree, and with CP > 1 on any device
 (the ring under TP and AOTAutograd is not proven exact there either). A GPU job at CP = 1 is
 torchtitan's own and left alone.
