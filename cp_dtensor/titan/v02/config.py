@@ -124,9 +124,7 @@ def _check_expert_parallel(job_config: Any, world_size: int, cp: int, tp: int) -
             + f" = {borrowed // etp if borrowed else 0} ranks. Use an expert_parallel_degree that divides "
             f"{borrowed // etp if borrowed else 'that product'}, or change those degrees.")
     name = job_config.model.name
-    if name in FAMILIES and getattr(_flavor_args(name, job_config.model.flavor), "moe_enabled", True) is False:
-        return  # a dense flavor: torchtitan applies no EP
-    experts = _num_experts(name, job_config.model.flavor)
+    experts = _num_experts(name, job_config.model.flavor)  # None: a dense flavor (no EP applied) or unknown
     if experts is not None and experts % ep != 0:
         raise ValueError(f"[parallelism] expert_parallel_degree ({ep}) must divide the experts of {name} "
                          f"{job_config.model.flavor} ({experts}): each EP rank holds experts / EP of them. Use a "
@@ -138,10 +136,11 @@ def _num_experts(name: str, flavor: str) -> int | None:
         return None
     try:
         args = _flavor_args(name, flavor)
-    except KeyError:
+    except KeyError:  # an unknown flavor: refused below, by name
         return None
-    moe = getattr(args, "moe_args", None)
-    return getattr(moe, "num_experts", None)
+    if getattr(args, "moe_enabled", True) is False:
+        return None
+    return getattr(getattr(args, "moe_args", None), "num_experts", None)
 
 
 def _check_tp_compile(job_config: Any, cp: int, tp: int) -> None:
