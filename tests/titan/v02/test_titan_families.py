@@ -137,6 +137,10 @@ COMPOSITIONS = {  # id -> (family run, ranks, overrides on top of CP = 2)
     # compiled: the router's integer histc traced whole (Note [torchtitan on CPU] 1, 4a); steps 2-3 follow the
     # expert-bias update from the routers' token counts, so those must be CP = 1's too
     "deepseek_v3_ep2xcp2_compiled": ("deepseek_v3", 2, ["--parallelism.expert_parallel_degree", "2", "--compile.enable"]),
+    # measured without a seed (Note [torchtitan on CPU] 6): gpt_oss 12.57400, 11.27823, 9.74110 = CP = 1; qwen3 MoE
+    # (64 for-loop experts: ~7 min a step on the loaded machine) step 1 8.02915 = CP = 1
+    "gpt_oss_ep2xcp2": ("gpt_oss", 2, ["--parallelism.expert_parallel_degree", "2"]),
+    "qwen3_moe_ep2xcp2": ("qwen3_moe", 2, ["--parallelism.expert_parallel_degree", "2"]),
 }
 EP_LOG = "cp_dtensor: expert parallelism over 2 ranks, its tokens permuted on CPU by torchtitan's generate_permute"
 
