@@ -243,3 +243,23 @@ def test_accelerate_state_holds_the_device_mesh():
     accelerate = pytest.importorskip("accelerate")
     assert "self.device_mesh" in inspect.getsource(accelerate.state.AcceleratorState.__init__)
     assert "self.state.device_mesh" in inspect.getsource(accelerate.Accelerator.torch_device_mesh.fget)
+
+
+def test_titan_cpu_permute_indices_loads_without_triton():
+    # torchtitan's own CPU token permutation for expert parallelism (Note [torchtitan on CPU] 1): loadable with no
+    # triton installed, and no triton left behind; checked against the layout its docstring gives
+    import sys
+
+    have = titan_version()
+    if have is None or have[:2] != (0, 2):
+        pytest.skip("a torchtitan 0.2 row")
+    import cp_dtensor.titan  # noqa: F401
+    from cp_dtensor._compat import titan_cpu_permute_indices
+
+    counts = torch.tensor([4, 2, 1, 3, 1, 2, 3, 4])  # from rank r to local expert e: [r * 4 + e]
+    indices, sizes, offsets = titan_cpu_permute_indices()(counts, 4, 2, 64, 8)
+    assert "triton" not in sys.modules and sizes.tolist() == [8, 8, 8, 8] and offsets.tolist() == [8, 16, 24, 32]
+    start = torch.cumsum(counts, 0) - counts
+    for e in range(4):  # expert e's rows: rank 0's tokens, then rank 1's, then padding (-1)
+        want = [*range(start[e], start[e] + counts[e]), *range(start[4 + e], start[4 + e] + counts[4 + e])]
+        assert indices[8 * e: 8 * e + len(want)].tolist() == want and (indices[8 * e + len(want): 8 * e + 8] == -1).all()

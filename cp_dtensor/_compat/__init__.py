@@ -108,6 +108,7 @@ __all__ = [
     "resolve_process_group",
     "restore_cache_key",
     "wrap_sharding_propagation",
+    "titan_cpu_permute_indices",
 ]
 
 TORCH_VERSION = "2.13.0"  # what the torch touches below were written against
@@ -119,6 +120,7 @@ TORCHTITAN_VERSION = "0.2.2"  # what the torchtitan rebinds (titan/) were writte
 
 # The torchtitan names the plugin rebinds (the rebinding code lives with the plugin, each step citing its Note).
 TITAN_MOE_KERNELS = "torchtitan.models.moe.kernels"  # a stand-in before import: Note [torchtitan on CPU] 1
+TITAN_CPU_PERMUTE = "generate_permute_indices"  # of TITAN_MOE_KERNELS, with use_cpu=True: Note [torchtitan on CPU] 1
 TITAN_DEVICE_HOLDERS = {  # module -> the device names it copied at import: Note [torchtitan on CPU] 2
     "torchtitan.tools.utils": ("device_type", "device_module"),
     "torchtitan.components.metrics": ("device_type", "device_module"),
@@ -479,3 +481,40 @@ def flex_attention_op() -> object | None:
     import torch.nn.attention.flex_attention  # noqa: F401  (registers the op)
 
     return getattr(torch.ops.higher_order, "flex_attention", None)
+
+
+def titan_cpu_permute_indices() -> Callable:
+    """torchtitan's own ``generate_permute_indices`` (TITAN_MOE_KERNELS) with ``use_cpu=True`` bound: its CPU
+    implementation of expert parallelism's token permutation. That module imports triton at its top for its
+    GPU kernel; this loads the file as a private module (not in ``sys.modules``) with a ``triton`` stand-in
+    present only while the file executes, so nothing else ever sees a triton (Note [torchtitan on CPU] 1)."""
+    import functools
+    import importlib.util
+    import inspect
+
+    class _Anything(types.ModuleType):  # triton.jit, tl.constexpr, ...: the file's decorators and annotations
+        def __getattr__(self, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return self
+
+        def __call__(self, *args, **kwargs):  # @triton.jit: the decorated function as it is
+            return args[0] if len(args) == 1 and callable(args[0]) and not kwargs else self
+
+    package = importlib.util.find_spec(TITAN_MOE_KERNELS.rsplit(".", 1)[0])
+    path = next(iter(package.submodule_search_locations)) + "/kernels.py"
+    spec = importlib.util.spec_from_file_location("_cp_dtensor_titan_moe_kernels", path)
+    module = importlib.util.module_from_spec(spec)
+    saved = {name: sys.modules.get(name) for name in ("triton", "triton.language")}
+    sys.modules["triton"] = sys.modules["triton.language"] = _Anything("triton")
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        for name, old in saved.items():
+            if old is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = old
+    fn = getattr(module, TITAN_CPU_PERMUTE)
+    assert "use_cpu" in inspect.signature(fn).parameters, "torchtitan's generate_permute_indices lost use_cpu"
+    return functools.partial(fn, use_cpu=True)

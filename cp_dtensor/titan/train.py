@@ -29,6 +29,9 @@ if not V03:
 
 
 def _run() -> None:
+    from .shared.options import check_cli_spellings
+
+    check_cli_spellings(sys.argv[1:])  # e.g. --cp_dtensor.tile_size: a hint, not torchtitan's "Unrecognized options"
     if V03:
         from .v03.main import main as main_03
 

@@ -31,3 +31,20 @@ def test_install_twice_changes_nothing():
     titan.install()
     titan.install()
     assert _patched() == before
+
+
+def test_integer_histc_equals_float_histc_and_compiles_whole():
+    # Note [torchtitan on CPU] 4a: the routers' integer histc, against torch's own on the same values as
+    # floats (in-range, the max edge, values below and above the range); static shapes, so fullgraph compiles
+    import torch
+
+    from cp_dtensor.titan.shared.cpu import _integer_histc
+
+    histc = _integer_histc(torch.histc.__wrapped__ if hasattr(torch.histc, "__wrapped__") else torch.histc)
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randint(-3, 12, (200,), generator=g), torch.tensor([0, 8, 8, 7])])
+    for bins, lo, hi in ((8, 0, 8), (3, 0, 8), (5, 1, 6)):
+        want = torch.histc(x.double(), bins=bins, min=lo, max=hi).long()
+        assert torch.equal(histc(x, bins=bins, min=lo, max=hi), want), (bins, lo, hi)
+    compiled = torch.compile(lambda t: histc(t, bins=8, min=0, max=8), fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(x), torch.histc(x.double(), bins=8, min=0, max=8).long())

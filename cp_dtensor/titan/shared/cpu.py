@@ -11,7 +11,11 @@ no accelerator (or, for 3, only on gloo), so a CUDA run is untouched.
    and a fake would mislead it. Instead, before torchtitan is imported, we register a stand-in for
    the one module that needs it, ``torchtitan.models.moe.kernels``, whose functions raise. Dense
    models (llama3) never call them. This has to happen before the first ``import torchtitan``,
-   which is why ``python -m cp_dtensor.titan.train`` is the CPU entry point.
+   which is why ``python -m cp_dtensor.titan.train`` is the CPU entry point. The one kernel expert
+   parallelism calls on every device, ``generate_permute_indices`` (the order of the tokens an
+   all-to-all brought in, grouped by local expert), has a CPU implementation in the same file
+   (``use_cpu=True``); the stand-in's ``generate_permute_indices`` is that function, loaded from
+   torchtitan's file without triton (``_compat.titan_cpu_permute_indices``).
 2. Device. ``torchtitan.tools.utils`` picks ``device_type = _get_available_device_type() or "cuda"``
    at import and other modules copy that name (and ``device_module``). We rebind those names to
    "cpu" and to ``CpuDeviceModule``, which answers the few device-module calls torchtitan makes
@@ -23,9 +27,11 @@ no accelerator (or, for 3, only on gloo), so a CUDA run is untouched.
    factor, 1.0, which is skipped: the same gradients.
 4. MoE. (a) The routers count tokens per expert with ``torch.histc`` on int64 expert indices, which
    torch has no CPU kernel for (``"histogram_cpu" not implemented for 'Long'``). On CPU,
-   ``torch.histc`` is rebound once, here, to a wrapper that computes integer histograms with
-   ``bincount`` (the same bins: width (max - min) / bins, max in the last bin, outside values dropped)
-   and passes every other call to torch's own. (b) The grouped-GEMM experts pad with torchtitan's
+   ``torch.histc`` is rebound once, here, to a wrapper that computes integer histograms with a
+   ``scatter_add`` into bins + 1 counters (the same bins: width (max - min) / bins, max in the last
+   bin, outside values counted in the extra bin and dropped) and passes every other call to torch's
+   own. Every size in it is static, so torch.compile traces the routers whole (``bincount`` or a
+   boolean mask would give Dynamo a size that depends on the data). (b) The grouped-GEMM experts pad with torchtitan's
    triton kernels (step 1); on CPU every MoE layer uses torchtitan's for-loop experts instead
    (``use_grouped_mm = False``, what torchtitan's own args choose below SM90 for most families),
    which also keeps them in the parameters' dtype instead of bf16.
@@ -62,7 +68,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..._compat import TITAN_DEVICE_HOLDERS, TITAN_MOE_KERNELS
+from ..._compat import TITAN_DEVICE_HOLDERS, TITAN_MOE_KERNELS, titan_cpu_permute_indices
 
 __all__ = [
     "install_triton_stand_in", "use_cpu_device", "use_sum_reduction_on_gloo", "CpuDeviceModule",
@@ -91,11 +97,22 @@ def install_triton_stand_in() -> bool:
         )
 
     stand_in = types.ModuleType(_KERNELS, "cp_dtensor stand-in: torchtitan MoE kernels without triton")
-    stand_in.generate_permute_indices = _needs_triton
+    stand_in.generate_permute_indices = _cpu_permute_indices
     stand_in.fill_indices_wrapper = _needs_triton
     stand_in.__all__ = ["generate_permute_indices", "fill_indices_wrapper"]
     sys.modules[_KERNELS] = stand_in
     return True
+
+
+@functools.cache
+def _titan_cpu_permute():
+    return titan_cpu_permute_indices()
+
+
+def _cpu_permute_indices(*args, **kwargs):
+    # expert parallelism's token permutation through torchtitan's own CPU implementation: Note [torchtitan on CPU] 1
+    kwargs.pop("use_cpu", None)
+    return _titan_cpu_permute()(*args, **kwargs)
 
 
 class CpuDeviceModule:
@@ -173,10 +190,13 @@ def _integer_histc(histc):
     def wrapped(input, bins=100, min=0, max=0, *, out=None):
         if input.is_floating_point() or out is not None or input.device.type != "cpu" or min >= max:
             return histc(input, bins=bins, min=min, max=max, **({} if out is None else {"out": out}))
+        # static shapes only, so torch.compile traces it (no boolean indexing, no bincount: their sizes
+        # depend on the data): values outside [min, max] go to an extra bin that is dropped
         x = input.reshape(-1).double()
-        keep = (x >= min) & (x <= max)
-        idx = ((x[keep] - min) * bins / (max - min)).long().clamp_(max=bins - 1)  # max falls in the last bin
-        return torch.bincount(idx, minlength=bins).to(input.dtype)
+        idx = ((x - min) * bins / (max - min)).long().clamp_(0, bins - 1)  # max falls in the last bin
+        idx = torch.where((x < min) | (x > max), bins, idx)
+        counts = torch.zeros(bins + 1, dtype=torch.long, device=input.device)
+        return counts.scatter_add_(0, idx, torch.ones_like(idx))[:bins].to(input.dtype)
 
     wrapped._cp_dtensor = True
     return wrapped

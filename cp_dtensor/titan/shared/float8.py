@@ -158,3 +158,25 @@ def allow_float8_on_cpu(module_name: str = TITAN_FLOAT8) -> bool:
 
     converter.__init__ = __init__
     return True
+
+
+FLOAT8_LINEAR_CONVERTERS = {"quantize.linear.float8": "float8", "quantize.linear.mx": "mx"}  # -> [quantize.linear.X]
+
+
+def keep_tiled_head_unconverted(job_config, head: str = "output") -> list[str]:
+    """Under ``[cp_dtensor] sequence_tiling``, add the LM head to the float8 / MX linear converters' ``filter_fqns``
+    (before the converters are built), as the job's config says; returns the converters changed. See Note
+    [float8 and the tiled LM head] in tiling.py."""
+    changed = []
+    quantize = getattr(getattr(job_config, "quantize", None), "linear", None)
+    for name in getattr(job_config.model, "converters", None) or []:
+        section = getattr(quantize, FLOAT8_LINEAR_CONVERTERS.get(name, ""), None)
+        if section is not None and not any(f in head for f in section.filter_fqns):
+            section.filter_fqns = [*section.filter_fqns, head]
+            changed.append(name)
+    for name in changed:
+        logger.warning(f'cp_dtensor: sequence_tiling computes the LM head "{head}" with the loss, in tiles, in its '
+                       f'parameters\' precision: "{head}" joins [{name}] filter_fqns, so {name} converts every other '
+                       f'linear (the same job as the untiled one with filter_fqns including "{head}"). See Note '
+                       "[float8 and the tiled LM head].")
+    return changed

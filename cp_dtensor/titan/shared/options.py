@@ -11,7 +11,7 @@ from ...core.plan.layout import LAYOUTS
 from ...core.plan.wire import KV_EXCHANGES  # kv_exchange values, as ring_attention(kv_exchange=...) takes them
 from ...core.tiling import check_tile_size
 
-__all__ = ["COMM_DTYPES", "CPDTensor"]
+__all__ = ["COMM_DTYPES", "CPDTensor", "check_cli_spellings"]
 
 COMM_DTYPES = {  # [cp_dtensor] comm_dtype -> the K/V ring payload dtype (see Note [float8 ring payload])
     "bfloat16": torch.bfloat16,
@@ -39,9 +39,11 @@ class CPDTensor:
     kv_exchange: str = "ring"
     """How K/V reach every rank of the ring: "ring" (P - 1 hops) or "allgather" (one gather; Note [All-gather K/V])."""
 
-    sequence_tiling: bool | int = False
+    sequence_tiling: bool | int | str = False
     """The LM head + cross-entropy and the MLPs in sequence tiles (true: 1024 tokens a tile, or an int): no
     [S_local, vocab] logits in forward or backward (Note [Sequence tiling in torchtitan])."""
+    # str: the command line's spelling of the TOML's true / false (``--cp_dtensor.sequence_tiling true``), which
+    # the parser's bool takes only as True / False; __post_init__ turns it into the bool or int.
 
     def __post_init__(self):
         if self.layout not in (*LAYOUTS, "documents"):
@@ -62,6 +64,7 @@ class CPDTensor:
             raise ValueError(f"[cp_dtensor] kv_exchange must be one of {', '.join(KV_EXCHANGES)}; got "
                              f'{self.kv_exchange!r}. Set kv_exchange = "ring" (or "allgather") in the TOML.')
 
+        self.sequence_tiling = _tiling_value(self.sequence_tiling)
         try:
             check_tile_size(self.sequence_tiling)
         except ValueError as e:
@@ -85,3 +88,33 @@ class CPDTensor:
     def comm_torch_dtype(self) -> torch.dtype | None:
         """``comm_dtype`` as the torch dtype ``ring_attention`` takes (None: the input dtype)."""
         return None if self.comm_dtype is None else COMM_DTYPES[self.comm_dtype]
+
+
+def _tiling_value(value):
+    # "true" / "false" / "2048" from the command line as the TOML's true / false / 2048
+    if not isinstance(value, str):
+        return value
+    text = value.strip().lower()
+    if text in ("true", "false"):
+        return text == "true"
+    return int(text) if text.isdigit() else value  # anything else: check_tile_size's error names the rule
+
+
+# keys users reach for that the section spells otherwise -> the right key and how to write it
+_SPELLINGS = {
+    "tile_size": "sequence_tiling (e.g. --cp_dtensor.sequence_tiling 2048, or true for 1024 tokens a tile)",
+    "tiling": "sequence_tiling (e.g. --cp_dtensor.sequence_tiling true)",
+    "ulysses": "ulysses_degree (e.g. --cp_dtensor.ulysses_degree 2)",
+}
+
+
+def check_cli_spellings(argv: list[str]) -> None:
+    """Raise, before torchtitan's parser says only "Unrecognized options", for a ``--cp_dtensor.<key>`` flag
+    whose key the section spells otherwise (e.g. ``tile_size``: the key is ``sequence_tiling``)."""
+    for arg in argv:
+        if not arg.startswith(("--cp_dtensor.", "--cp-dtensor.")):
+            continue
+        key = arg.split(".", 1)[1].split("=", 1)[0].replace("-", "_")
+        if key in _SPELLINGS:
+            raise ValueError(f"{arg.split('=', 1)[0]}: the [cp_dtensor] section has no key {key!r}; "
+                             f"its key is {_SPELLINGS[key]}.")

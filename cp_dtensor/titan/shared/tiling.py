@@ -39,6 +39,20 @@ in core/tiling.py), so no [S_local, V] tensor exists in forward or in backward:
 
 The loss equals the untiled one (fp32: to rounding; tests/titan/v02/test_titan_tiling.py). It applies at
 every CP degree, CP = 1 included (the plugin's parallelize runs for every job of a served family).
+
+Note [float8 and the tiled LM head]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+torchtitan's float8 (and MX) linear converters swap every ``nn.Linear`` their filter admits for torchao's
+``Float8Linear``, the LM head included unless ``filter_fqns`` names it (torchtitan's MX default does, its
+float8 default does not). The tiled head never runs its module's forward: ``linear_cross_entropy`` reads
+the weight and multiplies each tile itself, in the parameters' precision. Left alone, a float8 job with
+``sequence_tiling`` would convert the head and then compute it in fp32, silently unlike the untiled job
+(llama3 debug, rowwise, step 1: 8.17699 against 8.17344). So the plugin says so at start: before the
+converters are built, the head's name joins each float8 / MX converter's ``filter_fqns`` (a warning
+names it), and the job is then exactly the untiled job with ``filter_fqns = ["output"]`` -- torchtitan's
+own recommendation for float8 on the head, whose logits feed a softmax over the whole vocabulary.
+Quantizing the tiles instead would not give the untiled numbers either: rowwise float8's weight
+gradient scales each vocabulary row over all the tokens, which a tile does not see.
 """
 
 from __future__ import annotations
@@ -114,6 +128,11 @@ def apply_sequence_tiling(model: nn.Module, tile: int, *, head_name: str = "outp
     elif not isinstance(head, nn.Linear):
         raise ValueError(f"[cp_dtensor] sequence_tiling tiles the LM head with the loss; {type(model).__name__}."
                          f"{head_name} is {type(head).__name__}, not an nn.Linear. Remove sequence_tiling for this model.")
+    elif type(head) is not nn.Linear:  # e.g. torchao's Float8Linear: Note [float8 and the tiled LM head]
+        raise ValueError(f"[cp_dtensor] sequence_tiling computes the LM head {head_name!r} itself, in its parameters' "
+                         f"precision; this head was converted to {type(head).__name__}, whose own matmul the tiles would "
+                         f"drop. Add {head_name!r} to the converter's filter_fqns (e.g. --quantize.linear.float8."
+                         f"filter_fqns {head_name}), or remove sequence_tiling.")
     else:
         head.forward = functools.partial(_head_forward, head)
     tiled = moe = 0

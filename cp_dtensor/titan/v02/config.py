@@ -8,6 +8,7 @@ annotations`` here: tyro resolves the field types in torchtitan's namespace.)
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..shared.compile_check import tp_compile_clash
 from ..shared.options import COMM_DTYPES, CPDTensor
 from ..shared.plan import DOCUMENTS, titan_unit
 
@@ -54,6 +55,8 @@ def check_config(job_config: Any, world_size: int) -> None:
     _check_ulysses(job_config, cp, tp)
     _check_tiling(job_config)
     _check_pipeline(job_config)
+    _check_tp_compile(job_config, cp, tp)
+    _check_expert_parallel(job_config, world_size, cp, tp)
     if cp == 1:
         return
     layout = cp_section(job_config).layout
@@ -83,8 +86,6 @@ def check_config(job_config: Any, world_size: int) -> None:
         )
 
     unsupported = []
-    if par.expert_parallel_degree > 1:
-        unsupported.append("[parallelism] expert_parallel_degree > 1")
     name = job_config.model.name
     if name not in FAMILIES:
         unsupported.append(f'[model] name = "{name}" (cp_dtensor serves {", ".join(FAMILIES)})')
@@ -98,6 +99,58 @@ def check_config(job_config: Any, world_size: int) -> None:
             "cp_dtensor context parallelism does not support: " + "; ".join(unsupported)
             + ". Turn these off or set context_parallel_degree = 1."
         )
+
+
+def _check_expert_parallel(job_config: Any, world_size: int, cp: int, tp: int) -> None:
+    # torchtitan 0.2.2's ParallelDims: EP borrows its ranks from dp_shard x cp (x tp when etp = 1), the sparse mesh
+    # (pp, dp_replicate, efsdp, ep, etp) with efsdp = dp_shard * cp * tp / (etp * ep)
+    par = job_config.parallelism
+    ep, etp = par.expert_parallel_degree, getattr(par, "expert_tensor_parallel_degree", 1)
+    if ep == 1:
+        return
+    dp_shard, rest = par.data_parallel_shard_degree, par.data_parallel_replicate_degree * cp * tp * par.pipeline_parallel_degree
+    if dp_shard < 0:
+        dp_shard = world_size // rest if world_size % rest == 0 else 0
+    borrowed = dp_shard * cp * tp
+    if etp not in (1, tp):
+        raise ValueError(f"[parallelism] expert_tensor_parallel_degree ({etp}) must be 1 or tensor_parallel_degree "
+                         f"({tp}) (torchtitan's rule). Set expert_tensor_parallel_degree = 1.")
+    if borrowed == 0 or borrowed % (ep * etp) != 0:
+        raise ValueError(
+            f"[parallelism] expert_parallel_degree ({ep}) does not divide the ranks torchtitan gives it: EP borrows "
+            f"from data_parallel_shard_degree ({dp_shard}) x context_parallel_degree ({cp})"
+            + (f" x tensor_parallel_degree ({tp}) / expert_tensor_parallel_degree ({etp})" if tp > 1 else "")
+            + f" = {borrowed // etp if borrowed else 0} ranks. Use an expert_parallel_degree that divides "
+            f"{borrowed // etp if borrowed else 'that product'}, or change those degrees.")
+    name = job_config.model.name
+    experts = _num_experts(name, job_config.model.flavor)  # None: a dense flavor (no EP applied) or unknown
+    if experts is not None and experts % ep != 0:
+        raise ValueError(f"[parallelism] expert_parallel_degree ({ep}) must divide the experts of {name} "
+                         f"{job_config.model.flavor} ({experts}): each EP rank holds experts / EP of them. Use a "
+                         f"divisor of {experts}.")
+
+
+def _num_experts(name: str, flavor: str) -> int | None:
+    if name not in FAMILIES:
+        return None
+    try:
+        args = _flavor_args(name, flavor)
+    except KeyError:  # an unknown flavor: refused below, by name
+        return None
+    if getattr(args, "moe_enabled", True) is False:
+        return None
+    return getattr(getattr(args, "moe_args", None), "num_experts", None)
+
+
+def _check_tp_compile(job_config: Any, cp: int, tp: int) -> None:
+    # See Note [Tensor parallelism under torch.compile]
+    import torch
+
+    comp = getattr(job_config, "compile", None)
+    why = tp_compile_clash(cp=cp, tp=tp, compile_enabled=bool(getattr(comp, "enable", False)),
+                           backend=getattr(comp, "backend", "inductor"), accelerator=torch.accelerator.is_available())
+    if why is not None:
+        raise ValueError(why + ".")
 
 
 def _check_tiling(job_config: Any) -> None:

@@ -51,6 +51,7 @@ import types
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 import torch.nn as nn
 import torchtitan.distributed.context_parallel as titan_cp
 from torch.distributed.device_mesh import DeviceMesh
@@ -176,6 +177,9 @@ def parallelize_with_ring(model: nn.Module, parallel_dims, job_config, *, titan_
     if tile is not None and parallel_dims.tp_enabled:  # Note [Sequence tiling in torchtitan]: past TP's output hook
         tag_after_tp(model)
     use_sum_reduction_on_gloo(model)
+    if getattr(parallel_dims, "ep_enabled", False) and not torch.accelerator.is_available():
+        logger.info(f"cp_dtensor: expert parallelism over {parallel_dims.ep} ranks, its tokens permuted on CPU by "
+                    "torchtitan's generate_permute_indices(use_cpu=True) (Note [torchtitan on CPU] 1)")
     if init_as_unsharded(model, template, prepare=apply_family_fixes):
         logger.info("cp_dtensor: weights initialised on an unsharded CPU replica, then sharded: the same at every "
                     "CP / FSDP / TP degree (Note [torchtitan on CPU] 6)")

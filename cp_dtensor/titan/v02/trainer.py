@@ -6,6 +6,7 @@ import os
 
 from torchtitan.train import Trainer
 
+from ..shared.float8 import keep_tiled_head_unconverted
 from .config import check_config
 from .resume import check_resume
 
@@ -18,6 +19,8 @@ class CPTrainer(Trainer):
 
     def init_distributed(self):
         check_config(self.job_config, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        if getattr(self.job_config, "cp_dtensor", None) is not None and self.job_config.cp_dtensor.tile_size is not None:
+            keep_tiled_head_unconverted(self.job_config)  # See Note [float8 and the tiled LM head]
         return super().init_distributed()
 
     def train(self):

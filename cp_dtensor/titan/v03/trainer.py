@@ -121,8 +121,15 @@ def check_config(config: Any, world_size: int) -> None:
                else "its Gated DeltaNet layers are not served under TP")
         unsupported.append(f"--parallelism.tensor_parallel_degree > 1 with {name} ({why}; CP x TP is served for "
                            f"{', '.join(TP_FAMILIES)})")
-    if par.expert_parallel_degree > 1:
-        unsupported.append("--parallelism.expert_parallel_degree > 1")
+    if par.expert_parallel_degree > 1:  # torchtitan 0.3's ParallelDims: efsdp = dp_shard * cp * tp / ep
+        ep, rest = par.expert_parallel_degree, par.data_parallel_replicate_degree * cp * tp * par.pipeline_parallel_degree
+        dp_shard = par.data_parallel_shard_degree
+        dp_shard = dp_shard if dp_shard > 0 else (world_size // rest if world_size % rest == 0 else 0)
+        if dp_shard * cp * tp == 0 or (dp_shard * cp * tp) % ep != 0:
+            raise ValueError(f"--parallelism.expert_parallel_degree ({ep}) does not divide the ranks torchtitan gives "
+                             f"it: EP borrows from data_parallel_shard_degree ({dp_shard}) x context_parallel_degree "
+                             f"({cp}) x tensor_parallel_degree ({tp}) = {dp_shard * cp * tp} ranks. Use an "
+                             "expert_parallel_degree that divides that product, or change those degrees.")
     if section.tile_size is not None:  # Note [Sequence tiling in torchtitan]
         if tp > 1:
             unsupported.append("--cp_dtensor.sequence_tiling with --parallelism.tensor_parallel_degree > 1 (TP shards "
@@ -164,7 +171,9 @@ def as_cp_config(config: Trainer.Config) -> CPTrainer.Config:
     if is_hybrid(config.model_spec.model):  # the linear layers take contiguous runs: Note [qwen3_5 under the 0.3 plugin]
         values["cp_dtensor"] = CPDTensor(layout="headtail")
     if not torch.accelerator.is_available():  # CPU: fp32 parameters (Note [torchtitan 0.3 on CPU] 4); the flag wins
-        values["training"] = dataclasses.replace(config.training, mixed_precision_param="float32")
+        # and no CUDA graphs to capture (torchtitan refuses EP's all-to-all dispatcher under them); the flags win
+        values["training"] = dataclasses.replace(config.training, mixed_precision_param="float32",
+                                                 disable_cuda_graphs=True)
     return CPTrainer.Config(**values)
 
 

@@ -190,12 +190,21 @@ def test_unknown_layout_is_rejected():
         (["--model.name", "qwen3", "--model.flavor", "8B_flex"], 2, r'"8B_flex" is not a qwen3 flavor'),
         (["--model.name", "gpt_oss", "--model.flavor", "debugmodel_flex_attn"], 2,
          r'"debugmodel_flex_attn" is not a gpt_oss flavor of torchtitan; pick one of 120b, 20b, debugmodel'),
-        (["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--parallelism.expert_parallel_degree", "2"], 2,
-         r"does not support: \[parallelism\] expert_parallel_degree > 1"),
+        (["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--parallelism.expert_parallel_degree", "4"], 2,
+         r"expert_parallel_degree \(4\) does not divide the ranks torchtitan gives it: EP borrows from "
+         r"data_parallel_shard_degree \(1\) x context_parallel_degree \(2\) = 2 ranks"),
+        (["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--parallelism.expert_parallel_degree", "3"], 6,
+         r"expert_parallel_degree \(3\) must divide the experts of deepseek_v3 debugmodel \(8\)"),
         (["--cp_dtensor.layout", "headtail", "--validation.enable", "--validation.seq_len", "250"], 2,
          r"\[validation\] seq_len \(250\) does not fit: .* headtail layout on 2 CP ranks needs a multiple of 4"),
         (["--parallelism.tensor_parallel_degree", "2", "--validation.enable", "--validation.seq_len", "250"], 4,
          r"\[validation\] seq_len \(250\) .* times tensor_parallel_degree \(2\) needs a multiple of 4"),
+        # Note [Tensor parallelism under torch.compile]: wrong gradients at CP 2 x TP 2, a crash at TP 2 alone
+        (["--parallelism.tensor_parallel_degree", "2", "--compile.enable"], 4,
+         r"\[compile\] enable with tensor_parallel_degree = 2 \(context_parallel_degree = 2\) on CPU ranks: .* wrong "
+         r"gradients .* pass --compile.backend eager"),
+        (["--parallelism.context_parallel_degree", "1", "--parallelism.tensor_parallel_degree", "2", "--compile.enable",
+          "--compile.backend", "aot_eager"], 2, r'tensor_parallel_degree = 2 \(context_parallel_degree = 1\) .* "aot_eager"'),
     ],
 )
 def test_bad_cp_config_is_rejected(overrides, world, message):
@@ -204,6 +213,19 @@ def test_bad_cp_config_is_rejected(overrides, world, message):
     cfg = _parse(CONFIG, *overrides)
     with pytest.raises(ValueError, match=message):
         check_config(cfg, world_size=world)
+
+
+def test_tp_compile_runs_where_it_is_exact():
+    from cp_dtensor.titan import check_config
+    from cp_dtensor.titan.shared.compile_check import tp_compile_clash
+
+    # Dynamo without AOTAutograd logs the eager losses (Note [Tensor parallelism under torch.compile])
+    check_config(_parse(CONFIG, "--parallelism.tensor_parallel_degree", "2", "--compile.enable", "--compile.backend",
+                        "eager"), world_size=4)
+    check_config(_parse(CONFIG, "--compile.enable"), world_size=2)  # CP without TP compiles
+    assert tp_compile_clash(cp=1, tp=2, compile_enabled=True, backend="inductor", accelerator=True) is None
+    assert "with cp_dtensor context parallelism" in tp_compile_clash(cp=2, tp=2, compile_enabled=True,
+                                                                     backend="inductor", accelerator=True)
 
 
 def test_cp1_needs_no_cp_section():

@@ -10,8 +10,8 @@ attention under torchtitan's own mask_mods in test_titan_flex.py.
 Runs take the form docs/torchtitan.md gives for each family: its own TOML, or ``titan_configs/llama3_debug.toml``
 with ``--model.name <family> --model.flavor <flavor>``. Default suite: llama4 iRoPE (MoE, chunks and
 documents), ~60 s on a quiet machine. CI's slow tier (CP_DTENSOR_SLOW=1) adds qwen3 (tied-embedding
-FSDP) and gpt_oss (windows + sinks, its TOML) at CP = 2, llama4 iRoPE at CP = 4 and qwen3
-CP = 2 x TP = 2; CP_DTENSOR_SLOW=all every other family at CP = 2 and 4 and the other compositions at
+FSDP) and gpt_oss (windows + sinks, its TOML) at CP = 2, llama4 iRoPE at CP = 4, qwen3
+CP = 2 x TP = 2 and deepseek_v3 EP = 2 x CP = 2 compiled; CP_DTENSOR_SLOW=all every other family at CP = 2 and 4 and the other compositions at
 CP = 2 (TP, compile, activation checkpointing, float8, resume at CP = 1), sharing the families' seeds
 and CP = 1 runs.
 Default: the GPU TOMLs of the long flavors parse and pass the start-up checks.
@@ -53,7 +53,8 @@ RUNS = {  # id -> (TOML, overrides), as docs/torchtitan.md names them
 }
 DEFAULT = ("llama4_irope",)  # deepseek_v3 MLA + MoE at CP = 2 is in test_titan_flex.py by default
 # what CI's slow tier adds (tests/_tiers.py); every other family x degree x composition is exhaustive
-SLOW_CP2, SLOW_CP4, SLOW_COMPOSITIONS = ("qwen3", "gpt_oss"), ("llama4_irope",), ("qwen3_cp2xtp2",)
+SLOW_CP2, SLOW_CP4, SLOW_COMPOSITIONS = ("qwen3", "gpt_oss"), ("llama4_irope",), ("qwen3_cp2xtp2",
+                                                                                "deepseek_v3_ep2xcp2_compiled")
 
 
 def _losses(out: str) -> list[float]:
@@ -123,7 +124,7 @@ def test_cp4_matches_cp1(run_id, families, tmp_path):
 # ---- compositions (slow tier), each against its family's CP = 1 run from the same seed ----
 # Where torchtitan 0.2.2 allows them on CPU; FSDP x CP, CP x TP, compile, AC, float8 and resume on llama3
 # are in test_titan.py, test_titan_init.py, test_float8.py and test_titan_resume.py; pipeline parallelism in
-# test_titan_pp.py. Not here: expert parallelism (refused with CP at start).
+# test_titan_pp.py; expert parallelism below.
 
 COMPOSITIONS = {  # id -> (family run, ranks, overrides on top of CP = 2)
     # torchtitan's own qwen3 CP x TP is broken upstream: its TP plan hands attention DTensors (heads) and
@@ -132,14 +133,25 @@ COMPOSITIONS = {  # id -> (family run, ranks, overrides on top of CP = 2)
     "llama4_irope_cp2xtp2": ("llama4_irope", 4, ["--parallelism.tensor_parallel_degree", "2"]),
     "gpt_oss_cp2_compiled": ("gpt_oss", 2, ["--compile.enable"]),  # windows + sinks through compiled blocks
     "deepseek_v3_flex_cp2_full_ac": ("deepseek_v3_flex", 2, ["--activation_checkpoint.mode", "full"]),
+    # expert parallelism over the CP ranks (EP borrows them: dp_shard 1 x cp 2), torchtitan's CPU token permutation,
+    # compiled: the router's integer histc traced whole (Note [torchtitan on CPU] 1, 4a); steps 2-3 follow the
+    # expert-bias update from the routers' token counts, so those must be CP = 1's too
+    "deepseek_v3_ep2xcp2_compiled": ("deepseek_v3", 2, ["--parallelism.expert_parallel_degree", "2", "--compile.enable"]),
+    # measured without a seed (Note [torchtitan on CPU] 6): gpt_oss 12.57400, 11.27823, 9.74110 = CP = 1; qwen3 MoE
+    # (64 for-loop experts: ~7 min a step on the loaded machine) step 1 8.02915 = CP = 1
+    "gpt_oss_ep2xcp2": ("gpt_oss", 2, ["--parallelism.expert_parallel_degree", "2"]),
+    "qwen3_moe_ep2xcp2": ("qwen3_moe", 2, ["--parallelism.expert_parallel_degree", "2"]),
 }
+EP_LOG = "cp_dtensor: expert parallelism over 2 ranks, its tokens permuted on CPU by torchtitan's generate_permute"
 
 
 @pytest.mark.parametrize("comp", _tier(COMPOSITIONS, ci=SLOW_COMPOSITIONS))
 def test_composition_matches_cp1(comp, families, tmp_path):
     run_id, nproc, extra = COMPOSITIONS[comp]
     fam = families(run_id)
-    losses = _losses(fam.run(nproc, tmp_path, "--parallelism.context_parallel_degree", "2", *extra, *fam.from_seed()))
+    out = fam.run(nproc, tmp_path, "--parallelism.context_parallel_degree", "2", *extra, *fam.from_seed())
+    assert ("--parallelism.expert_parallel_degree" not in extra) or out.count(EP_LOG) == nproc
+    losses = _losses(out)
     assert losses == pytest.approx(fam.cp1(), rel=RTOL), f"{comp}: {losses} vs CP=1 {fam.cp1()}"
 
 

@@ -92,6 +92,18 @@ _ALL = exhaustive("60-150 s on 2 CPU cores; not in CI")
 
 
 @_SLOW
+def test_cp2_float8_tiled_matches_untiled_with_the_head_filtered(seed_ckpt, cp1_float8, tmp_path):
+    # Note [float8 and the tiled LM head]: the tiled job says at start that "output" joins filter_fqns, and is then
+    # the untiled float8 job with that filter (the head in fp32, every other linear float8)
+    ref = _losses(_torchrun(1, tmp_path / "cp1", "--parallelism.context_parallel_degree", "1", *F8,
+                            "--quantize.linear.float8.filter_fqns", "output", *_from_seed(seed_ckpt)))
+    out = _torchrun(2, tmp_path / "cp2", *F8, "--cp_dtensor.sequence_tiling", "true", *_from_seed(seed_ckpt))
+    assert out.count('"output" joins [quantize.linear.float8] filter_fqns') == 2  # one warning a rank
+    _assert_parity(_losses(out), ref)
+    assert _rel(ref[0], cp1_float8[0]) > 3 * PRINT_RES  # the filter is what makes them equal: a float8 head differs
+
+
+@_SLOW
 def test_cp2_float8_compiled_matches_cp1(seed_ckpt, cp1_float8, tmp_path):
     # torchtitan compiles each block (fullgraph): Float8Linear's casts and the ring in one Inductor graph
     _assert_parity(_losses(_torchrun(2, tmp_path, *F8, "--compile.enable", *_from_seed(seed_ckpt))), cp1_float8)
@@ -137,6 +149,24 @@ def test_bad_comm_dtype_is_rejected_at_parse(tmp_path):
 
         CPDTensor(comm_dtype="fp8")
     assert _parse(CONFIG).cp_dtensor.comm_torch_dtype is None  # unset: K/V travel as they are
+
+
+def test_tiled_head_joins_the_float8_filter_and_a_converted_head_is_refused():
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    from cp_dtensor.titan.shared.float8 import keep_tiled_head_unconverted
+    from cp_dtensor.titan.shared.tiling import apply_sequence_tiling
+
+    cfg = _parse(CONFIG, *F8, "--cp_dtensor.sequence_tiling", "true", "--quantize.linear.float8.filter_fqns", "wq")
+    assert keep_tiled_head_unconverted(cfg) == ["quantize.linear.float8"]
+    assert cfg.quantize.linear.float8.filter_fqns == ["wq", "output"]
+    assert keep_tiled_head_unconverted(cfg) == []  # once
+    assert keep_tiled_head_unconverted(_parse(CONFIG, "--cp_dtensor.sequence_tiling", "true")) == []  # no float8
+    model = torch.nn.Module()
+    model.output = torch.nn.Linear(32, 64)
+    convert_to_float8_training(model, config=Float8LinearConfig(emulate=True))
+    with pytest.raises(ValueError, match=r"converted to Float8Linear, .* Add 'output' to the converter's filter_fqns"):
+        apply_sequence_tiling(model, 8)
 
 
 def test_old_float8_converter_name_is_explained():

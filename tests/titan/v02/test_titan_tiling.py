@@ -226,6 +226,19 @@ def test_tile_size_from_the_toml_and_flags():
     assert parse(["--job.config_file", str(CONFIG)]).cp_dtensor.tile_size is None
     assert parse(["--job.config_file", str(CONFIG), "--cp_dtensor.sequence_tiling=64"]).cp_dtensor.tile_size == 64
     assert parse(["--job.config_file", str(CONFIG), "--cp_dtensor.sequence_tiling=True"]).cp_dtensor.tile_size == 1024
+    # the TOML's spellings on the command line too
+    assert parse(["--job.config_file", str(CONFIG), "--cp_dtensor.sequence_tiling", "true"]).cp_dtensor.tile_size == 1024
+    assert parse(["--job.config_file", str(CONFIG), "--cp_dtensor.sequence_tiling", "false"]).cp_dtensor.tile_size is None
+
+
+@pytest.mark.parametrize("flag", ["--cp_dtensor.tile_size", "--cp-dtensor.tile-size=64"])
+def test_tile_size_flag_names_the_right_key(flag):
+    from cp_dtensor.titan.shared.options import check_cli_spellings
+
+    check_cli_spellings(["--cp_dtensor.sequence_tiling", "64"])  # the right key passes
+    with pytest.raises(ValueError, match=r"no key 'tile_size'; its key is sequence_tiling \(e\.g\. "
+                                         r"--cp_dtensor\.sequence_tiling 2048"):
+        check_cli_spellings(["--job.config_file", "x.toml", flag, "64"])
 
 
 @pytest.mark.parametrize(("flags", "world", "message"), [

@@ -421,7 +421,8 @@ def test_plugin_config_defaults_and_flags(capsys):
     (["--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2", "--training.seq_len",
       "132"], 4, r"torchtitan a multiple of 2 \* CP \* TP \(sequence parallelism\) = 8. Use a multiple of 8"),
     (["--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2",
-      "--parallelism.expert_parallel_degree", "2"], 4, r"does not support: --parallelism.expert_parallel_degree > 1"),
+      "--parallelism.expert_parallel_degree", "8"], 4, r"expert_parallel_degree \(8\) does not divide the ranks "
+     r"torchtitan gives it: .* x tensor_parallel_degree \(2\) = 4 ranks"),
     (["--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2", "--cp_dtensor.layout",
       "documents"], 4, r"does not support: --cp_dtensor.layout documents with --parallelism.tensor_parallel_degree > 1"),
     (["--parallelism.context_parallel_degree", "4", "--cp_dtensor.layout", "documents", "--training.seq_len", "132"], 4,
@@ -717,6 +718,15 @@ def test_compiled_cp2_matches_eager_cp1(family, tmp_path, tmp_path_factory):
     _assert_close(_losses(out), _cp1(family, tmp_path_factory, check_trains=family != "gpt_oss"))
 
 
+@_SLOW
+def test_ep2_x_cp2_matches_cp1(tmp_path, tmp_path_factory):
+    # expert parallelism over the CP ranks (dp_shard 1 x cp 2), torchtitan 0.3's all-to-all dispatcher on gloo (no
+    # CUDA graphs on CPU: the plugin's config turns them off). Measured: deepseek_v3 8.12187, 7.15722, 6.59185 = CP = 1
+    out = _run(2, tmp_path, "deepseek_v3", "--parallelism.expert_parallel_degree", "2")
+    assert "cp=2, tp=1, ep=2" in out
+    _assert_close(_losses(out), _cp1("deepseek_v3", tmp_path_factory))
+
+
 @pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss"])
 def test_tp_refused_for_moe_families(family):
     # measured on CPU (docs/torchtitan03.md): their TP = 2 gradients differ from TP = 1 at CP = 1 as well (CP x TP = TP exactly)
@@ -803,6 +813,9 @@ def test_sequence_tiling_config_and_refusals():
 
     assert _config("llama3", "--cp_dtensor.sequence_tiling=64").cp_dtensor.tile_size == 64
     assert _config("llama3").cp_dtensor.tile_size is None
+    # the TOML's spellings on the command line too
+    assert _config("llama3", "--cp_dtensor.sequence_tiling", "true").cp_dtensor.tile_size == 1024
+    assert _config("llama3", "--cp_dtensor.sequence_tiling", "false").cp_dtensor.tile_size is None
     assert tiled_loss_config(_config("llama3").loss, 64).build().tiled is not None
     assert isinstance(tiled_loss_config(_config("llama3").loss, 64).build(), TiledCrossEntropyLoss)
     assert isinstance(_config("llama3").loss, ChunkedLossWrapper.Config)  # 0.3's default, replaced by the tiles
