@@ -69,12 +69,24 @@ __all__ = ["CallRules", "TurnPlan", "continuation_error", "cache_facts", "inner_
            "turn_plan"]
 
 
-def kv_dims(config) -> tuple[int, int, int, int]:
-    """(Hq, Hkv, Dqk, Dv) of a text config's attention layers."""
-    hq = config.num_attention_heads
-    hkv = getattr(config, "num_key_value_heads", None) or hq
-    d = getattr(config, "head_dim", None) or config.hidden_size // hq
-    return hq, hkv, d, getattr(config, "v_head_dim", None) or d
+def _value(config, name: str):
+    """``config.name``, None where it is missing; a tuple of the layers' values where the config keeps it per layer
+    (Gemma 4 raises on the global read and keeps ``per_layer_config[i].name``)."""
+    try:
+        return getattr(config, name, None)
+    except Exception:
+        layers = getattr(config, "per_layer_config", None)
+        if not layers:
+            raise
+        return tuple(getattr(layer, name, None) for layer in layers)
+
+
+def kv_dims(config) -> tuple:
+    """(Hq, Hkv, Dqk, Dv) of a text config's attention layers (each a tuple where the config varies it per layer)."""
+    hq = _value(config, "num_attention_heads")
+    hkv = _value(config, "num_key_value_heads") or hq
+    d = _value(config, "head_dim") or config.hidden_size // hq
+    return hq, hkv, d, _value(config, "v_head_dim") or d
 
 
 def model_shape(config, linear) -> dict:
