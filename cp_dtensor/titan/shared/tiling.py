@@ -20,7 +20,10 @@ in core/tiling.py), so no [S_local, V] tensor exists in forward or in backward:
   chunk of the replicated hidden states, no communication; or ``Replicate``), dropping its attribute, so
   ``tag_after_tp`` adds a forward hook after TP's that puts the tag (stashed on the head by the forward)
   on the final output. A TP head that is not sharded over the vocabulary raises there, on every rank,
-  before the loss's first collective;
+  before the loss's first collective. torchtitan 0.3 does not redistribute a TP module's output but checks
+  that it is placed as its plan says (``Shard(-1)`` under loss parallel): there the head's forward hands on
+  its replicated hidden states as ``Shard(-1)`` chunks itself (``vocab_sharded_output``), and the same
+  hook tags the result;
 * the train spec's loss becomes ``linear_cross_entropy(hidden, weight, labels, num_items_in_batch=1)``:
   the same sum, ignore index -100, labels already shifted by torchtitan's data; dW accumulates into the
   unsharded weight's gradient, which FSDP reduce-scatters as before. A prediction without the tag (a
@@ -71,9 +74,11 @@ __all__ = ["apply_sequence_tiling", "tag_after_tp", "tiled_loss", "HEAD_TAG"]
 HEAD_TAG = "_cp_dtensor_head"  # the attribute of the head's output: (hidden, weight, bias) as its forward saw them
 
 
-def _head_forward(head: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+def _head_forward(head: nn.Linear, hidden: torch.Tensor, *, vocab_sharded_output: bool = False) -> torch.Tensor:
     # See Note [Sequence tiling in torchtitan]: the hidden states [B, S_local, D], tagged with the head
     out = hidden.view_as(hidden)  # a new tensor object: the tag never lands on a tensor another module holds
+    if vocab_sharded_output and isinstance(out, DTensor):  # torchtitan 0.3 checks a TP head's output placement
+        out = out.redistribute(out.device_mesh, [Shard(-1)])  # a chunk of the replicated states: no communication
     tag = (hidden, head.weight, head.bias)
     setattr(out, HEAD_TAG, tag)
     if isinstance(head.weight, DTensor):  # TP's output hook replaces ``out``: _retag puts the tag on its result
@@ -117,7 +122,8 @@ def _uncounted(moe: nn.Module):
 
 
 def apply_sequence_tiling(model: nn.Module, tile: int, *, head_name: str = "output", tile_mlps: bool = True,
-                          tile_moe: bool = False, stage: bool = False) -> tuple[int, int]:
+                          tile_moe: bool = False, stage: bool = False, vocab_sharded_output: bool = False
+                          ) -> tuple[int, int]:
     """Tile ``model``'s head + loss, (``tile_mlps``) its blocks' dense MLPs and (``tile_moe`` too) their MoE
     layers (Note [Sequence tiling in torchtitan]). Refuses, by name, a head that is not an ``nn.Linear``;
     ``stage``: ``model`` is a pipeline stage, whose head is None unless it is the last.
@@ -134,7 +140,7 @@ def apply_sequence_tiling(model: nn.Module, tile: int, *, head_name: str = "outp
                          f"drop. Add {head_name!r} to the converter's filter_fqns (e.g. --quantize.linear.float8."
                          f"filter_fqns {head_name}), or remove sequence_tiling.")
     else:
-        head.forward = functools.partial(_head_forward, head)
+        head.forward = functools.partial(_head_forward, head, vocab_sharded_output=vocab_sharded_output)
     tiled = moe = 0
     for block in getattr(model, "layers", {}).values():
         ffn = getattr(block, "feed_forward", None)

@@ -51,7 +51,7 @@ from ..shared.cpu import init_as_unsharded, unsharded_template, use_for_loop_exp
 from ..shared.heads import ulysses_mesh, ulysses_shard_index
 from ..shared.options import CPDTensor
 from ..shared.plan import DOCUMENTS, titan_unit
-from ..shared.tiling import apply_sequence_tiling
+from ..shared.tiling import apply_sequence_tiling, tag_after_tp
 from ._cpu import experts_in_param_dtype
 from .attention import RingInnerAttention, ring_masks, shard_cp_batch
 from .linear import HYBRID, apply_hybrid, check_hybrid, hybrid_masks, is_hybrid, without_cp
@@ -131,9 +131,6 @@ def check_config(config: Any, world_size: int) -> None:
                              f"({cp}) x tensor_parallel_degree ({tp}) = {dp_shard * cp * tp} ranks. Use an "
                              "expert_parallel_degree that divides that product, or change those degrees.")
     if section.tile_size is not None:  # Note [Sequence tiling in torchtitan]
-        if tp > 1:
-            unsupported.append("--cp_dtensor.sequence_tiling with --parallelism.tensor_parallel_degree > 1 (TP shards "
-                               "the LM head over the vocabulary; not served yet)")
         if getattr(par, "fsdp_reshard_after_forward", "default") == "always":
             unsupported.append("--cp_dtensor.sequence_tiling with --parallelism.fsdp_reshard_after_forward always (the "
                                "tiled loss uses the LM head's unsharded weights after its forward)")
@@ -284,11 +281,13 @@ def parallelize_with_ring(model: nn.Module, *, titan_fn, section: CPDTensor, par
         logger.info(f"cp_dtensor: {n} gpt_oss expert modules return their input's dtype (fp32 training)")
     cp_mesh = parallel_dims.get_mesh("cp") if parallel_dims.cp_enabled else None
     if section.tile_size is not None:  # Note [Sequence tiling in torchtitan] (titan/shared/tiling.py)
-        tiled, whole = apply_sequence_tiling(model, section.tile_size, head_name="lm_head",
-                                             stage=parallel_dims.pp_enabled)
+        tp = parallel_dims.tp_enabled  # under TP the MLPs stay whole and the head is vocabulary-parallel, as on 0.2.2
+        tiled, whole = apply_sequence_tiling(model, section.tile_size, head_name="lm_head", tile_mlps=not tp,
+                                             stage=parallel_dims.pp_enabled, vocab_sharded_output=tp)
         head = "the LM head + loss and " if getattr(model, "lm_head", None) is not None else ""  # PP: the last stage
         logger.info(f"cp_dtensor: sequence tiling, {section.tile_size} tokens a tile: {head}{tiled} "
-                    "MLPs" + (f" ({whole} MoE layers whole)" if whole else ""))
+                    "MLPs" + (f" ({whole} MLPs whole under TP)" if whole and tp else "")
+                    + (f" ({whole} MoE layers whole)" if whole and not tp else ""))
     if parallel_dims.tp_enabled:
         _retie_after_parallelize(model)
     ring = apply_ring_attention(model, cp_mesh, section)
@@ -299,6 +298,8 @@ def parallelize_with_ring(model: nn.Module, *, titan_fn, section: CPDTensor, par
             stack.enter_context(_swapped(titan_module, TITAN03_CP_STEP, _ring_in_place))
         hybrid = is_hybrid(model_config)  # qwen3_5's parallelize refuses CP: Note [qwen3_5 under the 0.3 plugin]
         model = titan_fn(model, parallel_dims=without_cp(parallel_dims) if hybrid else parallel_dims, **kwargs)
+    if section.tile_size is not None and parallel_dims.tp_enabled and getattr(model, "lm_head", None) is not None:
+        tag_after_tp(model, head_name="lm_head")  # Note [Sequence tiling in torchtitan]: the tag past TP's wrapper
     masks = hybrid_masks if hybrid else ring_masks
     model.get_attention_masks = functools.partial(masks, model_config)  # Note [0.3 inner attention as the ring]
     if cp_mesh is not None:

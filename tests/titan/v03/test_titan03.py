@@ -157,10 +157,14 @@ def test_cp2_x_tp2_matches_cp1(family, tmp_path, tmp_path_factory):
     # runs the ring over its CP group on its own heads (Note [0.3 TP heads into the ring]). qwen3: tied
     # embeddings, which the plugin re-ties after TP (untied, step 3 was 7.23832 vs 7.21195). Measured: equal
     # to CP = 1 to every printed digit (llama3 8.17432, 7.90685, 7.79355; qwen3 7.66155, 7.31820, 7.21195).
+    # llama3's job tiles the loss too: the vocabulary-parallel head in tiles, against CP = 1 untiled.
+    tiled = ["--cp_dtensor.sequence_tiling=32"] if family == "llama3" else []
     args = ["--module", family, "--config", f"{family}_debugmodel", "--parallelism.context_parallel_degree", "2",
-            "--parallelism.tensor_parallel_degree", "2", *SMALL]
+            "--parallelism.tensor_parallel_degree", "2", *SMALL, *tiled]
     out = torchrun_03(4, tmp_path, *args)
     assert "Applied cp_dtensor ring attention (layout=striped, cp=2)" in out
+    if tiled:
+        assert "the LM head + loss and 0 MLPs (6 MLPs whole under TP)" in out
     _assert_close(_losses(out), _cp1(family, tmp_path_factory))
 
 
@@ -822,9 +826,9 @@ def test_sequence_tiling_config_and_refusals():
     with pytest.raises(ValueError, match=r"sequence_tiling tiles torchtitan's CrossEntropyLoss .* this job's loss is "
                                          r"MSELoss.Config"):
         tiled_loss_config(MSELoss.Config(), 64)
-    with pytest.raises(ValueError, match=r"sequence_tiling with --parallelism.tensor_parallel_degree > 1"):
-        check_config(_config("llama3", "--cp_dtensor.sequence_tiling=64", "--parallelism.tensor_parallel_degree", "2"),
-                     world_size=2)
+    # served under TP (the vocabulary-parallel head; the MLPs whole), as on 0.2.2
+    check_config(_config("llama3", "--cp_dtensor.sequence_tiling=64", "--parallelism.tensor_parallel_degree", "2"),
+                 world_size=2)
     from cp_dtensor.titan.shared.options import CPDTensor
 
     with pytest.raises(ValueError, match=r"\[cp_dtensor\] sequence_tiling must be True, False or a positive int"):
