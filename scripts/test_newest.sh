@@ -4,7 +4,7 @@
 # depend on the torch release (the compat checks, the core and its compiled paths, DTensor, checkpoints, torch's
 # API, the doors' SDPA mode, the transformers attention interface compiled) -- leg 1 runs every file on the dev
 # pin, and the files left out here exercise transformers, torchtitan 0.2.2 or torch-free code the same way on
-# either release. Arguments go to pytest instead (tests/titan/v03/test_titan03.py: torchtitan 0.3).
+# either release. Arguments go to pytest instead (tests/titan/v03: torchtitan 0.3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_newest.sh
