@@ -134,7 +134,7 @@ def apply_sequence_tiling(model: nn.Module, tile: int, *, head_name: str = "outp
     elif not isinstance(head, nn.Linear):
         raise ValueError(f"[cp_dtensor] sequence_tiling tiles the LM head with the loss; {type(model).__name__}."
                          f"{head_name} is {type(head).__name__}, not an nn.Linear. Remove sequence_tiling for this model.")
-    elif type(head) is not nn.Linear:  # e.g. torchao's Float8Linear: Note [float8 and the tiled LM head]
+    elif type(head).forward is not nn.Linear.forward:  # torchao's Float8Linear: Note [float8 and the tiled LM head]
         raise ValueError(f"[cp_dtensor] sequence_tiling computes the LM head {head_name!r} itself, in its parameters' "
                          f"precision; this head was converted to {type(head).__name__}, whose own matmul the tiles would "
                          f"drop. Add {head_name!r} to the converter's filter_fqns (e.g. --quantize.linear.float8."
