@@ -37,14 +37,17 @@ So when the converter is built on CPU, the plugin measures one small ``torch._sc
 ([64, 128] x [128, 128], rowwise scales, best of 3 after one warm-up; a few ms) against an fp32
 matmul of the same shape (:func:`cpu_scaled_mm_cost`, once per process) and:
 
-* uses the real gemm where it costs at most ``SCALED_MM_LIMIT`` (20) fp32 matmuls, logging the ratio;
+* uses the real gemm where it costs at most ``SCALED_MM_LIMIT`` (5) fp32 matmuls, logging the ratio (a host
+  whose probe read 10.4x ran the llama3 debug model's float8 steps at ~95 s each, about 100x the fp32 step:
+  the probe's small shape can understate a slow path by an order of magnitude, so only the ~2-3x regime of
+  AVX2 hosts keeps the real gemm);
 * otherwise switches the converter to torchao's emulated gemm with the recipe kept (rowwise stays
   rowwise) and logs one warning that names the measured ratio or the error;
 * always emulates when the job asks for it (0.2.2 ``[quantize.linear.float8] emulate = true``, 0.3
   ``emulate=True`` in the converter's config), again with the recipe kept: torchtitan 0.2.2 ignores
   ``emulate`` when a recipe is named, and 0.3 drops the recipe when emulating.
 
-The two regimes are two to three orders of magnitude apart, so ranks that measure on their own agree
+The regimes are at least an order of magnitude apart, so ranks that measure on their own agree
 (no collective: 0.3 builds the converter before the process group exists). The decision is per
 process and needs no accelerator check of its own: it runs only where the wrapping above does.
 """
@@ -63,7 +66,7 @@ from ..._compat import TITAN_FLOAT8
 
 __all__ = ["SCALED_MM_LIMIT", "allow_float8_on_cpu", "cpu_scaled_mm_cost"]
 
-SCALED_MM_LIMIT = 20.0  # torch._scaled_mm over an fp32 matmul above which CPU float8 linears emulate
+SCALED_MM_LIMIT = 5.0  # torch._scaled_mm over an fp32 matmul above which CPU float8 linears emulate
 
 
 @functools.cache
