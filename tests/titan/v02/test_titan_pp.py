@@ -26,6 +26,7 @@ import torch  # noqa: E402
 
 import cp_dtensor.titan  # noqa: E402, F401  before any torchtitan import: see Note [torchtitan on CPU]
 from _titan_run import CONFIG, reference_run, seed_checkpoint, step_losses, torchrun  # noqa: E402
+from test_titan import _FakeCPMesh  # noqa: E402  the CP mesh shard_cp_batch reads (rank and size only)
 
 STEPS = 3
 RTOL = 2e-5
@@ -114,17 +115,6 @@ def test_pp2_cp2_documents_matches_pp1_cp2(seed_ckpt, tmp_path):
     assert losses == pytest.approx(ref, rel=RTOL), f"PP=2 x CP=2 {losses} vs PP=1 x CP=2 {ref}"
     ref_val, val = _validation_losses(ref_out), _validation_losses(out)
     assert val == pytest.approx(ref_val, rel=RTOL), f"validation PP=2 x CP=2 {val} vs PP=1 x CP=2 {ref_val}"
-
-
-class _FakeCPMesh:
-    def __init__(self, rank: int, world: int):
-        self.rank, self.world = rank, world
-
-    def get_local_rank(self) -> int:
-        return self.rank
-
-    def size(self) -> int:
-        return self.world
 
 
 class _Echo(torch.nn.Module):
