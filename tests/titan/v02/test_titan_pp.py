@@ -2,7 +2,9 @@
 
 End-to-end (slow tier; 4 ranks on 2 CPU cores): llama3 debugmodel, fp32, 3 steps from one seed checkpoint;
 every PP = 2 x CP = 2 job logs the losses of PP = 2 x CP = 1 (the same stages and microbatches without CP)
-to rel 2e-5, and a documents-layout job on the flex flavor those of PP = 1 x CP = 2. Default tier: the
+to rel 2e-5, and a documents-layout job on the flex flavor those of PP = 1 x CP = 2; the 1F1B job's checkpoint,
+resumed at PP = 2 x CP = 1, continues its losses; TP = 2 x CP = 2 x PP = 2 (8 ranks) logs those of the same mesh at
+CP = 1. Default tier: the
 batch as the schedule splits it (no processes): each microbatch's positions, mask ids and document plan
 equal what sharding that microbatch alone gives, and bad PP x CP configurations raise before any collective.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -29,6 +32,7 @@ from _titan_run import CONFIG, reference_run, seed_checkpoint, step_losses, torc
 from test_titan import _FakeCPMesh  # noqa: E402  the CP mesh shard_cp_batch reads (rank and size only)
 
 STEPS = 3
+SAVED_AT = 2  # the 1F1B job saves here; a PP x CP=1 job resumes from it
 RTOL = 2e-5
 _PP_JOB = slow("a 4-rank pipeline x CP torchtitan run (~60 s on 2 CPU cores)")
 
@@ -48,8 +52,10 @@ def seed_ckpt() -> Path:
     return seed_checkpoint()  # the session's llama3 debugmodel seed, shared with test_titan.py
 
 
-def _from_seed(seed_ckpt: Path) -> list[str]:
-    return ["--checkpoint.enable", "--checkpoint.initial_load_path", str(seed_ckpt), "--checkpoint.load_only",
+def _from_seed(seed_ckpt: Path, *, save_at: int | None = None) -> list[str]:
+    # save_at: also save a full checkpoint after that step (a job that only loads the seed saves nothing)
+    save = ["--checkpoint.load_only"] if save_at is None else ["--checkpoint.interval", str(save_at)]
+    return ["--checkpoint.enable", "--checkpoint.initial_load_path", str(seed_ckpt), *save,
             "--training.steps", str(STEPS)]
 
 
@@ -70,11 +76,37 @@ def pp2_cp1_losses(seed_ckpt) -> list[float]:
     ids=["1f1b_striped", "interleaved_headtail_tiled"],
 )
 def test_pp2_cp2_matches_pp2_cp1(schedule, extra, seed_ckpt, pp2_cp1_losses, tmp_path):
+    resume = schedule == "1F1B"  # this job also saves after step SAVED_AT, for a resume at CP = 1
     out = torchrun(4, tmp_path, "--parallelism.context_parallel_degree", "2", *_pp(schedule), *extra,
-                   *_from_seed(seed_ckpt))
+                   *_from_seed(seed_ckpt, save_at=SAVED_AT if resume else None))
     assert "Applied cp_dtensor ring attention" in out
     losses = step_losses(out, last=STEPS)
     assert losses == pytest.approx(pp2_cp1_losses, rel=RTOL), f"PP x CP {losses} vs PP x CP=1 {pp2_cp1_losses}"
+    if resume:
+        _resume_at_cp1(tmp_path / "checkpoint" / f"step-{SAVED_AT}", losses, tmp_path / "resumed")
+
+
+def _resume_at_cp1(step_dir: Path, want: list[float], dump: Path) -> None:
+    # the PP = 2 x CP = 2 checkpoint (stages, optimizer, data loader, schedule), resumed at PP = 2 x CP = 1 on 2
+    # ranks (the same batch degree, 1): the steps after SAVED_AT log the uninterrupted run's losses
+    shutil.copytree(step_dir, dump / "checkpoint" / step_dir.name)  # the checkpointer resumes from its newest step
+    out = torchrun(2, dump, "--parallelism.context_parallel_degree", "1", *_pp("1F1B"), "--checkpoint.enable",
+                   "--checkpoint.load_only", "--training.steps", str(STEPS))
+    assert f"Loading the checkpoint from {dump / 'checkpoint' / step_dir.name}" in out
+    got = step_losses(out, first=SAVED_AT + 1, last=STEPS)
+    assert got == pytest.approx(want[SAVED_AT:], rel=RTOL), f"resumed at CP=1: {got} vs PP x CP=2: {want[SAVED_AT:]}"
+
+
+@slow("an 8-rank and a 4-rank torchtitan run on 2 CPU cores (~20 s)")
+def test_pp2_tp2_cp2_matches_cp1(seed_ckpt, tmp_path):
+    # pp 2 x tp 2 x cp 2 (8 ranks) against the same mesh at CP = 1 (4 ranks): the ring runs on each TP rank's
+    # heads inside each stage, sequence parallelism splits the CP shard (seq_len / (2 cp tp) per half-chunk)
+    mesh = ["--parallelism.tensor_parallel_degree", "2", *_pp("1F1B"), *_from_seed(seed_ckpt)]
+    ref = step_losses(torchrun(4, tmp_path / "cp1", "--parallelism.context_parallel_degree", "1", *mesh), last=STEPS)
+    out = torchrun(8, tmp_path / "cp2", "--parallelism.context_parallel_degree", "2", *mesh)
+    assert "Applied cp_dtensor ring attention" in out
+    losses = step_losses(out, last=STEPS)
+    assert losses == pytest.approx(ref, rel=RTOL), f"pp2 x tp2 x cp2 {losses} vs pp2 x tp2 {ref}"
 
 
 @slow("an 8-rank and a 4-rank torchtitan run on 2 CPU cores")
