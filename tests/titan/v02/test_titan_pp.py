@@ -253,8 +253,28 @@ def test_cp1_flex_masks_split_by_rows():
          10, r"cuts llama3 debugmodel into 10 stages, more than its 6 layers \+ embedding \+ head"),
         (["--training.seq_len", "250"], 4, r"seq_len \(250\) must be divisible by 2 \* context_parallel_degree \* "
                                           r"tensor_parallel_degree = 4"),
+        (["--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "260"], 8,
+         r"seq_len \(260\) must be divisible by 2 \* context_parallel_degree \* tensor_parallel_degree = 8"),
+        (["--parallelism.pipeline_parallel_degree", "4"], 8,
+         r"the 1F1B schedule needs at least as many microbatches as stages \(4\); local_batch_size \(2\) / "
+         r"pipeline_parallel_microbatch_size \(1\) = 2 microbatches\. Use local_batch_size >= 4"),
+        (["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B", "--training.local_batch_size", "5"], 4,
+         r"Interleaved1F1B schedule runs microbatches in rounds of pipeline_parallel_degree \(2\) and needs their "
+         r"number to be a multiple of the rounds \(2\); .* = 5 microbatches"),
+        (["--parallelism.pipeline_parallel_layers_per_stage", "2"], 4,
+         r"pipeline_parallel_layers_per_stage = 2 cuts llama3 debugmodel's 6 layers into 4 stages, which does not fit "
+         r"pipeline_parallel_degree = 2 with the 1F1B schedule: it runs exactly 1 stage\(s\) on every rank.*"
+         r"looped schedule \(Interleaved1F1B\)"),
+        (["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B", "--parallelism.pipeline_parallel_layers_per_stage",
+          "2", "--parallelism.pipeline_parallel_first_stage_less_layers", "4"], 4,
+         r"torchtitan cannot cut llama3 debugmodel \(6 layers\) into 6 stages: input_weight \(4\) exceeds .*"
+         r"Use fewer stages or smaller pipeline_parallel_first_stage_less_layers"),
+        (["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--parallelism.expert_parallel_degree", "8"], 8,
+         r"expert_parallel_degree \(8\) does not divide the ranks torchtitan gives it: EP borrows from "
+         r"data_parallel_shard_degree \(2\) x context_parallel_degree \(2\) = 4 ranks"),
     ],
-    ids=["microbatch", "validation_shape", "stage_cut", "seq_len"],
+    ids=["microbatch", "validation_shape", "stage_cut", "seq_len", "seq_len_tp", "1f1b_microbatches",
+         "interleaved_rounds", "layers_per_stage", "first_stage_weight", "ep_degree"],
 )
 def test_bad_pipeline_config_is_rejected(overrides, world, message):
     # check_config runs on every rank before torchtitan builds a mesh (CPTrainer.init_distributed)
@@ -265,9 +285,42 @@ def test_bad_pipeline_config_is_rejected(overrides, world, message):
         check_config(cfg, world_size=world)
 
 
+_WHOLE_CUT = [["tok_embeddings", "layers.0", "layers.1", "layers.2"], ["layers.3", "layers.4", "layers.5", "norm", "output"]]
+
+
+@pytest.mark.parametrize(
+    ("cut", "message"),
+    [([["tok_embeddings", "layers.0.attention"], ["layers.0.feed_forward", *_WHOLE_CUT[0][2:], *_WHOLE_CUT[1]]],
+      r"stage 0 names 'layers.0.attention', which splits a module torchtitan cannot split: .*\(layers.0 \.\. "
+      r"layers.5 of llama3 debugmodel.* Name the whole layer"),
+     ([_WHOLE_CUT[0], ["layers.2", *_WHOLE_CUT[1]]], r"names 'layers.2' in stages 0 and 1: .* Name it once"),
+     ([_WHOLE_CUT[0][:2], _WHOLE_CUT[1]], r"leaves out layers.1, layers.2 of llama3 debugmodel: torchtitan drops"),
+     ([_WHOLE_CUT[0], _WHOLE_CUT[1][:1], _WHOLE_CUT[1][1:], ["layers.6"]], r"names 'layers.6', which splits"),
+     ([_WHOLE_CUT[0][:2], _WHOLE_CUT[0][2:], _WHOLE_CUT[1][:2], _WHOLE_CUT[1][2:]],
+      r"module_fqns_per_model_part lists 4 stages, which does not fit pipeline_parallel_degree = 2 with the 1F1B "
+      r"schedule: it runs exactly 1 stage")],
+    ids=["part_of_a_layer", "twice", "left_out", "no_such_layer", "two_stages_per_rank_1f1b"],
+)
+def test_bad_stage_list_is_rejected(cut, message):
+    # torchtitan keeps only the named whole modules of each stage: these would train another model or crash late
+    from cp_dtensor.titan import check_config
+
+    cfg = _parse(CONFIG, *_pp("1F1B"))
+    cfg.parallelism.module_fqns_per_model_part = cut
+    with pytest.raises(ValueError, match=message):
+        check_config(cfg, world_size=4)
+    cfg.parallelism.module_fqns_per_model_part = _WHOLE_CUT  # the same job with a whole cut starts
+    check_config(cfg, world_size=4)
+
+
 def test_pipeline_with_cp_is_served():
     from cp_dtensor.titan import check_config
 
     check_config(_parse(CONFIG, *_pp("Interleaved1F1B"), "--cp_dtensor.sequence_tiling=64"), world_size=4)
     check_config(_parse(CONFIG, *_pp("GPipe"), "--model.flavor", "debugmodel_flex_attn", "--cp_dtensor.layout",
                         "documents"), world_size=4)
+    # two stages of 2 layers (+ the embedding / head) per rank; 4 microbatches for the 1F1B schedule's 4 stages
+    check_config(_parse(CONFIG, *_pp("Interleaved1F1B"), "--parallelism.pipeline_parallel_layers_per_stage", "2"),
+                 world_size=4)
+    check_config(_parse(CONFIG, *_pp("1F1B"), "--parallelism.pipeline_parallel_degree", "4",
+                        "--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"), world_size=16)
