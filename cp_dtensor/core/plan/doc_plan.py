@@ -49,7 +49,7 @@ striped ring sends (P - 1) * S rows per rank whatever the documents.
 
 from __future__ import annotations
 
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable
 from typing import Any
 
@@ -149,31 +149,33 @@ def plan_intervals(lengths: list[int], world: int, *, windows: Any = None, tol: 
         warn_once("plan_row / plan_intervals(sand_share=, small=)", "plan_row(lengths, world, windows=, tol=)")
     lefts = window_lefts(windows)
     f = _prefix_fn(lefts)
-    held = _place(lengths, world, f)
-    # held[r][d]: rank r's offsets in document d; the re-cuts only where a token's work is coarse (tiny rows)
+    whole, whole_work, held = _place(lengths, world, f)
+    # held[r][d]: rank r's offsets in document d, of the documents it does not hold whole; the re-cuts only
+    # where a token's work is coarse (tiny rows)
     owners: dict[int, int] = {}
     for mine in held:
         for d in mine:
             owners[d] = owners.get(d, 0) + 1
-    load = [sum(f(y) - f(x) for ivs in mine.values() for x, y in ivs) for mine in held]
+    load = [w + sum(f(y) - f(x) for ivs in mine.values() for x, y in ivs) for w, mine in zip(whole_work, held)]
     shared = [{d: _union([], ivs) for d, ivs in mine.items() if owners[d] > 1} for mine in held]
     rebalance(load, shared, f, tol=tol, quadratic=lefts == (None,))
     starts = [0]
     for length in lengths[:-1]:
         starts.append(starts[-1] + length)
     out = []
-    for mine, cut in zip(held, shared):
-        ivs = [(starts[d] + x, starts[d] + y) for d, offs in mine.items() if d not in cut for x, y in offs]
+    for docs, mine, cut in zip(whole, held, shared):
+        ivs = [(starts[d], starts[d] + lengths[d]) for d in docs]
+        ivs += [(starts[d] + x, starts[d] + y) for d, offs in mine.items() if d not in cut for x, y in offs]
         ivs += [(starts[d] + x, starts[d] + y) for d, offs in cut.items() for x, y in offs if y > x]
         ivs.sort()
         out.append(ivs)
     return out
 
 
-def _place(lengths: list[int], world: int, f: Callable[[int], int]) -> list[dict[int, list[tuple[int, int]]]]:
-    """Each rank's offsets in each document it holds, ``[{d: [(x, y), ...]}]``: the line of documents,
-    densest first, each rank ``x`` tokens from its front and ``S - x`` from its back. See Note [Document
-    placement]."""
+def _place(lengths: list[int], world: int, f: Callable[[int], int]):
+    """(the documents each rank holds whole, their work, each rank's offsets in the others it holds
+    ``[{d: [(x, y), ...]}]``): the line of documents, densest first, each rank ``x`` tokens from its front
+    and ``S - x`` from its back. See Note [Document placement]."""
     s = sum(lengths) // world
     line = sorted(range(len(lengths)), key=lambda d: (-lengths[d], d))  # densest first (F(L) / L grows with L)
     m = len(line)
@@ -187,11 +189,26 @@ def _place(lengths: list[int], world: int, f: Callable[[int], int]) -> list[dict
     i, j = 0, m - 1  # the line's first and last document with a rest; those between are whole
     left = cum_cost[-1]  # the work not placed yet
     held: list[dict[int, list[tuple[int, int]]]] = [{} for _ in range(world)]
+    whole: list[list[int]] = [[] for _ in range(world)]
+    whole_work = [0] * world
+
+    def take_whole(r: int, k0: int, k1: int) -> int:
+        """Rank r takes the untouched line documents k0 .. k1 - 1 whole. Returns their work."""
+        whole[r].extend(line[k0:k1])
+        lo[k0:k1] = hi[k0:k1]
+        w = cum_cost[k1] - cum_cost[k0]
+        whole_work[r] += w
+        return w
+
+    def untouched(k: int) -> bool:
+        return lo[k] == 0 and hi[k] == size[k]
 
     def take(r: int, k: int, t: int, want: float | None = None) -> int:
         """Rank r takes t tokens of line document k's rest: all of it, or the head-tail piece whose work is
         ``want`` (default: t at the rest's density, so the middle left keeps it). Returns the work."""
         a, b = lo[k], hi[k]
+        if t == size[k]:
+            return take_whole(r, k, k + 1)
         mine = held[r].setdefault(line[k], [])
         if t == b - a:
             mine.append((a, b))
@@ -265,12 +282,23 @@ def _place(lengths: list[int], world: int, f: Callable[[int], int]) -> list[dict
         while y:  # the back: whole rests, the last one a piece at its density
             while lo[j] == hi[j]:
                 j -= 1
+            if untouched(j) and size[j] <= y:  # as many untouched documents as fit, at once
+                k = max(bisect_left(cum_len, cum_len[j + 1] - y), i + 1 if j > i else i)
+                got += take_whole(r, k, j + 1)
+                y -= cum_len[j + 1] - cum_len[k]
+                j = k
+                continue
             t = min(y, hi[j] - lo[j])
             got += take(r, j, t)
             y -= t
         while x:  # the front: whole rests, the last one a piece with the work the rank lacks
             while lo[i] == hi[i]:
                 i += 1
+            k = min(bisect_right(cum_len, cum_len[i] + x) - 1, j if j > i else i + 1)
+            if untouched(i) and k > i:  # as many untouched documents as fit, at once
+                got += take_whole(r, i, k)
+                x -= cum_len[k] - cum_len[i]
+                continue
             t = min(x, hi[i] - lo[i])
             got += take(r, i, t, target - got if t == x else None)
             x -= t
@@ -279,10 +307,12 @@ def _place(lengths: list[int], world: int, f: Callable[[int], int]) -> list[dict
         while j > i and lo[j] == hi[j]:
             j -= 1
         left -= got
-    for k in range(i, j + 1):  # the last rank: what is left, S tokens
+    for k in {i, j}:  # the last rank: what is left, S tokens (the documents between i and j untouched)
         if hi[k] > lo[k]:
             take(world - 1, k, hi[k] - lo[k])
-    return held
+    if j > i + 1:
+        take_whole(world - 1, i + 1, j)
+    return whole, whole_work, held
 
 
 def interval_work(intervals: list[list[tuple[int, int]]], lengths: list[int], *, windows: Any = None) -> list[int]:
