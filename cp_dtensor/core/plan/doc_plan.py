@@ -16,8 +16,8 @@ documents in a line, densest first; each rank in turn takes ``x`` tokens from th
 from the sparse back, ``x`` chosen (a binary search) so that the rank's work is the target: what is left
 divided by the ranks left (a rank's rounding is absorbed by the next targets, not piled on the last rank).
 The front's first S tokens are the densest and the back's the sparsest, so a rank's work is below the
-target at ``x = 0`` and above it at ``x = S`` whenever what is left averages the target -- which it does,
-as every rank before took its share -- and the search always brackets it.
+target at ``x = 0`` and above it at ``x = S`` (what is left averages the target, as every rank before took
+its share), and the search brackets it (else the nearer end is taken).
 
 What a rank takes of a document it does not take whole is a *head-tail piece* of the document's rest
 ``[lo, hi)``: h tokens from its head and t - h from its tail. The piece's work falls as h grows (head tokens
