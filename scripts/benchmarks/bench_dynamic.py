@@ -2,8 +2,9 @@
 either row by row (each data-parallel rank's packed row on its own cp ranks, ``document_layout`` of that
 row: the static grid) or as one row over all dp x cp ranks (``document_layout`` of the whole batch: dynamic).
 
-For each grid and length set (log-normal documents, and an adversarial batch: one long document filling
-one dp row, short ones elsewhere):
+For each grid of the issue's table (dp 4 / 8 x cp 2 with rows of 16384 tokens per dp rank, x cp 4 with rows
+of 32768; ``--row`` sets one size for all) and length set (log-normal documents, and an adversarial batch:
+one long document filling one dp row, short ones elsewhere):
 
   * per-rank work max/mean: attention's kept causal pairs + ``--linear`` pair-equivalents per token (the
     linear layers), the planner's figures (``rank_work``);
@@ -12,7 +13,7 @@ one dp row, short ones elsewhere):
     the busiest rank's bytes per layer for a model of ``--kv-heads`` x ``--head-dim`` in bf16;
   * the plan's host cost (``document_layout`` of the global batch);
   * the plan's host cost of a global batch of 262144 tokens at P = 32, 64, 128 (``document_layout`` + one
-    rank's ``exchange_plan``, process CPU time);
+    rank's ``exchange_plan``, process CPU time; the torch-free planner ``plan_intervals`` alone beside it);
   * at dp 2 x cp 2 on a skewed batch: each rank's attention (per run of its queries, against the keys its
     mask keeps) + a linear layer over its tokens, timed in this process one rank after another with
     ``time.thread_time`` (honest when ranks share cores), max/mean per placement.
@@ -41,7 +42,7 @@ import cp_dtensor
 from cp_dtensor.core.plan.documents import needed_rows, rank_work
 from cp_dtensor.tools.plan_documents import lognormal_lengths
 
-GRIDS = ((4, 2), (8, 2), (4, 4), (8, 4))
+GRIDS = ((4, 2, 16384), (8, 2, 16384), (4, 4, 32768), (8, 4, 32768))  # dp, cp, tokens per dp rank's row
 
 
 def adversarial(seed: int, dp: int, row: int) -> list[list[int]]:
@@ -139,6 +140,7 @@ def host_cost(worlds=(32, 64, 128), n: int = 262144, median: float = 500.0, reps
     import statistics
 
     from cp_dtensor.core.exchange.doc_exchange import exchange_plan
+    from cp_dtensor.core.plan.doc_plan import plan_intervals
 
     torch.set_num_threads(1)
     lengths = lognormal_lengths(0, n, median, cap=131072)
@@ -150,23 +152,27 @@ def host_cost(worlds=(32, 64, 128), n: int = 262144, median: float = 500.0, reps
             lay = cp_dtensor.document_layout(ids, world)
             t1 = time.process_time()
             exchange_plan(lay, world // 2, True, None)
-            return t1 - t0, time.process_time() - t1
+            t2 = time.process_time()
+            plan_intervals(lengths, world)  # the planner alone (document_layout runs it)
+            return t1 - t0, t2 - t1, time.process_time() - t2
 
         one()
         xs = [one() for _ in range(reps)]
         rec = dict(world=world, n=n, docs=len(lengths), layout_ms=1e3 * statistics.median(x[0] for x in xs),
                    exchange_plan_ms=1e3 * statistics.median(x[1] for x in xs),
-                   total_ms=1e3 * statistics.median(sum(x) for x in xs))
+                   total_ms=1e3 * statistics.median(x[0] + x[1] for x in xs),
+                   planner_ms=1e3 * statistics.median(x[2] for x in xs))
         out.append(rec)
         print(f"plan host cost P = {world:3d}, N = {n}, {len(lengths)} log-normal documents: document_layout "
-              f"{rec['layout_ms']:.1f} ms + exchange_plan (one rank) {rec['exchange_plan_ms']:.1f} ms = "
-              f"{rec['total_ms']:.1f} ms", flush=True)
+              f"{rec['layout_ms']:.1f} ms (its planner alone {rec['planner_ms']:.1f} ms) + exchange_plan (one rank) "
+              f"{rec['exchange_plan_ms']:.1f} ms = {rec['total_ms']:.1f} ms", flush=True)
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--row", type=int, default=8192, help="tokens of one data-parallel rank's packed row")
+    ap.add_argument("--row", type=int, default=None,
+                    help="tokens of one data-parallel rank's packed row (default: 16384 at cp 2, 32768 at cp 4)")
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--median", type=float, default=500.0, help="log-normal median document length (sigma 1.2)")
     ap.add_argument("--linear", type=int, default=64, help="linear layers' pair-equivalents per token")
@@ -179,25 +185,25 @@ def main() -> None:
     args = ap.parse_args()
     row_bytes = 2 * args.kv_heads * args.head_dim * 2  # K and V, bf16
     out = {"args": vars(args), "grids": [], "time": None}
-    print(f"rows of {args.row} tokens per dp rank; work = kept causal pairs + {args.linear} per token; bytes per "
-          f"layer: K/V rows received x {row_bytes} B")
-    print(f"{'grid':>8} {'set':>11} {'seed':>4} | {'static max/mean':>15} {'dynamic':>8} | tokens/rank | "
+    print(f"work = kept causal pairs + {args.linear} per token; bytes per layer: K/V rows received x {row_bytes} B")
+    print(f"{'grid':>8} {'row':>6} {'set':>11} {'seed':>4} | {'static max/mean':>15} {'dynamic':>8} | tokens/rank | "
           f"{'rows recv max: static':>21} {'dynamic':>8} | {'MB/layer max: static':>20} {'dynamic':>8} | plan ms")
-    for dp, cp in GRIDS:
+    for dp, cp, row in GRIDS:
+        row = args.row or row
         for kind in ("lognormal", "adversarial"):
             for seed in range(args.seeds):
-                rows = ([lognormal_lengths(seed * 97 + i, args.row, args.median, cap=args.row) for i in range(dp)]
-                        if kind == "lognormal" else adversarial(seed, dp, args.row))
+                rows = ([lognormal_lengths(seed * 97 + i, row, args.median, cap=row) for i in range(dp)]
+                        if kind == "lognormal" else adversarial(seed, dp, row))
                 f = figures(rows, cp, args.linear)
                 st, dy = f["static"], f["dynamic"]
                 assert len(set(st["tokens"] + dy["tokens"])) == 1, "tokens per rank differ"
-                rec = dict(dp=dp, cp=cp, kind=kind, seed=seed, static_balance=balance(st["work"]),
+                rec = dict(dp=dp, cp=cp, row=row, kind=kind, seed=seed, static_balance=balance(st["work"]),
                            dynamic_balance=balance(dy["work"]), tokens_per_rank=dy["tokens"][0],
                            static_rows_max=max(st["rows"]), dynamic_rows_max=max(dy["rows"]),
                            static_rows_mean=sum(st["rows"]) / len(st["rows"]),
                            dynamic_rows_mean=sum(dy["rows"]) / len(dy["rows"]), plan_ms=f["plan_ms"])
                 out["grids"].append(rec)
-                print(f"{dp:>3} x {cp:<2} {kind:>11} {seed:>4} | {rec['static_balance']:>15.3f} "
+                print(f"{dp:>3} x {cp:<2} {row:>6} {kind:>11} {seed:>4} | {rec['static_balance']:>15.3f} "
                       f"{rec['dynamic_balance']:>8.3f} | {rec['tokens_per_rank']:>11} | {rec['static_rows_max']:>21} "
                       f"{rec['dynamic_rows_max']:>8} | {rec['static_rows_max'] * row_bytes / 2**20:>20.2f} "
                       f"{rec['dynamic_rows_max'] * row_bytes / 2**20:>8.2f} | {rec['plan_ms']:.0f}", flush=True)

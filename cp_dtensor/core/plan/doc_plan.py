@@ -9,54 +9,35 @@ Note [Document placement]
 Causal attention inside a document costs ``c(i) = sum over layers of min(i + 1, left + 1)`` kept pairs for
 the query at offset i of its document (``left`` unbounded for a global layer), so a document of L tokens
 costs ``F(L) = sum_{i < L} c(i)``, closed form (``_prefix_cost``). Every rank must hold exactly S = N / P
-tokens of the row (shapes stay equal) and about ``F_total / P`` of the work.
+tokens of the row (shapes stay equal) and as near ``F_total / P`` of the work as a token allows.
 
-The placement is a greedy pass over the documents, longest first:
+A document's *density* is its work per token, ``F(L) / L``: it grows with L (``c`` never falls). Lay the
+documents in a line, densest first; each rank in turn takes ``x`` tokens from the dense front and ``S - x``
+from the sparse back, ``x`` chosen (a binary search) so that the rank's work is the target: what is left
+divided by the ranks left (a rank's rounding is absorbed by the next targets, not piled on the last rank).
+The front's first S tokens are the densest and the back's the sparsest, so a rank's work is below the
+target at ``x = 0`` and above it at ``x = S`` (what is left averages the target, as every rank before took
+its share), and the search brackets it (else the nearer end is taken).
 
-* a document that fits whole on a rank -- token room for it and work room within ``1 + tol`` of the
-  target -- goes whole to the least loaded such rank: its queries need no K/V from anywhere;
-* otherwise the rank with the most work room (the least loaded with token room) takes a *piece* of what is
-  left of the document, ``[lo, hi)``: ``h`` tokens from its head and ``t - h`` from its tail, with ``t``
-  the rank's token room (or the rest of the document). A piece's work falls as ``h`` grows (head tokens
-  are cheap, tail ones dear), so a binary search on ``h`` picks the piece whose work fills the rank's work
-  room as closely as it can without passing it (all head when even that passes it: the rank is then
-  over, but by the least). A long document so ends in head-tail pieces on as few ranks as its size and
-  the balance need (head-tail over all P ranks is the special case of a document that fills the row).
+What a rank takes of a document it does not take whole is a *head-tail piece* of the document's rest
+``[lo, hi)``: h tokens from its head and t - h from its tail. The piece's work falls as h grows (head tokens
+are cheap, tail ones dear), so h picks the work: the rest's density times t (a binary search), so that what
+stays of the document -- the middle, ``[lo + h, hi - (t - h))`` -- keeps the density it had and the line
+stays sorted. The rank's last piece instead takes exactly the work the rank still lacks (its rounding comes
+from the search's estimate: every piece counted at its rest's density). A long document so ends in nested
+head-tail pieces, outermost first, on as many ranks as its work needs; the short, sparse documents at the
+back go whole to a rank (their queries need no K/V from anywhere); only the rest a rank's front or back
+ends in is cut, so a rank holds a few runs. One document covering the row is the special case of a single
+rest: each rank a head-tail piece of S tokens, h by the target. O(P log S) tests plus one pass over the
+documents (the line's prefix sums answer a search's test without a loop): about 2 ms at P = 32,
+N = 262144.
 
-Longest first leaves the short, cheap documents for last, where they fill the token rooms left with
-little work. A few large documents leave the greedy coarse (14 documents a row: one rank at 0.81 of the
-mean), so a last pass evens it out (``rebalance`` in doc_recut.py): the busiest rank and a less busy one that share a
-document cut their tokens of it again -- the busier keeps as many tokens as it had, the window of their
-union whose work evens the pair (a query's work grows with its offset), the other the rest. Work moves,
-every token count stays, no document is added between the two, and a document stays a few runs however
-often it is re-cut (the kernels run once per run pair, so fragments would cost time). Re-cuts repeat until
-the busiest rank is within ``tol / 2`` of the mean or none helps; only when the greedy's busiest rank is
-over ``tol`` (its byte-lean placement stands otherwise). A rank's local order is increasing global
-position, as in every layout, so the local causal mask is the global one and ``shard_tensor`` is one
-gather.
-
-Note [Fast document greedy]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~
-The greedy above, as first written, looped over every piece and tested every rank for each; where every
-rank is over its work budget, ``_cut``'s piece is one head token, so a long document was dealt one token
-at a time (27k passes at P = 32, N = 262144: most of a second). ``plan_intervals`` computes the *same*
-placement (tests/core/test_doc_plan_fast.py holds the old code and compares) faster:
-
-* the ranks with room sit in a list sorted by (load, rank): the least loaded is its head, and whether
-  some rank takes the rest whole is one test on the first rank with the token room (a rank's test only
-  passes where a less loaded one's does: float rounding is monotone);
-* a run of one-token pieces is dealt without the loop's tests (``_peel_run``) as far as they provably
-  hold for every token of the run: a bound below every load the run can meet (each load only moves by the
-  dealt tokens' work minus rho, so it stays above the least load plus the run's negative steps), above
-  every budget, and the tests are concave in the token index (the rest's work minus rho per token falls
-  by a non-decreasing step), so they hold between the run's two ends; margins far above float rounding.
-  What is left is a heap of (load, rank): each token to the head;
-* only a shared document's token count, work and first token on each rank survive the greedy (what
-  ``defragment`` reads); a document one rank holds is one interval;
-* the re-cuts (doc_recut.py) keep each pair's union of a document and skip the documents whose cheapest
-  window is no cheaper than the busier rank's own tokens (no window moves work); a one-run union under
-  one global layer has a window work linear in its start, solved and stepped onto the binary search's
-  answer.
+Rows of a few tokens per rank (S ~ 8) leave a token's work a large share of the target; there a last pass
+evens out the busiest ranks (``rebalance`` in doc_recut.py): the busiest rank and a less busy one that
+share a document cut their tokens of it again -- the busier keeps as many tokens as it had, the window of
+their union whose work evens the pair, the other the rest. It runs only when the busiest rank is over
+``tol`` of the mean. A rank's local order is increasing global position, as in every layout, so the local
+causal mask is the global one and ``shard_tensor`` is one gather.
 
 Note [Document exchange bytes]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -68,15 +49,13 @@ striped ring sends (P - 1) * S rows per rank whatever the documents.
 
 from __future__ import annotations
 
-import math
-from bisect import bisect_left, insort
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable
-from heapq import heappop, heapreplace
 from typing import Any
 
-from .doc_recut import defragment, rebalance
+from .doc_recut import _union, rebalance
 
-__all__ = ["Window", "lengths_of", "needed_rows", "plan_intervals", "plan_row", "rank_work", "row_balance", "window_lefts"]
+__all__ = ["Window", "interval_work", "lengths_of", "needed_rows", "plan_intervals", "plan_row", "rank_work", "row_balance", "window_lefts"]
 
 Window = int | tuple[int, int] | None
 
@@ -117,12 +96,6 @@ def _prefix_cost(x: int, lefts: tuple[int | None, ...]) -> int:
     return total
 
 
-def _piece_cost(start: int, lo: int, hi: int, h: int, t: int, lefts) -> int:
-    """Work of the piece [lo, lo + h) + [hi - (t - h), hi) of the document starting at ``start``."""
-    f = _prefix_cost
-    return f(lo + h - start, lefts) - f(lo - start, lefts) + f(hi - start, lefts) - f(hi - (t - h) - start, lefts)
-
-
 def lengths_of(ids: list[int]) -> list[int]:
     """Document lengths of one row of non-decreasing ids."""
     out, prev = [], None
@@ -142,8 +115,8 @@ def _prefix_fn(lefts: tuple[int | None, ...]) -> Callable[[int], int]:
     return lambda x: _prefix_cost(x, lefts)
 
 
-def plan_row(lengths: list[int], world: int, *, windows: Any = None, tol: float = 0.02, sand_share: int = 4,
-             small: int = 16) -> list[list[int]]:
+def plan_row(lengths: list[int], world: int, *, windows: Any = None, tol: float = 0.02, sand_share: int | None = None,
+             small: int | None = None) -> list[list[int]]:
     """The global positions each of ``world`` ranks holds of one row of packed documents of ``lengths``
     (sum N, a multiple of ``world``), each rank's sorted, N / world each. See Note [Document placement]."""
     s = sum(lengths) // max(world, 1)
@@ -157,263 +130,210 @@ def plan_row(lengths: list[int], world: int, *, windows: Any = None, tol: float 
     return out
 
 
-def plan_intervals(lengths: list[int], world: int, *, windows: Any = None, tol: float = 0.02, sand_share: int = 4,
-                   small: int = 16) -> list[list[tuple[int, int]]]:
+def plan_intervals(lengths: list[int], world: int, *, windows: Any = None, tol: float = 0.02,
+                   sand_share: int | None = None, small: int | None = None) -> list[list[tuple[int, int]]]:
     """:func:`plan_row` as each rank's sorted intervals ``[a, b)`` of global positions (what
-    ``document_layout`` builds its order from without a Python int per token). Note [Fast document greedy]."""
+    ``document_layout`` builds its order from without a Python int per token); an interval lies in one
+    document. ``tol``: the busiest rank's excess over the mean work above which the re-cuts run (rows of a
+    few tokens per rank; Note [Document placement]). ``sand_share``, ``small``: knobs of an earlier
+    placement, without effect (they warn once)."""
     n = sum(lengths)
     if world < 1 or n % world:
         raise ValueError(f"document_layout needs the row length divisible by the CP degree ({world}); got {n}. "
                          f"Pad the batch to a multiple of {world}.")
     if any(length < 1 for length in lengths):
         raise ValueError(f"document lengths must be positive; got {lengths}.")
+    if sand_share is not None or small is not None:
+        from ..._deprecated import warn_once
+
+        warn_once("plan_row / plan_intervals(sand_share=, small=)", "plan_row(lengths, world, windows=, tol=)")
     lefts = window_lefts(windows)
     f = _prefix_fn(lefts)
-    quadratic = lefts == (None,)
-
-    def piece(start: int, lo: int, hi: int, h: int, t: int) -> int:  # _piece_cost
-        return f(lo + h - start) - f(lo - start) + f(hi - start) - f(hi - (t - h) - start)
-
-    s = n // world
+    whole, whole_work, held = _place(lengths, world, f)
+    # held[r][d]: rank r's offsets in document d, of the documents it does not hold whole; the re-cuts only
+    # where a token's work is coarse (tiny rows)
+    owners: dict[int, int] = {}
+    for mine in held:
+        for d in mine:
+            owners[d] = owners.get(d, 0) + 1
+    load = [w + sum(f(y) - f(x) for ivs in mine.values() for x, y in ivs) for w, mine in zip(whole_work, held)]
+    shared = [{d: _union([], ivs) for d, ivs in mine.items() if owners[d] > 1} for mine in held]
+    rebalance(load, shared, f, tol=tol, quadratic=lefts == (None,))
     starts = [0]
     for length in lengths[:-1]:
         starts.append(starts[-1] + length)
-    costs = [f(length) for length in lengths]
-    total = sum(costs)
-    target = total / world
-    thr = target * (1 + tol)
-    # the density of the documents that will fill the last token rooms: see Note [Document placement]
-    sand = [d for d in range(len(lengths)) if costs[d] * sand_share <= target and lengths[d] * sand_share <= s]
-    rho = sum(costs[d] for d in sand) / max(1, sum(lengths[d] for d in sand))
-    room = [s] * world
-    load = [rho * s] * world  # effective load: the work held plus rho per token of room still to fill
-    queue = [(load[r], r) for r in range(world)]  # (load, r) of the ranks with room, sorted
-    free = n  # sum(room)
-    whole: list[list[tuple[int, int]]] = [[] for _ in range(world)]  # the documents a rank holds alone
-    shared = []  # (first rank, order, d, {r: [tokens, work, first position]}) of the documents ranks share
-    for i_d, d in enumerate(sorted(range(len(lengths)), key=lambda d: (-lengths[d], d))):
-        start = starts[d]
-        lo, hi = start, start + lengths[d]
-        got: dict[int, list[int]] = {}
-        while lo < hi:
-            rest = hi - lo
-            cost = f(hi - start) - f(lo - start)  # the whole rest
-            r = -1
-            # the least loaded rank with token room for the rest, if its work room (or smallness) admits it:
-            # the loads only pass the bound in queue order (Note [Fast document greedy])
-            if queue[0][0] + cost - rho * rest <= thr or cost * small <= target:
-                for ld, q in queue:
-                    if room[q] >= rest:
-                        if ld + cost - rho * rest <= thr or cost * small <= target:
-                            r = q
-                        break
-            if r >= 0:
-                h = t = rest
-            else:
-                ld, r = queue[0]
-                budget = target - ld
-                t = 0
-                if free != room[r]:  # _cut's t, and its answer for one token (the peeling of Note [Fast document greedy])
-                    k = max(2, math.ceil((cost - rho * rest) / max(budget, 1.0)))
-                    t = min(room[r], -(-rest // k))
-                    if t == rest and rest > 1:
-                        t = rest - 1
-                    t = max(1, t)
-                if t == 1:
-                    h = 0 if f(hi - start) - f(hi - 1 - start) - rho * t <= budget else 1
-                else:
-                    h, t = _cut(start, lo, hi, room[r], budget, rho, cost, piece, last=free == room[r])
-                if h == t == 1 and (taken := _peel_run(queue, room, load, got, f, start, lo, hi, target=target, thr=thr,
-                                                       rho=rho, small=small, quadratic=quadratic)):
-                    lo += taken  # a run of head tokens, each to the least loaded rank: Note [Fast document greedy]
-                    free -= taken
-                    continue
-                if h == t == 1:  # rank r peels head tokens while it stays the least loaded: Note [Fast document greedy]
-                    nxt = queue[1] if len(queue) > 1 else None
-                    ld, rm, first, taken, work = load[r], room[r], lo, 0, 0
-                    tail = f(hi - start) - f(hi - 1 - start) - rho
-                    while True:  # one token of the loop above, then the loop's tests for the next one
-                        w = f(lo + 1 - start) - f(lo - start)
-                        ld += w - rho
-                        rm -= 1
-                        free -= 1
-                        lo += 1
-                        taken += 1
-                        work += w
-                        rest = hi - lo
-                        if not rest or not rm or free == rm or (nxt is not None and (ld, r) >= nxt):
-                            break
-                        cost = f(hi - start) - f(lo - start)
-                        if ld + cost - rho * rest <= thr or cost * small <= target:
-                            break
-                        budget = target - ld
-                        k = max(2, math.ceil((cost - rho * rest) / max(budget, 1.0)))
-                        t = min(rm, -(-rest // k))
-                        if t == rest and rest > 1:
-                            t = rest - 1
-                        if max(1, t) != 1 or tail <= budget:
-                            break
-                    del queue[0]  # r's entry
-                    load[r], room[r] = ld, rm
-                    if rm:
-                        insort(queue, (ld, r))
-                    mine = got.get(r)
-                    if mine is None:
-                        got[r] = [taken, work, first]
-                    else:
-                        mine[0] += taken
-                        mine[1] += work
-                        mine[2] = min(mine[2], first)
-                    continue
-            work = piece(start, lo, hi, h, t)
-            old = load[r]
-            load[r] += work - rho * t
-            room[r] -= t
-            free -= t
-            del queue[bisect_left(queue, (old, r))]
-            if room[r]:
-                insort(queue, (load[r], r))
-            first = lo if h else hi - t
-            mine = got.get(r)
-            if mine is None:
-                got[r] = [t, work, first]
-            else:
-                mine[0] += t
-                mine[1] += work
-                mine[2] = min(mine[2], first)
-            lo, hi = lo + h, hi - (t - h)
-        if len(got) == 1:
-            whole[next(iter(got))].append((start, start + lengths[d]))
-        else:
-            shared.append((min(got), i_d, d, got))
-    # the greedy's ranks listed the shared documents by first rank, then placement order
-    cuts = defragment({d: got for *_, d, got in sorted(shared, key=lambda x: x[:2])}, starts, lengths, piece)
-    mine_of: list[dict[int, list[tuple[int, int]]]] = [{} for _ in range(world)]
-    for d, by_rank in cuts.items():
-        for r, offs in by_rank.items():
-            mine_of[r][d] = offs
-    doc_at = {start: d for d, start in enumerate(starts)}
-    held = [sum(costs[doc_at[a]] for a, _ in whole[r]) + sum(f(y) - f(x) for offs in mine_of[r].values()
-                                                             for x, y in offs) for r in range(world)]
-    rebalance(held, mine_of, f, tol=tol, quadratic=quadratic)
     out = []
-    for r in range(world):
-        ivs = list(whole[r])
-        for d, offs in mine_of[r].items():
-            ivs += [(starts[d] + x, starts[d] + y) for x, y in offs if y > x]
+    for docs, mine, cut in zip(whole, held, shared):
+        ivs = [(starts[d], starts[d] + lengths[d]) for d in docs]
+        ivs += [(starts[d] + x, starts[d] + y) for d, offs in mine.items() if d not in cut for x, y in offs]
+        ivs += [(starts[d] + x, starts[d] + y) for d, offs in cut.items() for x, y in offs if y > x]
         ivs.sort()
         out.append(ivs)
     return out
 
 
-def _peel_run(queue: list, room: list[int], load: list[float], got: dict, f, start: int, lo: int, hi: int, *,
-              target: float, thr: float, rho: float, small: int, quadratic: bool = False) -> int:
-    """The head tokens of the rest [lo, hi) of a document that the greedy deals one at a time to the least
-    loaded rank, dealt here without its tests, as far as they provably hold (Note [Fast document greedy]);
-    ``queue``: the sorted (load, rank) of the ranks with room, kept sorted; ``quadratic``: ``f`` is one global
-    layer's x (x + 1) / 2. Returns the tokens dealt (0: the tests are too close to call; the greedy's loop
-    goes on)."""
-    low, rest = queue[0][0], hi - lo
-    head, end = f(hi - start), f(lo - start)
-    tail = head - f(hi - 1 - start) - rho
-    a, b = 0, rest  # the cheap head tokens (work under rho: a load falls as it takes one) come first
-    while a < b:
-        mid = (a + b) // 2
-        if f(lo + mid + 1 - start) - f(lo + mid - start) < rho:
-            a = mid + 1
-        else:
-            b = mid
-    low += f(lo + a - start) - end - rho * a  # below every load the run can meet
-    most = max(target - low, 1.0)  # above every budget the greedy divides by
-    if not _above(tail, target - low):
-        return 0  # the head token is not always the cheaper one
+def _place(lengths: list[int], world: int, f: Callable[[int], int]):
+    """(the documents each rank holds whole, their work, each rank's offsets in the others it holds
+    ``[{d: [(x, y), ...]}]``): the line of documents, densest first, each rank ``x`` tokens from its front
+    and ``S - x`` from its back. See Note [Document placement]."""
+    s = sum(lengths) // world
+    line = sorted(range(len(lengths)), key=lambda d: (-lengths[d], d))  # densest first (F(L) / L grows with L)
+    m = len(line)
+    size = [lengths[d] for d in line]
+    cost = [f(x) for x in size]
+    cum_len, cum_cost = [0], [0]  # prefix sums along the line
+    for x, c in zip(size, cost):
+        cum_len.append(cum_len[-1] + x)
+        cum_cost.append(cum_cost[-1] + c)
+    lo, hi = [0] * m, list(size)  # each document's rest [lo, hi): offsets not placed yet
+    i, j = 0, m - 1  # the line's first and last document with a rest; those between are whole
+    left = cum_cost[-1]  # the work not placed yet
+    held: list[dict[int, list[tuple[int, int]]]] = [{} for _ in range(world)]
+    whole: list[list[int]] = [[] for _ in range(world)]
+    whole_work = [0] * world
 
-    def holds(j: int) -> bool:  # the greedy's tests before the j-th token: no rank takes the rest whole, it is
-        cost, left = head - f(lo + j - start), rest - j  # not small, and _cut's piece is one token
-        return (_above(low + cost - rho * left, thr) and cost * small > target
-                and _above((cost - rho * left) / most, left - 1))
+    def take_whole(r: int, k0: int, k1: int) -> int:
+        """Rank r takes the untouched line documents k0 .. k1 - 1 whole. Returns their work."""
+        whole[r].extend(line[k0:k1])
+        lo[k0:k1] = hi[k0:k1]
+        w = cum_cost[k1] - cum_cost[k0]
+        whole_work[r] += w
+        return w
 
-    if not holds(0):
-        return 0
-    a, b = 0, rest - 1  # the last j that holds (the tests are concave in j: they hold between two that do)
-    while a < b:
-        mid = (a + b + 1) // 2
-        if holds(mid):
-            a = mid
-        else:
-            b = mid - 1
-    world = len(room)
-    count, work, first = [0] * world, [0] * world, [0] * world
-    prev = end
-    for pos in range(lo, lo + a + 1):
-        ld, r = queue[0]
-        if quadratic:  # one global layer: a token's work is its offset + 1
-            w = pos - start + 1
-        else:
-            nxt = f(pos + 1 - start)
-            w = nxt - prev
-            prev = nxt
-        ld += w - rho
-        if not count[r]:
-            first[r] = pos
-        count[r] += 1
-        work[r] += w
-        room[r] -= 1
-        if room[r]:
-            heapreplace(queue, (ld, r))
-        else:
-            load[r] = ld
-            heappop(queue)
-            if len(queue) == 1:  # the next token goes to the last rank with room: the greedy's own case
-                break
-    for ld, r in queue:
-        load[r] = ld
-    for r in range(world):
-        if count[r]:
-            mine = got.get(r)
-            if mine is None:
-                got[r] = [count[r], work[r], first[r]]
+    def untouched(k: int) -> bool:
+        return lo[k] == 0 and hi[k] == size[k]
+
+    def take(r: int, k: int, t: int, want: float | None = None) -> int:
+        """Rank r takes t tokens of line document k's rest: all of it, or the head-tail piece whose work is
+        ``want`` (default: t at the rest's density, so the middle left keeps it). Returns the work."""
+        a, b = lo[k], hi[k]
+        if t == size[k]:
+            return take_whole(r, k, k + 1)
+        mine = held[r].setdefault(line[k], [])
+        if t == b - a:
+            mine.append((a, b))
+            lo[k] = b
+            return f(b) - f(a)
+        if want is None:
+            want = t * (f(b) - f(a)) / (b - a)
+
+        def piece(h: int) -> int:  # h head tokens and t - h tail ones: falls as h grows
+            return f(a + h) - f(a) + f(b) - f(b - t + h)
+
+        x, y = 0, t  # the smallest h whose piece is at most want, or the one before it if nearer
+        while x < y:
+            mid = (x + y) // 2
+            if piece(mid) <= want:
+                y = mid
             else:
-                mine[0] += count[r]
-                mine[1] += work[r]
-                mine[2] = min(mine[2], first[r])
-    queue.sort()
-    return pos + 1 - lo
+                x = mid + 1
+        if x and want - piece(x) > piece(x - 1) - want:
+            x -= 1
+        mine += [iv for iv in ((a, a + x), (b - t + x, b)) if iv[1] > iv[0]]
+        lo[k], hi[k] = a + x, b - t + x
+        return piece(x)
+
+    for r in range(world - 1):
+        target = left / (world - r)
+        if i == j:  # one rest left: a head-tail piece of S tokens with the target's work
+            left -= take(r, i, s, target)
+            continue
+        ri, wi = hi[i] - lo[i], f(hi[i]) - f(lo[i])
+        rj, wj = hi[j] - lo[j], f(hi[j]) - f(lo[j])
+        mid_len = cum_len[j] - cum_len[i + 1]  # the whole documents between i and j
+
+        def front(x: int) -> float:  # the work of the line's first x tokens, each rest at its density
+            if x <= ri:
+                return x * wi / ri
+            x -= ri
+            if x > mid_len:
+                return wi + cum_cost[j] - cum_cost[i + 1] + (x - mid_len) * wj / rj
+            k = bisect_right(cum_len, cum_len[i + 1] + x) - 1  # documents i + 1 .. k - 1 whole, then part of k
+            part = x - (cum_len[k] - cum_len[i + 1])
+            return wi + cum_cost[k] - cum_cost[i + 1] + (part * cost[k] / size[k] if part else 0)
+
+        def back(y: int) -> float:  # the work of the line's last y tokens, the same way
+            if y <= rj:
+                return y * wj / rj
+            y -= rj
+            if y > mid_len:
+                return wj + cum_cost[j] - cum_cost[i + 1] + (y - mid_len) * wi / ri
+            k = bisect_right(cum_len, cum_len[j] - y)  # documents k .. j - 1 whole, then part of k - 1
+            part = y - (cum_len[j] - cum_len[k])
+            return wj + cum_cost[j] - cum_cost[k] + (part * cost[k - 1] / size[k - 1] if part else 0)
+
+        def work(x: int) -> float:
+            return front(x) + back(s - x)
+
+        if work(s) <= target:
+            x = s
+        elif work(0) >= target:
+            x = 0
+        else:  # work(a) <= target < work(b)
+            a, b = 0, s
+            while b - a > 1:
+                mid = (a + b) // 2
+                if work(mid) <= target:
+                    a = mid
+                else:
+                    b = mid
+            x = a if target - work(a) <= work(b) - target else b
+        got, y = 0, s - x
+        while y:  # the back: whole rests, the last one a piece at its density
+            while lo[j] == hi[j]:
+                j -= 1
+            if untouched(j) and size[j] <= y:  # as many untouched documents as fit, at once
+                k = max(bisect_left(cum_len, cum_len[j + 1] - y), i + 1 if j > i else i)
+                got += take_whole(r, k, j + 1)
+                y -= cum_len[j + 1] - cum_len[k]
+                j = k
+                continue
+            t = min(y, hi[j] - lo[j])
+            got += take(r, j, t)
+            y -= t
+        while x:  # the front: whole rests, the last one a piece with the work the rank lacks
+            while lo[i] == hi[i]:
+                i += 1
+            k = min(bisect_right(cum_len, cum_len[i] + x) - 1, j if j > i else i + 1)
+            if untouched(i) and k > i:  # as many untouched documents as fit, at once
+                got += take_whole(r, i, k)
+                x -= cum_len[k] - cum_len[i]
+                continue
+            t = min(x, hi[i] - lo[i])
+            got += take(r, i, t, target - got if t == x else None)
+            x -= t
+        while i < j and lo[i] == hi[i]:
+            i += 1
+        while j > i and lo[j] == hi[j]:
+            j -= 1
+        left -= got
+    for k in {i, j}:  # the last rank: what is left, S tokens (the documents between i and j untouched)
+        if hi[k] > lo[k]:
+            take(world - 1, k, hi[k] - lo[k])
+    if j > i + 1:
+        take_whole(world - 1, i + 1, j)
+    return whole, whole_work, held
 
 
-def _above(x: float, y: float) -> bool:
-    """x > y by far more than the rounding of a few float operations on either."""
-    return x > y + 1e-9 * (abs(x) + abs(y) + 1.0)
-
-
-def _cut(start: int, lo: int, hi: int, room: int, budget: float, rho: float, cost: int, piece, *, last: bool):
-    """(h, t): the piece of the rest [lo, hi) of a document that a rank with ``room`` tokens and ``budget``
-    effective work left takes -- h head tokens and t - h tail ones. See Note [Document placement]."""
-    rest = hi - lo
-    # about as many ranks as the work needs: a piece of rest / k tokens, k >= 2
-    k = max(2, math.ceil((cost - rho * rest) / max(budget, 1.0)))
-    t = rest if last else min(room, -(-rest // k))
-    if t == rest and not last and rest > 1:
-        t = rest - 1
-    t = max(1, t)
-    a, b = 0, t  # smallest h whose piece fits the budget (its cost falls as h grows)
-    while a < b:
-        mid = (a + b) // 2
-        if piece(start, lo, hi, mid, t) - rho * t <= budget:
-            b = mid
-        else:
-            a = mid + 1
-    if a == t and not last and piece(start, lo, hi, t, t) - rho * t > budget:
-        # even all head passes the budget: fewer head tokens, leaving the room to cheaper ones
-        a2, b2 = 1, t
-        while a2 < b2:
-            mid = (a2 + b2 + 1) // 2
-            if piece(start, lo, hi, mid, mid) - rho * mid <= budget:
-                a2 = mid
-            else:
-                b2 = mid - 1
-        return a2, a2
-    return a, t
+def interval_work(intervals: list[list[tuple[int, int]]], lengths: list[int], *, windows: Any = None) -> list[int]:
+    """Kept causal pairs of each rank's queries (summed over the layers of ``windows``) from its intervals
+    (:func:`plan_intervals`' answer; an interval may span documents): :func:`rank_work` without a Python int
+    per token, what a per-step balance report reads."""
+    f = _prefix_fn(window_lefts(windows))
+    starts = [0]
+    for length in lengths:
+        starts.append(starts[-1] + length)
+    out = []
+    for ivs in intervals:
+        total = 0
+        for a, b in ivs:
+            while a < b:
+                d = bisect_right(starts, a) - 1
+                e = min(b, starts[d + 1])
+                total += f(e - starts[d]) - f(a - starts[d])
+                a = e
+        out.append(total)
+    return out
 
 
 def rank_work(positions: list[list[int]], lengths: list[int], *, windows: Any = None) -> list[int]:

@@ -1,9 +1,6 @@
-"""The document placement's last passes (Note [Document placement] in doc_plan.py): the documents the greedy
-shared between ranks cut again into nested head-tail pieces (``defragment``), then the busiest ranks evened
-out by re-cutting a document two of them share (``rebalance``). Pure integer math, no torch.
-
-Both work on the greedy's summary, not its pieces: a shared document's token count, work and first token on
-each rank (the greedy may have dealt it one token at a time; Note [Fast document greedy] in doc_plan.py).
+"""The document placement's last pass (Note [Document placement] in doc_plan.py): the busiest ranks evened
+out by re-cutting a document two of them share (``rebalance``), where a token's work is a large share of a
+rank's (rows of a few tokens per rank). Pure integer math, no torch.
 """
 
 from __future__ import annotations
@@ -12,43 +9,9 @@ import math
 from bisect import bisect_right
 from collections.abc import Callable
 
-__all__ = ["defragment", "rebalance"]
+__all__ = ["rebalance"]
 
 Intervals = list[tuple[int, int]]
-
-
-def defragment(shared: dict[int, dict[int, list[int]]], starts: list[int], lengths: list[int],
-               piece: Callable[[int, int, int, int, int], int]) -> dict[int, dict[int, Intervals]]:
-    """Every shared document (``shared[d][r] = [tokens, work, first position]`` of rank r, in the order the
-    greedy's ranks first list them) cut again into nested head-tail pieces, one pair per rank (outermost
-    first: the rank holding its first token), each rank keeping its token count and about its work in it.
-    Returns ``{d: {r: [its intervals as offsets in d]}}`` in the same order. ``piece(start, lo, hi, h, t)``:
-    the work of ``h`` head and ``t - h`` tail tokens of the rest ``[lo, hi)`` of the document at ``start``.
-    The greedy's pieces may alternate between two ranks many times (one rank's room filled a few tokens at
-    a time: hundreds of runs), and the kernels run once per run pair."""
-    out: dict[int, dict[int, Intervals]] = {}
-    for d, by_rank in shared.items():
-        start = starts[d]
-        lo, hi = start, start + lengths[d]
-        cut: dict[int, Intervals] = {}
-        order = sorted(by_rank, key=lambda r: by_rank[r][2])  # the outermost piece first
-        for i, r in enumerate(order):
-            t, work, _ = by_rank[r]
-            if i == len(order) - 1:
-                h = t  # the innermost rank takes what is left: [lo, hi)
-            else:
-                a_, b_ = 0, t  # the smallest h whose piece's work is at most the rank's (it falls as h grows)
-                while a_ < b_:
-                    mid = (a_ + b_) // 2
-                    if piece(start, lo, hi, mid, t) <= work:
-                        b_ = mid
-                    else:
-                        a_ = mid + 1
-                h = a_
-            cut[r] = _union([], [(x - start, y - start) for x, y in ((lo, lo + h), (hi - (t - h), hi)) if y > x])
-            lo, hi = lo + h, hi - (t - h)
-        out[d] = cut
-    return out
 
 
 def _union(x: Intervals, y: Intervals) -> Intervals:
