@@ -51,6 +51,19 @@ no accelerator (or, for 3, only on gloo), so a CUDA run is untouched.
    at every CP / FSDP / TP degree, with no seed checkpoint. Cost: one full replica of the model in CPU
    memory while ``init_weights`` runs (fine for the CPU debug models); one rank (no DTensor) and
    CUDA are untouched.
+7. Pipeline stages. Under PP torchtitan seeds each PP rank differently (seed + pp rank) and calls
+   ``init_weights`` on each stage -- a copy of the model with the other stages' layers removed -- so
+   a stage draws its layers from its own seed and from the start of its RNG stream: only stage 0's
+   draws match the one-rank model's (llama3 debug, step 1: 8.06831 at PP = 2, 8.13884 at PP = 2 x
+   CP = 2 with step 6's per-shard draws, for 8.17354). On CPU the plugin takes a meta copy of the
+   *whole* model before torchtitan cuts it (the train spec's ``pipelining_fn``), and each stage's
+   ``init_weights`` copies its parameters (its shards, as in 6) from one replica of the whole model
+   initialised with torchtitan's own ``init_weights`` from rank 0's RNG state -- once per rank, for
+   all its stages (looped schedules hold several), freed after the last; the rank's own RNG state
+   (torchtitan's per-stage stream) is restored afterwards. This applies with or without DTensor
+   parameters (PP alone has none). A PP run then starts from the one-rank model's weights at every
+   PP / CP / FSDP / TP degree. On an accelerator torchtitan's per-stage seeds stay, and the plugin warns
+   at start unless the job loads a checkpoint: start PP runs from a seed checkpoint there.
 """
 
 from __future__ import annotations
@@ -73,6 +86,7 @@ from ..._compat import TITAN_DEVICE_HOLDERS, TITAN_MOE_KERNELS, titan_cpu_permut
 __all__ = [
     "install_triton_stand_in", "use_cpu_device", "use_sum_reduction_on_gloo", "CpuDeviceModule",
     "allow_integer_histc", "use_for_loop_experts", "use_param_dtype", "unsharded_template", "init_as_unsharded",
+    "init_stages_as_whole",
 ]
 
 _KERNELS = TITAN_MOE_KERNELS
@@ -298,13 +312,44 @@ def init_as_unsharded(model: nn.Module, template: nn.Module | None, *, prepare=N
         return False
 
     def init_weights(*args, **kwargs):
-        full = copy.deepcopy(template).to_empty(device="cpu")  # one full replica, freed on return
-        if prepare is not None:
-            prepare(full)
-        _rank0_rng_state()
-        with torch.no_grad():
-            full.init_weights(*args, **kwargs)
-        _copy_shards(full, model)
+        _copy_shards(_initialised_replica(template, prepare, args, kwargs), model)  # the replica is freed on return
 
     model.init_weights = init_weights
+    return True
+
+
+def _initialised_replica(template: nn.Module, prepare, args: tuple, kwargs: dict) -> nn.Module:
+    full = copy.deepcopy(template).to_empty(device="cpu")
+    if prepare is not None:
+        prepare(full)
+    _rank0_rng_state()
+    with torch.no_grad():
+        full.init_weights(*args, **kwargs)
+    return full
+
+
+def init_stages_as_whole(stages: list[nn.Module], template: nn.Module | None, *, prepare=None) -> bool:
+    """Step 7 of Note [torchtitan on CPU]: each pipeline stage's ``init_weights`` copies its parameters
+    (or its shards of them) from one unsharded replica of the whole model (``template``: a meta copy taken
+    before the model was cut into ``stages``), initialised once per rank from rank 0's RNG state. Returns
+    whether installed."""
+    if template is None or not stages:
+        return False
+    shared: dict[str, object] = {"full": None, "left": 0}
+
+    def install(stage: nn.Module) -> None:
+        def init_weights(*args, **kwargs):
+            if shared["full"] is None:  # the rank's first stage: every rank gets here together (a broadcast)
+                own = torch.get_rng_state()
+                shared["full"], shared["left"] = _initialised_replica(template, prepare, args, kwargs), len(stages)
+                torch.set_rng_state(own)  # torchtitan's per-stage stream for what follows
+            _copy_shards(shared["full"], stage)
+            shared["left"] -= 1
+            if shared["left"] == 0:
+                shared["full"] = None  # the last stage is done: free the replica
+
+        stage.init_weights = init_weights
+
+    for stage in stages:
+        install(stage)
     return True
