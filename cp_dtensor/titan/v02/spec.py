@@ -236,11 +236,15 @@ def _whole_model_init(pipelining_fn):
         schedule, stages, *rest = pipelining_fn(model, parallel_dims, job_config, *args, **kwargs)
         if init_stages_as_whole(stages, template, prepare=apply_family_fixes):
             logger.info("cp_dtensor: pipeline stages initialised from one CPU replica of the whole model: the "
-                        "weights of a one-rank run at every PP / CP / FSDP / TP degree (Note [torchtitan on CPU] 7)")
+                        "weights of a one-rank run (Note [torchtitan on CPU] 7)")
         elif not _loads_checkpoint(job_config):
             logger.warning("cp_dtensor: under pipeline parallelism torchtitan seeds each stage differently, so a "
                            "fresh start's weights differ from a run without PP. To compare runs, start every run "
                            "from one seed checkpoint (--checkpoint.initial_load_path; docs/torchtitan.md).")
+        logger.warning("cp_dtensor: torchtitan 0.2.2 backpropagates each microbatch's loss sum under pipeline "
+                       "parallelism and divides only the logged loss by the token count: gradients and grad_norm are "
+                       "the batch's valid-token count times those without PP, and --training.max_norm clips that "
+                       "scale (docs/torchtitan.md, Pipeline parallelism).")
         return (schedule, stages, *rest)
 
     return wrapped

@@ -19,7 +19,7 @@ from _tiers import exhaustive, slow
 
 if importlib.util.find_spec("torchtitan") is None:
     pytest.skip("torchtitan is not installed", allow_module_level=True)
-from _titan_run import reference_run, skip_unless_titan  # noqa: E402
+from _titan_run import CONFIG, reference_run, skip_unless_titan  # noqa: E402
 
 skip_unless_titan((0, 2))  # torchtitan 0.3: tests/test_titan03*.py
 
@@ -98,6 +98,35 @@ def test_trainer_initialises_stages_after_pipelining():
     tail = src[src.index("= self.train_spec.pipelining_fn("):]
     loop = tail[tail.index("for m in self.model_parts:"):]
     assert loop.index("m.to_empty(") < loop.index("m).init_weights(buffer_device=buffer_device)")
+
+
+def test_pipeline_warns_where_stages_keep_their_seeds(caplog, tmp_path):
+    """Where step 7 does not apply (an accelerator; here a model not on meta), a PP job warns at start unless
+    it loads a checkpoint: a seed checkpoint, or a resume from its own folder."""
+    from torchtitan.config import ConfigManager
+
+    from cp_dtensor.titan.v02.spec import _whole_model_init
+
+    job = ConfigManager().parse_args(["--job.config_file", str(CONFIG), "--job.dump_folder", str(tmp_path),
+                                      "--parallelism.pipeline_parallel_degree", "2"])
+    stage = nn.Linear(2, 2)  # on the CPU, not on meta: no template
+    pipelining = _whole_model_init(lambda model, *args: ("schedule", [model], True, False))
+
+    def warned() -> bool:
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            assert pipelining(stage, None, job, None, None, None, None) == ("schedule", [stage], True, False)
+        assert "the token count" in caplog.text  # torchtitan 0.2.2's PP gradient scale: always said
+        return "seeds each stage differently" in caplog.text
+
+    assert warned() and "init_weights" not in vars(stage)
+    job.checkpoint.enable = True
+    assert warned()  # checkpointing on, but nothing to load yet
+    (tmp_path / job.checkpoint.folder / "step-10").mkdir(parents=True)
+    assert not warned()  # a resume
+    job.checkpoint.folder = "elsewhere"
+    job.checkpoint.initial_load_path = str(tmp_path / "seed" / "step-0")
+    assert not warned()  # a seed checkpoint
 
 
 def test_wrapper_names():
