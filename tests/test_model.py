@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _tiers import slow
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.debug import CommDebugMode
@@ -177,7 +178,7 @@ def _check_packed(rank: int, world: int) -> None:
                     assert rel_err(p.grad, want.grad) <= TOL, f"{where} grad {name}"
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=slow("P = 4: ~11 s"))])
 def test_packed_documents_and_windows_match_cp1_dense_mask(world):
     """Packed sequences (ids, or position ids restarting at 0) and a sliding window through
     apply_context_parallel: logits and gradients equal a CP=1 model given the dense mask."""

@@ -2,7 +2,7 @@
 IDEs and the API reference see), no module is named like a public function, and every old name -- module
 paths, renamed functions and keywords, the old argument orders -- still works and warns exactly once.
 
-The old names are checked in a fresh interpreter each (a name warns once per process), each result compared
+The old names are checked in one fresh interpreter (a name warns once per process), each result compared
 with the new name's on the same input (a formula, not the code under test: shard/unshard round trips)."""
 
 from __future__ import annotations
@@ -76,14 +76,45 @@ def run(fn):
 """
 
 
-def _fresh(code: str) -> dict:
-    done = subprocess.run([sys.executable, "-c", _CHECK + code + "\nprint(json.dumps(out))"], capture_output=True,
-                          text=True, cwd=ROOT, timeout=300)
+# Every test's snippet runs in ONE fresh interpreter (an import of torch and the package each costs ~8 s on 2
+# cores), each in its own namespace with its own ``out``, in the order they are listed: no two snippets use
+# the same old name (each warns once per process), and the last one silences warnings for the rest.
+_SNIPPETS: dict[str, str] = {}
+
+_MAIN = r"""
+import traceback
+results = {}
+for name, code in snippets:
+    out = {}
+    try:
+        exec(code, {"torch": torch, "cp_dtensor": cp_dtensor, "run": run, "caught": caught, "out": out})
+        results[name] = out
+    except BaseException:
+        results[name] = {"__error__": traceback.format_exc()[-3000:]}
+print(json.dumps(results))
+"""
+
+
+def _snippet(name: str, code: str) -> str:
+    _SNIPPETS[name] = code
+    return name
+
+
+@pytest.fixture(scope="module")
+def fresh_results() -> dict:
+    program = _CHECK + f"snippets = {list(_SNIPPETS.items())!r}\n" + _MAIN
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_old_module_paths_warn_once_and_are_the_new_modules():
+def _fresh(results: dict, name: str) -> dict:
+    got = results[name]
+    assert "__error__" not in got, got.get("__error__")
+    return got
+
+
+def _old_module_paths_code() -> str:
     olds = [o for o in MOVED_MODULES if not o.startswith("cp_dtensor.titan.")]
     code = "import importlib\nfor old, new in %r:\n" % [(o, MOVED_MODULES[o]) for o in olds] + """
     warned = run(lambda: importlib.import_module(old))
@@ -93,13 +124,20 @@ import cp_dtensor.relayout as legacy
 from cp_dtensor.dtensor import sharding
 out["relayout"] = [legacy.layout_moves is sharding.layout_moves, callable(cp_dtensor.relayout)]
 """
-    got = _fresh(code)
+    return code
+
+
+_snippet("old_module_paths", _old_module_paths_code())
+
+
+def test_old_module_paths_warn_once_and_are_the_new_modules(fresh_results):
+    olds = [o for o in MOVED_MODULES if not o.startswith("cp_dtensor.titan.")]
+    got = _fresh(fresh_results, "old_module_paths")
     assert got.pop("relayout") == [True, True]
     assert got == {o: [1, True, True] for o in olds}
 
 
-@pytest.mark.skipif(_extras.installed_version("titan")[:2] != (0, 2), reason="torchtitan 0.2.x paths")
-def test_old_titan_module_paths_warn_once():
+def _old_titan_module_paths_code() -> str:
     olds = [o for o in MOVED_MODULES if o.startswith("cp_dtensor.titan.")]
     code = "import importlib\nfor old, new in %r:\n" % [(o, MOVED_MODULES[o]) for o in olds] + """
     warned = run(lambda: importlib.import_module(old))
@@ -109,7 +147,17 @@ out["check_job_config"] = [len(run(lambda: titan.check_job_config)), titan.check
 import cp_dtensor.titan.config as cfg
 out["config"] = [hasattr(cfg, "JobConfig")]
 """
-    got = _fresh(code)
+    return code
+
+
+if _extras.installed_version("titan")[:2] == (0, 2):
+    _snippet("old_titan_module_paths", _old_titan_module_paths_code())
+
+
+@pytest.mark.skipif(_extras.installed_version("titan")[:2] != (0, 2), reason="torchtitan 0.2.x paths")
+def test_old_titan_module_paths_warn_once(fresh_results):
+    olds = [o for o in MOVED_MODULES if o.startswith("cp_dtensor.titan.")]
+    got = _fresh(fresh_results, "old_titan_module_paths")
     assert got.pop("check_job_config") == [1, True]
     assert got.pop("config") == [True]
     assert got == {o: [1, True] for o in olds}
@@ -136,9 +184,7 @@ def test_the_old_paths_finder_answers_its_table_only():
     assert "cp_dtensor.cli is deprecated" in run.stderr and "cp_dtensor.tools.cli" in run.stderr
 
 
-def test_old_calls_warn_once_and_equal_the_new_ones():
-    """shard_batch(mesh, *tensors), unshard_sequence(local, mesh), shard_tensor/unshard_tensor/shard_sequence
-    with dim=, against the new calls and against the striped formula (local i of rank r is global i*P + r)."""
+def _old_calls_code() -> str:
     code = r"""
 import os, tempfile
 import torch.distributed as dist
@@ -170,16 +216,22 @@ except TypeError as e:
     out["both"] = str(e)
 dist.destroy_process_group()
 """
-    got = _fresh(code)
+    return code
+
+
+_snippet("old_calls", _old_calls_code())
+
+
+def test_old_calls_warn_once_and_equal_the_new_ones(fresh_results):
+    """shard_batch(mesh, *tensors), unshard_sequence(local, mesh), shard_tensor/unshard_tensor/shard_sequence
+    with dim=, against the new calls and against the striped formula (local i of rank r is global i*P + r)."""
+    got = _fresh(fresh_results, "old_calls")
     assert got.pop("both").startswith("cp_dtensor.shard_sequence got both seq_dim= and its deprecated spelling dim=")
     assert got == {"shard_batch": [1, True, True], "unshard_sequence": [1, True], "shard_tensor": [1, True],
                    "unshard_tensor": [1, True], "shard_sequence": [1, True, True]}
 
 
-def test_one_vocabulary_old_keywords_warn_once_and_equal_the_new_ones():
-    """One name for the CP group (``mesh``) and one for its size (``cp_size``) across the public API;
-    ``layout`` keyword-only. The old spellings (``group=``, ``cp_mesh=``, ``world=``, ``cp=``, a positional
-    ``layout``) warn once each and give what the new call gives; they are not in the signatures (issue 41)."""
+def _vocabulary_code() -> str:
     code = r"""
 import inspect, tempfile
 import torch.distributed as dist
@@ -237,14 +289,23 @@ for name in cp_dtensor.__all__:
 out["signatures"] = {k: v for k, v in sigs.items() if v}
 dist.destroy_process_group()
 """
-    got = _fresh(code)
+    return code
+
+
+_snippet("vocabulary", _vocabulary_code())
+
+
+def test_one_vocabulary_old_keywords_warn_once_and_equal_the_new_ones(fresh_results):
+    """One name for the CP group (``mesh``) and one for its size (``cp_size``) across the public API;
+    ``layout`` keyword-only. The old spellings (``group=``, ``cp_mesh=``, ``world=``, ``cp=``, a positional
+    ``layout``) warn once each and give what the new call gives; they are not in the signatures (issue 41)."""
+    got = _fresh(fresh_results, "vocabulary")
     assert got.pop("both").startswith("cp_dtensor.ring_attention got both mesh= and its deprecated spelling group=")
     assert got.pop("signatures") == {}
     assert got == {k: [1, True] for k in got} and len(got) == 11, got
 
 
-@pytest.mark.skipif(not _extras.installed("hf"), reason="transformers not installed")
-def test_apply_context_parallel_hf_warns_once_and_is_the_new_function():
+def _apply_context_parallel_hf_code() -> str:
     code = """
 import cp_dtensor.hf as hf
 out["doc"] = "cp_dtensor.hf.apply_context_parallel" in hf.apply_context_parallel_hf.__doc__
@@ -255,7 +316,16 @@ except Exception as e:
     out["error"] = type(e).__name__
 out["warned"] = sum(m.startswith("cp_dtensor.hf.apply_context_parallel_hf") for _, m in caught)
 """
-    got = _fresh(code)
+    return code
+
+
+if _extras.installed("hf"):
+    _snippet("apply_context_parallel_hf", _apply_context_parallel_hf_code())
+
+
+@pytest.mark.skipif(not _extras.installed("hf"), reason="transformers not installed")
+def test_apply_context_parallel_hf_warns_once_and_is_the_new_function(fresh_results):
+    got = _fresh(fresh_results, "apply_context_parallel_hf")
     assert got["doc"] and got["wrapped"] and got["warned"] == 1 and got["error"] in ("ValueError", "TypeError")
 
 
@@ -266,11 +336,7 @@ def test_every_deprecated_name_is_listed():
     assert "renamed_keyword" in text and "seq_dim_argument" in text
 
 
-def test_every_name_released_before_the_subpackages_still_resolves():
-    """tests/_public_names.json: every module's ``__all__`` (and the package's lazy names) as released before
-    the move into subpackages. Each name must still resolve through its old module path (warning or not).
-    torchtitan modules are checked under the torchtitan version they belong to; extras that are not installed
-    skip their modules."""
+def _every_name_code() -> str:
     snapshot = json.loads((ROOT / "tests" / "_public_names.json").read_text())["names"]
     titan = _extras.installed_version("titan")[:2] if _extras.installed("titan") else None
     wanted = {}
@@ -292,8 +358,21 @@ def test_every_name_released_before_the_subpackages_still_resolves():
     if missing:
         out[module] = missing
 """
-    assert _fresh(code) == {}
-    assert len(wanted) >= 30
+    global EVERY_NAME_MODULES
+    EVERY_NAME_MODULES = wanted
+    return code
+
+
+_snippet("every_name", _every_name_code())
+
+
+def test_every_name_released_before_the_subpackages_still_resolves(fresh_results):
+    """tests/_public_names.json: every module's ``__all__`` (and the package's lazy names) as released before
+    the move into subpackages. Each name must still resolve through its old module path (warning or not).
+    torchtitan modules are checked under the torchtitan version they belong to; extras that are not installed
+    skip their modules."""
+    assert _fresh(fresh_results, "every_name") == {}
+    assert len(EVERY_NAME_MODULES) >= 30
 
 
 def test_messages_show_the_current_calls():

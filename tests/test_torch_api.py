@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _tiers import exhaustive
+from _tiers import exhaustive, slow
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -365,7 +365,7 @@ def _cp1(base: TinyLM, batches):
     return losses, [p.detach().clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=slow("P = 4: ~10 s"))])
 def test_torch_api_matches_no_cp(world):
     torch.manual_seed(0)
     n = 8 * world

@@ -41,6 +41,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hidden", type=int, help="model width; D = hidden / q-heads")
     p.add_argument("--q-heads", "--heads", dest="q_heads", type=int, required=True, help="query heads Hq")
     p.add_argument("--kv-heads", type=int, help="key/value heads Hkv (default: q-heads)")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallelism beside CP: each rank's attention runs "
+                   "Hq / tp and Hkv / tp heads (default 1)")
     p.add_argument("--dtype", choices=_plan.COMPUTE_DTYPES, default="bf16",
                    help="compute/activation dtype, also that of the dK/dV accumulators (default bf16)")
     p.add_argument("--comm-dtype", choices=list(_plan.DTYPE_BYTES),
@@ -101,10 +103,18 @@ def _head_dim(args: argparse.Namespace) -> int:
     return d
 
 
+def _tp_heads(args: argparse.Namespace) -> tuple[int, int]:
+    hq, hkv, tp = args.q_heads, args.q_heads if args.kv_heads is None else args.kv_heads, args.tp
+    if tp < 1 or hq % tp or hkv % tp:
+        raise ValueError(f"--tp ({tp}) must divide --q-heads ({hq}) and --kv-heads ({hkv}): each TP rank runs whole "
+                         f"heads. Use a divisor of {hkv}.")
+    return hq // tp, hkv // tp
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
+    hq, hkv = _tp_heads(args)  # a TP rank's heads
     fields = dict(
-        seq_len=args.seq_len, head_dim=_head_dim(args), q_heads=args.q_heads,
-        kv_heads=args.q_heads if args.kv_heads is None else args.kv_heads, dtype=args.dtype, comm_dtype=args.comm_dtype,
+        seq_len=args.seq_len, head_dim=_head_dim(args), q_heads=hq, kv_heads=hkv, dtype=args.dtype, comm_dtype=args.comm_dtype,
         layout=args.layout, batch=args.batch, layers=args.layers,
         causal=args.causal, window=args.window, mean_doc_len=args.mean_doc_len, link_gbps=args.link_gbps, tflops=args.tflops, reserved_gib=args.reserved_gib,
         device=args.device,
@@ -306,6 +316,8 @@ def _add_longest(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--schedule", choices=["1F1B", "GPipe"], default="1F1B",
                    help="the pipeline schedule: how many microbatches a stage holds in flight (default 1F1B)")
     p.add_argument("--microbatches", type=int, default=None, help="pipeline microbatches of one row (default --pp)")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallelism (with sequence parallelism) beside CP: "
+                   "heads, SwiGLU width and vocabulary split tp ways (default 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.set_defaults(func=_cmd_longest)
 
@@ -315,8 +327,8 @@ def _cmd_longest(args: argparse.Namespace) -> int:
         raise ValueError(f"--cp must be a positive integer; got {args.cp}.")
     shape = _plan_model.MODELS[args.model]
     kw = dict(cp=args.cp, dtype=args.dtype, checkpointing=args.checkpointing, reserved_gib=args.reserved_gib,
-              pp=args.pp, schedule=args.schedule, microbatches=args.microbatches)
-    out = {}
+              pp=args.pp, schedule=args.schedule, microbatches=args.microbatches, tp=args.tp)
+    out = {"params_per_rank": _plan_model.params_per_rank(shape, tp=args.tp, pp=args.pp)}
     for name, tile in (("untiled", None), ("tiled", args.tile)):
         s = _plan_model.longest_s_local(shape, args.mem_budget_gib, tile=tile, **kw)
         out[name] = {"s_local": s, "seq_len": s * args.cp,
@@ -327,8 +339,10 @@ def _cmd_longest(args: argparse.Namespace) -> int:
         return 0
     pipeline = "" if args.pp == 1 else (f" x PP={args.pp} ({args.schedule}, "
                                         f"{args.microbatches or args.pp} microbatches; the worst stage)")
-    print(f"{args.model} at CP={args.cp}{pipeline}, {args.mem_budget_gib:g} GiB a rank ({args.reserved_gib:g} "
-          f"reserved), {args.dtype}, checkpointing {args.checkpointing}")
+    tensor = "" if args.tp == 1 else f" x TP={args.tp}"
+    print(f"{args.model} at CP={args.cp}{tensor}{pipeline}, {args.mem_budget_gib:g} GiB a rank ({args.reserved_gib:g} "
+          f"reserved: weights, gradients, optimizer; {out['params_per_rank'] / 1e9:.2f} B parameters a rank), "
+          f"{args.dtype}, checkpointing {args.checkpointing}")
     for name in ("untiled", "tiled"):
         r, m = out[name], out[name]["memory"]
         terms = ", ".join(f"{k} {_bytes(v)}" for k, v in m.items() if k != "total")

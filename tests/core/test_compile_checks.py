@@ -15,6 +15,7 @@ from unittest import mock
 
 import pytest
 import torch
+from _tiers import slow
 from torch._dynamo.backends.common import aot_autograd
 from torch._inductor.compile_fx import compile_fx
 from torch._inductor.graph import GraphLowering
@@ -151,13 +152,14 @@ def _faults(rank, world, backends, faults, mesh_shape):
     return report
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=slow("Inductor: ~25 s"))])
 def test_compiled_bad_rank_raises_on_every_rank(backend):
     """Each fault on one rank of two: every rank raises eager's ValueError, nothing K/V-sized moves."""
     reports = run_ranks(2, _faults, (backend,), FAULTS, None, timeout=600)
     assert all(len(r) == len(FAULTS) for r in reports)
 
 
+@slow("4 ranks compiled: ~15 s")
 def test_compiled_bad_rank_raises_on_every_rank_2d():
     """The same on a (U, R) = (2, 2) mesh (heads all-to-all, then the ring): the one preamble."""
     faults = [f for f in FAULTS if f[0] in ("sequence length", "decreasing document ids", "layout")]

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from _tiers import slow
+from _tiers import exhaustive, slow
 
 from cp_dtensor.core.decode import sharded_cache_attention
 from cp_dtensor.core.linear.linear_attention import sharded_causal_conv1d, sharded_delta_rule
@@ -133,7 +133,7 @@ def test_ops_compile_fullgraph_aot_eager_every_case():
     assert reports[0].keys() == reports[1].keys() and len(reports[0]) == 12, reports
 
 
-@slow("Inductor compiles the conv and the delta rule (their documents and final-state cases are aot_eager's)")
+@exhaustive("Inductor compiles the conv and the delta rule (~65 s; every case runs on aot_eager in the slow tier)")
 def test_ops_compile_fullgraph_inductor():
     # the faults are aot_eager's (the agreement op is the same opaque call under either backend)
     reports = run_ranks(2, _compiled_ops, ("inductor",), ("conv", "delta rule"), False, timeout=1800)

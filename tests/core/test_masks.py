@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
+from _tiers import slow
 
 import cp_dtensor
 from cp_dtensor.core.plan.layout import local_positions, shard_tensor
@@ -182,7 +183,7 @@ def _accuracy(rank, world):
     return worst
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("world", [1, 2, 3, pytest.param(4, marks=slow("P = 4: ~15 s"))])
 def test_masked_ring_matches_float64_reference(world):
     """Random documents (1 token to the whole sequence, shorter than P), windows (below / above S_local,
     two-sided), sinks, GQA/MQA and Dv != Dqk, every layout, causal and not; fp32, fp64, bf16, fp8 payload."""

@@ -14,6 +14,7 @@ import math
 
 import pytest
 import torch
+from _tiers import slow
 from test_hf_generate import _compare, _generate, _prompt  # one prompt, generate and comparison for both files
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -208,7 +209,7 @@ def _all(rank: int, world: int):
     return _check_generate(rank, world), _check_refusals(rank, world)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=slow("P = 3: ~13 s"))])
 def test_hybrid_generate_matches_cp1(world):
     """One spawn per P: every case of CASES (tokens, logits, states, shares; the models of OTHERS at P = 2
     only), the options on the first, the refusals and the cache's methods."""

@@ -11,7 +11,7 @@ import os
 
 import pytest
 import torch
-from _tiers import ALL
+from _tiers import ALL, slow
 from torch.distributed.device_mesh import init_device_mesh
 
 from _dist import run_ranks
@@ -333,7 +333,7 @@ def _check_errors(rank: int, world: int) -> None:
 
 # P = 2 and 3 (~40 s each on 2 cores); CP_DTENSOR_SLOW=all adds every model and layout to the checkpointing /
 # front-door / padding / packed variants
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=slow("P = 3: ~18 s"))])
 def test_hybrid_models_match_cp1(world):
     run_ranks(world, _check_models, SLOW, timeout=600.0)
 

@@ -9,7 +9,7 @@ import pytest
 
 from cp_dtensor.tools import cli
 from cp_dtensor.tools.plan import GIB
-from cp_dtensor.tools.plan_model import MODELS, ModelShape, longest_s_local, model_memory
+from cp_dtensor.tools.plan_model import MODELS, ModelShape, longest_s_local, model_memory, params_per_rank
 
 TINY = MODELS["bench-tiny"]
 
@@ -82,3 +82,52 @@ def test_cli_longest_with_pipeline(capsys):
     # L / 4 layer inputs weigh the same as one of L, and the head moves to the last stage: a longer S_local fits
     assert staged["untiled"]["s_local"] >= alone["untiled"]["s_local"]
     assert staged["tiled"]["memory"]["total"] <= 80 * GIB
+
+
+def test_tensor_parallel_terms_by_hand():
+    """fp32, S = 2048, TP = 2: a rank runs half the heads, half the SwiGLU width and half the vocabulary; the
+    residual inputs are sequence-sharded, the norms' outputs all-gathered (Note [Plan model memory])."""
+    from cp_dtensor.tools.plan import PlanInput, memory_bytes
+
+    s, v, h, i, tp = 2048, TINY.vocab, TINY.hidden, TINY.intermediate, 2
+    got = model_memory(TINY, s, cp=2, dtype="fp32", tp=tp)
+    assert got["layers"] == 2 * (2 * h * 4 * s + 2 * h * 4 * s // tp + 4 * (i // tp) * 4 * s)
+    assert got["head_loss"] == s * (v // tp) * 16 + 2 * h * 4 * s
+    attn = memory_bytes(PlanInput(seq_len=2 * s, cp=2, head_dim=TINY.head_dim, q_heads=TINY.q_heads // tp,
+                                  kv_heads=TINY.kv_heads // tp, dtype="fp32", layers=1, layout="contiguous"))
+    assert got["attention"] == 2 * attn["saved_per_layer"] + max(attn["forward_working_set"],
+                                                                 attn["backward_working_set"])
+    tiled = model_memory(TINY, s, cp=2, dtype="fp32", tp=tp, tile=512, checkpointing="full")
+    assert tiled["mlp_tile"] == 6 * (i // tp) * 4 * 512 and tiled["head_loss"] == 512 * (v // tp) * 16 + 2 * h * 4 * s
+    assert tiled["layers"] == 2 * h * 4 * s // tp + (2 * h * 4 * s + 2 * h * 4 * s // tp)  # inputs + one recomputed
+    assert model_memory(TINY, s, cp=2, dtype="fp32", tp=1) == model_memory(TINY, s, cp=2, dtype="fp32")
+    with pytest.raises(ValueError, match=r"tp \(3\) must be a positive int that divides the query heads \(4\)"):
+        model_memory(TINY, s, cp=2, tp=3)
+
+
+def test_params_per_rank_by_hand():
+    shape = MODELS["llama3-8b"]  # 8,030,261,248 parameters (Llama 3 8B's published count)
+    assert params_per_rank(shape) == shape.params == 8_030_261_248
+    h, hd, layers, v = 4096, 128, 32, 128256
+    layer8 = h * hd * (2 * 32 + 2 * 8) // 8 + 3 * h * 14336 // 8 + 2 * h  # q, k, v, o; SwiGLU; norms whole
+    assert params_per_rank(shape, tp=8) == layers * layer8 + 2 * (v // 8) * h + h
+    layer2 = h * hd * (2 * 32 + 2 * 8) // 2 + 3 * h * 14336 // 2 + 2 * h
+    assert params_per_rank(shape, tp=2, pp=4) == 8 * layer2 + (v // 2) * h + h  # the last stage: head + final norm
+
+
+def test_cli_tensor_parallel(capsys):
+    base = ["longest", "--model", "llama3-70b", "--cp", "8", "--mem-budget-gib", "80", "--reserved-gib", "20", "--json"]
+    assert cli.main(base) == 0
+    alone = json.loads(capsys.readouterr().out)
+    assert cli.main([*base, "--tp", "8", "--pp", "2"]) == 0
+    tp = json.loads(capsys.readouterr().out)
+    assert tp["params_per_rank"] == params_per_rank(MODELS["llama3-70b"], tp=8, pp=2)
+    assert tp["untiled"]["s_local"] > alone["untiled"]["s_local"] and tp["tiled"]["memory"]["total"] <= 80 * GIB
+    # `plan --tp T` costs a rank's attention: the same as planning Hq / T and Hkv / T heads
+    plan = ["plan", "--seq-len", "128k", "--cp", "8", "--head-dim", "128", "--json"]
+    assert cli.main([*plan, "--q-heads", "64", "--kv-heads", "8", "--tp", "4"]) == 0
+    split = json.loads(capsys.readouterr().out)
+    assert cli.main([*plan, "--q-heads", "16", "--kv-heads", "2"]) == 0
+    assert split == json.loads(capsys.readouterr().out)
+    with pytest.raises(SystemExit):
+        cli.main([*plan, "--q-heads", "64", "--kv-heads", "8", "--tp", "3"])

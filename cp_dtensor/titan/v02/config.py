@@ -11,6 +11,7 @@ from typing import Any
 from ..shared.compile_check import tp_compile_clash
 from ..shared.options import COMM_DTYPES, CPDTensor
 from ..shared.plan import DOCUMENTS, titan_unit
+from .pipeline_checks import check_pipeline
 
 __all__ = ["COMM_DTYPES", "FAMILIES", "CPDTensor", "JobConfig", "check_config", "cp_section"]
 
@@ -169,44 +170,11 @@ def _check_tiling(job_config: Any) -> None:
 
 
 def _check_pipeline(job_config: Any) -> None:
-    # Note [CP under pipeline parallelism] (pipeline.py): the schedule splits the (CP-sharded) batch into microbatches
-    par, training = job_config.parallelism, job_config.training
-    pp = par.pipeline_parallel_degree
-    if pp <= 1:
+    if job_config.parallelism.pipeline_parallel_degree <= 1:
         return
-    batch, micro = training.local_batch_size, par.pipeline_parallel_microbatch_size
-    if micro < 1 or batch % micro:
-        raise ValueError(
-            f"[training] local_batch_size ({batch}) must be a multiple of [parallelism] "
-            f"pipeline_parallel_microbatch_size ({micro}): the pipeline schedule splits each batch into "
-            f"microbatches of that many rows. Use a local_batch_size that is a multiple of {max(micro, 1)} or a "
-            f"microbatch size that divides {batch}.")
-    validation = getattr(job_config, "validation", None)
-    if validation is not None and validation.enable and (validation.local_batch_size, validation.seq_len) != (
-            batch, training.seq_len):
-        raise ValueError(
-            f"[validation] local_batch_size ({validation.local_batch_size}) and seq_len ({validation.seq_len}) must "
-            f"equal [training]'s ({batch}, {training.seq_len}) with pipeline_parallel_degree = {pp}: the validator "
-            "runs the training schedule, whose stages exchange microbatches of the training shape. Set them equal.")
     name, flavor = job_config.model.name, job_config.model.flavor
-    if par.module_fqns_per_model_part is not None or par.pipeline_parallel_layers_per_stage is not None:
-        return  # the user placed the stages; torchtitan checks the cut
-    if name not in FAMILIES or flavor not in _flavors(name):
-        return  # refused elsewhere
-    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
-
-    try:
-        looped = issubclass(get_schedule_class(par.pipeline_parallel_schedule), PipelineScheduleMulti)
-    except ValueError:
-        return  # torchtitan names the schedules it knows
-    stages = pp * (2 if looped else 1)  # torchtitan's default: 2 stages per rank for looped schedules
-    layers = getattr(_flavor_args(name, flavor), "n_layers", None)
-    if layers is not None and stages > layers + 2:  # the embedding and the head count as a layer each
-        raise ValueError(
-            f"pipeline_parallel_degree = {pp} with the {par.pipeline_parallel_schedule} schedule cuts {name} {flavor} "
-            f"into {stages} stages, more than its {layers} layers + embedding + head: a stage would split a layer. "
-            f"Use pipeline_parallel_degree <= {(layers + 2) // (2 if looped else 1)} or a single-stage schedule "
-            "(1F1B, GPipe).")
+    args = _flavor_args(name, flavor) if name in FAMILIES and flavor in _flavors(name) else None  # else refused below
+    check_pipeline(job_config, args, f"{name} {flavor}")
 
 
 def _flavors(family: str):

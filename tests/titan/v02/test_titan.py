@@ -77,6 +77,7 @@ def test_cp2_matches_cp1(layout, seed_ckpt, cp1_losses, tmp_path):
     _assert_close(_losses(out), cp1_losses)
 
 
+@slow("stock torchtitan main under torchrun: ~20 s")
 def test_stock_torchtitan_main_with_custom_import(seed_ckpt, cp1_losses, tmp_path):
     # torchtitan's own main() and Trainer, reached only through the TOML's custom_import and
     # custom_config_module; the launcher imports cp_dtensor.titan first only because this machine has

@@ -74,10 +74,12 @@ def cp2_float8(seed_ckpt, tmp_path_factory) -> list[float]:
     return _losses(out)
 
 
+@slow("two torchtitan jobs: ~15 s")
 def test_cp2_float8_linears_match_cp1(cp1_float8, cp2_float8):
     _assert_parity(cp2_float8, cp1_float8)
 
 
+@slow("one more torchtitan job: ~9 s")
 def test_toml_comm_dtype_reaches_the_ring(seed_ckpt, cp2_float8, tmp_path):
     out = _torchrun(2, tmp_path, *F8, *PAYLOAD, *_from_seed(seed_ckpt))
     assert "K/V ring payload comm_dtype=float8_e4m3fn" in out

@@ -2,7 +2,9 @@
 
 End-to-end (slow tier; 4 ranks on 2 CPU cores): llama3 debugmodel, fp32, 3 steps from one seed checkpoint;
 every PP = 2 x CP = 2 job logs the losses of PP = 2 x CP = 1 (the same stages and microbatches without CP)
-to rel 2e-5, and a documents-layout job on the flex flavor those of PP = 1 x CP = 2. Default tier: the
+to rel 2e-5, and a documents-layout job on the flex flavor those of PP = 1 x CP = 2; the 1F1B job's checkpoint,
+resumed at PP = 2 x CP = 1, continues its losses; TP = 2 x CP = 2 x PP = 2 (8 ranks) logs those of the same mesh at
+CP = 1. Default tier: the
 batch as the schedule splits it (no processes): each microbatch's positions, mask ids and document plan
 equal what sharding that microbatch alone gives, and bad PP x CP configurations raise before any collective.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -29,6 +32,7 @@ from _titan_run import CONFIG, reference_run, seed_checkpoint, step_losses, torc
 from test_titan import _FakeCPMesh  # noqa: E402  the CP mesh shard_cp_batch reads (rank and size only)
 
 STEPS = 3
+SAVED_AT = 2  # the 1F1B job saves here; a PP x CP=1 job resumes from it
 RTOL = 2e-5
 _PP_JOB = slow("a 4-rank pipeline x CP torchtitan run (~60 s on 2 CPU cores)")
 
@@ -48,8 +52,10 @@ def seed_ckpt() -> Path:
     return seed_checkpoint()  # the session's llama3 debugmodel seed, shared with test_titan.py
 
 
-def _from_seed(seed_ckpt: Path) -> list[str]:
-    return ["--checkpoint.enable", "--checkpoint.initial_load_path", str(seed_ckpt), "--checkpoint.load_only",
+def _from_seed(seed_ckpt: Path, *, save_at: int | None = None) -> list[str]:
+    # save_at: also save a full checkpoint after that step (a job that only loads the seed saves nothing)
+    save = ["--checkpoint.load_only"] if save_at is None else ["--checkpoint.interval", str(save_at)]
+    return ["--checkpoint.enable", "--checkpoint.initial_load_path", str(seed_ckpt), *save,
             "--training.steps", str(STEPS)]
 
 
@@ -70,11 +76,37 @@ def pp2_cp1_losses(seed_ckpt) -> list[float]:
     ids=["1f1b_striped", "interleaved_headtail_tiled"],
 )
 def test_pp2_cp2_matches_pp2_cp1(schedule, extra, seed_ckpt, pp2_cp1_losses, tmp_path):
+    resume = schedule == "1F1B"  # this job also saves after step SAVED_AT, for a resume at CP = 1
     out = torchrun(4, tmp_path, "--parallelism.context_parallel_degree", "2", *_pp(schedule), *extra,
-                   *_from_seed(seed_ckpt))
+                   *_from_seed(seed_ckpt, save_at=SAVED_AT if resume else None))
     assert "Applied cp_dtensor ring attention" in out
     losses = step_losses(out, last=STEPS)
     assert losses == pytest.approx(pp2_cp1_losses, rel=RTOL), f"PP x CP {losses} vs PP x CP=1 {pp2_cp1_losses}"
+    if resume:
+        _resume_at_cp1(tmp_path / "checkpoint" / f"step-{SAVED_AT}", losses, tmp_path / "resumed")
+
+
+def _resume_at_cp1(step_dir: Path, want: list[float], dump: Path) -> None:
+    # the PP = 2 x CP = 2 checkpoint (stages, optimizer, data loader, schedule), resumed at PP = 2 x CP = 1 on 2
+    # ranks (the same batch degree, 1): the steps after SAVED_AT log the uninterrupted run's losses
+    shutil.copytree(step_dir, dump / "checkpoint" / step_dir.name)  # the checkpointer resumes from its newest step
+    out = torchrun(2, dump, "--parallelism.context_parallel_degree", "1", *_pp("1F1B"), "--checkpoint.enable",
+                   "--checkpoint.load_only", "--training.steps", str(STEPS))
+    assert f"Loading the checkpoint from {dump / 'checkpoint' / step_dir.name}" in out
+    got = step_losses(out, first=SAVED_AT + 1, last=STEPS)
+    assert got == pytest.approx(want[SAVED_AT:], rel=RTOL), f"resumed at CP=1: {got} vs PP x CP=2: {want[SAVED_AT:]}"
+
+
+@slow("an 8-rank and a 4-rank torchtitan run on 2 CPU cores (~20 s)")
+def test_pp2_tp2_cp2_matches_cp1(seed_ckpt, tmp_path):
+    # pp 2 x tp 2 x cp 2 (8 ranks) against the same mesh at CP = 1 (4 ranks): the ring runs on each TP rank's
+    # heads inside each stage, sequence parallelism splits the CP shard (seq_len / (2 cp tp) per half-chunk)
+    mesh = ["--parallelism.tensor_parallel_degree", "2", *_pp("1F1B"), *_from_seed(seed_ckpt)]
+    ref = step_losses(torchrun(4, tmp_path / "cp1", "--parallelism.context_parallel_degree", "1", *mesh), last=STEPS)
+    out = torchrun(8, tmp_path / "cp2", "--parallelism.context_parallel_degree", "2", *mesh)
+    assert "Applied cp_dtensor ring attention" in out
+    losses = step_losses(out, last=STEPS)
+    assert losses == pytest.approx(ref, rel=RTOL), f"pp2 x tp2 x cp2 {losses} vs pp2 x tp2 {ref}"
 
 
 @slow("an 8-rank and a 4-rank torchtitan run on 2 CPU cores")
@@ -221,8 +253,28 @@ def test_cp1_flex_masks_split_by_rows():
          10, r"cuts llama3 debugmodel into 10 stages, more than its 6 layers \+ embedding \+ head"),
         (["--training.seq_len", "250"], 4, r"seq_len \(250\) must be divisible by 2 \* context_parallel_degree \* "
                                           r"tensor_parallel_degree = 4"),
+        (["--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "260"], 8,
+         r"seq_len \(260\) must be divisible by 2 \* context_parallel_degree \* tensor_parallel_degree = 8"),
+        (["--parallelism.pipeline_parallel_degree", "4"], 8,
+         r"the 1F1B schedule needs at least as many microbatches as stages \(4\); local_batch_size \(2\) / "
+         r"pipeline_parallel_microbatch_size \(1\) = 2 microbatches\. Use local_batch_size >= 4"),
+        (["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B", "--training.local_batch_size", "5"], 4,
+         r"Interleaved1F1B schedule runs microbatches in rounds of pipeline_parallel_degree \(2\) and needs their "
+         r"number to be a multiple of the rounds \(2\); .* = 5 microbatches"),
+        (["--parallelism.pipeline_parallel_layers_per_stage", "2"], 4,
+         r"pipeline_parallel_layers_per_stage = 2 cuts llama3 debugmodel's 6 layers into 4 stages, which does not fit "
+         r"pipeline_parallel_degree = 2 with the 1F1B schedule: it runs exactly 1 stage\(s\) on every rank.*"
+         r"looped schedule \(Interleaved1F1B\)"),
+        (["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B", "--parallelism.pipeline_parallel_layers_per_stage",
+          "2", "--parallelism.pipeline_parallel_first_stage_less_layers", "4"], 4,
+         r"torchtitan cannot cut llama3 debugmodel \(6 layers\) into 6 stages: input_weight \(4\) exceeds .*"
+         r"Use fewer stages or smaller pipeline_parallel_first_stage_less_layers"),
+        (["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--parallelism.expert_parallel_degree", "8"], 8,
+         r"expert_parallel_degree \(8\) does not divide the ranks torchtitan gives it: EP borrows from "
+         r"data_parallel_shard_degree \(2\) x context_parallel_degree \(2\) = 4 ranks"),
     ],
-    ids=["microbatch", "validation_shape", "stage_cut", "seq_len"],
+    ids=["microbatch", "validation_shape", "stage_cut", "seq_len", "seq_len_tp", "1f1b_microbatches",
+         "interleaved_rounds", "layers_per_stage", "first_stage_weight", "ep_degree"],
 )
 def test_bad_pipeline_config_is_rejected(overrides, world, message):
     # check_config runs on every rank before torchtitan builds a mesh (CPTrainer.init_distributed)
@@ -233,9 +285,42 @@ def test_bad_pipeline_config_is_rejected(overrides, world, message):
         check_config(cfg, world_size=world)
 
 
+_WHOLE_CUT = [["tok_embeddings", "layers.0", "layers.1", "layers.2"], ["layers.3", "layers.4", "layers.5", "norm", "output"]]
+
+
+@pytest.mark.parametrize(
+    ("cut", "message"),
+    [([["tok_embeddings", "layers.0.attention"], ["layers.0.feed_forward", *_WHOLE_CUT[0][2:], *_WHOLE_CUT[1]]],
+      r"stage 0 names 'layers.0.attention', which splits a module torchtitan cannot split: .*\(layers.0 \.\. "
+      r"layers.5 of llama3 debugmodel.* Name the whole layer"),
+     ([_WHOLE_CUT[0], ["layers.2", *_WHOLE_CUT[1]]], r"names 'layers.2' in stages 0 and 1: .* Name it once"),
+     ([_WHOLE_CUT[0][:2], _WHOLE_CUT[1]], r"leaves out layers.1, layers.2 of llama3 debugmodel: torchtitan drops"),
+     ([_WHOLE_CUT[0], _WHOLE_CUT[1][:1], _WHOLE_CUT[1][1:], ["layers.6"]], r"names 'layers.6', which splits"),
+     ([_WHOLE_CUT[0][:2], _WHOLE_CUT[0][2:], _WHOLE_CUT[1][:2], _WHOLE_CUT[1][2:]],
+      r"module_fqns_per_model_part lists 4 stages, which does not fit pipeline_parallel_degree = 2 with the 1F1B "
+      r"schedule: it runs exactly 1 stage")],
+    ids=["part_of_a_layer", "twice", "left_out", "no_such_layer", "two_stages_per_rank_1f1b"],
+)
+def test_bad_stage_list_is_rejected(cut, message):
+    # torchtitan keeps only the named whole modules of each stage: these would train another model or crash late
+    from cp_dtensor.titan import check_config
+
+    cfg = _parse(CONFIG, *_pp("1F1B"))
+    cfg.parallelism.module_fqns_per_model_part = cut
+    with pytest.raises(ValueError, match=message):
+        check_config(cfg, world_size=4)
+    cfg.parallelism.module_fqns_per_model_part = _WHOLE_CUT  # the same job with a whole cut starts
+    check_config(cfg, world_size=4)
+
+
 def test_pipeline_with_cp_is_served():
     from cp_dtensor.titan import check_config
 
     check_config(_parse(CONFIG, *_pp("Interleaved1F1B"), "--cp_dtensor.sequence_tiling=64"), world_size=4)
     check_config(_parse(CONFIG, *_pp("GPipe"), "--model.flavor", "debugmodel_flex_attn", "--cp_dtensor.layout",
                         "documents"), world_size=4)
+    # two stages of 2 layers (+ the embedding / head) per rank; 4 microbatches for the 1F1B schedule's 4 stages
+    check_config(_parse(CONFIG, *_pp("Interleaved1F1B"), "--parallelism.pipeline_parallel_layers_per_stage", "2"),
+                 world_size=4)
+    check_config(_parse(CONFIG, *_pp("1F1B"), "--parallelism.pipeline_parallel_degree", "4",
+                        "--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"), world_size=16)

@@ -23,6 +23,8 @@ from _titan_run import skip_unless_titan  # noqa: E402
 
 skip_unless_titan((0, 2))  # torchtitan 0.3: tests/test_titan03*.py
 
+from _tiers import slow  # noqa: E402
+
 import cp_dtensor.titan  # noqa: E402, F401  before any torchtitan import: see Note [torchtitan on CPU]
 from _titan_run import CONFIG, run_torchrun  # noqa: E402  the one launcher
 
@@ -64,6 +66,7 @@ def test_served_families_get_the_ring_and_other_models_refuse_cp():
     assert _refusing_cp(titan_fn)(None, dims, bare) == "torchtitan's own"
 
 
+@slow("stock torchtitan main under torchrun: ~12 s")
 def test_stock_main_refuses_an_unserved_model_on_every_rank(tmp_path):
     # torchtitan's own main and Trainer; the launcher imports cp_dtensor.titan first only because this
     # machine has no triton (Note [torchtitan on CPU]) -- with triton the TOML's custom_config_module does it
