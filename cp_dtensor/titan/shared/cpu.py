@@ -50,12 +50,24 @@ no accelerator (or, for 3, only on gloo), so a CUDA run is untouched.
    Shard(0) included); buffers are taken whole. A run then starts from the weights of a one-rank run
    at every CP / FSDP / TP degree, with no seed checkpoint. Cost: one full replica of the model in CPU
    memory while ``init_weights`` runs (fine for the CPU debug models); one rank (no DTensor) and
-   CUDA are untouched.
+   CUDA are untouched. Steps 6 and 7 live in ``replica.py``.
+7. Pipeline stages. Under PP torchtitan seeds each PP rank differently (seed + pp rank) and calls
+   ``init_weights`` on each stage -- a copy of the model with the other stages' layers removed -- so
+   a stage draws its layers from its own seed and from the start of its RNG stream: only stage 0's
+   draws match the one-rank model's, and under CP each rank also draws its own shard (llama3 debug,
+   step 1: 8.06831 at PP = 2, 8.13884 at PP = 2 x CP = 2, for 8.17354). On CPU the plugin takes a meta
+   copy of the *whole* model before torchtitan cuts it (the train spec's ``pipelining_fn``), and each stage's
+   ``init_weights`` copies its parameters (its shards, as in 6) from one replica of the whole model
+   initialised with torchtitan's own ``init_weights`` from rank 0's RNG state -- once per rank, for
+   all its stages (looped schedules hold several), freed after the last; the rank's own RNG state
+   (torchtitan's per-stage stream) is restored afterwards. This applies with or without DTensor
+   parameters (PP alone has none). A PP run then starts from the one-rank model's weights at every
+   PP / CP / FSDP / TP degree. On an accelerator torchtitan's per-stage seeds stay, and the plugin warns
+   at start unless the job loads a checkpoint: start PP runs from a seed checkpoint there.
 """
 
 from __future__ import annotations
 
-import copy
 import functools
 import importlib.util
 import os
@@ -69,10 +81,12 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..._compat import TITAN_DEVICE_HOLDERS, TITAN_MOE_KERNELS, titan_cpu_permute_indices
+from .replica import WRAPPER_NAMES, init_as_unsharded, init_stages_as_whole, unsharded_template, unwrapped_name
 
 __all__ = [
     "install_triton_stand_in", "use_cpu_device", "use_sum_reduction_on_gloo", "CpuDeviceModule",
     "allow_integer_histc", "use_for_loop_experts", "use_param_dtype", "unsharded_template", "init_as_unsharded",
+    "init_stages_as_whole", "unwrapped_name", "WRAPPER_NAMES",  # steps 6 and 7: replica.py
 ]
 
 _KERNELS = TITAN_MOE_KERNELS
@@ -231,80 +245,3 @@ def use_param_dtype(model: nn.Module, dtype: torch.dtype) -> int:
                 module._parameters[name] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
                 n += 1
     return n
-
-
-# submodule names torch's wrappers insert, which the unwrapped model does not have: torch.compile's
-# OptimizedModule (torchtitan compiles each block) and activation checkpointing's CheckpointWrapper
-WRAPPER_NAMES = ("_orig_mod", "_checkpoint_wrapped_module")
-
-
-def unwrapped_name(name: str) -> str:
-    """The dotted name of a submodule or parameter with torch's wrapper levels removed."""
-    return ".".join(part for part in name.split(".") if part not in WRAPPER_NAMES)
-
-
-def unsharded_template(model: nn.Module) -> nn.Module | None:
-    """Step 6 of Note [torchtitan on CPU]: a copy of the model as built, on meta (no memory), taken
-    before sharding; None where step 6 does not apply (an accelerator, or a model not on meta)."""
-    if torch.accelerator.is_available():
-        return None
-    if not all(t.is_meta for t in [*model.parameters(), *model.buffers()]):
-        return None
-    return copy.deepcopy(model)
-
-
-def _rank0_rng_state() -> None:
-    # every rank draws the replica from one RNG state; torchtitan seeds all SPMD ranks alike, this makes it sure
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        state = torch.get_rng_state()
-        dist.broadcast(state, src=0)
-        torch.set_rng_state(state)
-
-
-@torch.no_grad()
-def _copy_shards(full: nn.Module, model: nn.Module) -> None:
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    full_modules = dict(full.named_modules())
-    for name, module in model.named_modules(remove_duplicate=False):
-        source = full_modules.get(unwrapped_name(name))
-        for pname, p in module._parameters.items():
-            if p is None:
-                continue
-            assert source is not None and pname in source._parameters, f"no unsharded twin of {name}.{pname}"
-            value = source._parameters[pname]
-            if isinstance(p, DTensor):
-                value = distribute_tensor(value, p.device_mesh, p.placements, src_data_rank=None).to_local()
-                p = p.to_local()
-            assert p.shape == value.shape, f"{name}.{pname}: shard {tuple(p.shape)} vs {tuple(value.shape)}"
-            p.copy_(value)
-        for bname, b in module._buffers.items():
-            if b is not None:
-                assert source is not None and bname in source._buffers, f"no unsharded twin of buffer {name}.{bname}"
-                value = source._buffers[bname]
-                if isinstance(b, DTensor):  # torchtitan 0.3 under TP: e.g. the RoPE cache, Replicate on the TP mesh
-                    value = distribute_tensor(value, b.device_mesh, b.placements, src_data_rank=None)
-                module._buffers[bname] = value
-
-
-def init_as_unsharded(model: nn.Module, template: nn.Module | None, *, prepare=None) -> bool:
-    """Step 6 of Note [torchtitan on CPU]: ``model.init_weights`` initialises an unsharded replica of
-    ``template`` (after ``prepare(replica)``, e.g. the plugin's init fixes: a deep copy does not carry
-    an ``init_weights`` wrapped in a closure) with torchtitan's own ``init_weights`` and copies each
-    rank's shards. Returns whether installed."""
-    from torch.distributed.tensor import DTensor
-
-    if template is None or not any(isinstance(p, DTensor) for p in model.parameters()):
-        return False
-
-    def init_weights(*args, **kwargs):
-        full = copy.deepcopy(template).to_empty(device="cpu")  # one full replica, freed on return
-        if prepare is not None:
-            prepare(full)
-        _rank0_rng_state()
-        with torch.no_grad():
-            full.init_weights(*args, **kwargs)
-        _copy_shards(full, model)
-
-    model.init_weights = init_weights
-    return True

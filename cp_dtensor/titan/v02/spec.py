@@ -49,6 +49,7 @@ import importlib
 import sys
 import types
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -61,6 +62,7 @@ from torchtitan.tools.logging import logger
 from ..._compat import TITAN_CP_INPUT, TITAN_CP_STEP
 from ..shared.cpu import (
     init_as_unsharded,
+    init_stages_as_whole,
     unsharded_template,
     use_for_loop_experts,
     use_param_dtype,
@@ -140,7 +142,7 @@ def parallelize_with_ring(model: nn.Module, parallel_dims, job_config, *, titan_
         logger.info(f"cp_dtensor: {n} parameters built in another dtype now {param_dtype} (CPU; Note [torchtitan on CPU])")
     if n := use_for_loop_experts(model):
         logger.info(f"cp_dtensor: {n} MoE expert modules use torchtitan's for-loop experts (CPU; Note [torchtitan on CPU])")
-    # CPU: Note [torchtitan on CPU] 6; pipeline stages keep torchtitan's per-stage seeds
+    # CPU: Note [torchtitan on CPU] 6; a pipeline stage's init is installed by _whole_model_init (step 7)
     template = None if parallel_dims.pp_enabled else unsharded_template(model)
     apply_family_fixes(model)
     tile = getattr(getattr(job_config, "cp_dtensor", None), "tile_size", None)
@@ -211,7 +213,41 @@ def train_spec(family: str):
     spec.model_args = flavors
     spec.build_validator_fn = build_ring_validator  # see Note [Validation under CP] in validate.py
     spec.build_loss_fn = _tiled_loss_builder(spec.build_loss_fn)
+    if spec.pipelining_fn is not None:
+        spec.pipelining_fn = _whole_model_init(spec.pipelining_fn)
     return spec
+
+
+def _loads_checkpoint(job_config) -> bool:
+    ckpt = job_config.checkpoint  # a seed checkpoint, or a resume from the job's own folder
+    if not ckpt.enable or ckpt.create_seed_checkpoint:
+        return False
+    folder = Path(job_config.job.dump_folder) / ckpt.folder
+    return bool(ckpt.initial_load_path) or (folder.is_dir() and any(folder.glob("step-*")))
+
+
+def _whole_model_init(pipelining_fn):
+    # torchtitan's pipelining_fn whose stages initialise as the whole model does: Note [torchtitan on CPU] 7
+    @functools.wraps(pipelining_fn)
+    def wrapped(model, parallel_dims, job_config, *args, **kwargs):
+        template = unsharded_template(model)  # the whole model, before torchtitan cuts it into stages
+        if template is not None:
+            use_param_dtype(template, TORCH_DTYPE_MAP[job_config.training.mixed_precision_param])
+        schedule, stages, *rest = pipelining_fn(model, parallel_dims, job_config, *args, **kwargs)
+        if init_stages_as_whole(stages, template, prepare=apply_family_fixes):
+            logger.info("cp_dtensor: pipeline stages initialised from one CPU replica of the whole model: the "
+                        "weights of a one-rank run (Note [torchtitan on CPU] 7)")
+        elif not _loads_checkpoint(job_config):
+            logger.warning("cp_dtensor: under pipeline parallelism torchtitan seeds each stage differently, so a "
+                           "fresh start's weights differ from a run without PP. To compare runs, start every run "
+                           "from one seed checkpoint (--checkpoint.initial_load_path; docs/torchtitan.md).")
+        logger.warning("cp_dtensor: torchtitan 0.2.2 backpropagates each microbatch's loss sum under pipeline "
+                       "parallelism and divides only the logged loss by the token count: gradients and grad_norm are "
+                       "the batch's valid-token count times those without PP, and --training.max_norm clips that "
+                       "scale (docs/torchtitan.md, Pipeline parallelism).")
+        return (schedule, stages, *rest)
+
+    return wrapped
 
 
 def _tiled_loss_builder(build):

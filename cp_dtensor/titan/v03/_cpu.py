@@ -11,9 +11,10 @@ there is no accelerator, so a CUDA run is untouched:
 2. Import. 0.3 imports no triton on the training path (its triton users, ``overrides/fused_*`` and
    ``distributed/minimal_async_ep``, load only when named), so 0.2.2's stand-in is not needed.
 3. Gradient reduction, MoE ``histc`` / for-loop experts, parameter dtype and weight initialisation are
-   0.2.2's steps 3-6, applied by the same functions (``use_sum_reduction_on_gloo``, ``allow_integer_histc``,
-   ``use_for_loop_experts``, ``unsharded_template`` / ``init_as_unsharded``): a run starts from the
-   weights of a one-rank run at every CP / FSDP degree. (0.3's experts have no ``use_grouped_mm``, so
+   0.2.2's steps 3-7, applied by the same functions (``use_sum_reduction_on_gloo``, ``allow_integer_histc``,
+   ``use_for_loop_experts``, ``unsharded_template`` / ``init_as_unsharded``, and ``init_stages_as_whole``
+   through the model spec's ``pipelining_fn``): a run starts from the weights of a one-rank run at every
+   CP / FSDP / PP degree (0.3 seeds each PP rank apart too: step 1 of PP = 2 x CP = 2 was 8.12520 for 8.13709). (0.3's experts have no ``use_grouped_mm``, so
    ``use_for_loop_experts`` finds none there; step 5 is 0.3's.)
 4. Parameter dtype. torchtitan 0.3's default ``mixed_precision_param`` is bf16 (FSDP casts parameters for
    the forward); on CPU that buys nothing and makes CP = 1 and CP = 2 differ by bf16 rounding of different

@@ -47,7 +47,13 @@ from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from ..._compat import TITAN03_CP_STEP
-from ..shared.cpu import init_as_unsharded, unsharded_template, use_for_loop_experts, use_sum_reduction_on_gloo
+from ..shared.cpu import (
+    init_as_unsharded,
+    init_stages_as_whole,
+    unsharded_template,
+    use_for_loop_experts,
+    use_sum_reduction_on_gloo,
+)
 from ..shared.heads import ulysses_mesh, ulysses_shard_index
 from ..shared.options import CPDTensor
 from ..shared.plan import DOCUMENTS, titan_unit
@@ -316,6 +322,21 @@ def parallelize_with_ring(model: nn.Module, *, titan_fn, section: CPDTensor, par
     return model
 
 
+def _stages_init_as_whole(pipelining_fn):
+    # torchtitan 0.3 seeds each PP rank apart and initialises each stage alone, as 0.2.2: Note [torchtitan on CPU] 7
+    @functools.wraps(pipelining_fn)
+    def wrapped(model: nn.Module, **kwargs):
+        template = unsharded_template(model)  # the whole model, before torchtitan cuts it into stages
+        schedule, stages, *rest = pipelining_fn(model, **kwargs)
+        if init_stages_as_whole(stages, template):
+            logger.info("cp_dtensor: pipeline stages initialised from one CPU replica of the whole model: the "
+                        "weights of a one-rank run (Note [torchtitan on CPU] 7)")
+        return (schedule, stages, *rest)
+
+    wrapped._cp_dtensor = True
+    return wrapped
+
+
 class CPTrainer(Trainer):
     """torchtitan 0.3's Trainer with cp_dtensor's ring attention (Note [How the 0.3 plugin hooks torchtitan])."""
 
@@ -333,4 +354,7 @@ class CPTrainer(Trainer):
             fn = functools.partial(parallelize_with_ring, titan_fn=spec.parallelize_fn, section=config.cp_dtensor)
             fn._cp_dtensor = True
             config.model_spec = dataclasses.replace(spec, parallelize_fn=fn)
+        pipelining = config.model_spec.pipelining_fn
+        if pipelining is not None and not getattr(pipelining, "_cp_dtensor", False):
+            config.model_spec = dataclasses.replace(config.model_spec, pipelining_fn=_stages_init_as_whole(pipelining))
         super().__init__(config)
