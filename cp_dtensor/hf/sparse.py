@@ -1,0 +1,245 @@
+"""DeepSeek Sparse Attention (DeepSeek-V3.2 ``deepseek_v32``, GLM-MoE-DSA ``glm_moe_dsa``) under context parallelism.
+
+Note [DeepSeek Sparse Attention under CP]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+An ``indexed_attention`` layer is MLA whose every query attends to the top-k keys a lightning indexer
+picks from the whole causal prefix: index score ``sum_h w_h relu(q_h . k)`` of a small index query
+(``index_n_heads`` heads) against one ``index_head_dim`` index key per token, then ``topk(index_topk)``.
+A ring would move every rank's expanded K/V through every rank to use ``index_topk`` of them. Under CP
+each layer's forward is replaced (the family's own modules do the arithmetic, in its order):
+
+1. **The indexer, exactly as at CP=1.** Each rank computes its tokens' index keys; one all-gather puts
+   all N of them in global order on every rank (``index_head_dim`` numbers a token -- the indexer runs
+   under ``no_grad`` in transformers, so no gradient flows back through them). The family's own indexer
+   then scores this rank's queries against that global key sequence with the causal mask of the global
+   positions: the same rows of the same length N as CP=1 scores, so ``topk`` picks the same global
+   indices, ties and all (tests/hf/test_hf_dsa.py compares the index sets with CP=1's).
+2. **Only the selected latent rows move.** MLA's latent row of a token (``kv_lora_rank`` normed latent +
+   ``qk_rope_head_dim`` rotated key, 576 numbers in DeepSeek-V3.2) is what ``kv_b_proj`` expands into every
+   head's key and value. A rank needs the rows its queries selected (within the causal prefix); those it
+   does not hold it requests: an all_to_all of the counts, one of the row numbers (8 bytes a row), one of
+   the rows. Backward sends the rows' gradients back the same way and adds them to the latent's.
+3. **Attention over the selected keys only.** The held and received rows form a table, ``kv_b_proj``
+   expands it once, and each query's softmax runs over its ``index_topk`` gathered keys, the picks outside
+   the causal prefix (only when fewer than ``index_topk`` keys exist) masked, as CP=1's mask does.
+
+GLM-MoE-DSA's ``"shared"`` layers reuse the previous full layer's indices: under CP those are the global
+indices step 1 returned, so they reuse them alike. What CP=1 does that this does not: a KV cache (generate()
+under CP is refused for these families), packed documents (transformers' DSA mask is plain causal whatever
+the position ids say, so a reset is refused rather than guessed at), padding (refused: pack or unpad), the
+flash-mla kernel's sparse path (refused at the door: load with ``attn_implementation="sdpa"`` or "eager"),
+attention dropout (refused). Each raises on every rank before any row moves.
+"""
+
+from __future__ import annotations
+
+import sys
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import Tensor, nn
+
+from .._compat import all_gather_single
+from ..core.plan.layout import global_order
+
+__all__ = ["FAMILIES", "VERDICT", "dsa_layers", "door_error", "enable_sparse", "exchange_plan"]
+
+FAMILIES = frozenset({"deepseek_v32", "glm_moe_dsa"})
+#: the conformance sweep's verdict for FAMILIES once CP=P equals CP=1 (tests/hf/_conformance.py)
+VERDICT = "served (training and evaluation; generate() under CP is refused: Note [DeepSeek Sparse Attention under CP])"
+_KERNELS = ("eager", "sdpa")  # the implementations whose masked path is the dense twin of the selection
+_SEE = "See Note [DeepSeek Sparse Attention under CP] in cp_dtensor/hf/sparse.py."
+
+
+def dsa_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's DeepSeek Sparse Attention modules (MLA with an ``indexer`` slot)."""
+    return [m for m in model.modules() if hasattr(m, "indexer") and hasattr(m, "expand_kv")
+            and hasattr(m, "kv_a_proj_with_mqa")]
+
+
+def door_error(model: nn.Module, layout: str, before: dict) -> str | None:
+    """Why the door cannot serve this DSA model as configured (None: it can); reads the model only."""
+    name, impl = type(model).__name__, before.get("")
+    if layout == "documents":
+        return (f"{name}'s indexed_attention layers run the named layouts (headtail, striped, contiguous); "
+                f"layout='documents' is for the ring's models. Use layout='headtail'. {_SEE}")
+    if impl not in _KERNELS:
+        return (f"{name} uses attn_implementation={impl!r}: its sparse kernel (flash-mla's indices) has no context "
+                f"parallel path; under CP the selected keys are gathered and attended by cp_dtensor. Load the model "
+                f"with attn_implementation='sdpa' (or 'eager'), then apply context parallelism. {_SEE}")
+    return None
+
+
+class _Gathered:
+    """The indexer's ``cache`` under CP: ``update_indexer`` hands back every rank's index keys in global order."""
+
+    def __init__(self, group, order: Tensor):
+        self.group, self.order = group, order
+
+    def update_indexer(self, k: Tensor, layer_idx: int) -> Tensor:  # k: [B, S_local, D]
+        world = self.order.numel() // k.shape[1]
+        every = funcol.wait_tensor(all_gather_single(k.contiguous(), 0, self.group))  # [P*B, S_local, D]
+        every = every.view(world, k.shape[0], k.shape[1], -1).permute(1, 0, 2, 3).reshape(k.shape[0], -1, k.shape[2])
+        return every.index_select(1, torch.argsort(self.order).to(k.device))  # [B, N, D], global order
+
+
+class _Rows(torch.autograd.Function):
+    """Send ``rows[wanted]`` to the ranks that asked (``give`` rows to each, in rank order) and receive
+    ``take`` rows from each; backward sends the received rows' gradients back and adds them up."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, wanted: Tensor, give: list[int], take: list[int], group) -> Tensor:
+        ctx.save_for_backward(wanted)
+        ctx.n, ctx.give, ctx.take, ctx.group = rows.shape[0], give, take, group
+        out = rows.new_empty(sum(take), rows.shape[1])
+        dist.all_to_all_single(out, rows.index_select(0, wanted).contiguous(), take, give, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (wanted,) = ctx.saved_tensors
+        back = grad.new_empty(sum(ctx.give), grad.shape[1])
+        dist.all_to_all_single(back, grad.contiguous(), ctx.give, ctx.take, group=ctx.group)
+        full = grad.new_zeros(ctx.n, grad.shape[1]).index_add_(0, wanted, back)
+        return full, None, None, None, None
+
+
+def exchange_plan(picks: Tensor, valid: Tensor, order: Tensor, rank: int, world: int) -> tuple[Tensor, Tensor]:
+    """(the global rows ``b * N + t`` this rank requests, owner-major; their owners) for the selected keys
+    ``picks`` [B, S_local, K] (global positions) where ``valid``; ``order``: global_order(layout, P, N)."""
+    n = order.numel()
+    s = n // world
+    owner = torch.empty(n, dtype=torch.long, device=picks.device)
+    owner[order.to(picks.device)] = torch.arange(world, device=picks.device).repeat_interleave(s)
+    b = torch.arange(picks.shape[0], device=picks.device).view(-1, 1, 1).expand_as(picks)
+    rows = (b * n + picks.long())[valid & (owner[picks.long()] != rank)].unique()
+    by = owner[rows % n]
+    ranked = torch.argsort(by * (picks.shape[0] * n) + rows)
+    return rows[ranked], by[ranked]
+
+
+def _call_error(module: nn.Module, state, attention_mask, cache, position_ids, kwargs) -> str | None:
+    if state.pending is not None:
+        return state.pending
+    if state.generating is not None or cache is not None:
+        return ("DeepSeek Sparse Attention under context parallelism runs training and evaluation forwards without a "
+                "KV cache: call the model with use_cache=False; generate() under CP is not served for these "
+                f"families (run it on a plain copy: cp_dtensor.remove_context_parallel(copy.deepcopy(model))). {_SEE}")
+    if module.training and module.attention_dropout:
+        return (f"attention dropout is not supported under context parallelism; got attention_dropout="
+                f"{module.attention_dropout}. Set config.attention_dropout = 0 (or call model.eval()).")
+    if attention_mask is not None and not (isinstance(attention_mask, Tensor) and attention_mask.dim() == 2):
+        return ("DeepSeek Sparse Attention under CP takes a 2-D attention_mask without padding, or none; got "
+                f"{type(attention_mask).__name__}. {_SEE}")
+    if kwargs.get("document_ids") is not None or state.plan is not None:
+        return f"DeepSeek Sparse Attention under CP takes no document_ids= or cp_layout=. {_SEE}"
+    if position_ids is None or position_ids.dim() != 2:
+        return ("context parallel attention needs position_ids [B, S_local] (the global positions, sharded like the "
+                "tokens by cp_dtensor.shard_batch).")
+    return None
+
+
+def _one_sequence(state, derive, position_ids, attention_mask, probe) -> None:
+    """Refuse (on every rank alike) packed documents and padding: the rows of the gathered global positions."""
+    b = probe.shape[0]
+    mask = None if attention_mask is None else attention_mask[:, -probe.shape[1]:]
+    ids, err = derive(state, position_ids, mask, False, b, probe=probe)
+    if err is None and ids is not None:
+        err = ("padding in the attention_mask" if mask is not None else "position ids that restart (packed sequences)")
+        err = (f"DeepSeek Sparse Attention under CP runs one sequence a row; this batch has {err}. transformers' "
+               "DSA code masks plain causal whatever the position ids say, so packed sequences see each other at "
+               f"CP=1 too: pass one sequence a row, without padding. {_SEE}")
+    if err is not None:
+        raise ValueError(err)
+
+
+def _forward(module: nn.Module, state, derive, hidden_states: Tensor, position_embeddings, attention_mask=None,
+             cache=None, position_ids: Tensor | None = None, prev_topk_indices: Tensor | None = None, **kwargs):
+    """The layer's forward under CP (Note [DeepSeek Sparse Attention under CP]): the family's modules, the
+    global indexer, the selected rows exchanged, attention over them. Returns what the family's forward does."""
+    err = _call_error(module, state, attention_mask, cache, position_ids, kwargs)
+    if err is not None:  # from the call and the model: the same on every rank, before any collective
+        raise ValueError(err)
+    mesh, group = state.mesh, state.mesh.get_group()
+    rank, world = mesh.get_local_rank(), mesh.size()
+    bsz, s = hidden_states.shape[:2]
+    n = s * world
+    if state.last is None:  # the forward's first layer (a recomputation checks again, alike on every rank)
+        _one_sequence(state, derive, position_ids, attention_mask, hidden_states)
+        state.last = (("dsa",), None)
+    order = global_order(state.layout, world, n).to(hidden_states.device)
+    mine = order[rank * s:(rank + 1) * s]  # this rank's global positions
+    allowed = torch.arange(n, device=hidden_states.device)[None, None, :] <= mine[None, :, None]  # [1, S, N]
+    allowed = allowed.expand(bsz, -1, -1)
+    modeling = sys.modules[type(module).__module__]
+
+    q_resid = module.q_a_layernorm(module.q_a_proj(hidden_states))
+    q_states = module.q_b_proj(q_resid).view(bsz, s, -1, module.qk_head_dim).transpose(1, 2)
+    q_pass, q_rot = torch.split(q_states, [module.qk_nope_head_dim, module.qk_rope_head_dim], dim=-1)
+    kv_pass, k_rot = torch.split(module.kv_a_proj_with_mqa(hidden_states),
+                                 [module.kv_lora_rank, module.qk_rope_head_dim], dim=-1)
+    k_pass = module.kv_a_layernorm(kv_pass).view(bsz, 1, s, module.kv_lora_rank)
+    k_rot = k_rot.view(bsz, 1, s, module.qk_rope_head_dim)
+    cos, sin = position_embeddings
+    q_rot, k_rot = modeling.apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin)
+    query = torch.cat((q_pass, q_rot), dim=-1)  # [B, H, S, Dqk]
+
+    if module.indexer is not None:  # 1. the global top-k (GLM's "shared" layers reuse the previous one's)
+        picks = module.indexer(hidden_states, q_resid, position_embeddings, allowed, position_ids,
+                               cache=_Gathered(group, order))  # [B, S, K] global positions
+    else:
+        if prev_topk_indices is None:
+            raise ValueError("Shared DSA layers require top-k indices from a previous full indexer layer.")
+        picks = prev_topk_indices
+    valid = allowed.gather(-1, picks.long())  # [B, S, K]: inside the causal prefix
+
+    # 2. the selected rows this rank does not hold
+    latent = torch.cat((k_pass[:, 0], k_rot[:, 0]), dim=-1).reshape(bsz * s, -1)  # [B*S, R + r], this rank's
+    rows, owners = exchange_plan(picks, valid, order, rank, world)
+    take = torch.bincount(owners, minlength=world)
+    give = torch.empty_like(take)
+    dist.all_to_all_single(give, take, group=group)
+    asked = torch.empty(int(give.sum()), dtype=torch.long, device=rows.device)
+    dist.all_to_all_single(asked, rows, give.tolist(), take.tolist(), group=group)  # global rows others want
+    local = torch.empty(n, dtype=torch.long, device=rows.device)
+    local[mine] = torch.arange(s, device=rows.device)
+    wanted = (asked // n) * s + local[asked % n]  # as rows of this rank's latent
+    got = _Rows.apply(latent, wanted, give.tolist(), take.tolist(), group)
+    table = torch.cat((latent, got))  # [T, R + r]
+    where = torch.zeros(bsz * n, dtype=torch.long, device=rows.device)
+    held = (torch.arange(bsz, device=rows.device)[:, None] * n + mine[None, :]).reshape(-1)
+    where[held] = torch.arange(bsz * s, device=rows.device)
+    where[rows] = bsz * s + torch.arange(rows.numel(), device=rows.device)
+    b = torch.arange(bsz, device=rows.device).view(-1, 1, 1)
+    slot = where[b * n + picks.long()]  # [B, S, K] rows of the table (0 where not valid: masked)
+
+    # 3. attention over the selected keys
+    kp, kr = torch.split(table, [module.kv_lora_rank, module.qk_rope_head_dim], dim=-1)
+    keys, values = module.expand_kv(kp[None, None], kr[None, None])  # [1, H, T, D]
+    keys, values = keys[0][:, slot], values[0][:, slot]  # [H, B, S, K, D]
+    scores = torch.einsum("bhsd,hbskd->bhsk", query, keys) * module.scaling
+    scores = scores.masked_fill(~valid[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    out = torch.einsum("bhsk,hbskd->bshd", probs, values)
+    out = module.o_proj(out.reshape(bsz, s, -1).contiguous())
+    return (out, None, picks) if hasattr(module, "skip_topk") else (out, None)
+
+
+class _Restore:
+    """A handle that puts a layer's own forward back (remove_context_parallel)."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def remove(self) -> None:
+        self.module.__dict__.pop("forward", None)
+
+
+def enable_sparse(model: nn.Module, state, layers: list[nn.Module], derive) -> None:
+    """Run ``layers`` (dsa_layers(model)) as Note [DeepSeek Sparse Attention under CP] describes; ``derive``:
+    hf/attention.py's derive_documents (the global positions' check)."""
+    for m in layers:
+        m.forward = partial(_forward, m, state, derive)
+        state.handles.append(_Restore(m))
