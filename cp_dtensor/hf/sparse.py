@@ -42,6 +42,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 
 from .._compat import all_gather_single
+from ..core.agreement import agree_on_call
 from ..core.plan.layout import global_order
 
 __all__ = ["FAMILIES", "VERDICT", "dsa_layers", "door_error", "enable_sparse", "exchange_plan"]
@@ -155,24 +156,33 @@ def _one_sequence(state, derive, position_ids, attention_mask, probe) -> None:
         raise ValueError(err)
 
 
+@torch.compiler.disable(reason="DeepSeek Sparse Attention under CP runs eagerly (Note [Compiled HF models] in "
+                                "cp_dtensor/hf/attention.py)")
 def _forward(module: nn.Module, state, derive, hidden_states: Tensor, position_embeddings, attention_mask=None,
              cache=None, position_ids: Tensor | None = None, prev_topk_indices: Tensor | None = None, **kwargs):
     """The layer's forward under CP (Note [DeepSeek Sparse Attention under CP]): the family's modules, the
     global indexer, the selected rows exchanged, attention over them. Returns what the family's forward does."""
     err = _call_error(module, state, attention_mask, cache, position_ids, kwargs)
-    if err is not None:  # from the call and the model: the same on every rank, before any collective
-        raise ValueError(err)
     mesh, group = state.mesh, state.mesh.get_group()
     rank, world = mesh.get_local_rank(), mesh.size()
     bsz, s = hidden_states.shape[:2]
     n = s * world
-    if state.last is None:  # the forward's first layer (a recomputation checks again, alike on every rank)
+    if state.last is None:  # the forward's first layer (a recomputation checks again, alike on every rank): every
+        # rank raises the same error before anything moves, then the global positions' check (one gather)
+        agree_on_call(err, {"batch": bsz, "tokens": s, "hidden": hidden_states.shape[-1]}, group,
+                      what="cp_dtensor.hf (DeepSeek Sparse Attention)")
         _one_sequence(state, derive, position_ids, attention_mask, hidden_states)
         state.last = (("dsa",), None)
+    elif err is not None:  # a later layer's: from the model and the call, the same on every rank
+        raise ValueError(err)
     order = global_order(state.layout, world, n).to(hidden_states.device)
     mine = order[rank * s:(rank + 1) * s]  # this rank's global positions
     allowed = torch.arange(n, device=hidden_states.device)[None, None, :] <= mine[None, :, None]  # [1, S, N]
     allowed = allowed.expand(bsz, -1, -1)
+    scored = allowed  # the indexer's mask as CP=1's implementation builds it: bool (sdpa), or additive (eager)
+    if state.attn_implementation.get("") == "eager":
+        scored = torch.zeros(allowed.shape, dtype=hidden_states.dtype, device=allowed.device).masked_fill(
+            ~allowed, torch.finfo(hidden_states.dtype).min)
     modeling = sys.modules[type(module).__module__]
 
     q_resid = module.q_a_layernorm(module.q_a_proj(hidden_states))
@@ -187,7 +197,7 @@ def _forward(module: nn.Module, state, derive, hidden_states: Tensor, position_e
     query = torch.cat((q_pass, q_rot), dim=-1)  # [B, H, S, Dqk]
 
     if module.indexer is not None:  # 1. the global top-k (GLM's "shared" layers reuse the previous one's)
-        picks = module.indexer(hidden_states, q_resid, position_embeddings, allowed, position_ids,
+        picks = module.indexer(hidden_states, q_resid, position_embeddings, scored, position_ids,
                                cache=_Gathered(group, order))  # [B, S, K] global positions
     else:
         if prev_topk_indices is None:

@@ -64,8 +64,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    print(f"| N | P | index_topk | rows not held (max rank) | rows MB | index keys MB | requests MB | ours MB | "
-          f"ours / rows | ours / ring | ring MB | latent ring MB | s |")
+    print("| N | P | index_topk | rows not held (max rank) | rows MB | index keys MB | requests MB | ours MB | "
+          "ours / rows | ours / ring | ring MB | latent ring MB | s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for world in args.world:
         for n in args.n:

@@ -26,18 +26,21 @@ from _conformance import build  # noqa: E402
 TOL = 1e-5
 N, B, V, K = 24, 2, 64, 8  # K: the tiny configs' index_topk, a third of N
 FAMILIES = {"deepseek_v32": "DeepseekV32ForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM"}
-LAYOUTS = ("headtail", "striped")
+LAYOUTS = ("headtail", "striped", "contiguous")
 
 
-def _model(kind: str):
-    model, impl = build(kind, FAMILIES[kind])
-    assert impl == "sdpa" and model.config.index_topk == K < N
+def _model(kind: str, impl: str = "sdpa", ties: bool = False):
+    model, built = build(kind, FAMILIES[kind])
+    assert built == "sdpa" and model.config.index_topk == K < N
     if kind == "glm_moe_dsa":  # layer 1 reuses layer 0's selection (GLM's "shared" indexer layers)
         cfg = copy.deepcopy(model.config)
         cfg.indexer_types = ["full", "shared"]
         torch.manual_seed(0)
         model = type(model)(cfg).float().train()
-        model.set_attn_implementation("sdpa")
+    model.set_attn_implementation(impl)  # eager: the indexer's mask additive, as transformers' eager mask is
+    if ties:  # every index score 0: each query's whole prefix ties, topk's own order decides (CP=1's, on rows alike)
+        for m in sparse.dsa_layers(model):
+            torch.nn.init.zeros_(m.indexer.weights_proj.weight)
     return model
 
 
@@ -99,22 +102,32 @@ def _ranks(rank, world):
 
     mesh = init_device_mesh("cpu", (world,))
     out = {}
-    for kind in FAMILIES:
-        plain = _model(kind)
+    for kind, impl in [(k, "sdpa") for k in FAMILIES] + [("deepseek_v32", "eager"), ("deepseek_v32", "ties")]:
+        plain = _model(kind, "eager" if impl == "eager" else "sdpa", ties=impl == "ties")
         ref_loss, ref_logits, ref_grads, ref_picks = _plain(copy.deepcopy(plain))
-        for layout in LAYOUTS:
+        for layout in LAYOUTS if impl == "sdpa" else ("headtail", "striped"):
             cp, loss, logits, grads, picks = _cp(copy.deepcopy(plain), mesh, layout)
             assert len(picks) == len(ref_picks) >= 1
             same = all(torch.equal(a.long(), b.long()) for a, b in zip(picks, ref_picks))
-            out[kind, layout] = dict(
-                picks=same, loss=abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()), logits=rel_err(logits, ref_logits),
+            out[kind, impl, layout] = dict(
+                picks=same, loss=abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()),
+                logits=rel_err(logits, ref_logits),
                 grads=sorted(grads) == sorted(ref_grads) and max(rel_err(grads[n], ref_grads[n]) for n in ref_grads))
+            hf.remove_context_parallel(cp)  # the layers' own forward back
+            out[kind, impl, layout, "removed"] = "ran" if all("forward" not in vars(m) for m in sparse.dsa_layers(cp)) \
+                else "left"
+        if impl != "sdpa":
+            continue
         # what the scheme does not serve: refused on every rank, before any row moves
         tokens, positions, _ = _batch()
         packed = torch.cat([torch.arange(10), torch.arange(N - 10)]).expand(B, N)
-        tok, pos, pk = shard_batch((tokens, positions, packed), mesh, layout="headtail")
+        padded = torch.ones(B, N, dtype=torch.long)
+        padded[0, :3] = 0  # left padding
+        tok, pos, pk, am = shard_batch((tokens, positions, packed, padded), mesh, layout="headtail")
         cp = hf.apply_context_parallel(copy.deepcopy(plain), mesh, layout="headtail")
         out[kind, "packed"] = _raises(lambda: cp(input_ids=tok, position_ids=pk, use_cache=False), "one sequence a row")
+        out[kind, "padding"] = _raises(lambda: cp(input_ids=tok, position_ids=pos, attention_mask=am, use_cache=False),
+                                       "padding in the attention_mask")
         out[kind, "cache"] = _raises(lambda: cp(input_ids=tok, position_ids=pos, use_cache=True), "without a KV cache")
         out[kind, "generate"] = _raises(lambda: cp.generate(input_ids=tokens[:1, :8], max_new_tokens=2,
                                                             do_sample=False), "generate() under CP is not served")
@@ -131,7 +144,7 @@ def _check(world):
         assert r == results[0]
     for key, got in results[0].items():
         if isinstance(got, str):
-            assert got == "raised", key
+            assert got == ("ran" if "removed" in key else "raised"), key
             continue
         assert got["picks"], (key, "the selected index sets differ from CP=1's")
         assert got["loss"] <= TOL and got["logits"] <= TOL and got["grads"] is not False and got["grads"] <= TOL, \
