@@ -45,7 +45,7 @@ from .._compat import all_gather_single
 from ..core.agreement import agree_on_call
 from ..core.plan.layout import global_order
 
-__all__ = ["FAMILIES", "VERDICT", "dsa_layers", "door_error", "enable_sparse", "exchange_plan"]
+__all__ = ["FAMILIES", "VERDICT", "dsa_layers", "door_error", "enable_sparse", "exchange_plan", "refuse_generate"]
 
 FAMILIES = frozenset({"deepseek_v32", "glm_moe_dsa"})
 #: the conformance sweep's verdict for FAMILIES once CP=P equals CP=1 (tests/hf/_conformance.py)
@@ -121,13 +121,21 @@ def exchange_plan(picks: Tensor, valid: Tensor, order: Tensor, rank: int, world:
     return rows[ranked], by[ranked]
 
 
+_NO_CACHE = ("DeepSeek Sparse Attention under context parallelism runs training and evaluation forwards without a KV "
+             "cache: call the model with use_cache=False; generate() under CP is not served for these families (run "
+             f"it on a plain copy: cp_dtensor.remove_context_parallel(copy.deepcopy(model))). {_SEE}")
+
+
+def refuse_generate(model: nn.Module, *args, **kwargs):
+    """``model.generate`` of a DSA model under CP: raises on every rank, before anything runs."""
+    raise ValueError(f"{type(model).__name__}.generate(): " + _NO_CACHE)
+
+
 def _call_error(module: nn.Module, state, attention_mask, cache, position_ids, kwargs) -> str | None:
     if state.pending is not None:
         return state.pending
     if state.generating is not None or cache is not None:
-        return ("DeepSeek Sparse Attention under context parallelism runs training and evaluation forwards without a "
-                "KV cache: call the model with use_cache=False; generate() under CP is not served for these "
-                f"families (run it on a plain copy: cp_dtensor.remove_context_parallel(copy.deepcopy(model))). {_SEE}")
+        return _NO_CACHE
     if module.training and module.attention_dropout:
         return (f"attention dropout is not supported under context parallelism; got attention_dropout="
                 f"{module.attention_dropout}. Set config.attention_dropout = 0 (or call model.eval()).")

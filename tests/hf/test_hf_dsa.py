@@ -102,8 +102,11 @@ def _ranks(rank, world):
 
     mesh = init_device_mesh("cpu", (world,))
     out = {}
-    for kind, impl in [(k, "sdpa") for k in FAMILIES] + [("deepseek_v32", "eager"), ("deepseek_v32", "ties")]:
+    extra = [("deepseek_v32", "eager"), ("deepseek_v32", "ties"), ("glm_moe_dsa", "checkpointing")]
+    for kind, impl in [(k, "sdpa") for k in FAMILIES] + extra:
         plain = _model(kind, "eager" if impl == "eager" else "sdpa", ties=impl == "ties")
+        if impl == "checkpointing":  # the backward recomputes each layer: its gather and exchange run again
+            plain.gradient_checkpointing_enable()
         ref_loss, ref_logits, ref_grads, ref_picks = _plain(copy.deepcopy(plain))
         for layout in LAYOUTS if impl == "sdpa" else ("headtail", "striped"):
             cp, loss, logits, grads, picks = _cp(copy.deepcopy(plain), mesh, layout)
