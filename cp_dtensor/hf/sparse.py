@@ -191,8 +191,24 @@ def _forward(module: nn.Module, state, derive, hidden_states: Tensor, position_e
     if state.attn_implementation.get("") == "eager":
         scored = torch.zeros(allowed.shape, dtype=hidden_states.dtype, device=allowed.device).masked_fill(
             ~allowed, torch.finfo(hidden_states.dtype).min)
-    modeling = sys.modules[type(module).__module__]
+    q_resid, query, k_pass, k_rot = project(module, hidden_states, position_embeddings)
+    if module.indexer is not None:  # 1. the global top-k (GLM's "shared" layers reuse the previous one's)
+        picks = module.indexer(hidden_states, q_resid, position_embeddings, scored, position_ids,
+                               cache=_Gathered(group, order))  # [B, S, K] global positions
+    else:
+        if prev_topk_indices is None:
+            raise ValueError("Shared DSA layers require top-k indices from a previous full indexer layer.")
+        picks = prev_topk_indices
+    valid = allowed.gather(-1, picks.long())  # [B, S, K]: inside the causal prefix
+    out = attend_selected(module, state, query, k_pass, k_rot, picks.long(), valid, order)
+    return (out, None, picks) if hasattr(module, "skip_topk") else (out, None)
 
+
+def project(module: nn.Module, hidden_states: Tensor, position_embeddings) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The family's projections, in its order: (q_resid [B, S, q_lora_rank], query [B, H, S, Dqk], the normed
+    latent [B, 1, S, R], the rotated key [B, 1, S, r])."""
+    bsz, s = hidden_states.shape[:2]
+    modeling = sys.modules[type(module).__module__]
     q_resid = module.q_a_layernorm(module.q_a_proj(hidden_states))
     q_states = module.q_b_proj(q_resid).view(bsz, s, -1, module.qk_head_dim).transpose(1, 2)
     q_pass, q_rot = torch.split(q_states, [module.qk_nope_head_dim, module.qk_rope_head_dim], dim=-1)
@@ -202,47 +218,45 @@ def _forward(module: nn.Module, state, derive, hidden_states: Tensor, position_e
     k_rot = k_rot.view(bsz, 1, s, module.qk_rope_head_dim)
     cos, sin = position_embeddings
     q_rot, k_rot = modeling.apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin)
-    query = torch.cat((q_pass, q_rot), dim=-1)  # [B, H, S, Dqk]
+    return q_resid, torch.cat((q_pass, q_rot), dim=-1), k_pass, k_rot
 
-    if module.indexer is not None:  # 1. the global top-k (GLM's "shared" layers reuse the previous one's)
-        picks = module.indexer(hidden_states, q_resid, position_embeddings, scored, position_ids,
-                               cache=_Gathered(group, order))  # [B, S, K] global positions
-    else:
-        if prev_topk_indices is None:
-            raise ValueError("Shared DSA layers require top-k indices from a previous full indexer layer.")
-        picks = prev_topk_indices
-    valid = allowed.gather(-1, picks.long())  # [B, S, K]: inside the causal prefix
 
-    # 2. the selected rows this rank does not hold
+def attend_selected(module: nn.Module, state, query: Tensor, k_pass: Tensor, k_rot: Tensor, picks: Tensor,
+                    valid: Tensor, order: Tensor) -> Tensor:
+    """Steps 2 and 3 of Note [DeepSeek Sparse Attention under CP]: this rank's queries [B, H, S, Dqk] over the
+    keys ``picks`` [B, S, K] (int64 global columns, indices of ``order``) where ``valid``, its latents
+    ``k_pass`` / ``k_rot`` [B, 1, S, R / r] at columns ``order[rank * S:(rank + 1) * S]``. Returns the layer's
+    output [B, S, hidden] (o_proj applied)."""
+    group, rank, world = state.mesh.get_group(), state.mesh.get_local_rank(), state.mesh.size()
+    bsz, s = query.shape[0], query.shape[2]
+    n, dev = order.numel(), query.device
+    mine = order[rank * s:(rank + 1) * s]
     latent = torch.cat((k_pass[:, 0], k_rot[:, 0]), dim=-1).reshape(bsz * s, -1)  # [B*S, R + r], this rank's
     rows, owners = exchange_plan(picks, valid, order, rank, world)
     take = torch.bincount(owners, minlength=world)
     give = torch.empty_like(take)
     dist.all_to_all_single(give, take, group=group)
-    asked = torch.empty(int(give.sum()), dtype=torch.long, device=rows.device)
+    asked = torch.empty(int(give.sum()), dtype=torch.long, device=dev)
     dist.all_to_all_single(asked, rows, give.tolist(), take.tolist(), group=group)  # global rows others want
-    local = torch.empty(n, dtype=torch.long, device=rows.device)
-    local[mine] = torch.arange(s, device=rows.device)
+    local = torch.empty(n, dtype=torch.long, device=dev)
+    local[mine] = torch.arange(s, device=dev)
     wanted = (asked // n) * s + local[asked % n]  # as rows of this rank's latent
     got = _Rows.apply(latent, wanted, give.tolist(), take.tolist(), group)
     table = torch.cat((latent, got))  # [T, R + r]
-    where = torch.zeros(bsz * n, dtype=torch.long, device=rows.device)
-    held = (torch.arange(bsz, device=rows.device)[:, None] * n + mine[None, :]).reshape(-1)
-    where[held] = torch.arange(bsz * s, device=rows.device)
-    where[rows] = bsz * s + torch.arange(rows.numel(), device=rows.device)
-    b = torch.arange(bsz, device=rows.device).view(-1, 1, 1)
-    slot = where[b * n + picks.long()]  # [B, S, K] rows of the table (0 where not valid: masked)
+    where = torch.zeros(bsz * n, dtype=torch.long, device=dev)
+    held = (torch.arange(bsz, device=dev)[:, None] * n + mine[None, :]).reshape(-1)
+    where[held] = torch.arange(bsz * s, device=dev)
+    where[rows] = bsz * s + torch.arange(rows.numel(), device=dev)
+    slot = where[torch.arange(bsz, device=dev).view(-1, 1, 1) * n + picks]  # [B, S, K] (0 where not valid: masked)
 
-    # 3. attention over the selected keys
     kp, kr = torch.split(table, [module.kv_lora_rank, module.qk_rope_head_dim], dim=-1)
-    keys, values = module.expand_kv(kp[None, None], kr[None, None])  # [1, H, T, D]
+    keys, values = module.expand_kv(kp[None, None], kr[None, None])  # [1, H, T, D]: the table expanded once
     keys, values = keys[0][:, slot], values[0][:, slot]  # [H, B, S, K, D]
     scores = torch.einsum("bhsd,hbskd->bhsk", query, keys) * module.scaling
     scores = scores.masked_fill(~valid[:, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     out = torch.einsum("bhsk,hbskd->bshd", probs, values)
-    out = module.o_proj(out.reshape(bsz, s, -1).contiguous())
-    return (out, None, picks) if hasattr(module, "skip_topk") else (out, None)
+    return module.o_proj(out.reshape(bsz, s, -1).contiguous())
 
 
 class _Restore:
