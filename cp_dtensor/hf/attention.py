@@ -468,10 +468,11 @@ def apply_context_parallel(
 
         enable_linear(model, state, linear, derive_documents)
     if sparse is not None:  # the indexed_attention layers' own forward: the global indexer, the selected rows
-        from .sparse import enable_sparse, refuse_generate
+        from .sparse import enable_sparse
+        from .sparse_generate import generating_forward, sparse_generate
 
-        enable_sparse(model, state, sparse, derive_documents)
-        model.generate = CPGenerate(model, refuse_generate)
+        enable_sparse(model, state, sparse, derive_documents, generating_forward)
+        model.generate = CPGenerate(model, sparse_generate)  # its refusals, then generate()
     if tile is not None:
         apply_sequence_tiling(model, tile_size=tile)
     return model

@@ -24,11 +24,12 @@ each layer's forward is replaced (the family's own modules do the arithmetic, in
    the causal prefix (only when fewer than ``index_topk`` keys exist) masked, as CP=1's mask does.
 
 GLM-MoE-DSA's ``"shared"`` layers reuse the previous full layer's indices: under CP those are the global
-indices step 1 returned, so they reuse them alike. What CP=1 does that this does not: a KV cache (generate()
-under CP is refused for these families), packed documents (transformers' DSA mask is plain causal whatever
-the position ids say, so a reset is refused rather than guessed at), padding (refused: pack or unpad), the
-flash-mla kernel's sparse path (refused at the door: load with ``attn_implementation="sdpa"`` or "eager"),
-attention dropout (refused). Each raises on every rank before any row moves.
+indices step 1 returned, so they reuse them alike. generate() decodes from the sharded cache: Note [DSA
+generate() under CP] in hf/sparse_generate.py. What CP=1 does that this does not: a forward with a KV cache
+of its own (``use_cache=True`` outside generate()), packed documents (transformers' DSA mask is plain causal
+whatever the position ids say, so a reset is refused rather than guessed at), padding (refused: pack or
+unpad), the flash-mla kernel's sparse path (refused at the door: load with ``attn_implementation="sdpa"``
+or "eager"), attention dropout (refused). Each raises on every rank before any row moves.
 """
 
 from __future__ import annotations
@@ -45,11 +46,9 @@ from .._compat import all_gather_single
 from ..core.agreement import agree_on_call
 from ..core.plan.layout import global_order
 
-__all__ = ["FAMILIES", "VERDICT", "dsa_layers", "door_error", "enable_sparse", "exchange_plan", "refuse_generate"]
+__all__ = ["FAMILIES", "dsa_layers", "door_error", "enable_sparse", "exchange_plan"]
 
 FAMILIES = frozenset({"deepseek_v32", "glm_moe_dsa"})
-#: the conformance sweep's verdict for FAMILIES once CP=P equals CP=1 (tests/hf/_conformance.py)
-VERDICT = "served (training and evaluation; generate() under CP is refused: Note [DeepSeek Sparse Attention under CP])"
 _KERNELS = ("eager", "sdpa")  # the implementations whose masked path is the dense twin of the selection
 _SEE = "See Note [DeepSeek Sparse Attention under CP] in cp_dtensor/hf/sparse.py."
 
@@ -121,20 +120,15 @@ def exchange_plan(picks: Tensor, valid: Tensor, order: Tensor, rank: int, world:
     return rows[ranked], by[ranked]
 
 
-_NO_CACHE = ("DeepSeek Sparse Attention under context parallelism runs training and evaluation forwards without a KV "
-             "cache: call the model with use_cache=False; generate() under CP is not served for these families (run "
-             f"it on a plain copy: cp_dtensor.remove_context_parallel(copy.deepcopy(model))). {_SEE}")
-
-
-def refuse_generate(model: nn.Module, *args, **kwargs):
-    """``model.generate`` of a DSA model under CP: raises on every rank, before anything runs."""
-    raise ValueError(f"{type(model).__name__}.generate(): " + _NO_CACHE)
+_NO_CACHE = ("DeepSeek Sparse Attention under context parallelism runs forwards without a KV cache: call the model "
+             "with use_cache=False; to decode, call model.generate(...) with the full prompt on every rank (it "
+             f"decodes from a sequence-sharded cache). {_SEE}")
 
 
 def _call_error(module: nn.Module, state, attention_mask, cache, position_ids, kwargs) -> str | None:
     if state.pending is not None:
         return state.pending
-    if state.generating is not None or cache is not None:
+    if cache is not None:
         return _NO_CACHE
     if module.training and module.attention_dropout:
         return (f"attention dropout is not supported under context parallelism; got attention_dropout="
@@ -166,10 +160,13 @@ def _one_sequence(state, derive, position_ids, attention_mask, probe) -> None:
 
 @torch.compiler.disable(reason="DeepSeek Sparse Attention under CP runs eagerly (Note [Compiled HF models] in "
                                 "cp_dtensor/hf/attention.py)")
-def _forward(module: nn.Module, state, derive, hidden_states: Tensor, position_embeddings, attention_mask=None,
+def _forward(module: nn.Module, state, derive, generating, hidden_states: Tensor, position_embeddings, attention_mask=None,
              cache=None, position_ids: Tensor | None = None, prev_topk_indices: Tensor | None = None, **kwargs):
     """The layer's forward under CP (Note [DeepSeek Sparse Attention under CP]): the family's modules, the
     global indexer, the selected rows exchanged, attention over them. Returns what the family's forward does."""
+    if state.generating is not None:  # Note [DSA generate() under CP] in hf/sparse_generate.py
+        return generating(module, state, hidden_states, position_embeddings, attention_mask, cache,
+                                  position_ids, prev_topk_indices)
     err = _call_error(module, state, attention_mask, cache, position_ids, kwargs)
     mesh, group = state.mesh, state.mesh.get_group()
     rank, world = mesh.get_local_rank(), mesh.size()
@@ -269,9 +266,10 @@ class _Restore:
         self.module.__dict__.pop("forward", None)
 
 
-def enable_sparse(model: nn.Module, state, layers: list[nn.Module], derive) -> None:
+def enable_sparse(model: nn.Module, state, layers: list[nn.Module], derive, generating) -> None:
     """Run ``layers`` (dsa_layers(model)) as Note [DeepSeek Sparse Attention under CP] describes; ``derive``:
-    hf/attention.py's derive_documents (the global positions' check)."""
+    hf/attention.py's derive_documents (the global positions' check); ``generating``: the layer's forward
+    inside generate() (hf/sparse_generate.py's generating_forward)."""
     for m in layers:
-        m.forward = partial(_forward, m, state, derive)
+        m.forward = partial(_forward, m, state, derive, generating)
         state.handles.append(_Restore(m))
