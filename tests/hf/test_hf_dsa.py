@@ -137,6 +137,9 @@ def _ranks(rank, world):
         mask[0, 0] = 0
         out[kind, "padded prompt"] = _raises(lambda: cp.generate(input_ids=tokens[:, :13], attention_mask=mask,
                                                                  max_new_tokens=2, do_sample=False), "without padding")
+        kernel = copy.deepcopy(plain)
+        kernel.config._attn_implementation_internal = "kernels-community/flash-mla"  # as loaded with that kernel
+        out[kind, "flash-mla"] = _raises(lambda: hf.apply_context_parallel(kernel, mesh), "flash-mla")
         for m in sparse.dsa_layers(cp):  # what a config with attention_dropout=0.1 builds
             m.attention_dropout = 0.1
         out[kind, "dropout"] = _raises(lambda: cp(input_ids=tok, position_ids=pos, use_cache=False),
