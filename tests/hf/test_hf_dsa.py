@@ -235,3 +235,40 @@ def test_exchange_plan_requests_only_rows_held_elsewhere():
     valid = torch.tensor([[[True, True, False], [True, True, False]]])
     rows, owners = sparse.exchange_plan(picks, valid, order, rank=0, world=2)
     assert rows.tolist() == [2, 3] and owners.tolist() == [1, 1]
+
+
+def _trainer_ranks(rank, world, cp: bool) -> dict:
+    """transformers' Trainer, 3 steps of fixed-length rows: plain (one process) or with_context_parallel (headtail)."""
+    import os
+    import tempfile
+
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    from cp_dtensor.hf import with_context_parallel
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")  # what torchrun sets; accelerate reads it
+    g = torch.Generator().manual_seed(1)
+    rows = [{"input_ids": ids, "labels": list(ids)} for ids in (torch.randint(3, V, (N,), generator=g).tolist()
+                                                                for _ in range(12))]
+    out = {}
+    for kind in FAMILIES:
+        args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=4, max_steps=3,
+                                 logging_steps=1, report_to=[], save_strategy="no", learning_rate=1e-2, use_cpu=True,
+                                 disable_tqdm=True, seed=0, data_seed=0)
+        cls = with_context_parallel(Trainer, cp_size=world, layout="headtail") if cp else Trainer
+        trainer = cls(model=_model(kind), args=args, train_dataset=rows, data_collator=default_data_collator)
+        trainer.train()
+        out[kind] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return out
+
+
+@pytest.mark.skipif(not SLOW, reason="slow tier (CP_DTENSOR_SLOW=1): two Trainer runs a family, ~15 s")
+def test_dsa_trainer_cp2():
+    """with_context_parallel(Trainer) at CP=2 logs the unchanged Trainer's losses within 1e-4 (both families)."""
+    want = run_ranks(1, _trainer_ranks, False, timeout=600)[0]
+    got = run_ranks(2, _trainer_ranks, True, timeout=600)
+    for kind in FAMILIES:
+        assert len(want[kind]) == 3
+        for r in got:
+            assert max(abs(a - b) for a, b in zip(r[kind], want[kind])) <= 1e-4, (kind, r[kind], want[kind])
