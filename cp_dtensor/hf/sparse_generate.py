@@ -14,8 +14,8 @@ as the "values"), and this module keeps each layer's index keys beside them, slo
 * decode: the new token's index query is scored on each rank against the index keys it holds (the
   family's arithmetic); one all-gather of those scores and their columns (8 bytes a cached token per
   query, instead of the keys' ``index_head_dim`` numbers) rebuilds CP=1's row over every column, and
-  ``topk`` on it picks CP=1's columns, ties included. Each rank then attends to the picked slots it holds
-  (the others masked as empty), and the partial outputs merge by their log-sum-exp in the one all-gather
+  ``topk`` on it picks CP=1's columns, ties included. Each rank then expands and attends to the picked
+  slots it holds only (at most ``index_topk``), and the partial outputs merge by their log-sum-exp in the one all-gather
   of ``cp_dtensor.sharded_cache_attention`` (core/decode.py).
 
 Served: greedy and sampled decoding of one call, a prompt without padding. Refused on every rank:
@@ -152,10 +152,14 @@ def _decode(module, state, h, position_embeddings, prev, store):
         picks = prev
     chosen = torch.zeros(bsz, columns + 1, dtype=torch.bool, device=h.device)
     chosen[torch.arange(bsz, device=h.device)[:, None], picks[:, 0].long()] = True  # T = 1
-    mask = chosen.gather(1, slots.clamp(min=0)) & (slots >= 0)
-    keys, values = module.expand_kv(held_pass, held_rot)  # [B, H, S_r, D]
-    out = attend(query, keys, values, q_positions=step.q_positions, k_positions=slots.masked_fill(~mask, -1),
-                 group=group, world=world, scale=module.scaling, window_size=None, sinks=None,
+    mask = chosen.gather(1, slots.clamp(min=0)) & (slots >= 0)  # [B, S_r]: the picked slots this rank holds
+    m = max(int(mask.sum(1).max()), 1)  # at most index_topk: only those are expanded, not the whole share
+    take = torch.sort(mask.long(), dim=1, descending=True, stable=True).indices[:, :m]  # [B, m] picked first
+    kpos = slots.gather(1, take).masked_fill(~mask.gather(1, take), -1)  # -1: an empty slot
+    pick = lambda x: x.gather(2, take[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]))  # noqa: E731
+    keys, values = module.expand_kv(pick(held_pass), pick(held_rot))  # [B, H, m, D]
+    out = attend(query, keys, values, q_positions=step.q_positions, k_positions=kpos, group=group, world=world,
+                 scale=module.scaling, window_size=None, sinks=None,
                  padding=step.q_padding)  # [B, H, T, Dv]: the picked slots of every rank, merged
     return picks, module.o_proj(out.transpose(1, 2).reshape(bsz, t, -1))
 
