@@ -18,9 +18,9 @@ as the "values"), and this module keeps each layer's index keys beside them, slo
   slots it holds only (at most ``index_topk``), and the partial outputs merge by their log-sum-exp in the one all-gather
   of ``cp_dtensor.sharded_cache_attention`` (core/decode.py).
 
-Served: greedy and sampled decoding of one call, a prompt without padding. Refused on every rank:
-a padded prompt, a cache passed in (a second turn), decode forwards of several tokens (pass-KV turns,
-chunked prefill).
+Served: greedy and sampled decoding of one call, left-padded prompts (the pads masked in every row, as at
+CP=1). Refused on every rank: a cache passed in (a second turn), decode forwards of several tokens
+(pass-KV turns, chunked prefill).
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ from .sparse import _SEE, attend_selected, project
 
 __all__ = ["generating_forward", "sparse_generate"]
 
-_ONE_CALL = ("generate() of a DeepSeek Sparse Attention model under CP serves one call on a prompt without padding, "
-             "decoding a token a step: pass every rank the same unpadded input_ids (batch rows of one length), "
-             "no attention_mask zeros and no cache= from an earlier call. " + _SEE)
+_ONE_CALL = ("generate() of a DeepSeek Sparse Attention model under CP serves one call, decoding a token a step: pass "
+             "every rank the same input_ids (and attention_mask, left padding), and no cache= from an earlier call. "
+             + _SEE)
 
 
 def sparse_generate(model: nn.Module, *args, **kwargs):
@@ -50,9 +50,7 @@ def sparse_generate(model: nn.Module, *args, **kwargs):
     full inputs on every rank: every rank raises alike), then hf/generate.py's generate()."""
     from .generate import generate
 
-    mask = kwargs.get("attention_mask")
-    if (mask is not None and not bool(mask.bool().all())) or kwargs.get("cache") is not None \
-            or kwargs.get("past_key_values") is not None:
+    if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
         raise ValueError(f"{type(model).__name__}.generate(): " + _ONE_CALL)
     return generate(model, *args, **kwargs)
 
@@ -82,13 +80,24 @@ def generating_forward(module: nn.Module, state, hidden_states: Tensor, position
         raise ValueError(_ONE_CALL)
     store = cache.__dict__.setdefault("_cp_dtensor_index_keys", {})
     if step.kind == "prefill":
-        picks, out = _prefill(module, state, hidden_states, position_embeddings, position_ids, prev_topk_indices, store)
+        picks, out = _prefill(module, state, hidden_states, position_embeddings, attention_mask, position_ids,
+                              prev_topk_indices, store)
     else:
         picks, out = _decode(module, state, hidden_states, position_embeddings, prev_topk_indices, store)
     return (out, None, picks) if hasattr(module, "skip_topk") else (out, None)
 
 
-def _prefill(module, state, h, position_embeddings, position_ids, prev, store):
+def _prompt_mask(group, world: int, attention_mask, order: Tensor, pad: int, bsz: int, s: int, dev) -> Tensor:
+    """[B, n] bool: the prompt's real (unpadded) columns, from every rank's shard of the 2-D mask."""
+    if attention_mask is None:
+        return torch.ones(bsz, order.numel() - pad, dtype=torch.bool, device=dev)
+    local = attention_mask[:, -s:].to(torch.int64).contiguous()
+    every = funcol.wait_tensor(all_gather_single(local, 0, group)).view(world, bsz, s)
+    full = every.permute(1, 0, 2).reshape(bsz, -1).index_select(1, torch.argsort(order))
+    return full[:, pad:].bool()
+
+
+def _prefill(module, state, h, position_embeddings, attention_mask, position_ids, prev, store):
     call, group = state.generating, state.mesh.get_group()
     rank, world = state.mesh.get_local_rank(), state.mesh.size()
     n, pad = call.prompt
@@ -96,9 +105,12 @@ def _prefill(module, state, h, position_embeddings, position_ids, prev, store):
     dev = h.device
     order = global_order(ring_layout(state), world, s * world).to(dev)
     real = order[rank * s:(rank + 1) * s] - pad  # the prompt columns of this rank's tokens (< 0: the layout's pads)
+    if "prompt" not in store:  # the prompt's padding mask [B, n] in column order: one gather, for every layer
+        store["prompt"] = _prompt_mask(group, world, attention_mask, order, pad, bsz, s, dev)
     keys = torch.arange(n, device=dev)[None, None, :]
-    allowed = (keys <= real[None, :, None]) | ((real < 0)[None, :, None] & (keys == 0))  # a pad query: column 0
-    allowed = allowed.expand(bsz, -1, -1)
+    allowed = (keys <= real[None, :, None]) & store["prompt"][:, None, :]  # causal, the prompt's pads masked (CP=1's)
+    blind = ~allowed.any(-1, keepdim=True)  # a pad query (the layout's or the prompt's) that sees nothing: its own
+    allowed = allowed | (blind & (keys == real.clamp(min=0)[None, :, None]))  # column, for a finite, unread output
     scored = allowed
     if state.attn_implementation.get("") == "eager":
         scored = torch.zeros(allowed.shape, dtype=h.dtype, device=dev).masked_fill(~allowed, torch.finfo(h.dtype).min)
