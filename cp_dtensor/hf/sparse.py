@@ -25,11 +25,14 @@ each layer's forward is replaced (the family's own modules do the arithmetic, in
 
 GLM-MoE-DSA's ``"shared"`` layers reuse the previous full layer's indices: under CP those are the global
 indices step 1 returned, so they reuse them alike. generate() decodes from the sharded cache: Note [DSA
-generate() under CP] in hf/sparse_generate.py. What CP=1 does that this does not: a forward with a KV cache
-of its own (``use_cache=True`` outside generate()), packed documents (transformers' DSA mask is plain causal
-whatever the position ids say, so a reset is refused rather than guessed at), padding (refused: pack or
-unpad), the flash-mla kernel's sparse path (refused at the door: load with ``attn_implementation="sdpa"``
-or "eager"), attention dropout (refused). Each raises on every rank before any row moves.
+generate() under CP] in hf/sparse_generate.py. Padding (a 2-D ``attention_mask``, left or right) is masked
+as keys in every row, as CP=1's mask does (one gather of the mask a forward); a left-pad query that sees
+no key gets a zero attention output, as SDPA gives a fully masked row. What CP=1 does that this does
+not: a forward with a KV cache of its own (``use_cache=True`` outside generate()), packed documents
+(transformers' DSA mask is plain causal whatever the position ids say, so a reset is refused rather than
+guessed at), the flash-mla kernel's sparse path (refused at the door: load with
+``attn_implementation="sdpa"`` or "eager"), attention dropout (refused). Each raises on every rank before
+any row moves.
 """
 
 from __future__ import annotations
@@ -134,7 +137,8 @@ def _call_error(module: nn.Module, state, attention_mask, cache, position_ids, k
         return (f"attention dropout is not supported under context parallelism; got attention_dropout="
                 f"{module.attention_dropout}. Set config.attention_dropout = 0 (or call model.eval()).")
     if attention_mask is not None and not (isinstance(attention_mask, Tensor) and attention_mask.dim() == 2):
-        return ("DeepSeek Sparse Attention under CP takes a 2-D attention_mask without padding, or none; got "
+        return ("DeepSeek Sparse Attention under CP takes a 2-D padding attention_mask [B, N] sharded like the tokens, "
+                "or none; got "
                 f"{type(attention_mask).__name__}. {_SEE}")
     if kwargs.get("document_ids") is not None or state.plan is not None:
         return f"DeepSeek Sparse Attention under CP takes no document_ids= or cp_layout=. {_SEE}"
@@ -144,18 +148,31 @@ def _call_error(module: nn.Module, state, attention_mask, cache, position_ids, k
     return None
 
 
-def _one_sequence(state, derive, position_ids, attention_mask, probe) -> None:
-    """Refuse (on every rank alike) packed documents and padding: the rows of the gathered global positions."""
+def real_mask(group, world: int, attention_mask, order: Tensor, bsz: int, s: int, dev) -> Tensor:
+    """[B, N] bool in global order: the tokens that are not padding, from every rank's shard of the 2-D mask."""
+    if attention_mask is None:
+        return torch.ones(bsz, order.numel(), dtype=torch.bool, device=dev)
+    local = attention_mask[:, -s:].to(torch.int64).contiguous()
+    every = funcol.wait_tensor(all_gather_single(local, 0, group)).view(world, bsz, s)
+    return every.permute(1, 0, 2).reshape(bsz, -1).index_select(1, torch.argsort(order).to(dev)).bool()
+
+
+def _one_sequence(state, derive, position_ids, attention_mask, probe, order: Tensor) -> Tensor | None:
+    """Refuse (on every rank alike) packed documents, by the gathered global positions; with padding in the
+    2-D mask, the global padding mask [B, N] (None: no padding)."""
     b = probe.shape[0]
     mask = None if attention_mask is None else attention_mask[:, -probe.shape[1]:]
     ids, err = derive(state, position_ids, mask, False, b, probe=probe)
-    if err is None and ids is not None:
-        err = ("padding in the attention_mask" if mask is not None else "position ids that restart (packed sequences)")
-        err = (f"DeepSeek Sparse Attention under CP runs one sequence a row; this batch has {err}. transformers' "
-               "DSA code masks plain causal whatever the position ids say, so packed sequences see each other at "
-               f"CP=1 too: pass one sequence a row, without padding. {_SEE}")
+    if err is None and ids is not None and mask is None:
+        err = ("DeepSeek Sparse Attention under CP runs one sequence a row; this batch has position ids that restart "
+               "(packed sequences). transformers' DSA code masks plain causal whatever the position ids say, so "
+               "packed sequences see each other at CP=1 too: pass one sequence a row (pad it with an attention_mask "
+               f"if it must share a batch). {_SEE}")
     if err is not None:
         raise ValueError(err)
+    if ids is None:  # one sequence a row, no padding
+        return None
+    return real_mask(state.mesh.get_group(), state.mesh.size(), mask, order, b, probe.shape[1], probe.device)
 
 
 @torch.compiler.disable(reason="DeepSeek Sparse Attention under CP runs eagerly (Note [Compiled HF models] in "
@@ -176,14 +193,17 @@ def _forward(module: nn.Module, state, derive, generating, hidden_states: Tensor
         # rank raises the same error before anything moves, then the global positions' check (one gather)
         agree_on_call(err, {"batch": bsz, "tokens": s, "hidden": hidden_states.shape[-1]}, group,
                       what="cp_dtensor.hf (DeepSeek Sparse Attention)")
-        _one_sequence(state, derive, position_ids, attention_mask, hidden_states)
-        state.last = (("dsa",), None)
+        order = global_order(state.layout, world, n).to(hidden_states.device)
+        state.last = (("dsa",), _one_sequence(state, derive, position_ids, attention_mask, hidden_states, order))
     elif err is not None:  # a later layer's: from the model and the call, the same on every rank
         raise ValueError(err)
     order = global_order(state.layout, world, n).to(hidden_states.device)
     mine = order[rank * s:(rank + 1) * s]  # this rank's global positions
-    allowed = torch.arange(n, device=hidden_states.device)[None, None, :] <= mine[None, :, None]  # [1, S, N]
-    allowed = allowed.expand(bsz, -1, -1)
+    keys = torch.arange(n, device=hidden_states.device)[None, None, :]
+    allowed = (keys <= mine[None, :, None]).expand(bsz, -1, -1)  # [B, S, N]: causal in the global order
+    real = state.last[1]
+    if real is not None:  # padding: masked as keys in every row (CP=1's mask); a left-pad query sees no key
+        allowed = allowed & real[:, None, :]
     scored = allowed  # the indexer's mask as CP=1's implementation builds it: bool (sdpa), or additive (eager)
     if state.attn_implementation.get("") == "eager":
         scored = torch.zeros(allowed.shape, dtype=hidden_states.dtype, device=allowed.device).masked_fill(
@@ -250,8 +270,9 @@ def attend_selected(module: nn.Module, state, query: Tensor, k_pass: Tensor, k_r
     keys, values = module.expand_kv(kp[None, None], kr[None, None])  # [1, H, T, D]: the table expanded once
     keys, values = keys[0][:, slot], values[0][:, slot]  # [H, B, S, K, D]
     scores = torch.einsum("bhsd,hbskd->bhsk", query, keys) * module.scaling
-    scores = scores.masked_fill(~valid[:, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    blind = ~valid.any(-1)[:, None, :, None]  # [B, 1, S, 1]: a query that sees no key (left padding) gets 0, as
+    scores = scores.masked_fill(~valid[:, None], float("-inf")).masked_fill(blind, 0.0)  # SDPA's fully masked row
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).masked_fill(blind, 0.0).to(query.dtype)
     out = torch.einsum("bhsk,hbskd->bshd", probs, values)
     return module.o_proj(out.reshape(bsz, s, -1).contiguous())
 

@@ -36,7 +36,7 @@ from .._compat import all_gather_single
 from ..core.decode import attend
 from ..core.plan.layout import global_order
 from .documents import ring_layout
-from .sparse import _SEE, attend_selected, project
+from .sparse import _SEE, attend_selected, project, real_mask
 
 __all__ = ["generating_forward", "sparse_generate"]
 
@@ -87,16 +87,6 @@ def generating_forward(module: nn.Module, state, hidden_states: Tensor, position
     return (out, None, picks) if hasattr(module, "skip_topk") else (out, None)
 
 
-def _prompt_mask(group, world: int, attention_mask, order: Tensor, pad: int, bsz: int, s: int, dev) -> Tensor:
-    """[B, n] bool: the prompt's real (unpadded) columns, from every rank's shard of the 2-D mask."""
-    if attention_mask is None:
-        return torch.ones(bsz, order.numel() - pad, dtype=torch.bool, device=dev)
-    local = attention_mask[:, -s:].to(torch.int64).contiguous()
-    every = funcol.wait_tensor(all_gather_single(local, 0, group)).view(world, bsz, s)
-    full = every.permute(1, 0, 2).reshape(bsz, -1).index_select(1, torch.argsort(order))
-    return full[:, pad:].bool()
-
-
 def _prefill(module, state, h, position_embeddings, attention_mask, position_ids, prev, store):
     call, group = state.generating, state.mesh.get_group()
     rank, world = state.mesh.get_local_rank(), state.mesh.size()
@@ -106,7 +96,7 @@ def _prefill(module, state, h, position_embeddings, attention_mask, position_ids
     order = global_order(ring_layout(state), world, s * world).to(dev)
     real = order[rank * s:(rank + 1) * s] - pad  # the prompt columns of this rank's tokens (< 0: the layout's pads)
     if "prompt" not in store:  # the prompt's padding mask [B, n] in column order: one gather, for every layer
-        store["prompt"] = _prompt_mask(group, world, attention_mask, order, pad, bsz, s, dev)
+        store["prompt"] = real_mask(group, world, attention_mask, order, bsz, s, dev)[:, pad:]
     keys = torch.arange(n, device=dev)[None, None, :]
     allowed = (keys <= real[None, :, None]) & store["prompt"][:, None, :]  # causal, the prompt's pads masked (CP=1's)
     blind = ~allowed.any(-1, keepdim=True)  # a pad query (the layout's or the prompt's) that sees nothing: its own

@@ -89,6 +89,34 @@ def _cp(model, mesh, layout):
     return cp, loss, logits, grads, picks
 
 
+def _padded(plain, mesh) -> dict:
+    """Row 0 left-padded by 5, row 1 right-padded by 3 (labels -100 there), striped: the logits (the pad rows' too:
+    a left-pad row sees no key, as at CP=1), every gradient and the loss against CP=1 with the same mask."""
+    tokens, positions, labels = _batch()
+    mask = torch.ones(B, N, dtype=torch.long)
+    mask[0, :5] = 0
+    mask[1, -3:] = 0
+    labels = labels.masked_fill(mask == 0, -100)
+    ref = copy.deepcopy(plain)
+    want = ref(input_ids=tokens, attention_mask=mask, position_ids=positions, labels=labels, use_cache=False)
+    want.loss.backward()
+    cp = hf.apply_context_parallel(copy.deepcopy(plain), mesh, layout="striped")
+    shifted = hf.shift_labels(labels)
+    tok, pos, lab, am = shard_batch((tokens, positions, shifted, mask), mesh, layout="striped")
+    got = cp(input_ids=tok, position_ids=pos, attention_mask=am, labels=lab, shift_labels=lab,
+             num_items_in_batch=(shifted != -100).sum(), use_cache=False)
+    got.loss.backward()
+    reduce_gradients(cp, mesh)
+    loss = got.loss.detach().clone()
+    torch.distributed.all_reduce(loss)
+    logits = unshard_batch(got.logits.detach().contiguous(), mesh, layout="striped")
+    grads = {n: p.grad for n, p in cp.named_parameters() if p.grad is not None}
+    ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    return dict(picks=True, loss=abs(loss.item() - want.loss.item()) / abs(want.loss.item()),
+                logits=rel_err(logits, want.logits.detach()),
+                grads=sorted(grads) == sorted(ref_grads) and max(rel_err(grads[n], ref_grads[n]) for n in ref_grads))
+
+
 def _raises(fn, match: str) -> str:
     try:
         fn()
@@ -122,16 +150,13 @@ def _ranks(rank, world):
                 else "left"
         if impl != "sdpa":
             continue
+        out[kind, "padded"] = _padded(plain, mesh)
         # what the scheme does not serve: refused on every rank, before any row moves
         tokens, positions, _ = _batch()
         packed = torch.cat([torch.arange(10), torch.arange(N - 10)]).expand(B, N)
-        padded = torch.ones(B, N, dtype=torch.long)
-        padded[0, :3] = 0  # left padding
-        tok, pos, pk, am = shard_batch((tokens, positions, packed, padded), mesh, layout="headtail")
+        tok, pos, pk = shard_batch((tokens, positions, packed), mesh, layout="headtail")
         cp = hf.apply_context_parallel(copy.deepcopy(plain), mesh, layout="headtail")
         out[kind, "packed"] = _raises(lambda: cp(input_ids=tok, position_ids=pk, use_cache=False), "one sequence a row")
-        out[kind, "padding"] = _raises(lambda: cp(input_ids=tok, position_ids=pos, attention_mask=am, use_cache=False),
-                                       "padding in the attention_mask")
         out[kind, "cache"] = _raises(lambda: cp(input_ids=tok, position_ids=pos, use_cache=True), "without a KV cache")
         kernel = copy.deepcopy(plain)
         kernel.config._attn_implementation_internal = "kernels-community/flash-mla"  # as loaded with that kernel
