@@ -191,7 +191,8 @@ def _generate_ranks(rank, world):
         for mask in (None, left) if not ties else (None,):
             prompt = ids if mask is None else ids.masked_fill(mask == 0, 0)
             want, want_scores = _generate(copy.deepcopy(plain), prompt, mask)
-            for layout in ("headtail", "striped") if not ties else ("striped",):
+            layouts = ("striped",) if ties else ("headtail", "striped") if world == 2 else LAYOUTS
+            for layout in layouts:
                 cp = hf.apply_context_parallel(copy.deepcopy(plain), mesh, layout=layout)
                 got, scores = _generate(cp, prompt, mask)
                 out[kind, ties, mask is None, layout] = (torch.equal(got, want), rel_err(scores, want_scores))
