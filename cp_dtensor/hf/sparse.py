@@ -25,14 +25,17 @@ each layer's forward is replaced (the family's own modules do the arithmetic, in
 
 GLM-MoE-DSA's ``"shared"`` layers reuse the previous full layer's indices: under CP those are the global
 indices step 1 returned, so they reuse them alike. generate() decodes from the sharded cache: Note [DSA
-generate() under CP] in hf/sparse_generate.py. Padding (a 2-D ``attention_mask``, left or right) is masked
-as keys in every row, as CP=1's mask does (one gather of the mask a forward); a left-pad query that sees
-no key gets a zero attention output, as SDPA gives a fully masked row. What CP=1 does that this does
-not: a forward with a KV cache of its own (``use_cache=True`` outside generate()), packed documents
-(transformers' DSA mask is plain causal whatever the position ids say, so a reset is refused rather than
-guessed at), the flash-mla kernel's sparse path (refused at the door: load with
-``attn_implementation="sdpa"`` or "eager"), attention dropout (refused). Each raises on every rank before
-any row moves.
+generate() under CP] in hf/sparse_generate.py. The rows' masks are transformers' sdpa / eager rules on the global batch (hf/attention.py's
+derive_documents, one gather of the positions a forward, and one of the padding mask or the document ids):
+padding (a 2-D ``attention_mask``, left or right) is masked as keys in every row -- a left-pad query that
+sees no key gets a zero attention output, as SDPA gives a fully masked row -- and packed sequences
+(position ids that restart, without a mask or a cache) see their own document only. Rows of length N
+matter beyond the mask: a row's ties (index scores ReLU makes exactly 0) are broken by ``topk`` over the
+whole row, so at CP=1 a document's picks, and its logits, depend on the length of the row it sits in --
+which is why each rank scores full rows. Not served: a forward with a KV cache of its own
+(``use_cache=True`` outside generate()), the flash-mla kernel's sparse path (refused at the door: load
+with ``attn_implementation="sdpa"`` or "eager"), attention dropout. Each raises on every rank before any
+row moves.
 """
 
 from __future__ import annotations
@@ -148,31 +151,36 @@ def _call_error(module: nn.Module, state, attention_mask, cache, position_ids, k
     return None
 
 
+def gather_rows(group, world: int, local: Tensor, order: Tensor) -> Tensor:
+    """Every rank's [B, S_local] shard as the global [B, N] in global order (one all-gather)."""
+    bsz, s = local.shape
+    every = funcol.wait_tensor(all_gather_single(local.to(torch.int64).contiguous(), 0, group)).view(world, bsz, s)
+    return every.permute(1, 0, 2).reshape(bsz, -1).index_select(1, torch.argsort(order).to(local.device))
+
+
 def real_mask(group, world: int, attention_mask, order: Tensor, bsz: int, s: int, dev) -> Tensor:
     """[B, N] bool in global order: the tokens that are not padding, from every rank's shard of the 2-D mask."""
     if attention_mask is None:
         return torch.ones(bsz, order.numel(), dtype=torch.bool, device=dev)
-    local = attention_mask[:, -s:].to(torch.int64).contiguous()
-    every = funcol.wait_tensor(all_gather_single(local, 0, group)).view(world, bsz, s)
-    return every.permute(1, 0, 2).reshape(bsz, -1).index_select(1, torch.argsort(order).to(dev)).bool()
+    return gather_rows(group, world, attention_mask[:, -s:], order).bool()
 
 
-def _one_sequence(state, derive, position_ids, attention_mask, probe, order: Tensor) -> Tensor | None:
-    """Refuse (on every rank alike) packed documents, by the gathered global positions; with padding in the
-    2-D mask, the global padding mask [B, N] (None: no padding)."""
-    b = probe.shape[0]
-    mask = None if attention_mask is None else attention_mask[:, -probe.shape[1]:]
+def _rows_of(state, derive, position_ids, attention_mask, probe, order: Tensor) -> tuple[str, Tensor] | None:
+    """What restricts the keys beyond causality, by transformers' rules on the global batch (the same on every
+    rank; a bad batch raises on every rank): ("real", [B, N] not padding) with padding in the 2-D mask,
+    ("documents", [B, N] document ids) for packed sequences (position ids that restart, no mask, no cache),
+    None for one sequence a row."""
+    b, s = probe.shape[:2]
+    mask = None if attention_mask is None else attention_mask[:, -s:]
     ids, err = derive(state, position_ids, mask, False, b, probe=probe)
-    if err is None and ids is not None and mask is None:
-        err = ("DeepSeek Sparse Attention under CP runs one sequence a row; this batch has position ids that restart "
-               "(packed sequences). transformers' DSA code masks plain causal whatever the position ids say, so "
-               "packed sequences see each other at CP=1 too: pass one sequence a row (pad it with an attention_mask "
-               f"if it must share a batch). {_SEE}")
     if err is not None:
         raise ValueError(err)
-    if ids is None:  # one sequence a row, no padding
+    if ids is None:
         return None
-    return real_mask(state.mesh.get_group(), state.mesh.size(), mask, order, b, probe.shape[1], probe.device)
+    group, world = state.mesh.get_group(), state.mesh.size()
+    if mask is not None:
+        return "real", real_mask(group, world, mask, order, b, s, probe.device)
+    return "documents", gather_rows(group, world, ids, order)
 
 
 @torch.compiler.disable(reason="DeepSeek Sparse Attention under CP runs eagerly (Note [Compiled HF models] in "
@@ -194,16 +202,18 @@ def _forward(module: nn.Module, state, derive, generating, hidden_states: Tensor
         agree_on_call(err, {"batch": bsz, "tokens": s, "hidden": hidden_states.shape[-1]}, group,
                       what="cp_dtensor.hf (DeepSeek Sparse Attention)")
         order = global_order(state.layout, world, n).to(hidden_states.device)
-        state.last = (("dsa",), _one_sequence(state, derive, position_ids, attention_mask, hidden_states, order))
+        state.last = (("dsa",), _rows_of(state, derive, position_ids, attention_mask, hidden_states, order))
     elif err is not None:  # a later layer's: from the model and the call, the same on every rank
         raise ValueError(err)
     order = global_order(state.layout, world, n).to(hidden_states.device)
     mine = order[rank * s:(rank + 1) * s]  # this rank's global positions
     keys = torch.arange(n, device=hidden_states.device)[None, None, :]
     allowed = (keys <= mine[None, :, None]).expand(bsz, -1, -1)  # [B, S, N]: causal in the global order
-    real = state.last[1]
-    if real is not None:  # padding: masked as keys in every row (CP=1's mask); a left-pad query sees no key
-        allowed = allowed & real[:, None, :]
+    rows = state.last[1]
+    if rows is not None and rows[0] == "real":  # padding: masked as keys in every row (CP=1's mask); a left-pad
+        allowed = allowed & rows[1][:, None, :]  # query sees no key
+    elif rows is not None:  # packed sequences: a query sees its own document's keys (CP=1's packed mask)
+        allowed = allowed & (rows[1][:, None, :] == rows[1].index_select(1, mine)[:, :, None])
     scored = allowed  # the indexer's mask as CP=1's implementation builds it: bool (sdpa), or additive (eager)
     if state.attn_implementation.get("") == "eager":
         scored = torch.zeros(allowed.shape, dtype=hidden_states.dtype, device=allowed.device).masked_fill(

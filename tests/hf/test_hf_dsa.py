@@ -89,32 +89,54 @@ def _cp(model, mesh, layout):
     return cp, loss, logits, grads, picks
 
 
-def _padded(plain, mesh) -> dict:
-    """Row 0 left-padded by 5, row 1 right-padded by 3 (labels -100 there), striped: the logits (the pad rows' too:
-    a left-pad row sees no key, as at CP=1), every gradient and the loss against CP=1 with the same mask."""
+def _masked(plain, mesh, case: str) -> dict:
+    """"padded": row 0 left-padded by 5, row 1 right-padded by 3 (labels -100 there), striped; "packed": row 0 two
+    documents, row 1 three (position ids that restart), headtail. The logits (pad rows too: a left-pad row sees no
+    key, as at CP=1), every gradient and the loss against CP=1 with the same mask or positions."""
     tokens, positions, labels = _batch()
-    mask = torch.ones(B, N, dtype=torch.long)
-    mask[0, :5] = 0
-    mask[1, -3:] = 0
-    labels = labels.masked_fill(mask == 0, -100)
+    mask, layout = torch.ones(B, N, dtype=torch.long), "striped"
+    if case == "padded":
+        mask[0, :5] = 0
+        mask[1, -3:] = 0
+        labels = labels.masked_fill(mask == 0, -100)
+    else:
+        positions = torch.stack([torch.cat([torch.arange(10), torch.arange(N - 10)]),
+                                 torch.cat([torch.arange(7), torch.arange(9), torch.arange(N - 16)])])
+        layout = "headtail"
+    kw = dict(attention_mask=mask) if case == "padded" else {}
     ref = copy.deepcopy(plain)
-    want = ref(input_ids=tokens, attention_mask=mask, position_ids=positions, labels=labels, use_cache=False)
+    picks = _record(ref)
+    want = ref(input_ids=tokens, position_ids=positions, labels=labels, use_cache=False, **kw)
     want.loss.backward()
-    cp = hf.apply_context_parallel(copy.deepcopy(plain), mesh, layout="striped")
+    model = copy.deepcopy(plain)
+    got_picks = _record(model)
+    cp = hf.apply_context_parallel(model, mesh, layout=layout)
     shifted = hf.shift_labels(labels)
-    tok, pos, lab, am = shard_batch((tokens, positions, shifted, mask), mesh, layout="striped")
-    got = cp(input_ids=tok, position_ids=pos, attention_mask=am, labels=lab, shift_labels=lab,
-             num_items_in_batch=(shifted != -100).sum(), use_cache=False)
+    tok, pos, lab, am = shard_batch((tokens, positions, shifted, mask), mesh, layout=layout)
+    got = cp(input_ids=tok, position_ids=pos, labels=lab, shift_labels=lab,
+             num_items_in_batch=(shifted != -100).sum(), use_cache=False, **({"attention_mask": am} if kw else {}))
     got.loss.backward()
     reduce_gradients(cp, mesh)
     loss = got.loss.detach().clone()
     torch.distributed.all_reduce(loss)
-    logits = unshard_batch(got.logits.detach().contiguous(), mesh, layout="striped")
+    logits = unshard_batch(got.logits.detach().contiguous(), mesh, layout=layout)
+    got_picks = [unshard_batch(p.contiguous(), mesh, layout=layout) for p in got_picks]
+    valid = [torch.gather(_allowed(positions, mask, case), -1, p.long()) for p in picks]  # CP=1's valid picks
+    same = all(torch.equal(a.long()[v], b.long()[v]) for a, b, v in zip(got_picks, picks, valid))
     grads = {n: p.grad for n, p in cp.named_parameters() if p.grad is not None}
     ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
-    return dict(picks=True, loss=abs(loss.item() - want.loss.item()) / abs(want.loss.item()),
+    return dict(picks=same, loss=abs(loss.item() - want.loss.item()) / abs(want.loss.item()),
                 logits=rel_err(logits, want.logits.detach()),
                 grads=sorted(grads) == sorted(ref_grads) and max(rel_err(grads[n], ref_grads[n]) for n in ref_grads))
+
+
+def _allowed(positions, mask, case: str) -> torch.Tensor:
+    """[B, N, N]: the keys each query sees at CP=1 (causal; the pads masked, or the own document only)."""
+    causal = torch.ones(N, N, dtype=torch.bool).tril()[None].expand(B, -1, -1)
+    if case == "padded":
+        return causal & mask.bool()[:, None, :]
+    docs = (torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+    return causal & (docs[:, None, :] == docs[:, :, None])
 
 
 def _raises(fn, match: str) -> str:
@@ -150,13 +172,12 @@ def _ranks(rank, world):
                 else "left"
         if impl != "sdpa":
             continue
-        out[kind, "padded"] = _padded(plain, mesh)
+        out[kind, "padded"] = _masked(plain, mesh, "padded")
+        out[kind, "packed"] = _masked(plain, mesh, "packed")
         # what the scheme does not serve: refused on every rank, before any row moves
         tokens, positions, _ = _batch()
-        packed = torch.cat([torch.arange(10), torch.arange(N - 10)]).expand(B, N)
-        tok, pos, pk = shard_batch((tokens, positions, packed), mesh, layout="headtail")
+        tok, pos = shard_batch((tokens, positions), mesh, layout="headtail")
         cp = hf.apply_context_parallel(copy.deepcopy(plain), mesh, layout="headtail")
-        out[kind, "packed"] = _raises(lambda: cp(input_ids=tok, position_ids=pk, use_cache=False), "one sequence a row")
         out[kind, "cache"] = _raises(lambda: cp(input_ids=tok, position_ids=pos, use_cache=True), "without a KV cache")
         kernel = copy.deepcopy(plain)
         kernel.config._attn_implementation_internal = "kernels-community/flash-mla"  # as loaded with that kernel
