@@ -190,15 +190,15 @@ def _forward(module: nn.Module, state, derive, generating, hidden_states: Tensor
     """The layer's forward under CP (Note [DeepSeek Sparse Attention under CP]): the family's modules, the
     global indexer, the selected rows exchanged, attention over them. Returns what the family's forward does."""
     if state.generating is not None:  # Note [DSA generate() under CP] in hf/sparse_generate.py
-        return generating(module, state, hidden_states, position_embeddings, attention_mask, cache,
-                                  position_ids, prev_topk_indices)
+        return generating(module, state, hidden_states, position_embeddings, attention_mask, cache, position_ids,
+                          prev_topk_indices)
     err = _call_error(module, state, attention_mask, cache, position_ids, kwargs)
     mesh, group = state.mesh, state.mesh.get_group()
     rank, world = mesh.get_local_rank(), mesh.size()
     bsz, s = hidden_states.shape[:2]
     n = s * world
-    if state.last is None:  # the forward's first layer (a recomputation checks again, alike on every rank): every
-        # rank raises the same error before anything moves, then the global positions' check (one gather)
+    if state.last is None:  # the forward's first layer (a recomputation finds it set): every rank raises the same
+        # error before anything moves, then the rows' masks from the global batch (gathers of positions and masks)
         agree_on_call(err, {"batch": bsz, "tokens": s, "hidden": hidden_states.shape[-1]}, group,
                       what="cp_dtensor.hf (DeepSeek Sparse Attention)")
         order = global_order(state.layout, world, n).to(hidden_states.device)
