@@ -286,11 +286,12 @@ def test_exchange_plan_requests_only_rows_held_elsewhere():
 
 
 def _trainer_ranks(rank, world, cp: bool) -> dict:
-    """transformers' Trainer, 3 steps of fixed-length rows: plain (one process) or with_context_parallel (headtail)."""
+    """transformers' Trainer, 3 steps of fixed-length rows, or of packed documents (DataCollatorWithFlattening):
+    plain (one process) or with_context_parallel (headtail)."""
     import os
     import tempfile
 
-    from transformers import Trainer, TrainingArguments, default_data_collator
+    from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments, default_data_collator
 
     from cp_dtensor.hf import with_context_parallel
 
@@ -299,24 +300,28 @@ def _trainer_ranks(rank, world, cp: bool) -> dict:
     g = torch.Generator().manual_seed(1)
     rows = [{"input_ids": ids, "labels": list(ids)} for ids in (torch.randint(3, V, (N,), generator=g).tolist()
                                                                 for _ in range(12))]
+    docs = [{"input_ids": torch.randint(3, V, (int(torch.randint(2, 10, (1,), generator=g)),), generator=g).tolist()}
+            for _ in range(16)]  # packed by the collator into rows of 4 documents, often of odd length (CP pads)
     out = {}
-    for kind in FAMILIES:
+    for kind, packed in [(k, p) for k in FAMILIES for p in (False, True)]:
         args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=4, max_steps=3,
                                  logging_steps=1, report_to=[], save_strategy="no", learning_rate=1e-2, use_cpu=True,
                                  disable_tqdm=True, seed=0, data_seed=0)
         cls = with_context_parallel(Trainer, cp_size=world, layout="headtail") if cp else Trainer
-        trainer = cls(model=_model(kind), args=args, train_dataset=rows, data_collator=default_data_collator)
+        data, collator = (docs, DataCollatorWithFlattening()) if packed else (rows, default_data_collator)
+        trainer = cls(model=_model(kind), args=args, train_dataset=data, data_collator=collator)
         trainer.train()
-        out[kind] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        out[kind, packed] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return out
 
 
-@pytest.mark.skipif(not SLOW, reason="slow tier (CP_DTENSOR_SLOW=1): two Trainer runs a family, ~15 s")
+@pytest.mark.skipif(not SLOW, reason="slow tier (CP_DTENSOR_SLOW=1): four Trainer runs a family, ~25 s")
 def test_dsa_trainer_cp2():
-    """with_context_parallel(Trainer) at CP=2 logs the unchanged Trainer's losses within 1e-4 (both families)."""
+    """with_context_parallel(Trainer) at CP=2 logs the unchanged Trainer's losses within 1e-4 (both families, rows
+    and packed documents)."""
     want = run_ranks(1, _trainer_ranks, False, timeout=600)[0]
     got = run_ranks(2, _trainer_ranks, True, timeout=600)
-    for kind in FAMILIES:
-        assert len(want[kind]) == 3
+    for key in want:
+        assert len(want[key]) == 3
         for r in got:
-            assert max(abs(a - b) for a, b in zip(r[kind], want[kind])) <= 1e-4, (kind, r[kind], want[kind])
+            assert max(abs(a - b) for a, b in zip(r[key], want[key])) <= 1e-4, (key, r[key], want[key])
