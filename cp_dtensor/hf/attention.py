@@ -441,6 +441,11 @@ def apply_context_parallel(
 
         linear = linear_layers(model, layout)
     error = cp_error(model, [m for m, _ in linear or ()])
+    sparse = None
+    if "indexed_attention" in types:  # Note [DeepSeek Sparse Attention under CP] in hf/sparse.py
+        from .sparse import door_error, dsa_layers
+
+        sparse, error = dsa_layers(model), error or door_error(model, layout, implementations(model.config))
     if error is not None:  # the same model on every rank: every rank raises here, before any communication
         raise ValueError(error)
     register()
@@ -462,6 +467,12 @@ def apply_context_parallel(
         from .linear import enable_linear  # after enable_generate, whose base-model hook hands them the shards
 
         enable_linear(model, state, linear, derive_documents)
+    if sparse is not None:  # the indexed_attention layers' own forward: the global indexer, the selected rows
+        from .sparse import enable_sparse
+        from .sparse_generate import generating_forward, sparse_generate
+
+        enable_sparse(model, state, sparse, derive_documents, generating_forward)
+        model.generate = CPGenerate(model, sparse_generate)  # its refusals, then generate()
     if tile is not None:
         apply_sequence_tiling(model, tile_size=tile)
     return model

@@ -184,8 +184,8 @@ def _refusals(rank: int, world: int) -> dict:
         "bert (learned positions, bidirectional)": (T.BertLMHeadModel(T.BertConfig(
             vocab_size=V, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=48,
             is_decoder=True)), "model_type 'bert'"),
-        "deepseek_v32 (sparse attention)": (T.DeepseekV32ForCausalLM(tiny_config("deepseek_v32")),
-                                            "indexed_attention layers .* DeepSeek Sparse Attention"),
+        "axk2 (sparse attention, not a served DSA family)": (T.AXK2ForCausalLM(tiny_config("axk2")),
+                                                             "indexed_attention layers .* DeepSeek Sparse Attention"),
         "llama + conv": (conv, r"layers\.0\.conv is a Conv1d"),
         "llama + wpe": (wpe, r"model\.wpe is a Embedding"),
     }

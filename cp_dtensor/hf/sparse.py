@@ -1,0 +1,306 @@
+"""DeepSeek Sparse Attention (DeepSeek-V3.2 ``deepseek_v32``, GLM-MoE-DSA ``glm_moe_dsa``) under context parallelism.
+
+Note [DeepSeek Sparse Attention under CP]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+An ``indexed_attention`` layer is MLA whose every query attends to the top-k keys a lightning indexer
+picks from the whole causal prefix: index score ``sum_h w_h relu(q_h . k)`` of a small index query
+(``index_n_heads`` heads) against one ``index_head_dim`` index key per token, then ``topk(index_topk)``.
+A ring would move every rank's expanded K/V through every rank to use ``index_topk`` of them. Under CP
+each layer's forward is replaced (the family's own modules do the arithmetic, in its order):
+
+1. **The indexer, exactly as at CP=1.** Each rank computes its tokens' index keys; one all-gather puts
+   all N of them in global order on every rank (``index_head_dim`` numbers a token -- the indexer runs
+   under ``no_grad`` in transformers, so no gradient flows back through them). The family's own indexer
+   then scores this rank's queries against that global key sequence with the causal mask of the global
+   positions: the same rows of the same length N as CP=1 scores, so ``topk`` picks the same global
+   indices, ties and all (tests/hf/test_hf_dsa.py compares the index sets with CP=1's).
+2. **Only the selected latent rows move.** MLA's latent row of a token (``kv_lora_rank`` normed latent +
+   ``qk_rope_head_dim`` rotated key, 576 numbers in DeepSeek-V3.2) is what ``kv_b_proj`` expands into every
+   head's key and value. A rank needs the rows its queries selected (within the causal prefix); those it
+   does not hold it requests: an all_to_all of the counts, one of the row numbers (8 bytes a row), one of
+   the rows. Backward sends the rows' gradients back the same way and adds them to the latent's.
+3. **Attention over the selected keys only.** The held and received rows form a table, ``kv_b_proj``
+   expands it once, and each query's softmax runs over its ``index_topk`` gathered keys, the picks outside
+   the causal prefix (only when fewer than ``index_topk`` keys exist) masked, as CP=1's mask does.
+
+GLM-MoE-DSA's ``"shared"`` layers reuse the previous full layer's indices: under CP those are the global
+indices step 1 returned, so they reuse them alike. generate() decodes from the sharded cache: Note [DSA
+generate() under CP] in hf/sparse_generate.py. The rows' masks are transformers' sdpa / eager rules on the global batch (hf/attention.py's
+derive_documents, one gather of the positions a forward, and one of the padding mask or the document ids):
+padding (a 2-D ``attention_mask``, left or right) is masked as keys in every row -- a left-pad query that
+sees no key gets a zero attention output, as SDPA gives a fully masked row -- and packed sequences
+(position ids that restart, without a mask or a cache) see their own document only. Rows of length N
+matter beyond the mask: a row's ties (index scores ReLU makes exactly 0) are broken by ``topk`` over the
+whole row, so at CP=1 a document's picks, and its logits, depend on the length of the row it sits in --
+which is why each rank scores full rows. Not served: a forward with a KV cache of its own
+(``use_cache=True`` outside generate()), the flash-mla kernel's sparse path (refused at the door: load
+with ``attn_implementation="sdpa"`` or "eager"), attention dropout. Each raises on every rank before any
+row moves.
+"""
+
+from __future__ import annotations
+
+import sys
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import Tensor, nn
+
+from .._compat import all_gather_single
+from ..core.agreement import agree_on_call
+from ..core.plan.layout import global_order
+
+__all__ = ["FAMILIES", "dsa_layers", "door_error", "enable_sparse", "exchange_plan"]
+
+FAMILIES = frozenset({"deepseek_v32", "glm_moe_dsa"})
+_KERNELS = ("eager", "sdpa")  # the implementations whose masked path is the dense twin of the selection
+_SEE = "See Note [DeepSeek Sparse Attention under CP] in cp_dtensor/hf/sparse.py."
+
+
+def dsa_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's DeepSeek Sparse Attention modules (MLA with an ``indexer`` slot)."""
+    return [m for m in model.modules() if hasattr(m, "indexer") and hasattr(m, "expand_kv")
+            and hasattr(m, "kv_a_proj_with_mqa")]
+
+
+def door_error(model: nn.Module, layout: str, before: dict) -> str | None:
+    """Why the door cannot serve this DSA model as configured (None: it can); reads the model only."""
+    name, impl = type(model).__name__, before.get("")
+    if layout == "documents":
+        return (f"{name}'s indexed_attention layers run the named layouts (headtail, striped, contiguous); "
+                f"layout='documents' is for the ring's models. Use layout='headtail'. {_SEE}")
+    if impl not in _KERNELS:
+        return (f"{name} uses attn_implementation={impl!r}: its sparse kernel (flash-mla's indices) has no context "
+                f"parallel path; under CP the selected keys are gathered and attended by cp_dtensor. Load the model "
+                f"with attn_implementation='sdpa' (or 'eager'), then apply context parallelism. {_SEE}")
+    return None
+
+
+class _Gathered:
+    """The indexer's ``cache`` under CP: ``update_indexer`` hands back every rank's index keys in global order."""
+
+    def __init__(self, group, order: Tensor):
+        self.group, self.order = group, order
+
+    def update_indexer(self, k: Tensor, layer_idx: int) -> Tensor:  # k: [B, S_local, D]
+        world = self.order.numel() // k.shape[1]
+        every = funcol.wait_tensor(all_gather_single(k.contiguous(), 0, self.group))  # [P*B, S_local, D]
+        every = every.view(world, k.shape[0], k.shape[1], -1).permute(1, 0, 2, 3).reshape(k.shape[0], -1, k.shape[2])
+        return every.index_select(1, torch.argsort(self.order).to(k.device))  # [B, N, D], global order
+
+
+class _Rows(torch.autograd.Function):
+    """Send ``rows[wanted]`` to the ranks that asked (``give`` rows to each, in rank order) and receive
+    ``take`` rows from each; backward sends the received rows' gradients back and adds them up."""
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, wanted: Tensor, give: list[int], take: list[int], group) -> Tensor:
+        ctx.save_for_backward(wanted)
+        ctx.n, ctx.give, ctx.take, ctx.group = rows.shape[0], give, take, group
+        out = rows.new_empty(sum(take), rows.shape[1])
+        dist.all_to_all_single(out, rows.index_select(0, wanted).contiguous(), take, give, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (wanted,) = ctx.saved_tensors
+        back = grad.new_empty(sum(ctx.give), grad.shape[1])
+        dist.all_to_all_single(back, grad.contiguous(), ctx.give, ctx.take, group=ctx.group)
+        full = grad.new_zeros(ctx.n, grad.shape[1]).index_add_(0, wanted, back)
+        return full, None, None, None, None
+
+
+def exchange_plan(picks: Tensor, valid: Tensor, order: Tensor, rank: int, world: int) -> tuple[Tensor, Tensor]:
+    """(the global rows ``b * N + t`` this rank requests, owner-major; their owners) for the selected keys
+    ``picks`` [B, S_local, K] (global positions) where ``valid``; ``order``: global_order(layout, P, N)."""
+    n = order.numel()
+    s = n // world
+    owner = torch.empty(n, dtype=torch.long, device=picks.device)
+    owner[order.to(picks.device)] = torch.arange(world, device=picks.device).repeat_interleave(s)
+    b = torch.arange(picks.shape[0], device=picks.device).view(-1, 1, 1).expand_as(picks)
+    rows = (b * n + picks.long())[valid & (owner[picks.long()] != rank)].unique()
+    by = owner[rows % n]
+    ranked = torch.argsort(by * (picks.shape[0] * n) + rows)
+    return rows[ranked], by[ranked]
+
+
+_NO_CACHE = ("DeepSeek Sparse Attention under context parallelism runs forwards without a KV cache: call the model "
+             "with use_cache=False; to decode, call model.generate(...) with the full prompt on every rank (it "
+             f"decodes from a sequence-sharded cache). {_SEE}")
+
+
+def _call_error(module: nn.Module, state, attention_mask, cache, position_ids, kwargs) -> str | None:
+    if state.pending is not None:
+        return state.pending
+    if cache is not None:
+        return _NO_CACHE
+    if module.training and module.attention_dropout:
+        return (f"attention dropout is not supported under context parallelism; got attention_dropout="
+                f"{module.attention_dropout}. Set config.attention_dropout = 0 (or call model.eval()).")
+    if attention_mask is not None and not (isinstance(attention_mask, Tensor) and attention_mask.dim() == 2):
+        return ("DeepSeek Sparse Attention under CP takes a 2-D padding attention_mask [B, N] sharded like the tokens, "
+                "or none; got "
+                f"{type(attention_mask).__name__}. {_SEE}")
+    if kwargs.get("document_ids") is not None or state.plan is not None:
+        return f"DeepSeek Sparse Attention under CP takes no document_ids= or cp_layout=. {_SEE}"
+    if position_ids is None or position_ids.dim() != 2:
+        return ("context parallel attention needs position_ids [B, S_local] (the global positions, sharded like the "
+                "tokens by cp_dtensor.shard_batch).")
+    return None
+
+
+def gather_rows(group, world: int, local: Tensor, order: Tensor) -> Tensor:
+    """Every rank's [B, S_local] shard as the global [B, N] in global order (one all-gather)."""
+    bsz, s = local.shape
+    every = funcol.wait_tensor(all_gather_single(local.to(torch.int64).contiguous(), 0, group)).view(world, bsz, s)
+    return every.permute(1, 0, 2).reshape(bsz, -1).index_select(1, torch.argsort(order).to(local.device))
+
+
+def real_mask(group, world: int, attention_mask, order: Tensor, bsz: int, s: int, dev) -> Tensor:
+    """[B, N] bool in global order: the tokens that are not padding, from every rank's shard of the 2-D mask."""
+    if attention_mask is None:
+        return torch.ones(bsz, order.numel(), dtype=torch.bool, device=dev)
+    return gather_rows(group, world, attention_mask[:, -s:], order).bool()
+
+
+def _rows_of(state, derive, position_ids, attention_mask, probe, order: Tensor) -> tuple[str, Tensor] | None:
+    """What restricts the keys beyond causality, by transformers' rules on the global batch (the same on every
+    rank; a bad batch raises on every rank): ("real", [B, N] not padding) with padding in the 2-D mask,
+    ("documents", [B, N] document ids) for packed sequences (position ids that restart, no mask, no cache),
+    None for one sequence a row."""
+    b, s = probe.shape[:2]
+    mask = None if attention_mask is None else attention_mask[:, -s:]
+    ids, err = derive(state, position_ids, mask, False, b, probe=probe)
+    if err is not None:
+        raise ValueError(err)
+    if ids is None:
+        return None
+    group, world = state.mesh.get_group(), state.mesh.size()
+    if mask is not None:
+        return "real", real_mask(group, world, mask, order, b, s, probe.device)
+    return "documents", gather_rows(group, world, ids, order)
+
+
+@torch.compiler.disable(reason="DeepSeek Sparse Attention under CP runs eagerly (Note [Compiled HF models] in "
+                                "cp_dtensor/hf/attention.py)")
+def _forward(module: nn.Module, state, derive, generating, hidden_states: Tensor, position_embeddings, attention_mask=None,
+             cache=None, position_ids: Tensor | None = None, prev_topk_indices: Tensor | None = None, **kwargs):
+    """The layer's forward under CP (Note [DeepSeek Sparse Attention under CP]): the family's modules, the
+    global indexer, the selected rows exchanged, attention over them. Returns what the family's forward does."""
+    if state.generating is not None:  # Note [DSA generate() under CP] in hf/sparse_generate.py
+        return generating(module, state, hidden_states, position_embeddings, attention_mask, cache, position_ids,
+                          prev_topk_indices)
+    err = _call_error(module, state, attention_mask, cache, position_ids, kwargs)
+    mesh, group = state.mesh, state.mesh.get_group()
+    rank, world = mesh.get_local_rank(), mesh.size()
+    bsz, s = hidden_states.shape[:2]
+    n = s * world
+    if state.last is None:  # the forward's first layer (a recomputation finds it set): every rank raises the same
+        # error before anything moves, then the rows' masks from the global batch (gathers of positions and masks)
+        agree_on_call(err, {"batch": bsz, "tokens": s, "hidden": hidden_states.shape[-1]}, group,
+                      what="cp_dtensor.hf (DeepSeek Sparse Attention)")
+        order = global_order(state.layout, world, n).to(hidden_states.device)
+        state.last = (("dsa",), _rows_of(state, derive, position_ids, attention_mask, hidden_states, order))
+    elif err is not None:  # a later layer's: from the model and the call, the same on every rank
+        raise ValueError(err)
+    order = global_order(state.layout, world, n).to(hidden_states.device)
+    mine = order[rank * s:(rank + 1) * s]  # this rank's global positions
+    keys = torch.arange(n, device=hidden_states.device)[None, None, :]
+    allowed = (keys <= mine[None, :, None]).expand(bsz, -1, -1)  # [B, S, N]: causal in the global order
+    rows = state.last[1]
+    if rows is not None and rows[0] == "real":  # padding: masked as keys in every row (CP=1's mask); a left-pad
+        allowed = allowed & rows[1][:, None, :]  # query sees no key
+    elif rows is not None:  # packed sequences: a query sees its own document's keys (CP=1's packed mask)
+        allowed = allowed & (rows[1][:, None, :] == rows[1].index_select(1, mine)[:, :, None])
+    scored = allowed  # the indexer's mask as CP=1's implementation builds it: bool (sdpa), or additive (eager)
+    if state.attn_implementation.get("") == "eager":
+        scored = torch.zeros(allowed.shape, dtype=hidden_states.dtype, device=allowed.device).masked_fill(
+            ~allowed, torch.finfo(hidden_states.dtype).min)
+    q_resid, query, k_pass, k_rot = project(module, hidden_states, position_embeddings)
+    if module.indexer is not None:  # 1. the global top-k (GLM's "shared" layers reuse the previous one's)
+        picks = module.indexer(hidden_states, q_resid, position_embeddings, scored, position_ids,
+                               cache=_Gathered(group, order))  # [B, S, K] global positions
+    else:
+        if prev_topk_indices is None:
+            raise ValueError("Shared DSA layers require top-k indices from a previous full indexer layer.")
+        picks = prev_topk_indices
+    valid = allowed.gather(-1, picks.long())  # [B, S, K]: inside the causal prefix
+    out = attend_selected(module, state, query, k_pass, k_rot, picks.long(), valid, order)
+    return (out, None, picks) if hasattr(module, "skip_topk") else (out, None)
+
+
+def project(module: nn.Module, hidden_states: Tensor, position_embeddings) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The family's projections, in its order: (q_resid [B, S, q_lora_rank], query [B, H, S, Dqk], the normed
+    latent [B, 1, S, R], the rotated key [B, 1, S, r])."""
+    bsz, s = hidden_states.shape[:2]
+    modeling = sys.modules[type(module).__module__]
+    q_resid = module.q_a_layernorm(module.q_a_proj(hidden_states))
+    q_states = module.q_b_proj(q_resid).view(bsz, s, -1, module.qk_head_dim).transpose(1, 2)
+    q_pass, q_rot = torch.split(q_states, [module.qk_nope_head_dim, module.qk_rope_head_dim], dim=-1)
+    kv_pass, k_rot = torch.split(module.kv_a_proj_with_mqa(hidden_states),
+                                 [module.kv_lora_rank, module.qk_rope_head_dim], dim=-1)
+    k_pass = module.kv_a_layernorm(kv_pass).view(bsz, 1, s, module.kv_lora_rank)
+    k_rot = k_rot.view(bsz, 1, s, module.qk_rope_head_dim)
+    cos, sin = position_embeddings
+    q_rot, k_rot = modeling.apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin)
+    return q_resid, torch.cat((q_pass, q_rot), dim=-1), k_pass, k_rot
+
+
+def attend_selected(module: nn.Module, state, query: Tensor, k_pass: Tensor, k_rot: Tensor, picks: Tensor,
+                    valid: Tensor, order: Tensor) -> Tensor:
+    """Steps 2 and 3 of Note [DeepSeek Sparse Attention under CP]: this rank's queries [B, H, S, Dqk] over the
+    keys ``picks`` [B, S, K] (int64 global columns, indices of ``order``) where ``valid``, its latents
+    ``k_pass`` / ``k_rot`` [B, 1, S, R / r] at columns ``order[rank * S:(rank + 1) * S]``. Returns the layer's
+    output [B, S, hidden] (o_proj applied)."""
+    group, rank, world = state.mesh.get_group(), state.mesh.get_local_rank(), state.mesh.size()
+    bsz, s = query.shape[0], query.shape[2]
+    n, dev = order.numel(), query.device
+    mine = order[rank * s:(rank + 1) * s]
+    latent = torch.cat((k_pass[:, 0], k_rot[:, 0]), dim=-1).reshape(bsz * s, -1)  # [B*S, R + r], this rank's
+    rows, owners = exchange_plan(picks, valid, order, rank, world)
+    take = torch.bincount(owners, minlength=world)
+    give = torch.empty_like(take)
+    dist.all_to_all_single(give, take, group=group)
+    asked = torch.empty(int(give.sum()), dtype=torch.long, device=dev)
+    dist.all_to_all_single(asked, rows, give.tolist(), take.tolist(), group=group)  # global rows others want
+    local = torch.empty(n, dtype=torch.long, device=dev)
+    local[mine] = torch.arange(s, device=dev)
+    wanted = (asked // n) * s + local[asked % n]  # as rows of this rank's latent
+    got = _Rows.apply(latent, wanted, give.tolist(), take.tolist(), group)
+    table = torch.cat((latent, got))  # [T, R + r]
+    where = torch.zeros(bsz * n, dtype=torch.long, device=dev)
+    held = (torch.arange(bsz, device=dev)[:, None] * n + mine[None, :]).reshape(-1)
+    where[held] = torch.arange(bsz * s, device=dev)
+    where[rows] = bsz * s + torch.arange(rows.numel(), device=dev)
+    slot = where[torch.arange(bsz, device=dev).view(-1, 1, 1) * n + picks]  # [B, S, K] (0 where not valid: masked)
+
+    kp, kr = torch.split(table, [module.kv_lora_rank, module.qk_rope_head_dim], dim=-1)
+    keys, values = module.expand_kv(kp[None, None], kr[None, None])  # [1, H, T, D]: the table expanded once
+    keys, values = keys[0][:, slot], values[0][:, slot]  # [H, B, S, K, D]
+    scores = torch.einsum("bhsd,hbskd->bhsk", query, keys) * module.scaling
+    blind = ~valid.any(-1)[:, None, :, None]  # [B, 1, S, 1]: a query that sees no key (left padding) gets 0, as
+    scores = scores.masked_fill(~valid[:, None], float("-inf")).masked_fill(blind, 0.0)  # SDPA's fully masked row
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).masked_fill(blind, 0.0).to(query.dtype)
+    out = torch.einsum("bhsk,hbskd->bshd", probs, values)
+    return module.o_proj(out.reshape(bsz, s, -1).contiguous())
+
+
+class _Restore:
+    """A handle that puts a layer's own forward back (remove_context_parallel)."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def remove(self) -> None:
+        self.module.__dict__.pop("forward", None)
+
+
+def enable_sparse(model: nn.Module, state, layers: list[nn.Module], derive, generating) -> None:
+    """Run ``layers`` (dsa_layers(model)) as Note [DeepSeek Sparse Attention under CP] describes; ``derive``:
+    hf/attention.py's derive_documents (the global positions' check); ``generating``: the layer's forward
+    inside generate() (hf/sparse_generate.py's generating_forward)."""
+    for m in layers:
+        m.forward = partial(_forward, m, state, derive, generating)
+        state.handles.append(_Restore(m))

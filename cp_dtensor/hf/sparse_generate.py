@@ -1,0 +1,183 @@
+"""generate() of DeepSeek Sparse Attention models (``deepseek_v32``, ``glm_moe_dsa``) under CP, from the sharded cache.
+
+Note [DSA generate() under CP]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+generate() runs as for every model (Note [generate() under CP] in hf/generate.py): a prefill on each rank's
+layout shard of the prompt (padded on the left to the layout's unit), then decode steps whose query is
+the same on every rank, each new token's latent row kept by one rank. The ``ShardedCache`` holds each
+rank's MLA latent rows (``kv_lora_rank`` normed latent as the "keys", the rotated ``qk_rope_head_dim`` key
+as the "values"), and this module keeps each layer's index keys beside them, slot for slot.
+
+* prefill: the training forward of Note [DeepSeek Sparse Attention under CP] (hf/sparse.py), with the
+  layout's pad columns cut from the gathered index keys, so each query's indexer row is CP=1's row over
+  the N prompt columns; the kept columns' latents and index keys go to the cache.
+* decode: the new token's index query is scored on each rank against the index keys it holds (the
+  family's arithmetic); one all-gather of those scores and their columns (8 bytes a cached token per
+  query, instead of the keys' ``index_head_dim`` numbers) rebuilds CP=1's row over every column, and
+  ``topk`` on it picks CP=1's columns, ties included. Each rank then expands and attends to the picked
+  slots it holds only (at most ``index_topk``), and the partial outputs merge by their log-sum-exp in the one all-gather
+  of ``cp_dtensor.sharded_cache_attention`` (core/decode.py).
+
+Served: greedy and sampled decoding of one call, left-padded prompts (the pads masked in every row, as at
+CP=1). Refused on every rank: a cache passed in (a second turn), decode forwards of several tokens
+(pass-KV turns, chunked prefill).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .._compat import all_gather_single
+from ..core.decode import attend
+from ..core.plan.layout import global_order
+from .documents import ring_layout
+from .sparse import _SEE, attend_selected, project, real_mask
+
+__all__ = ["generating_forward", "sparse_generate"]
+
+_ONE_CALL = ("generate() of a DeepSeek Sparse Attention model under CP serves one call, decoding a token a step: pass "
+             "every rank the same input_ids (and attention_mask, left padding), and no cache= from an earlier call. "
+             + _SEE)
+
+
+def sparse_generate(model: nn.Module, *args, **kwargs):
+    """``model.generate`` of a DSA model under CP: the refusals of Note [DSA generate() under CP] (the same
+    full inputs on every rank: every rank raises alike), then hf/generate.py's generate()."""
+    from .generate import generate
+
+    if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
+        raise ValueError(f"{type(model).__name__}.generate(): " + _ONE_CALL)
+    return generate(model, *args, **kwargs)
+
+
+class _Prefill:
+    """The indexer's ``cache`` in a prefill: keeps this rank's kept index keys, hands back every rank's in
+    global order without the layout's pad columns."""
+
+    def __init__(self, group, order: Tensor, pad: int, store: dict, keep: Tensor):
+        self.group, self.order, self.pad, self.store, self.keep = group, order, pad, store, keep
+
+    def update_indexer(self, k: Tensor, layer_idx: int) -> Tensor:  # k: [B, S_local, D]
+        self.store[layer_idx] = k.index_select(1, self.keep.to(k.device))
+        world = self.order.numel() // k.shape[1]
+        every = funcol.wait_tensor(all_gather_single(k.contiguous(), 0, self.group))  # [P*B, S_local, D]
+        every = every.view(world, k.shape[0], k.shape[1], -1).permute(1, 0, 2, 3).reshape(k.shape[0], -1, k.shape[2])
+        return every.index_select(1, torch.argsort(self.order).to(k.device))[:, self.pad:]
+
+
+def generating_forward(module: nn.Module, state, hidden_states: Tensor, position_embeddings, attention_mask, cache,
+                       position_ids, prev_topk_indices):
+    """A DSA layer's forward inside generate() under CP (Note [DSA generate() under CP])."""
+    call = state.generating
+    step = call.step
+    if step is None or step.kind not in ("prefill", "decode") or cache is not call.cache or (
+            step.kind == "decode" and hidden_states.shape[1] != 1):
+        raise ValueError(_ONE_CALL)
+    store = cache.__dict__.setdefault("_cp_dtensor_index_keys", {})
+    if step.kind == "prefill":
+        picks, out = _prefill(module, state, hidden_states, position_embeddings, attention_mask, position_ids,
+                              prev_topk_indices, store)
+    else:
+        picks, out = _decode(module, state, hidden_states, position_embeddings, prev_topk_indices, store)
+    return (out, None, picks) if hasattr(module, "skip_topk") else (out, None)
+
+
+def _prefill(module, state, h, position_embeddings, attention_mask, position_ids, prev, store):
+    call, group = state.generating, state.mesh.get_group()
+    rank, world = state.mesh.get_local_rank(), state.mesh.size()
+    n, pad = call.prompt
+    bsz, s = h.shape[:2]
+    dev = h.device
+    order = global_order(ring_layout(state), world, s * world).to(dev)
+    real = order[rank * s:(rank + 1) * s] - pad  # the prompt columns of this rank's tokens (< 0: the layout's pads)
+    if "prompt" not in store:  # the prompt's padding mask [B, n] in column order: one gather, for every layer
+        store["prompt"] = real_mask(group, world, attention_mask, order, bsz, s, dev)[:, pad:]
+    keys = torch.arange(n, device=dev)[None, None, :]
+    allowed = (keys <= real[None, :, None]) & store["prompt"][:, None, :]  # causal, the prompt's pads masked (CP=1's)
+    blind = ~allowed.any(-1, keepdim=True)  # a pad query (the layout's or the prompt's) that sees nothing: its own
+    allowed = allowed | (blind & (keys == real.clamp(min=0)[None, :, None]))  # column, for a finite, unread output
+    scored = allowed
+    if state.attn_implementation.get("") == "eager":
+        scored = torch.zeros(allowed.shape, dtype=h.dtype, device=dev).masked_fill(~allowed, torch.finfo(h.dtype).min)
+    q_resid, query, k_pass, k_rot = project(module, h, position_embeddings)
+    call.cache.update(k_pass, k_rot, module.layer_idx)  # the kept columns' latents (the pads' dropped)
+    if module.indexer is not None:
+        picks = module.indexer(h, q_resid, position_embeddings, scored, position_ids,
+                               cache=_Prefill(group, order, pad, store, call.step.keep))  # [B, S, K] prompt columns
+    else:
+        picks = prev
+    valid = allowed.gather(-1, picks.long())
+    return picks, attend_selected(module, state, query, k_pass, k_rot, picks.long() + pad, valid, order)
+
+
+def _index_query_key(module, h: Tensor, q_resid: Tensor, position_embeddings) -> tuple[Tensor, Tensor]:
+    """The indexer's query [B, T, Hi, D] and key [B, T, D] of the new tokens: the family's arithmetic
+    (transformers' ``...Indexer.forward`` up to its cache)."""
+    ind, modeling = module.indexer, sys.modules[type(module).__module__]
+    b, t, _ = h.shape
+    cos, sin = position_embeddings
+    q = ind.wq_b(q_resid).view(b, t, ind.n_heads, ind.head_dim)
+    q_rot, q_pass = torch.split(q, [ind.qk_rope_head_dim, ind.head_dim - ind.qk_rope_head_dim], dim=-1)
+    k = ind.k_norm(ind.wk(h)).unsqueeze(2)
+    k_rot, k_pass = torch.split(k, [ind.qk_rope_head_dim, ind.head_dim - ind.qk_rope_head_dim], dim=-1)
+    rope = (modeling.apply_rotary_pos_emb_interleave if module.config.model_type == "glm_moe_dsa"
+            else modeling.apply_rotary_pos_emb)  # GLM's indexer rotates interleaved pairs, DeepSeek-V3.2's halves
+    q_rot, k_rot = rope(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+    return torch.cat([q_rot, q_pass], dim=-1), torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
+
+
+def _decode(module, state, h, position_embeddings, prev, store):
+    call, group = state.generating, state.mesh.get_group()
+    world, step = state.mesh.size(), state.generating.step
+    bsz, t = h.shape[:2]
+    q_resid, query, k_pass, k_rot = project(module, h, position_embeddings)
+    held_pass, held_rot = call.cache.update(k_pass, k_rot, module.layer_idx)  # this rank's share [B, 1, S_r, .]
+    layer = call.cache.layers[module.layer_idx]
+    slots, columns = layer.positions, layer.columns  # [B, S_r] global columns; the sequence's length
+    if module.indexer is not None:
+        ind = module.indexer
+        iq, ik = _index_query_key(module, h, q_resid, position_embeddings)
+        held = torch.cat([store[module.layer_idx], ik.index_select(1, step.keep.to(ik.device))], dim=1)
+        store[module.layer_idx] = held  # [B, S_r, D], slot for slot with the latents
+        scores = F.relu(torch.matmul(iq.float(), held.transpose(-1, -2).float().unsqueeze(1)) * ind.softmax_scale)
+        weights = ind.weights_proj(h.to(ind.weights_proj.weight.dtype)).float() * (ind.n_heads ** -0.5)
+        mine = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)  # [B, T, S_r]
+        mine = mine.masked_fill(slots[:, None, :] > step.q_positions[:, :, None], float("-inf"))
+        row = _global_row(group, world, mine, slots, max(call.cache.held), columns)  # [B, T, columns]: CP=1's
+        picks = row.topk(min(ind.index_topk, columns), dim=-1).indices
+    else:
+        picks = prev
+    chosen = torch.zeros(bsz, columns + 1, dtype=torch.bool, device=h.device)
+    chosen[torch.arange(bsz, device=h.device)[:, None], picks[:, 0].long()] = True  # T = 1
+    mask = chosen.gather(1, slots.clamp(min=0)) & (slots >= 0)  # [B, S_r]: the picked slots this rank holds
+    m = max(int(mask.sum(1).max()), 1)  # at most index_topk: only those are expanded, not the whole share
+    take = torch.sort(mask.long(), dim=1, descending=True, stable=True).indices[:, :m]  # [B, m] picked first
+    kpos = slots.gather(1, take).masked_fill(~mask.gather(1, take), -1)  # -1: an empty slot
+    pick = lambda x: x.gather(2, take[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]))  # noqa: E731
+    keys, values = module.expand_kv(pick(held_pass), pick(held_rot))  # [B, H, m, D]
+    out = attend(query, keys, values, q_positions=step.q_positions, k_positions=kpos, group=group, world=world,
+                 scale=module.scaling, window_size=None, sinks=None,
+                 padding=step.q_padding)  # [B, H, T, Dv]: the picked slots of every rank, merged
+    return picks, module.o_proj(out.transpose(1, 2).reshape(bsz, t, -1))
+
+
+def _global_row(group, world: int, mine: Tensor, slots: Tensor, most: int, columns: int) -> Tensor:
+    """CP=1's index-score row [B, T, columns] from each rank's scores ``mine`` [B, T, S_r] of its ``slots``
+    [B, S_r] (-1: none): one all-gather of [B, T + 1, max S_r] float64 (the fp32 scores and the columns, exact)."""
+    bsz, t, s_r = mine.shape
+    buf = torch.full((bsz, t + 1, most), -1.0, dtype=torch.float64, device=mine.device)
+    buf[:, :t] = float("-inf")
+    buf[:, :t, :s_r] = mine.double()
+    buf[:, t, :s_r] = slots.double()
+    every = funcol.wait_tensor(all_gather_single(buf, 0, group)).view(world, bsz, t + 1, most)
+    cols = every[:, :, t].long().permute(1, 0, 2).reshape(bsz, -1)  # [B, P * most]
+    vals = every[:, :, :t].permute(1, 2, 0, 3).reshape(bsz, t, -1).float()  # [B, T, P * most]
+    row = torch.full((bsz, t, columns + 1), float("-inf"), dtype=torch.float32, device=mine.device)
+    where = cols.masked_fill(cols < 0, columns)[:, None, :].expand(-1, t, -1)  # the empty ones to a spare column
+    row.scatter_(-1, where, vals)
+    return row[..., :columns]
