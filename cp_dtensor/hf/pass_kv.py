@@ -23,7 +23,11 @@ A turn of T new tokens after C cached ones, in pass-KV (hf/generate.py's pre-hoo
 * a hook after the base model gathers the hidden rows the LM head reads, as after a prefill.
 
 Served for models without linear-attention layers (a hybrid's linear layers would need their state passed
-across the shards from the cached state: its turns run pass-Q).
+across the shards from the cached state: its turns run pass-Q) and without multi-head latent attention
+(DeepSeek-V2 / V3, GLM-4.7-Flash, ...: ``config.kv_lora_rank``): their cache holds the compressed latents
+([B, 1, S, kv_lora_rank] and the shared rotary key [B, 1, S, qk_rope_head_dim]), which the layer expands
+into the per-head K/V the attention function is handed -- the blocks passed here would be the expanded K/V
+while the cache keeps latents. Their turns run pass-Q: each rank expands its own share, the queries travel.
 """
 
 from __future__ import annotations
@@ -48,11 +52,13 @@ __all__ = ["pass_kv_attention", "pass_kv_step", "turn_mode"]
 
 def turn_mode(state: HFState, module: nn.Module, cache: ShardedCache, batch: int, new: int) -> str:
     """"pass-kv" or "pass-q" for a forward of ``new`` columns on the non-empty ``cache`` (Note [Pass-KV
-    turns]); the same on every rank (global facts only). A decode step and a hybrid's turns: pass-Q."""
+    turns]); the same on every rank (global facts only). A decode step, a hybrid's turns and multi-head latent
+    attention's: pass-Q."""
     cp = state.mesh.size()
-    if cp == 1 or new < 2 or cache.linear:
+    config = module.config.get_text_config(decoder=True)
+    if cp == 1 or new < 2 or cache.linear or getattr(config, "kv_lora_rank", None):  # latents cached: pass-Q
         return "pass-q"
-    hq, hkv, d, dv = kv_dims(module.config.get_text_config(decoder=True))
+    hq, hkv, d, dv = kv_dims(config)
     esize = torch.empty((), dtype=module.dtype).element_size()
     return turn_plan(new=new, cached=cache.seen, cp=cp, batch=batch, q_heads=hq, kv_heads=hkv, head_dim=d,
                      value_dim=dv, kv_bytes=esize, largest_share=max(cache.held),

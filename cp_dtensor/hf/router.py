@@ -40,11 +40,14 @@ from torch import Tensor, nn
 from ..core.exchange.comm import all_reduce_sum
 from .state import ATTR, HFState
 
-__all__ = ["ROUTER_LOSS", "enable_router_loss", "router_loss_home"]
+__all__ = ["ROUTER_LOSS", "enable_router_loss", "router_loss_error", "router_loss_home"]
 
 #: model_type: the transformers module whose ``load_balancing_loss_func`` the causal LM's forward calls
 ROUTER_LOSS = {
+    "ernie4_5_moe": "transformers.models.ernie4_5_moe.modeling_ernie4_5_moe",
+    "minimax_m2": "transformers.models.minimax_m2.modeling_minimax_m2",
     "mixtral": "transformers.models.mixtral.modeling_mixtral",
+    "qwen2_moe": "transformers.models.qwen2_moe.modeling_qwen2_moe",
     "qwen3_moe": "transformers.models.qwen3_moe.modeling_qwen3_moe",
     "gpt_oss": "transformers.models.gpt_oss.modeling_gpt_oss",
 }
@@ -57,6 +60,24 @@ def router_loss_home(model: nn.Module):
     text = getattr(model.config, "get_text_config", lambda: model.config)()
     path = ROUTER_LOSS.get(getattr(text, "model_type", None))
     return None if path is None else importlib.import_module(path)
+
+
+def router_loss_error(model: nn.Module, requested) -> str | None:
+    """Why ``model``'s router loss cannot be served under CP (None: it can, or it is off). ``requested``: the
+    call's ``output_router_logits`` (None: the config's). A served family whose modeling module has a
+    ``load_balancing_loss_func`` but no entry in ROUTER_LOSS would compute it over each rank's shard:
+    refused, as the door refuses what it has not proven (Note [Router loss under CP])."""
+    text = getattr(model.config, "get_text_config", lambda: model.config)()
+    if not (getattr(text, "output_router_logits", False) if requested is None else requested):
+        return None
+    kind = getattr(text, "model_type", None)
+    module = importlib.import_module(type(model).__module__)
+    if kind in ROUTER_LOSS or not hasattr(module, _NAME):
+        return None
+    return (f"{type(model).__name__}'s router load-balancing loss (output_router_logits=True) is a product of "
+            f"means over the whole sequence, which context parallelism computes from the global sums for "
+            f"{', '.join(sorted(ROUTER_LOSS))} only; model_type {kind!r} is not one of them. Set "
+            "config.output_router_logits = False (and pass no output_router_logits=True), or run it without CP.")
 
 
 class _AllReduce(torch.autograd.Function):
