@@ -2,7 +2,8 @@
 
 Note [Router loss under CP]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~
-transformers' MoE causal LMs (Mixtral, Qwen3-MoE, gpt-oss: ``ROUTER_LOSS``) add
+transformers' MoE causal LMs (Mixtral, Qwen3-MoE, gpt-oss, Qwen2-MoE, MiniMax-M2, ERNIE 4.5 MoE:
+``ROUTER_LOSS``) add
 ``router_aux_loss_coef * load_balancing_loss_func(router_logits, E, k, attention_mask)`` to the loss: over
 every layer's router logits, ``f_e`` the share of top-k assignments that went to expert e and ``p_e`` the
 mean router probability of e, both means over the (unpadded) tokens, and the loss ``E * sum_e f_e p_e``.
@@ -26,6 +27,13 @@ top-level model's hooks set and reset): a model without CP, in the same process,
 pattern of hf/linear.py's dispatchers. Every rank of the CP group runs the same forward, so the
 all-reduce is issued alike on every rank (the router logits' shapes follow the shards', equal by the
 attention's agreement that ran before).
+
+A served family outside ``ROUTER_LOSS`` whose modeling module has a ``load_balancing_loss_func`` would
+compute it over each rank's shard, silently off: a call with ``output_router_logits`` on (the call's
+keyword, else the config's) is refused at the top-level call (``router_loss_error``: raised by the first
+attention call on every rank, before the ring), except under generate(), which drops the router loss. A
+family joins ``ROUTER_LOSS`` when its causal LM calls the same function with the same arguments and a test
+shows its Trainer losses equal CP=1's.
 """
 
 from __future__ import annotations
