@@ -79,8 +79,8 @@ def router_loss_error(model: nn.Module, requested) -> str | None:
     if not (getattr(text, "output_router_logits", False) if requested is None else requested):
         return None
     kind = getattr(text, "model_type", None)
-    module = importlib.import_module(type(model).__module__)
-    if kind in ROUTER_LOSS or not hasattr(module, _NAME):
+    homes = {c.__module__ for c in type(model).__mro__ if c.__module__.startswith("transformers.models.")}
+    if kind in ROUTER_LOSS or not any(hasattr(importlib.import_module(m), _NAME) for m in homes):
         return None
     return (f"{type(model).__name__}'s router load-balancing loss (output_router_logits=True) is a product of "
             f"means over the whole sequence, which context parallelism computes from the global sums for "
