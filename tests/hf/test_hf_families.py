@@ -7,7 +7,7 @@ A served MoE family whose router loss is not proven under CP refuses it on every
 Each family is the sweep's tiny random fp32 model (tests/hf/_conformance.py's tiny_config). One spawn of P ranks
 runs the families' Trainer runs and turns; one spawn of 1 rank the Trainer references. Default tier: P=2, every
 family's turns, the Trainer for the families whose Trainer path has parts of their own (router losses, MLA);
-slow tier: the other families' Trainer runs at P=2, and everything at P=3.
+slow tier: the other families' Trainer runs and every family's packed documents at P=2, and everything at P=3.
 """
 
 from __future__ import annotations
@@ -28,7 +28,12 @@ transformers.logging.set_verbosity_error()
 
 from test_hf_conformance import NAMED  # noqa: E402
 from test_hf_generate import _compare, _generate, _prompt  # noqa: E402
-from transformers import Trainer, TrainingArguments, default_data_collator  # noqa: E402
+from transformers import (  # noqa: E402
+    DataCollatorWithFlattening,
+    Trainer,
+    TrainingArguments,
+    default_data_collator,
+)
 
 from cp_dtensor.hf import attention as hf_attention  # noqa: E402
 from cp_dtensor.hf import with_context_parallel  # noqa: E402
@@ -58,12 +63,23 @@ def _rows(seed: int, count: int = 4) -> list[dict]:
     return out
 
 
-def _train(kind: str, out: str, cp: int | None) -> dict:
-    args = TrainingArguments(output_dir=out, per_device_train_batch_size=2, max_steps=2, logging_steps=1, report_to=[],
-                             save_strategy="no", learning_rate=1e-2, use_cpu=True, disable_tqdm=True, seed=0,
-                             data_seed=0)
-    cls = Trainer if cp is None else with_context_parallel(Trainer, cp_size=cp, layout="headtail")
-    trainer = cls(model=_model(kind, True), args=args, train_dataset=_rows(1), data_collator=default_data_collator)
+def _documents(seed: int, count: int = 12) -> list[dict]:
+    """Documents of 3..9 tokens, packed 4 to a row by DataCollatorWithFlattening (positions restart per document)."""
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(3, V, (int(torch.randint(3, 10, (1,), generator=g)),), generator=g).tolist()}
+            for _ in range(count)]
+
+
+def _train(case: str, out: str, cp: int | None) -> dict:
+    """``case``: a family, fixed rows of N tokens (headtail); "<family> packed": packed documents (striped)."""
+    kind, _, packed = case.partition(" ")
+    args = TrainingArguments(output_dir=out, per_device_train_batch_size=4 if packed else 2, max_steps=2,
+                             logging_steps=1, report_to=[], save_strategy="no", learning_rate=1e-2, use_cpu=True,
+                             disable_tqdm=True, seed=0, data_seed=0)
+    layout = "striped" if packed else "headtail"
+    cls = Trainer if cp is None else with_context_parallel(Trainer, cp_size=cp, layout=layout)
+    data, collator = (_documents(1), DataCollatorWithFlattening()) if packed else (_rows(1), default_data_collator)
+    trainer = cls(model=_model(kind, True), args=args, train_dataset=data, data_collator=collator)
     trainer.train()
     history = trainer.state.log_history
     return {"losses": [h["loss"] for h in history if "loss" in h],
@@ -136,11 +152,10 @@ def _cp_ranks(rank: int, world: int, tmp: str, kinds: list[str], trainer: list[s
     _env(rank, world)
     mesh = init_device_mesh("cpu", (world,))
     out = {}
-    for kind in kinds:
-        if kind in trainer:
-            out[kind] = _train(kind, tempfile.mkdtemp(dir=tmp), world)
-        if turns:
-            out[f"{kind} turns"] = _turns(kind, mesh, world)
+    for case in trainer:
+        out[case] = _train(case, tempfile.mkdtemp(dir=tmp), world)
+    for kind in kinds if turns else ():
+        out[f"{kind} turns"] = _turns(kind, mesh, world)
     out["unproven router loss"] = _unproven_router_loss(mesh)
     return out
 
@@ -172,11 +187,12 @@ def _check(world: int, trainer: list[str], turns: bool) -> None:
     references = _references(trainer)
     with tempfile.TemporaryDirectory() as tmp:
         got = run_ranks(world, _cp_ranks, tmp, list(NAMED), trainer, turns, timeout=900)
+    for rank in range(world):
+        for case in trainer:
+            for key in ("losses", "grad_norm"):
+                _close(got[rank][case][key], references[case][key], f"{case} P={world} rank {rank} {key}")
     for kind in NAMED:
         for rank in range(world):
-            if kind in trainer:
-                for key in ("losses", "grad_norm"):
-                    _close(got[rank][kind][key], references[kind][key], f"{kind} P={world} rank {rank} {key}")
             if turns:  # a short turn and decode steps run pass-Q ("decode"), the long turn pass-KV; multi-head
                 # latent attention caches latents and runs every turn pass-Q (Note [Pass-KV turns] in hf/pass_kv.py)
                 runs = got[rank][f"{kind} turns"]
@@ -198,9 +214,11 @@ def test_named_families_turns_and_routed_trainer_cp2():
     _check(2, DEFAULT_TRAINER, True)
 
 
-@slow("every named family's Trainer run at CP=2 and CP=1 (~20 s on 2 loaded cores)")
+@slow("every named family's Trainer runs, rows and packed documents, at CP=2 and CP=1 (~40 s on 2 loaded cores)")
 def test_named_families_trainer_cp2():
-    _check(2, [kind for kind in NAMED if kind not in DEFAULT_TRAINER], False)
+    """The other families' rows, and every family's packed documents (DataCollatorWithFlattening, striped; the
+    router loss on for the MoEs that have one)."""
+    _check(2, [kind for kind in NAMED if kind not in DEFAULT_TRAINER] + [f"{kind} packed" for kind in NAMED], False)
 
 
 @slow("the named families' Trainer runs and turns at CP=3 (~45 s on 2 loaded cores)")
