@@ -97,12 +97,12 @@ def _follow(ids, mask, seed: int, n: int):
     return torch.cat([ids, extra], 1), torch.cat([mask, ones], 1)
 
 
-def _turns(kind: str, mesh, world: int) -> int:
+def _turns(kind: str, mesh, world: int, layout: str = "headtail") -> dict:
     """Three turns (a short follow-up: pass-Q; a long one: pass-KV) and a chunked prefill, batch 2 with left
     padding: CP's tokens and logits are CP=1's (transformers continuing its own cache)."""
     base = _model(kind, False)
     ref_model = copy.deepcopy(base)
-    model = hf_attention.apply_context_parallel(copy.deepcopy(base), mesh, layout="headtail")
+    model = hf_attention.apply_context_parallel(copy.deepcopy(base), mesh, layout=layout)
     ids, mask = _prompt(1, 2, 11, [2, 0], low=3, vocab=V)
     gen = dict(max_new_tokens=3)
     ref, out = _generate(ref_model, ids, mask, **gen), _generate(model, ids, mask, **gen)
@@ -154,8 +154,8 @@ def _cp_ranks(rank: int, world: int, tmp: str, kinds: list[str], trainer: list[s
     out = {}
     for case in trainer:
         out[case] = _train(case, tempfile.mkdtemp(dir=tmp), world)
-    for kind in kinds if turns else ():
-        out[f"{kind} turns"] = _turns(kind, mesh, world)
+    for i, kind in enumerate(kinds if turns else ()):  # the caches of both layouts (striped: every other family)
+        out[f"{kind} turns"] = _turns(kind, mesh, world, "striped" if i % 2 else "headtail")
     out["unproven router loss"] = _unproven_router_loss(mesh)
     return out
 
