@@ -84,7 +84,7 @@ from ..core.checks import check_call, check_cp_mesh, options_error  # noqa: E402
 from ..core.plan.layout import in_global_order, shard_tensor  # noqa: E402
 from .documents import KWARG, check_model_layout, documents_of, plan_error, ring_layout  # noqa: E402
 from .generate import enable_generate, generate  # noqa: E402
-from .router import enable_router_loss  # noqa: E402
+from .router import enable_router_loss, router_loss_error  # noqa: E402
 from .served import cp_error, layer_types  # noqa: E402
 from .state import ATTR, CPGenerate, HFState, attach, implementations, remove_context_parallel  # noqa: E402
 from .tiling import apply_sequence_tiling, check_tileable  # noqa: E402
@@ -283,6 +283,8 @@ def cp_dtensor_attention(module: nn.Module, query: Tensor, key: Tensor, value: T
         raise ValueError("attn_implementation='cp_dtensor' needs the CP mesh: call "
                          "cp_dtensor.hf.apply_context_parallel(model, cp_mesh, layout=...) instead of setting it.")
     device = query.device.type
+    if state.generating is not None and state.generating.cache is not None and state.decoding is None:  # a prefill
+        state.generating.cache.note_inputs(module.layer_idx, key, value)  # Note [Pass-KV turns] in hf/pass_kv.py
     if torch.is_autocast_enabled(device) and query.dtype != torch.float64:  # as SDPA under autocast: q, k, v in the
         # autocast dtype (bf16 Trainer runs); float64 is not autocast-eligible and stays (as SDPA keeps it)
         dtype = torch.get_autocast_dtype(device)
@@ -370,7 +372,9 @@ def _top_level_error(model: nn.Module, args, kwargs) -> str | None:
     if get("shift_labels") is not None and get("num_items_in_batch") is None:
         return ("with shift_labels= under context parallelism pass num_items_in_batch= (the global count of labels "
                 "!= -100): each rank's mean would otherwise be over its own tokens only.")
-    return None  # an MoE's router loss: from the global means, Note [Router loss under CP] in hf/router.py
+    if getattr(model, ATTR).generating is not None:  # generate() drops the router loss: nothing to refuse
+        return None
+    return router_loss_error(model, get("output_router_logits"))  # Note [Router loss under CP] in hf/router.py
 
 
 @old_keywords("cp_dtensor.hf.apply_context_parallel", cp_mesh="mesh")

@@ -135,6 +135,7 @@ class ShardedCacheLayer(CacheLayerMixin):
         self.held = 0  # S_r
         self.columns = 0  # the global sequence length seen
         self.reach: int | None = None  # a windowed layer's W - 1 (its attention says so): Note [Windowed caches]
+        self.handed: tuple | None = None  # the (K, V) a prefill's update handed back, till its attention's call
 
     def trim(self) -> None:
         """Drop the slots no later query can reach: columns below ``columns - reach`` (Note [Windowed caches]).
@@ -182,6 +183,7 @@ class ShardedCacheLayer(CacheLayerMixin):
                      step.positions.to(key_states.device), step.slots)
         self.columns += step.columns
         if step.kind == "prefill":  # the ring runs on this rank's shard as it came (pads included)
+            self.handed = (key_states, value_states)  # Note [Pass-KV turns]: does the attention get them?
             return key_states, value_states
         return self.keys, self.values
 
@@ -287,6 +289,7 @@ class ShardedCache(Cache):
         self.plain: Tensor | None = None  # [B] int64: fingerprint of those columns' ids alone
         self.checkpoints: tuple = ()  # (seen, tokens) where each continuing call began
         self.runs: Counter[str] = Counter()  # forwards by kind: "prefill", "decode" (pass-Q), "pass-kv"
+        self.attends_cached = True  # every layer's attention takes the K/V its layer caches: Note [Pass-KV turns]
 
     def _kind(self) -> str:
         layer = self.layers[0]
@@ -342,6 +345,18 @@ class ShardedCache(Cache):
         layer = self.layers[idx]
         if isinstance(layer, ShardedCacheLayer) and window is not None and window[0] >= 0:
             layer.reach = window[0]
+
+    def note_inputs(self, idx: int, key: Tensor, value: Tensor) -> None:
+        """A prefill's attention call of layer ``idx`` got ``key``, ``value``: unless they are the tensors the
+        layer's update handed back (once a forward), the model attends to something else than what it caches
+        -- multi-head latent attention's expanded latents, DiffLlama's split values, JetMoE's repeated heads, a
+        layer reading another's cache -- and its turns run pass-Q (Note [Pass-KV turns] in hf/pass_kv.py)."""
+        layer = self.layers[idx]
+        if not isinstance(layer, ShardedCacheLayer):
+            return
+        handed, layer.handed = layer.handed, ()
+        if not handed or handed[0] is not key or handed[1] is not value:
+            self.attends_cached = False
 
     def columns(self, b: int, n: int, device) -> Tensor:
         """[B, n] int64: the global columns of a forward's ``n`` new tokens (Note [Masks by column])."""

@@ -23,7 +23,16 @@ A turn of T new tokens after C cached ones, in pass-KV (hf/generate.py's pre-hoo
 * a hook after the base model gathers the hidden rows the LM head reads, as after a prefill.
 
 Served for models without linear-attention layers (a hybrid's linear layers would need their state passed
-across the shards from the cached state: its turns run pass-Q).
+across the shards from the cached state: its turns run pass-Q), and only where every layer's attention takes
+the very K/V its layer caches, once a forward: the blocks passed here are what the attention function is
+handed, and the columns kept are taken from them. Not so for multi-head latent attention (DeepSeek-V2 / V3,
+GLM-4.7-Flash, ...), whose cache holds the compressed latents ([B, 1, S, kv_lora_rank] and the shared
+rotary key) that the layer expands into per-head K/V after the cache; DiffLlama, which calls the attention
+twice with the value's halves; JetMoE, which repeats the cached heads. The prefill checks it: each
+layer's attention call compares its K/V with the tensors the layer's cache update handed back
+(``ShardedCache.note_inputs``: the same answer on every rank, from the model's code), and a model where
+any differs runs its turns pass-Q -- each rank computes on its own share as the layer does, the queries
+travel. Exact either way; pass-Q sends more bytes for a long turn.
 """
 
 from __future__ import annotations
@@ -48,15 +57,22 @@ __all__ = ["pass_kv_attention", "pass_kv_step", "turn_mode"]
 
 def turn_mode(state: HFState, module: nn.Module, cache: ShardedCache, batch: int, new: int) -> str:
     """"pass-kv" or "pass-q" for a forward of ``new`` columns on the non-empty ``cache`` (Note [Pass-KV
-    turns]); the same on every rank (global facts only). A decode step and a hybrid's turns: pass-Q."""
+    turns]); the same on every rank (global facts only). A decode step, a hybrid's turns and a model whose
+    attention takes other K/V than it caches: pass-Q. Per-layer head sizes (Gemma 4): the layers' bytes summed."""
     cp = state.mesh.size()
-    if cp == 1 or new < 2 or cache.linear:
+    if cp == 1 or new < 2 or cache.linear or not cache.attends_cached:
         return "pass-q"
-    hq, hkv, d, dv = kv_dims(module.config.get_text_config(decoder=True))
+    dims = kv_dims(module.config.get_text_config(decoder=True))  # a tuple of the layers' values where they vary
+    layers = max((len(x) for x in dims if isinstance(x, tuple)), default=1)
+    at = lambda x, i: x[i] if isinstance(x, tuple) else x  # noqa: E731
     esize = torch.empty((), dtype=module.dtype).element_size()
-    return turn_plan(new=new, cached=cache.seen, cp=cp, batch=batch, q_heads=hq, kv_heads=hkv, head_dim=d,
-                     value_dim=dv, kv_bytes=esize, largest_share=max(cache.held),
-                     unit=layout_unit(ring_layout(state), cp)).mode
+    plans = [turn_plan(new=new, cached=cache.seen, cp=cp, batch=batch, q_heads=at(dims[0], i),
+                       kv_heads=at(dims[1], i) or at(dims[0], i), head_dim=at(dims[2], i),
+                       value_dim=at(dims[3], i) or at(dims[2], i), kv_bytes=esize, largest_share=max(cache.held),
+                       unit=layout_unit(ring_layout(state), cp)) for i in range(layers)]
+    if layers == 1:
+        return plans[0].mode
+    return "pass-kv" if sum(p.pass_kv for p in plans) < sum(p.pass_q for p in plans) else "pass-q"
 
 
 class _PassKV:

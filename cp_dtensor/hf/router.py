@@ -2,7 +2,8 @@
 
 Note [Router loss under CP]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~
-transformers' MoE causal LMs (Mixtral, Qwen3-MoE, gpt-oss: ``ROUTER_LOSS``) add
+transformers' MoE causal LMs (Mixtral, Qwen3-MoE, gpt-oss, Qwen2-MoE, MiniMax-M2, ERNIE 4.5 MoE:
+``ROUTER_LOSS``) add
 ``router_aux_loss_coef * load_balancing_loss_func(router_logits, E, k, attention_mask)`` to the loss: over
 every layer's router logits, ``f_e`` the share of top-k assignments that went to expert e and ``p_e`` the
 mean router probability of e, both means over the (unpadded) tokens, and the loss ``E * sum_e f_e p_e``.
@@ -26,6 +27,13 @@ top-level model's hooks set and reset): a model without CP, in the same process,
 pattern of hf/linear.py's dispatchers. Every rank of the CP group runs the same forward, so the
 all-reduce is issued alike on every rank (the router logits' shapes follow the shards', equal by the
 attention's agreement that ran before).
+
+A served family outside ``ROUTER_LOSS`` whose modeling module has a ``load_balancing_loss_func`` would
+compute it over each rank's shard, silently off: a call with ``output_router_logits`` on (the call's
+keyword, else the config's) is refused at the top-level call (``router_loss_error``: raised by the first
+attention call on every rank, before the ring), except under generate(), which drops the router loss. A
+family joins ``ROUTER_LOSS`` when its causal LM calls the same function with the same arguments and a test
+shows its Trainer losses equal CP=1's.
 """
 
 from __future__ import annotations
@@ -40,11 +48,14 @@ from torch import Tensor, nn
 from ..core.exchange.comm import all_reduce_sum
 from .state import ATTR, HFState
 
-__all__ = ["ROUTER_LOSS", "enable_router_loss", "router_loss_home"]
+__all__ = ["ROUTER_LOSS", "enable_router_loss", "router_loss_error", "router_loss_home"]
 
 #: model_type: the transformers module whose ``load_balancing_loss_func`` the causal LM's forward calls
 ROUTER_LOSS = {
+    "ernie4_5_moe": "transformers.models.ernie4_5_moe.modeling_ernie4_5_moe",
+    "minimax_m2": "transformers.models.minimax_m2.modeling_minimax_m2",
     "mixtral": "transformers.models.mixtral.modeling_mixtral",
+    "qwen2_moe": "transformers.models.qwen2_moe.modeling_qwen2_moe",
     "qwen3_moe": "transformers.models.qwen3_moe.modeling_qwen3_moe",
     "gpt_oss": "transformers.models.gpt_oss.modeling_gpt_oss",
 }
@@ -57,6 +68,24 @@ def router_loss_home(model: nn.Module):
     text = getattr(model.config, "get_text_config", lambda: model.config)()
     path = ROUTER_LOSS.get(getattr(text, "model_type", None))
     return None if path is None else importlib.import_module(path)
+
+
+def router_loss_error(model: nn.Module, requested) -> str | None:
+    """Why ``model``'s router loss cannot be served under CP (None: it can, or it is off). ``requested``: the
+    call's ``output_router_logits`` (None: the config's). A served family whose modeling module has a
+    ``load_balancing_loss_func`` but no entry in ROUTER_LOSS would compute it over each rank's shard:
+    refused, as the door refuses what it has not proven (Note [Router loss under CP])."""
+    text = getattr(model.config, "get_text_config", lambda: model.config)()
+    if not (getattr(text, "output_router_logits", False) if requested is None else requested):
+        return None
+    kind = getattr(text, "model_type", None)
+    homes = {c.__module__ for c in type(model).__mro__ if c.__module__.startswith("transformers.models.")}
+    if kind in ROUTER_LOSS or not any(hasattr(importlib.import_module(m), _NAME) for m in homes):
+        return None
+    return (f"{type(model).__name__}'s router load-balancing loss (output_router_logits=True) is a product of "
+            f"means over the whole sequence, which context parallelism computes from the global sums for "
+            f"{', '.join(sorted(ROUTER_LOSS))} only; model_type {kind!r} is not one of them. Set "
+            "config.output_router_logits = False (and pass no output_router_logits=True), or run it without CP.")
 
 
 class _AllReduce(torch.autograd.Function):

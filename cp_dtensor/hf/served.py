@@ -67,6 +67,13 @@ TILED_FAMILIES: dict[str, tuple[str, dict]] = {  # model_type: (the causal LM cl
     "cohere": ("CohereForCausalLM", {"logit_scale": _SCALE}),  # logits * logit_scale
     "gpt_oss": ("GptOssForCausalLM", _ROUTER), "mixtral": ("MixtralForCausalLM", _ROUTER),
     "qwen3_moe": ("Qwen3MoeForCausalLM", _ROUTER),
+    # forward: loss_function(lm_head(hidden)) (+ the router loss where the family has one), read in 5.24
+    "deepseek_v2": ("DeepseekV2ForCausalLM", {}), "deepseek_v3": ("DeepseekV3ForCausalLM", {}),
+    "glm4_moe": ("Glm4MoeForCausalLM", {}), "dots1": ("Dots1ForCausalLM", {}),
+    "minimax_m2": ("MiniMaxM2ForCausalLM", _ROUTER), "qwen2_moe": ("Qwen2MoeForCausalLM", _ROUTER),
+    "ernie4_5_moe": ("Ernie4_5_MoeForCausalLM", _ROUTER), "olmo3": ("Olmo3ForCausalLM", {}),
+    "smollm3": ("SmolLM3ForCausalLM", {}), "seed_oss": ("SeedOssForCausalLM", {}),
+    "apertus": ("ApertusForCausalLM", {}),
 }
 # config names that could change the logits between the head and the loss, or the loss itself
 _LOGIT_KEYS = re.compile(r"logit|soft_?cap|loss|unpadded_vocab|vocab_pad|multiplier|lm_head", re.IGNORECASE)
