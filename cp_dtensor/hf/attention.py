@@ -292,6 +292,7 @@ def cp_dtensor_attention(module: nn.Module, query: Tensor, key: Tensor, value: T
     sinks = s_aux if s_aux is not None else getattr(module, "sinks", None)
     if state.generating is not None and state.generating.cache is not None and err is None:
         state.generating.cache.note_reach(module.layer_idx, window)  # Note [Windowed caches] in hf/cache.py
+        state.generating.cache.note_attended(module.layer_idx, key, value)  # Note [Pass-KV turns] in hf/pass_kv.py
     if state.decoding is not None:  # a decode step of generate(), registered by generate.py: Note [generate() under CP]
         refused = attention_mask.why if isinstance(attention_mask, _Refused) else None
         err = err or refused or _local_error(state, query, query, None, dropout, softcap, kwargs)

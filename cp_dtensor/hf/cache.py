@@ -135,6 +135,7 @@ class ShardedCacheLayer(CacheLayerMixin):
         self.held = 0  # S_r
         self.columns = 0  # the global sequence length seen
         self.reach: int | None = None  # a windowed layer's W - 1 (its attention says so): Note [Windowed caches]
+        self.latent = False  # holds what its attention expands (an MLA latent), not the K/V: Note [Pass-KV turns]
 
     def trim(self) -> None:
         """Drop the slots no later query can reach: columns below ``columns - reach`` (Note [Windowed caches]).
@@ -342,6 +343,15 @@ class ShardedCache(Cache):
         layer = self.layers[idx]
         if isinstance(layer, ShardedCacheLayer) and window is not None and window[0] >= 0:
             layer.reach = window[0]
+
+    def note_attended(self, idx: int, key: Tensor, value: Tensor) -> None:
+        """The attention of layer ``idx`` ran on ``key``, ``value`` [B, Hkv, S, D(v)]: a layer whose stored tensors
+        have other heads or dims caches a latent the model expands (transformers' DeepSeek-style MLA caches
+        [B, 1, S, kv_lora_rank] and the rotary key), which pass-KV cannot ring (Note [Pass-KV turns])."""
+        layer = self.layers[idx]
+        if isinstance(layer, ShardedCacheLayer) and layer.keys is not None and layer.values is not None:
+            stored = (layer.keys.shape[1], layer.keys.shape[-1], layer.values.shape[-1])
+            layer.latent = layer.latent or stored != (key.shape[1], key.shape[-1], value.shape[-1])
 
     def columns(self, b: int, n: int, device) -> Tensor:
         """[B, n] int64: the global columns of a forward's ``n`` new tokens (Note [Masks by column])."""

@@ -23,7 +23,12 @@ A turn of T new tokens after C cached ones, in pass-KV (hf/generate.py's pre-hoo
 * a hook after the base model gathers the hidden rows the LM head reads, as after a prefill.
 
 Served for models without linear-attention layers (a hybrid's linear layers would need their state passed
-across the shards from the cached state: its turns run pass-Q).
+across the shards from the cached state: its turns run pass-Q), and whose cache holds the K/V the attention
+reads. transformers' DeepSeek-style MLA (DeepSeek-V2/V3, MiniCPM3, GLM-4-MoE-Lite, Kimi Linear, ...) caches the
+compressed latent [B, 1, S, kv_lora_rank] and the rotary key and expands them per forward: the cache share and
+the new shard's expanded K/V do not stack, and the kept columns would have to be latents. The attention notes
+such a layer (``ShardedCache.note_attended``: the stored heads or dims differ from those it attends with, the same
+on every rank) and its turns run pass-Q, which expands each rank's share where it lies.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ def turn_mode(state: HFState, module: nn.Module, cache: ShardedCache, batch: int
     """"pass-kv" or "pass-q" for a forward of ``new`` columns on the non-empty ``cache`` (Note [Pass-KV
     turns]); the same on every rank (global facts only). A decode step and a hybrid's turns: pass-Q."""
     cp = state.mesh.size()
-    if cp == 1 or new < 2 or cache.linear:
+    if cp == 1 or new < 2 or cache.linear or any(getattr(layer, "latent", False) for layer in cache.layers):
         return "pass-q"
     hq, hkv, d, dv = kv_dims(module.config.get_text_config(decoder=True))
     esize = torch.empty((), dtype=module.dtype).element_size()
