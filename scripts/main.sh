@@ -7,5 +7,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export OMP_NUM_THREADS=1
 NPROC=${NPROC:-2}
-exec .venv/bin/torchrun --standalone --nproc_per_node="$NPROC" --local-ranks-filter 0 \
+# the last rank's log: it holds the last pipeline stage, whose logged loss is the job's (torchtitan logs
+# -2.0 on the other stages' ranks under --parallelism.pipeline_parallel_degree > 1)
+exec .venv/bin/torchrun --standalone --nproc_per_node="$NPROC" --local-ranks-filter "$((NPROC - 1))" \
     -m cp_dtensor.titan.train --job.config_file titan_configs/llama3_debug.toml "$@"
