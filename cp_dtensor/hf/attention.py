@@ -447,7 +447,8 @@ def apply_context_parallel(
         raise ValueError(error)
     tile = check_tileable(model, sequence_tiling)  # a head or loss that cannot be tiled raises before any change
     if getattr(model, "_cp_dtensor_hf", None) is not None or getattr(model, "_cp_dtensor_mode", None) is not None:
-        raise ValueError("context parallelism was already applied to this model.")
+        raise ValueError("context parallelism was already applied to this model: use it as it is, or call "
+                         "cp_dtensor.hf.remove_context_parallel(model) first to apply it with other options.")
     if not hasattr(model, "set_attn_implementation"):
         raise ValueError(f"cp_dtensor.hf.apply_context_parallel takes a transformers PreTrainedModel; got {type(model).__name__}. "
                          "Use cp_dtensor.apply_context_parallel for other modules.")
