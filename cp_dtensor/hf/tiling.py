@@ -112,7 +112,8 @@ def check_tileable(model: nn.Module, sequence_tiling) -> int | None:
         return None
     name = type(model).__name__
     if getattr(model, TILING_ATTR, None) is not None:
-        raise ValueError("sequence tiling was already applied to this model.")
+        raise ValueError("sequence tiling was already applied to this model: use it as it is, or call "
+                         "cp_dtensor.hf.remove_sequence_tiling(model) first to apply it with another tile size.")
     if not hasattr(model, "get_output_embeddings") or not hasattr(model, "config"):
         raise ValueError(f"sequence_tiling tiles a transformers causal LM's head and loss (a ...ForCausalLM); got "
                          f"{name}. Drop sequence_tiling for this model.")

@@ -41,8 +41,9 @@ copied, so TRL's and other subclasses keep their behaviour.
    computes on dp ranks without CP) and unshards logits and labels into the full rows; the gather
    the evaluation loop calls keeps each replica's rows once (the ranks with cp_index 0), then drops
    accelerate's even-batches padding as ``gather_for_metrics`` does. So ``evaluate()`` = CP=1. The
-   logits at padding positions (attention_mask 0) are not CP=1's: there a pad token attends to itself
-   only (Note [transformers under CP]), at CP=1 to the row's tokens; they carry no label.
+   logits at right-padding positions (attention_mask 0) are not CP=1's: there a pad token's attention
+   output is zero (Note [Pad queries] in hf/attention.py), at CP=1 it sees the row's tokens; they carry no
+   label. At a left pad (scored against the row's first token) both are zero.
 
 Gradient reduction needs nothing: DDP and FSDP2 already reduce over every rank, CP ranks included
 (FSDP2 over ``ParallelismConfig(dp_shard_size=world)`` is torchtitan's dp_shard_cp). Checkpoints

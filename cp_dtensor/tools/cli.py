@@ -325,6 +325,10 @@ def _add_longest(sub: argparse._SubParsersAction) -> None:
 def _cmd_longest(args: argparse.Namespace) -> int:
     if args.cp < 1:
         raise ValueError(f"--cp must be a positive integer; got {args.cp}.")
+    if not 0 <= args.reserved_gib < args.mem_budget_gib:
+        raise ValueError(f"--reserved-gib ({args.reserved_gib:g}) must be >= 0 and below --mem-budget-gib "
+                         f"({args.mem_budget_gib:g}): the activations get what the reserved bytes leave. Pass a "
+                         f"larger budget or a smaller reservation.")
     shape = _plan_model.MODELS[args.model]
     kw = dict(cp=args.cp, dtype=args.dtype, checkpointing=args.checkpointing, reserved_gib=args.reserved_gib,
               pp=args.pp, schedule=args.schedule, microbatches=args.microbatches, tp=args.tp)

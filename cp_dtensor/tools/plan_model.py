@@ -109,6 +109,9 @@ def model_memory(shape: ModelShape, s_local: int, *, cp: int, dtype: str = "bf16
     if pp < 1 or m < 1 or schedule not in ("1F1B", "GPipe"):
         raise ValueError(f"pipeline: pp and microbatches are positive ints and schedule is '1F1B' or 'GPipe'; got "
                          f"pp={pp!r}, microbatches={microbatches!r}, schedule={schedule!r}.")
+    if pp > shape.layers:
+        raise ValueError(f"pipeline: pp ({pp}) exceeds the model's {shape.layers} layers; every stage holds at least "
+                         f"one layer. Use pp <= {shape.layers}.")
     # a TP rank's share: I / tp of the SwiGLU, V / tp of the head's columns, Hq / tp and Hkv / tp heads
     e, s, h, i, v = DTYPE_BYTES[dtype], s_local, shape.hidden, -(-shape.intermediate // tp), -(-shape.vocab // tp)
     ckpt = checkpointing == "full"

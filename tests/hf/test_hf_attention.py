@@ -215,6 +215,30 @@ def _check_padding(rank: int, world: int, slow: bool) -> None:
             batch = dict(input_ids=tokens, position_ids=positions, attention_mask=mask)
             _check(name, world, mesh, LAYOUTS, batch, weights, keep=mask.float(), use_cache=False)
         _check(name, world, mesh, ["headtail"], batch, weights, keep=mask.float())
+    _check_left_padded_loss(world, mesh, tokens, mask)
+
+
+def _check_left_padded_loss(world, mesh, tokens, mask) -> None:
+    """transformers' own loss on a left-padded batch, labels -100 on the pads: the last pad is scored against the
+    row's first token, so its logits count (Note [Pad queries]): loss and gradients equal CP=1's."""
+    base = _model("llama", world)
+    labels = tokens.masked_fill(mask == 0, -100)
+    positions = (mask.cumsum(1) - 1).clamp_min(0)
+    want = base(input_ids=tokens, attention_mask=mask, position_ids=positions, labels=labels, use_cache=False)
+    want.loss.backward()
+    model = apply_context_parallel(copy.deepcopy(base), mesh, layout="striped")
+    model.zero_grad(set_to_none=True)
+    shifted = hf.shift_labels(labels)
+    tok, m, pos, lab = shard_batch((tokens, mask, positions, shifted), mesh, layout="striped")
+    out = model(input_ids=tok, attention_mask=m, position_ids=pos, labels=lab, shift_labels=lab,
+                num_items_in_batch=(shifted != -100).sum(), use_cache=False)
+    out.loss.backward()
+    reduce_gradients(model, mesh)
+    loss = out.loss.detach().clone()
+    torch.distributed.all_reduce(loss)
+    assert rel_err(loss, want.loss.detach()) <= TOL, (loss, want.loss)
+    for (name, p), q in zip(model.named_parameters(), base.parameters()):
+        assert rel_err(p.grad, q.grad) <= TOL, (name, rel_err(p.grad, q.grad))
 
 
 def _expect_error(fn, match: str) -> None:

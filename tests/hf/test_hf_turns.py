@@ -354,9 +354,30 @@ def _check_hybrid_windowed(rank: int, world: int) -> None:
         assert _windowed_shares(out, ref, world, f"lara_mini P={world} turn {turn}") == 1
 
 
+def _check_latent_cache(rank: int, world: int) -> None:
+    """DeepSeek-V3's MLA caches the compressed latent and expands it per forward: a long turn (pass-KV for a model
+    caching its K/V) runs pass-Q on the latent shares and equals CP=1 (it raised a shape error in the ring)."""
+    mesh = init_device_mesh("cpu", (world,))
+    cfg = transformers.DeepseekV3Config(vocab_size=V, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                        n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+                                        first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4,
+                                        qk_nope_head_dim=8, v_head_dim=8, head_dim=4)
+    torch.manual_seed(0)
+    base = transformers.DeepseekV3ForCausalLM(cfg).float().eval()
+    ref_model, model = copy.deepcopy(base), hf.apply_context_parallel(copy.deepcopy(base), mesh)
+    ids, mask = _prompt(8, 2, 6, [0, 2])
+    ref, out = _generate(ref_model, ids, mask, max_new_tokens=2), _generate(model, ids, mask, max_new_tokens=2)
+    ids, mask = _follow(out.sequences, mask, 9, 60)  # 60 new after 7 cached: pass-KV by the bytes rule
+    out = _generate(model, ids, mask, cache=out.cache, max_new_tokens=2)
+    _compare(out, _generate(ref_model, ids, mask, cache=ref.cache, max_new_tokens=2), f"deepseek_v3 P={world} turn 2")
+    assert not out.cache.attends_cached and out.cache.runs["pass-kv"] == 0, out.cache.runs
+
+
 def _all(rank: int, world: int, full: bool) -> int:
     n = _check_turns(rank, world, full) + _check_chunked(rank, world, full) + _check_ragged(rank, world, full)
     if full:
+        _check_latent_cache(rank, world)
         _check_hybrid(rank, world)
         _check_bytes(rank, world)
         _check_refusals(rank, world)

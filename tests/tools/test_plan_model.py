@@ -47,6 +47,12 @@ def test_cli_longest_8b_at_cp8(capsys):
     assert out["ratio"] >= 4 and out["tiled"]["memory"]["total"] <= 80 * GIB
     with pytest.raises(SystemExit):
         cli.main(["longest", "--model", "llama3-8b", "--cp", "0", "--mem-budget-gib", "80"])
+    for bad, said in ((["--mem-budget-gib", "10", "--reserved-gib", "18"], "below --mem-budget-gib (10)"),
+                      (["--mem-budget-gib", "-1"], "below --mem-budget-gib (-1)"),
+                      (["--mem-budget-gib", "80", "--pp", "33"], "exceeds the model's 32 layers")):
+        with pytest.raises(SystemExit):  # llama3-8b: 32 layers
+            cli.main(["longest", "--model", "llama3-8b", "--cp", "8", *bad])
+        assert said in capsys.readouterr().err, bad
     with pytest.raises(ValueError, match="checkpointing"):
         model_memory(TINY, 10, cp=1, checkpointing="some")
 
