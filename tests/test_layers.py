@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, set[str]]] = [
      {"core.exchange.ring", "core.exchange.allgather", "core.exchange.doc_exchange", "core.exchange.doc_op",
       "core.linear.linear_attention", "core.linear.linear_runs", "core.linear.linear_conv"}),
     ("the front door; a batch's shards; the SDPA-on-DTensor rule; decoding against a sharded cache",
-     {"core.attention", "core.batch", "dtensor.sdpa", "core.decode", "core"}),
+     {"core.attention", "core.batch", "core.dynamic", "dtensor.sdpa", "core.decode", "core"}),
     ("DTensor entry points", {"dtensor.sharding", "dtensor"}),
     ("own models: the SDPA mode's hooks", {"nn.sdpa_mode", "nn"}),
     ("integrations", {"hf.attention", "hf.cache", "hf.documents", "hf.tiling", "hf.logits", "hf.served", "hf.families", "hf.generate", "hf.turns", "hf.pass_kv", "hf.linear", "hf.router", "hf.state", "hf.trainer", "hf.collator", "hf",
