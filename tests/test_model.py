@@ -307,3 +307,14 @@ def _grad_on_some_ranks(rank: int, world: int) -> list[float]:
 def test_reduce_gradients_with_a_parameter_only_some_ranks_reached():
     results = run_ranks(2, _grad_on_some_ranks)
     assert results[0] == results[1] and any(v != 0 for v in results[0])
+
+
+def test_dynamic_example_is_the_docs_block():
+    """docs/documents.md's dynamic CP example (run by tests/test_docs.py on 2 ranks) is scripts/examples/dynamic_cp.py."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    script = (root / "scripts" / "examples" / "dynamic_cp.py").read_text()
+    page = (root / "docs" / "documents.md").read_text().split("## Dynamic CP", 1)[1]
+    block = page.split("<!-- example: ranks=2 -->\n```python\n", 1)[1].split("```", 1)[0]
+    assert block.strip() and block in script, "docs/documents.md's dynamic CP example differs from the script"
