@@ -11,7 +11,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "cp_dtensor"
 
 # Bottom to top. A module may import modules of its own layer or a lower one; the cycle check keeps
 # each layer's own imports a DAG. A package's __init__ sits with its modules' top layer.
-_V02 = ("config", "attention", "families", "flex", "pipeline", "resume", "spec", "validate", "trainer")
+_V02 = ("config", "dynamic", "attention", "families", "flex", "pipeline", "resume", "spec", "validate", "trainer")
 _V03 = ("_cpu", "attention", "linear", "trainer", "main", "tiling")
 LAYERS: list[tuple[str, set[str]]] = [
     ("private torch touch points, deprecation, torch-free layout facts",

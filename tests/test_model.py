@@ -233,6 +233,10 @@ def _check_dynamic(rank: int, base: nn.Module) -> None:
                 report = plan_report(plan)
                 assert report["tokens"] == 24 and report["rows"] == max(needed_rows(held, docs)), report
                 assert abs(report["work"] - row_balance(held, docs, windows=[window])) < 1e-9, report
+                if window is None:  # each dp rank's own rows: sum of L (L + 1) / 2 over its documents
+                    per_dp = [sum(x * (x + 1) // 2 for row in rows for x in row) for rows in lengths]
+                    want_dp = max(per_dp) * 2 / sum(per_dp)
+                    assert abs(plan_report(plan, dp=2)["dp_rows"] - want_dp) < 1e-9, (report, want_dp)
             logits = model(t, positions=p, cp_layout=plan)
             loss = loss_of(logits, lb)
             loss.backward()

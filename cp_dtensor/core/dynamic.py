@@ -42,7 +42,7 @@ from .._compat import mesh_flatten
 from .agreement import Rules, agree_objects
 from .plan.documents import DocumentLayout, document_layout, full_document_ids
 
-__all__ = ["DynamicBatch", "plan_report", "shard_dynamic"]
+__all__ = ["DynamicBatch", "plan_report", "shard_dynamic", "shard_on_grid"]
 
 
 class DynamicBatch(NamedTuple):
@@ -114,6 +114,19 @@ def shard_dynamic(batch, mesh: DeviceMesh, *, leaves: list[tuple[str, Tensor]], 
     brings its own rows. Every rank raises alike on bad input before any token moves. ``leaves``: the batch's
     (key, tensor) entries; ``rebuild(batch, fn)``: the batch with ``fn`` applied to each (core/batch.py's)."""
     flat, cp = _grid(mesh)
+    return shard_on_grid(batch, flat, cp, leaves=leaves, rebuild=rebuild, seq_dim=seq_dim, layout=layout,
+                         document_ids=document_ids, position_ids=position_ids, windows=windows)
+
+
+def shard_on_grid(batch, flat: DeviceMesh, cp: int, *, leaves: list[tuple[str, Tensor]] | None = None,
+                  rebuild: Callable | None = None, seq_dim: int = 1, layout: Any = "documents", document_ids=None,
+                  position_ids=None, windows: Any = None) -> DynamicBatch:
+    """:func:`shard_dynamic` on the flattened grid ``flat`` (1-D, flat rank ``d * cp + c``: a torchtitan job's
+    "loss" mesh) whose runs of ``cp`` ranks share one dp rank's rows. ``batch``: a tuple of tensors unless
+    ``leaves`` / ``rebuild`` say otherwise."""
+    if leaves is None:
+        leaves = [(f"[{i}]", t) for i, t in enumerate(batch)]
+        rebuild = lambda b, fn: tuple(fn(t) for t in b)  # noqa: E731
     world, rank = flat.size(), flat.get_local_rank()
     given, ids, where = None, None, "shard_batch(dynamic=True)"
     try:
@@ -172,11 +185,13 @@ def _mover(plan: DocumentLayout, flat: DeviceMesh, rank: int, world: int, cp: in
     return move
 
 
-def plan_report(plan: DocumentLayout, *, linear: int = 0) -> dict:
+def plan_report(plan: DocumentLayout, *, linear: int = 0, dp: int = 1) -> dict:
     """The plan's balance, from the plan alone (no communication): ``work``: max / mean over ranks of the kept
     causal query-key pairs of its layers (plus ``linear`` pair-equivalents a token for the other layers),
     ``rows``: K/V rows each rank receives a layer under the causal mask (max over ranks; the document
-    exchange sends exactly these), ``tokens``: tokens a rank (equal on every rank)."""
+    exchange sends exactly these), ``tokens``: tokens a rank (equal on every rank); with ``dp`` > 1 also
+    ``dp_rows``: max / mean of the same work over the ``dp`` rank's own rows (each 1 / dp of the plan's row):
+    a lower bound of the static grid's max / mean, which waits for the busiest dp rank."""
     world, s, (b, n) = plan.cp_size, plan.s_local, plan.ids.shape
     new = torch.ones((b, n), dtype=torch.bool)
     new[:, 1:] = plan.ids[:, 1:] != plan.ids[:, :-1]
@@ -197,4 +212,8 @@ def plan_report(plan: DocumentLayout, *, linear: int = 0) -> dict:
     need = last.gather(2, doc[:, None, :].expand(b, world, n)) >= pos[:, None, :]  # [B, P, N]: a later query of its doc
     need &= owner[:, None, :] != torch.arange(world)[None, :, None]  # held elsewhere: received
     rows = need.sum((0, 2))
-    return {"work": int(work.max()) * world / int(work.sum()), "rows": int(rows.max()), "tokens": s * plan.batch}
+    out = {"work": int(work.max()) * world / int(work.sum()), "rows": int(rows.max()), "tokens": s * plan.batch}
+    if dp > 1:
+        per_dp = (pairs.view(b, dp, n // dp).sum((0, 2)) + linear * n // dp * b).tolist()
+        out["dp_rows"] = max(per_dp) * dp / sum(per_dp)
+    return out

@@ -57,6 +57,7 @@ def check_config(job_config: Any, world_size: int) -> None:
     _check_pipeline(job_config)
     _check_tp_compile(job_config, cp, tp)
     _check_expert_parallel(job_config, world_size, cp, tp)
+    _check_dynamic(job_config, cp, tp)
     if cp == 1:
         return
     layout = cp_section(job_config).layout
@@ -207,6 +208,30 @@ def _check_pipeline(job_config: Any) -> None:
             f"into {stages} stages, more than its {layers} layers + embedding + head: a stage would split a layer. "
             f"Use pipeline_parallel_degree <= {(layers + 2) // (2 if looped else 1)} or a single-stage schedule "
             "(1F1B, GPipe).")
+
+
+def _check_dynamic(job_config: Any, cp: int, tp: int) -> None:
+    # [cp_dtensor] dynamic = true: the compositions it is tested with (Note [One plan over the grid]), the rest refused
+    section = getattr(job_config, "cp_dtensor", None)
+    if section is None or not section.dynamic:
+        return
+    par = job_config.parallelism
+    refused = [what for what, on in (
+        ("context_parallel_degree = 1 (set it > 1: the plan spans dp_shard x cp)", cp == 1),
+        (f'[model] name = "{job_config.model.name}" (dynamic serves llama3 flex flavors)', job_config.model.name != "llama3"),
+        ("tensor_parallel_degree > 1", tp > 1),
+        ("pipeline_parallel_degree > 1", par.pipeline_parallel_degree > 1),
+        ("data_parallel_replicate_degree > 1 (use data_parallel_shard_degree)", par.data_parallel_replicate_degree > 1),
+        ("[compile] enable", getattr(job_config.compile, "enable", False)),
+        (f'[activation_checkpoint] mode = "{job_config.activation_checkpoint.mode}"',
+         job_config.activation_checkpoint.mode != "none"),
+        ("[cp_dtensor] sequence_tiling", section.tile_size is not None),
+        ("[model] converters (float8 / MX)", bool(getattr(job_config.model, "converters", None))),
+        ("[validation] enable", getattr(getattr(job_config, "validation", None), "enable", False)),
+    ) if on]
+    if refused:
+        raise ValueError("[cp_dtensor] dynamic = true is not served with: " + "; ".join(refused) + ". Turn these off, "
+                         "or remove dynamic (the static documents layout serves them).")
 
 
 def _flavors(family: str):

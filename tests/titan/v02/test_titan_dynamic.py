@@ -1,0 +1,97 @@
+"""``[cp_dtensor] dynamic = true`` (Note [Dynamic CP in torchtitan]): one plan of the global batch over every
+dp_shard x cp rank, against the static documents layout.
+
+The slow tier runs llama3 debugmodel_flex_attn at dp_shard 2 x cp 2 (4 ranks, fp32, 3 steps from one seed
+checkpoint) twice, static documents and dynamic, and checks from the two jobs: the losses and grad norms
+equal (rel 2e-5), the ring runs over all 4 ranks, one balance line a step (rank 0) with the plan's work
+max/mean, the K/V rows received and the tokens a rank (B * N / cp). The default tier checks the start-up
+refusals of compositions dynamic does not serve (config parsing only, no job)."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import tempfile
+from pathlib import Path
+
+import pytest
+from _tiers import slow
+
+if importlib.util.find_spec("torchtitan") is None:
+    pytest.skip("torchtitan is not installed", allow_module_level=True)
+from _titan_run import skip_unless_titan  # noqa: E402
+
+skip_unless_titan((0, 2))
+
+import cp_dtensor.titan  # noqa: E402, F401  before any torchtitan import: see Note [torchtitan on CPU]
+from _titan_run import CONFIG, seed_checkpoint, torchrun  # noqa: E402
+
+FLEX = ["--model.flavor", "debugmodel_flex_attn"]
+GRID = ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
+        "--cp_dtensor.layout", "documents"]
+_STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*([0-9.]+)\s+grad_norm:\s*([0-9.]+)")
+_BALANCE = re.compile(r"cp_dtensor dynamic: work max/mean ([0-9.]+) over (\d+) ranks \(the dp ranks' rows alone "
+                      r"([0-9.]+)\), K/V rows received (\d+) \(busiest rank, a layer\), tokens a rank (\d+)")
+
+
+def _steps(out: str) -> dict[int, tuple[float, float]]:
+    """(loss, grad_norm) of each step; every rank logs the same."""
+    by_step: dict[int, set] = {}
+    for step, loss, norm in _STEP.findall(out):
+        by_step.setdefault(int(step), set()).add((float(loss), float(norm)))
+    assert all(len(v) == 1 for v in by_step.values()), f"ranks disagree: {by_step}"
+    return {s: v.pop() for s, v in sorted(by_step.items())}
+
+
+@slow("two 4-rank torchtitan jobs (about 25 s on a quiet 2-core machine, 85 s loaded, seed checkpoint included)")
+def test_dynamic_equals_static_documents():
+    seed = seed_checkpoint(*FLEX)
+    common = [*FLEX, *GRID, "--checkpoint.enable", "--checkpoint.initial_load_path", str(seed),
+              "--checkpoint.load_only", "--training.steps", "3"]
+    static = torchrun(4, Path(tempfile.mkdtemp(prefix="titan-static-")), *common)
+    dynamic = torchrun(4, Path(tempfile.mkdtemp(prefix="titan-dynamic-")), *common, "--cp_dtensor.dynamic", "true")
+    want, got = _steps(static), _steps(dynamic)
+    assert sorted(got) == sorted(want) == [1, 2, 3], (got, want)
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=2e-5), (step, got[step], want[step])
+    assert "Applied cp_dtensor ring attention (layout=documents, dynamic over dp x cp = 4 ranks)" in dynamic
+    assert "cp_dtensor dynamic:" not in static
+    lines = _BALANCE.findall(dynamic)
+    assert len(lines) == 3, dynamic[-3000:]  # one a step, rank 0 only
+    for work, ranks, rows_alone, received, tokens in lines:
+        assert int(ranks) == 4 and int(tokens) == 2 * 256 // 2  # local_batch_size * seq_len / cp: equal on every rank
+        assert 1.0 <= float(work) <= 1.03 and float(work) <= float(rows_alone), (work, rows_alone)
+        assert int(received) > 0  # documents cut over ranks: the exchange runs
+
+
+def _parse(*overrides: str):
+    from torchtitan.config import ConfigManager
+
+    return ConfigManager().parse_args(["--job.config_file", str(CONFIG), *overrides])
+
+
+def test_dynamic_without_documents_is_refused():
+    from cp_dtensor.titan import CPDTensor
+
+    with pytest.raises(ValueError, match=r'dynamic = true .* needs layout = "documents"; got layout = \'striped\''):
+        CPDTensor(dynamic=True)  # what the TOML's section builds, on every rank at parse time
+    assert CPDTensor(layout="documents", dynamic="true").dynamic is True  # the command line's spelling
+
+
+@pytest.mark.parametrize(("overrides", "world", "message"), [
+    (["--parallelism.tensor_parallel_degree", "2"], 8, r"tensor_parallel_degree > 1"),
+    (["--parallelism.pipeline_parallel_degree", "2"], 8, r"pipeline_parallel_degree > 1"),
+    (["--compile.enable"], 4, r"\[compile\] enable"),
+    (["--activation_checkpoint.mode", "full"], 4, r'\[activation_checkpoint\] mode = "full"'),
+    (["--validation.enable"], 4, r"\[validation\] enable"),
+    (["--cp_dtensor.sequence_tiling", "true"], 4, r"sequence_tiling"),
+    (["--parallelism.context_parallel_degree", "1"], 2, r"context_parallel_degree = 1"),
+    (["--parallelism.data_parallel_replicate_degree", "2"], 8, r"data_parallel_replicate_degree > 1"),
+], ids=["tp", "pp", "compile", "ac", "validation", "tiling", "cp1", "hsdp"])
+def test_unserved_compositions_are_refused_at_start(overrides, world, message):
+    from cp_dtensor.titan import check_config
+
+    cfg = _parse(*FLEX, *GRID, "--cp_dtensor.dynamic", "true", *overrides)
+    with pytest.raises(ValueError, match=r"dynamic = true is not served with: .*" + message + r".*remove dynamic"):
+        check_config(cfg, world_size=world)
+    check_config(_parse(*FLEX, *GRID, "--cp_dtensor.dynamic", "true"), world_size=4)  # the served job passes
