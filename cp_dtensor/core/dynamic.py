@@ -205,13 +205,16 @@ def plan_report(plan: DocumentLayout, *, linear: int = 0, dp: int = 1) -> dict:
     owner.scatter_(1, plan.order, (torch.arange(n) // s).expand(b, n))
     doc = new.long().cumsum(1) - 1  # [B, N]: each token's document 0, 1, ... along its row
     docs = int(doc[:, -1].max()) + 1
+    slot = ((torch.arange(b)[:, None] * world + owner) * docs + doc).view(-1)  # (row, holder, document) of each token
     last = torch.full((b * world * docs,), -1, dtype=torch.int64)  # each rank's last query of each document
-    slot = (torch.arange(b)[:, None] * world + owner) * docs + doc  # [B, N]: (row, holder, document)
-    last.scatter_reduce_(0, slot.view(-1), pos.reshape(-1), "amax")
-    last = last.view(b, world, docs)
-    need = last.gather(2, doc[:, None, :].expand(b, world, n)) >= pos[:, None, :]  # [B, P, N]: a later query of its doc
-    need &= owner[:, None, :] != torch.arange(world)[None, :, None]  # held elsewhere: received
-    rows = need.sum((0, 2))
+    last.scatter_reduce_(0, slot, pos.reshape(-1), "amax")
+    held = torch.bincount(slot, minlength=b * world * docs)  # the tokens each rank holds of each document
+    first = torch.zeros(b * docs, dtype=torch.int64)  # each document's first position
+    first.scatter_reduce_(0, (torch.arange(b)[:, None] * docs + doc).view(-1), pos.reshape(-1), "amin", include_self=False)
+    first = first.view(b, 1, docs).expand(b, world, docs).reshape(-1)
+    # causal: a rank's queries of a document need its keys from the start to the rank's last query; it holds its own
+    need = torch.where(last >= 0, last - first + 1 - held, 0)
+    rows = need.view(b, world, docs).sum((0, 2))
     out = {"work": int(work.max()) * world / int(work.sum()), "rows": int(rows.max()), "tokens": s * plan.batch}
     if dp > 1:
         per_dp = (pairs.view(b, dp, n // dp).sum((0, 2)) + linear * n // dp * b).tolist()
