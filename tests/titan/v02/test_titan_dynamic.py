@@ -2,7 +2,8 @@
 dp_shard x cp rank, against the static documents layout.
 
 The slow tier runs llama3 debugmodel_flex_attn at dp_shard 2 x cp 2 (4 ranks, fp32, 3 steps from one seed
-checkpoint), static documents, dynamic, and dynamic with full activation checkpointing and compiled blocks,
+checkpoint), static documents, dynamic, and dynamic with full activation checkpointing, compiled blocks and
+sequence tiling,
 and checks from the jobs: the losses and grad norms equal (rel 2e-5), the ring runs over all 4 ranks, one balance line a step (rank 0) with the plan's work
 max/mean, the K/V rows received and the tokens a rank (B * N / cp). The default tier checks the start-up
 refusals of compositions dynamic does not serve (config parsing only, no job)."""
@@ -51,10 +52,14 @@ def test_dynamic_equals_static_documents():
     static = torchrun(4, Path(tempfile.mkdtemp(prefix="titan-static-")), *common)
     dynamic = torchrun(4, Path(tempfile.mkdtemp(prefix="titan-dynamic-")), *common, "--cp_dtensor.dynamic", "true")
     want, got = _steps(static), _steps(dynamic)
-    # dynamic with full activation checkpointing and every block compiled (Inductor): the same numbers
+    # dynamic with full activation checkpointing, every block compiled (Inductor) and the LM head + loss and the
+    # MLPs in 64-token tiles: the same numbers
     both = torchrun(4, Path(tempfile.mkdtemp(prefix="titan-dynamic-ac-compile-")), *common, "--cp_dtensor.dynamic",
-                    "true", "--activation_checkpoint.mode", "full", "--compile.enable")
-    assert "Applied full activation checkpointing" in both and "Compiling each TransformerBlock" in both, both[-3000:]
+                    "true", "--activation_checkpoint.mode", "full", "--compile.enable", "--cp_dtensor.sequence_tiling",
+                    "64")
+    for line in ("Applied full activation checkpointing", "Compiling each TransformerBlock",
+                 "cp_dtensor: sequence tiling, 64 tokens a tile"):
+        assert line in both, (line, both[-3000:])
     for run in (got, _steps(both)):
         assert sorted(run) == sorted(want) == [1, 2, 3], (run, want)
         for step in want:
@@ -87,10 +92,9 @@ def test_dynamic_without_documents_is_refused():
     (["--parallelism.tensor_parallel_degree", "2"], 8, r"tensor_parallel_degree > 1"),
     (["--parallelism.pipeline_parallel_degree", "2"], 8, r"pipeline_parallel_degree > 1"),
     (["--validation.enable"], 4, r"\[validation\] enable"),
-    (["--cp_dtensor.sequence_tiling", "true"], 4, r"sequence_tiling"),
     (["--parallelism.context_parallel_degree", "1"], 2, r"context_parallel_degree = 1"),
     (["--parallelism.data_parallel_replicate_degree", "2"], 8, r"data_parallel_replicate_degree > 1"),
-], ids=["tp", "pp", "validation", "tiling", "cp1", "hsdp"])
+], ids=["tp", "pp", "validation", "cp1", "hsdp"])
 def test_unserved_compositions_are_refused_at_start(overrides, world, message):
     from cp_dtensor.titan import check_config
 
