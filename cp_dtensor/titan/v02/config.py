@@ -212,7 +212,7 @@ def _check_pipeline(job_config: Any) -> None:
 
 def _check_dynamic(job_config: Any, cp: int, tp: int) -> None:
     # [cp_dtensor] dynamic = true: the compositions it is tested with (FSDP, compile, activation checkpointing,
-    # sequence tiling, gradient accumulation; Note [Dynamic CP in torchtitan]), the rest refused
+    # sequence tiling, validation, gradient accumulation; Note [Dynamic CP in torchtitan]), the rest refused
     section = getattr(job_config, "cp_dtensor", None)
     if section is None or not section.dynamic:
         return
@@ -224,7 +224,8 @@ def _check_dynamic(job_config: Any, cp: int, tp: int) -> None:
         ("pipeline_parallel_degree > 1", par.pipeline_parallel_degree > 1),
         ("data_parallel_replicate_degree > 1 (use data_parallel_shard_degree)", par.data_parallel_replicate_degree > 1),
         ("[model] converters (float8 / MX)", bool(getattr(job_config.model, "converters", None))),
-        ("[validation] enable", getattr(getattr(job_config, "validation", None), "enable", False)),
+        ("[validation] enable beside [compile] enable (the compiled blocks hit the recompile limit there)",
+         getattr(getattr(job_config, "validation", None), "enable", False) and getattr(job_config.compile, "enable", False)),
     ) if on]
     if refused:
         raise ValueError("[cp_dtensor] dynamic = true is not served with: " + "; ".join(refused) + ". Turn these off, "
