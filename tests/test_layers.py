@@ -11,7 +11,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "cp_dtensor"
 
 # Bottom to top. A module may import modules of its own layer or a lower one; the cycle check keeps
 # each layer's own imports a DAG. A package's __init__ sits with its modules' top layer.
-_V02 = ("pipeline_checks", "config", "attention", "families", "flex", "pipeline", "resume", "spec", "validate", "trainer")
+_V02 = ("pipeline_checks", "config", "dynamic", "attention", "families", "flex", "pipeline", "resume", "spec", "validate",
+        "trainer")
 _V03 = ("_cpu", "attention", "linear", "trainer", "main", "tiling")
 LAYERS: list[tuple[str, set[str]]] = [
     ("private torch touch points, deprecation, torch-free layout facts",
@@ -31,7 +32,7 @@ LAYERS: list[tuple[str, set[str]]] = [
      {"core.exchange.ring", "core.exchange.allgather", "core.exchange.doc_exchange", "core.exchange.doc_op",
       "core.linear.linear_attention", "core.linear.linear_runs", "core.linear.linear_conv"}),
     ("the front door; a batch's shards; the SDPA-on-DTensor rule; decoding against a sharded cache",
-     {"core.attention", "core.batch", "dtensor.sdpa", "core.decode", "core"}),
+     {"core.attention", "core.batch", "core.dynamic", "dtensor.sdpa", "core.decode", "core"}),
     ("DTensor entry points", {"dtensor.sharding", "dtensor"}),
     ("own models: the SDPA mode's hooks", {"nn.sdpa_mode", "nn"}),
     ("integrations", {"hf.attention", "hf.cache", "hf.documents", "hf.tiling", "hf.logits", "hf.served", "hf.families", "hf.generate", "hf.turns", "hf.pass_kv", "hf.linear", "hf.sparse", "hf.sparse_generate", "hf.router", "hf.state", "hf.trainer", "hf.collator", "hf",

@@ -8,12 +8,16 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _tiers import slow
+from _tiers import SLOW
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.debug import CommDebugMode
 
+import cp_dtensor
+from cp_dtensor._compat import mesh_flatten
 from cp_dtensor.core.batch import shard_batch, unshard_batch
+from cp_dtensor.core.dynamic import plan_report
+from cp_dtensor.core.plan.documents import needed_rows, row_balance
 from cp_dtensor.doors import apply_context_parallel, reduce_gradients
 from cp_dtensor.dtensor.sdpa import install_sdpa_dispatch
 from _dist import run_ranks
@@ -148,7 +152,7 @@ def _dense_mask(ids: torch.Tensor, window: tuple[int, int] | None) -> torch.Tens
     return (ids[:, None, :, None] == ids[:, None, None, :]) & keep
 
 
-def _check_packed(rank: int, world: int) -> None:
+def _check_packed(rank: int, world: int, packed: bool = True) -> None:
     torch.manual_seed(0)
     base = TinyLM()
     b, n = 2, 24
@@ -158,7 +162,7 @@ def _check_packed(rank: int, world: int) -> None:
     positions = torch.stack([torch.cat([torch.arange(x) for x in row]) for row in lengths])
     ids = torch.stack([torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row)) for row in lengths])
     mesh = init_device_mesh("cpu", (world,))
-    for window in (None, (3, 0)):
+    for window in ((None, (3, 0)) if packed else ()):
         ref = copy.deepcopy(base)
         ref_logits = ref(tokens, positions, _dense_mask(ids, window))
         _loss(ref_logits, labels, b * n).backward()
@@ -176,13 +180,111 @@ def _check_packed(rank: int, world: int) -> None:
                 assert rel_err(full, ref_logits.detach()) <= TOL, where
                 for (name, p), want in zip(model.named_parameters(), ref.parameters()):
                     assert rel_err(p.grad, want.grad) <= TOL, f"{where} grad {name}"
+    if world == 4:
+        _check_dynamic(rank, base)
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(4, marks=slow("P = 4: ~11 s"))])
+def _check_dynamic(rank: int, base: nn.Module) -> None:
+    """shard_batch(dynamic=True) on a dp 2 x cp 2 grid: one plan of the global batch (dp ranks with very
+    unequal documents) over the 4 ranks; loss, logits and gradients equal the static documents run (each dp
+    rank's rows on its own cp ranks) and the float64 model on the whole global batch, both normalised by
+    the global count of valid tokens."""
+    from cp_dtensor import document_layout
+    from cp_dtensor.tools.debug import CommBytes
+
+    grid = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    d = grid.get_coordinate()[0]
+    lengths = [[[24], [20, 4]], [[3, 5, 2, 6, 8], [1, 1, 22]]]  # dp rank -> its rows' documents
+    g = torch.Generator().manual_seed(5)
+    tokens, labels = torch.randint(0, 32, (4, 24), generator=g), torch.randint(0, 32, (4, 24), generator=g)
+    labels[1, :3] = labels[3, 5:9] = -100  # ignored labels: the loss divides by the global count of the others
+    positions = torch.stack([torch.cat([torch.arange(x) for x in row]) for rows in lengths for row in rows])
+    ids = (positions == 0).cumsum(1)
+    count = int((labels != -100).sum())
+    tok, lab, pos = (x[2 * d : 2 * d + 2] for x in (tokens, labels, positions))  # this dp rank's rows
+
+    def loss_of(logits, lab):
+        return F.cross_entropy(logits.flatten(0, 1), lab.flatten(), reduction="sum", ignore_index=-100) / count
+
+    for window in (None, (3, 0)):
+        ref = copy.deepcopy(base).double()  # float64, the whole global batch on one device
+        ref_logits = ref(tokens, positions, _dense_mask(ids, window))
+        ref_loss = loss_of(ref_logits, labels)
+        ref_loss.backward()
+        runs = {}
+        for how in ("static", "dynamic"):
+            model = apply_context_parallel(copy.deepcopy(base), mesh_flatten(grid) if how == "dynamic"
+                                           else grid["cp"], layout="documents", window_size=window,
+                                           documents="position_ids")
+            if how == "static":
+                mesh, plan = grid["cp"], document_layout((pos == 0).cumsum(1), 2, windows=[window])
+                t, lb, p = shard_batch((tok, lab, pos), mesh, layout=plan)
+            else:
+                with CommBytes() as sent:
+                    (t, lb, p), plan, mesh = shard_batch((tok, lab, pos), grid, layout="documents", dynamic=True,
+                                                         position_ids=pos, windows=[window])
+                assert mesh.size() == 4 and plan.cp_size == 4 and t.shape == (1, 24), (t.shape, plan)
+                assert sent.by_op["all_to_all_single"] > 0, dict(sent.by_op)  # token ids moved
+                assert cp_dtensor.core.dynamic.DynamicBatch(None, plan, mesh).valid_tokens(lb) == count
+                # the balance report against the planner's own pure-Python figures
+                held = plan.order[0].view(4, -1).sort(1).values.tolist()
+                docs = torch.unique_consecutive(plan.ids[0], return_counts=True)[1].tolist()
+                report = plan_report(plan)
+                assert report["tokens"] == 24 and report["rows"] == max(needed_rows(held, docs)), report
+                assert abs(report["work"] - row_balance(held, docs, windows=[window])) < 1e-9, report
+                if window is None:  # each dp rank's own rows: sum of L (L + 1) / 2 over its documents
+                    per_dp = [sum(x * (x + 1) // 2 for row in rows for x in row) for rows in lengths]
+                    want_dp = max(per_dp) * 2 / sum(per_dp)
+                    assert abs(plan_report(plan, dp=2)["dp_rows"] - want_dp) < 1e-9, (report, want_dp)
+            logits = model(t, positions=p, cp_layout=plan)
+            loss = loss_of(logits, lb)
+            loss.backward()
+            flat = mesh_flatten(grid)
+            reduce_gradients(model, flat)  # the dp x cp gradient reduction, once
+            total = loss.detach().clone()
+            dist.all_reduce(total, group=flat.get_group())
+            full = unshard_batch(logits.detach(), mesh, layout=plan)  # [B, N] static (this dp rank), [1, 4 * N] dynamic
+            runs[how] = (total.item(), full.reshape(-1, 24, 32), [q.grad for q in model.parameters()])
+        for how, (loss, full, grads) in runs.items():
+            where = f"{how} window={window}"
+            assert abs(loss - ref_loss.item()) <= DYN_TOL * abs(ref_loss.item()), (where, loss, ref_loss.item())
+            want = ref_logits.detach().float() if how == "dynamic" else ref_logits.detach().float()[2 * d : 2 * d + 2]
+            assert rel_err(full, want) <= DYN_TOL, where
+            for (name, q), got in zip(ref.named_parameters(), grads):
+                err = rel_err(got, q.grad.float())
+                assert err <= DYN_TOL, f"{where} grad {name}: {err:.2e}"
+        s_loss, _, s_grads = runs["static"]
+        assert abs(runs["dynamic"][0] - s_loss) <= DYN_TOL * abs(s_loss)
+        assert all(rel_err(a, b) <= DYN_TOL for a, b in zip(runs["dynamic"][2], s_grads))
+
+    # bad input: every rank raises, before any token moves (no all-to-all)
+    other = torch.cat([torch.arange(20), torch.arange(4)]).expand(2, 24)
+    cases = [
+        ("no documents layout", dict(position_ids=pos), "needs layout='documents'"),
+        ("labels off the ids", dict(layout="documents", position_ids=pos, batch=(tok, lab[:, :12])), "follow the"),
+        ("positions off the ids", dict(layout="documents", position_ids=pos[:, :12], batch=(tok, pos)), "follow the"),
+        ("global batch shapes differ", dict(layout="documents", position_ids=pos[: 1 + (rank == 3)],
+                                            batch=(tok[: 1 + (rank == 3)],)), "same batch shapes|rejected"),
+        ("cp ranks disagree", dict(layout="documents", position_ids=other if rank == 1 else pos), "same rows"),
+        ("N not divisible", dict(layout="documents", position_ids=pos[:1, :23], batch=(tok[:1, :23],)), "divisible"),
+    ]
+    for where, kw, match in cases:
+        batch = kw.pop("batch", (tok, lab, pos))
+        with CommBytes() as sent, pytest.raises(ValueError, match=match):
+            shard_batch(batch, grid, dynamic=True, **kw)
+        assert "all_to_all_single" not in sent.by_op, (where, dict(sent.by_op))
+
+
+DYN_TOL = 2e-5  # fp32 against the float64 reference, relative to the largest magnitude
+
+
+@pytest.mark.parametrize("world", [2, 4])
 def test_packed_documents_and_windows_match_cp1_dense_mask(world):
     """Packed sequences (ids, or position ids restarting at 0) and a sliding window through
-    apply_context_parallel: logits and gradients equal a CP=1 model given the dense mask."""
-    run_ranks(world, _check_packed)
+    apply_context_parallel: logits and gradients equal a CP=1 model given the dense mask. At 4 ranks also
+    dynamic CP (shard_batch(..., dynamic=True)) on a dp 2 x cp 2 grid against the static documents run (the
+    packed cases at 4 ranks: slow tier)."""
+    run_ranks(world, _check_packed, world == 2 or SLOW)
 
 
 def _grad_on_some_ranks(rank: int, world: int) -> list[float]:
@@ -209,3 +311,14 @@ def _grad_on_some_ranks(rank: int, world: int) -> list[float]:
 def test_reduce_gradients_with_a_parameter_only_some_ranks_reached():
     results = run_ranks(2, _grad_on_some_ranks)
     assert results[0] == results[1] and any(v != 0 for v in results[0])
+
+
+def test_dynamic_example_is_the_docs_block():
+    """docs/documents.md's dynamic CP example (run by tests/test_docs.py on 2 ranks) is scripts/examples/dynamic_cp.py."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    script = (root / "scripts" / "examples" / "dynamic_cp.py").read_text()
+    page = (root / "docs" / "documents.md").read_text().split("## Dynamic CP", 1)[1]
+    block = page.split("<!-- example: ranks=2 -->\n```python\n", 1)[1].split("```", 1)[0]
+    assert block.strip() and block in script, "docs/documents.md's dynamic CP example differs from the script"

@@ -98,6 +98,7 @@ __all__ = [
     "is_fsdp_forward_hook",
     "make_contiguous_strides_for",
     "mesh_concatenate",
+    "mesh_flatten",
     "mesh_unflatten",
     "plan_strided_redistributions",
     "redistribute_local_tensor",
@@ -154,6 +155,8 @@ PRIVATE_SYMBOLS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     # titan/v02/attention.py: the (ulysses, ring) mesh of a CP group (Note [Ulysses in torchtitan])
     ("torch.distributed.device_mesh", "DeviceMesh._unflatten", ("self", "dim", "mesh_sizes", "mesh_dim_names")),
     ("torch.distributed.device_mesh", "DeviceMesh._concatenate", ("device_mesh_list",)),
+    # core/dynamic.py: the flattened dp x cp group of a dynamic batch (Note [One plan over the grid])
+    ("torch.distributed.device_mesh", "DeviceMesh._flatten", ("self", "mesh_dim_name")),
     # dtensor/placements.py: HeadTail subclasses _StridedShard (Note [HeadTail placement]) and fixes propagation
     ("torch.distributed.tensor.placement_types", "_StridedShard.local_shard_size_and_offset",
      ("self", "curr_local_size", "num_chunks", "rank", STRIDED_OFFSET_PARAM)),
@@ -408,6 +411,13 @@ def mesh_unflatten(mesh: DeviceMesh, sizes: tuple[int, ...], names: tuple[str, .
     """A 1-D ``mesh`` as a mesh of shape ``sizes`` (row-major), dims named ``names``; new process groups,
     so every rank calls it. torch 2.13's private ``DeviceMesh._unflatten`` (torchtitan's ParallelDims uses it)."""
     return mesh._unflatten(0, sizes, names)
+
+
+def mesh_flatten(mesh: DeviceMesh) -> DeviceMesh:
+    """A mesh with named dims as one 1-D mesh (row-major: flat rank ``d * cp + c`` for a (dp, cp) mesh), dims
+    joined by "_"; every rank calls it (the first call makes the group, later ones reuse it). torch 2.13's
+    private ``DeviceMesh._flatten`` (torchtitan's ParallelDims uses it)."""
+    return mesh._flatten()
 
 
 def mesh_concatenate(meshes: list[DeviceMesh]) -> DeviceMesh:

@@ -20,6 +20,7 @@ from .._compat import all_gather_single, all_gather_single_autograd
 from .._deprecated import old_keywords, warn_once
 from .agreement import Rules, agree_objects
 from .checks import check_cp_mesh
+from .dynamic import shard_dynamic
 from .plan.layout import check_layout, check_seq_len, global_order, layout_unit, shard_tensor, unshard_tensor, wrap_dim
 
 __all__ = ["document_ids_from_positions", "shard_batch", "unshard_batch"]
@@ -76,7 +77,8 @@ def _check(batch: Batch, mesh: DeviceMesh, seq_dim: int, layout: str, where: str
 
 
 def shard_batch(batch: Batch, mesh: DeviceMesh | None = None, *more: Tensor, seq_dim: int = 1,
-                layout: str = "striped") -> Batch:
+                layout: str = "striped", dynamic: bool = False, document_ids: Tensor | None = None,
+                position_ids: Tensor | None = None, windows: Any = None) -> Batch:
     """This rank's share of a full batch (inputs, labels, positions, ...): each tensor sharded alike along
     ``seq_dim`` in ``layout`` over the 1-D CP mesh ``mesh``. Same structure out as in.
 
@@ -85,7 +87,23 @@ def shard_batch(batch: Batch, mesh: DeviceMesh | None = None, *more: Tensor, seq
 
     Every rank passes the same full tensors; no communication. ``unshard_batch`` is the inverse.
     (The old call ``shard_batch(cp_mesh, *tensors)`` still works and returns a tuple; it warns once.)
+
+    ``dynamic=True`` (with ``layout="documents"``): one plan of the *global* batch over every rank of the
+    (dp, cp) mesh ``mesh`` (or its flattened 1-D group), from this dp rank's rows ``batch`` ([B, N, ...]
+    each) and their documents (``document_ids=`` or ``position_ids=`` [B, N]; ``windows=``: the layers'
+    window sizes). Returns a :class:`~cp_dtensor.core.dynamic.DynamicBatch` ``(batch, plan, mesh)``: this
+    rank's tokens ([1, B * N / cp, ...] each, moved by one all-to-all of token ids), the plan to pass to
+    the attention (``cp_layout=plan``) and the flattened mesh it runs over. See Note [One plan over the grid].
     """
+    if dynamic:
+        if more or isinstance(batch, DeviceMesh):
+            raise TypeError("shard_batch(dynamic=True) takes the batch, then the mesh: shard_batch(batch, mesh, ...).")
+        return shard_dynamic(batch, mesh, leaves=_leaves(batch, "shard_batch(dynamic=True)"), rebuild=_rebuild,
+                             seq_dim=seq_dim, layout=layout, document_ids=document_ids, position_ids=position_ids,
+                             windows=windows)
+    if document_ids is not None or position_ids is not None or windows is not None:
+        raise TypeError("shard_batch: document_ids=, position_ids= and windows= go with dynamic=True; a fixed layout "
+                        "shards by its plan: shard_batch(batch, mesh, layout=cp_dtensor.document_layout(ids, cp)).")
     if isinstance(batch, DeviceMesh):  # the old order: shard_batch(cp_mesh, *tensors)
         warn_once("cp_dtensor.shard_batch(cp_mesh, *tensors)", "cp_dtensor.shard_batch((t1, t2, ...), cp_mesh)")
         batch, mesh = (() if mesh is None else (mesh,)) + more, batch

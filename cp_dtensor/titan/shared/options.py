@@ -45,6 +45,12 @@ class CPDTensor:
     # str: the command line's spelling of the TOML's true / false (``--cp_dtensor.sequence_tiling true``), which
     # the parser's bool takes only as True / False; __post_init__ turns it into the bool or int.
 
+    dynamic: bool | str = False
+    """With layout = "documents": one plan of the global batch over every dp_shard x cp rank each step (short
+    documents whole on one rank, long ones cut over several; Note [One plan over the grid]), instead of each
+    dp rank's rows on its own CP ranks. Logs the plan's balance each step."""
+    # str: the command line's "true" / "false", as for sequence_tiling
+
     def __post_init__(self):
         if self.layout not in (*LAYOUTS, "documents"):
             raise ValueError(
@@ -64,6 +70,14 @@ class CPDTensor:
             raise ValueError(f"[cp_dtensor] kv_exchange must be one of {', '.join(KV_EXCHANGES)}; got "
                              f'{self.kv_exchange!r}. Set kv_exchange = "ring" (or "allgather") in the TOML.')
 
+        if isinstance(self.dynamic, str) and self.dynamic.strip().lower() in ("true", "false"):
+            self.dynamic = self.dynamic.strip().lower() == "true"
+        if not isinstance(self.dynamic, bool):
+            raise ValueError(f"[cp_dtensor] dynamic is true or false; got {self.dynamic!r}.")
+        if self.dynamic and self.layout != "documents":
+            raise ValueError(f'[cp_dtensor] dynamic = true plans the batch\'s documents over the dp x cp grid: it needs '
+                             f'layout = "documents"; got layout = {self.layout!r}. Set layout = "documents" (with a '
+                             'flex flavor whose masks mark documents, e.g. "debugmodel_flex_attn") or remove dynamic.')
         self.sequence_tiling = _tiling_value(self.sequence_tiling)
         try:
             check_tile_size(self.sequence_tiling)

@@ -33,6 +33,7 @@ from ..shared.heads import (
 )
 from ..shared.inner import RingInner, infinite_lse
 from ..shared.plan import check_titan_seq_len, rope_positions, shard_rows
+from .dynamic import shard_dynamic_batch
 from .flex import RingMask, mask_plan, shard_masks
 from .pipeline import masks_for_schedule, rows_for_schedule
 
@@ -92,6 +93,7 @@ def shard_cp_batch(
     layout: str,
     ulysses: int = 1,
     pipeline: bool = False,
+    grid: DeviceMesh | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
     """This CP rank's share of a batch; see Note [CP batch and positions].
 
@@ -103,8 +105,11 @@ def shard_cp_batch(
     [B, S_local]. ``layout="documents"`` plans the batch's documents from those masks first (Note [One plan
     per torchtitan batch] in titan/shared/plan.py) and shards everything with that plan. ``pipeline``: the
     positions and masks in the form a pipeline schedule splits into microbatches (Note [CP under pipeline
-    parallelism] in pipeline.py).
+    parallelism] in pipeline.py). ``grid``: ``[cp_dtensor] dynamic = true``'s flattened dp x cp mesh, over which
+    the global batch is planned instead (Note [Dynamic CP in torchtitan] in dynamic.py).
     """
+    if grid is not None:
+        return shard_dynamic_batch(inputs, labels, extra_kwargs, grid, cp_mesh.size(), device)
     rank, world = cp_mesh.get_local_rank(), cp_mesh.size()
     rank = ulysses_shard_index(rank, world, ulysses)  # this rank's 1-D shard index; = rank when ulysses == 1
     seq_len = inputs.shape[1]

@@ -58,6 +58,7 @@ def check_config(job_config: Any, world_size: int) -> None:
     _check_pipeline(job_config)
     _check_tp_compile(job_config, cp, tp)
     _check_expert_parallel(job_config, world_size, cp, tp)
+    _check_dynamic(job_config, cp, tp)
     if cp == 1:
         return
     layout = cp_section(job_config).layout
@@ -175,6 +176,28 @@ def _check_pipeline(job_config: Any) -> None:
     name, flavor = job_config.model.name, job_config.model.flavor
     args = _flavor_args(name, flavor) if name in FAMILIES and flavor in _flavors(name) else None  # else refused below
     check_pipeline(job_config, args, f"{name} {flavor}")
+
+
+def _check_dynamic(job_config: Any, cp: int, tp: int) -> None:
+    # [cp_dtensor] dynamic = true: the compositions it is tested with (FSDP, compile, activation checkpointing,
+    # sequence tiling, validation, gradient accumulation; Note [Dynamic CP in torchtitan]), the rest refused
+    section = getattr(job_config, "cp_dtensor", None)
+    if section is None or not section.dynamic:
+        return
+    par = job_config.parallelism
+    refused = [what for what, on in (
+        ("context_parallel_degree = 1 (set it > 1: the plan spans dp_shard x cp)", cp == 1),
+        (f'[model] name = "{job_config.model.name}" (dynamic serves llama3 flex flavors)', job_config.model.name != "llama3"),
+        ("tensor_parallel_degree > 1", tp > 1),
+        ("pipeline_parallel_degree > 1", par.pipeline_parallel_degree > 1),
+        ("data_parallel_replicate_degree > 1 (use data_parallel_shard_degree)", par.data_parallel_replicate_degree > 1),
+        ("[model] converters (float8 / MX)", bool(getattr(job_config.model, "converters", None))),
+        ("[validation] enable beside [compile] enable (the compiled blocks hit the recompile limit there)",
+         getattr(getattr(job_config, "validation", None), "enable", False) and getattr(job_config.compile, "enable", False)),
+    ) if on]
+    if refused:
+        raise ValueError("[cp_dtensor] dynamic = true is not served with: " + "; ".join(refused) + ". Turn these off, "
+                         "or remove dynamic (the static documents layout serves them).")
 
 
 def _flavors(family: str):

@@ -111,12 +111,14 @@ def _ring_in_place(attention_modules, cp_mesh, attention_type: str) -> None:
     payload = "as the input dtype" if first.comm_dtype is None else f"comm_dtype={str(first.comm_dtype)[6:]}"
     ulysses = f", ulysses={first.group.size(0)} x ring={first.group.size(1)}" if isinstance(first.group, DeviceMesh) else ""
     exchange = "" if first.kv_exchange == "ring" else f", kv_exchange={first.kv_exchange}"
+    if getattr(first, "dynamic", False):  # Note [Dynamic CP in torchtitan]
+        exchange += f", dynamic over dp x cp = {torch.distributed.get_world_size(first.group)} ranks"
     logger.info(f"Applied cp_dtensor ring attention (layout={first.layout}{ulysses}{exchange}) to the model; "
                 f"K/V ring payload {payload}")
 
 
-def _bind_batch_sharding(layout: str, ulysses: int = 1, pipeline: bool = False) -> None:
-    bound = functools.partial(shard_cp_batch, layout=layout, ulysses=ulysses, pipeline=pipeline)
+def _bind_batch_sharding(layout: str, ulysses: int = 1, pipeline: bool = False, grid: DeviceMesh | None = None) -> None:
+    bound = functools.partial(shard_cp_batch, layout=layout, ulysses=ulysses, pipeline=pipeline, grid=grid)
     bound._cp_dtensor = True
     n_bound = 0
     for module in list(sys.modules.values()):
@@ -159,10 +161,16 @@ def parallelize_with_ring(model: nn.Module, parallel_dims, job_config, *, titan_
     with contextlib.ExitStack() as stack:
         if parallel_dims.cp_enabled or flex:
             section = cp_section(job_config) if parallel_dims.cp_enabled else getattr(job_config, "cp_dtensor", CPDTensor())
-            apply_ring_attention(model, parallel_dims.get_mesh("cp") if parallel_dims.cp_enabled else None, section)
+            # dynamic = true: the ring over the flattened dp x cp ("loss") mesh: Note [Dynamic CP in torchtitan]
+            grid = parallel_dims.get_mesh("loss") if parallel_dims.cp_enabled and section.dynamic else None
+            ring_mesh = grid if grid is not None else parallel_dims.get_mesh("cp") if parallel_dims.cp_enabled else None
+            apply_ring_attention(model, ring_mesh, section)
+            if grid is not None:
+                for a in attention_modules(model):
+                    a.inner_attention.dynamic = True
             stack.enter_context(_cp_hidden(job_config))
         if parallel_dims.cp_enabled:
-            _bind_batch_sharding(section.layout, section.ulysses_degree, pipeline=parallel_dims.pp_enabled)
+            _bind_batch_sharding(section.layout, section.ulysses_degree, pipeline=parallel_dims.pp_enabled, grid=grid)
             if hasattr(titan_module, TITAN_CP_STEP):
                 stack.enter_context(_swapped(titan_module, TITAN_CP_STEP, _ring_in_place))
             else:  # gpt_oss: its parallelize has no CP step

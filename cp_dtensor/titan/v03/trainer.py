@@ -140,6 +140,9 @@ def check_config(config: Any, world_size: int) -> None:
         if getattr(par, "fsdp_reshard_after_forward", "default") == "always":
             unsupported.append("--cp_dtensor.sequence_tiling with --parallelism.fsdp_reshard_after_forward always (the "
                                "tiled loss uses the LM head's unsharded weights after its forward)")
+    if section.dynamic:  # Note [Dynamic CP in torchtitan]: the 0.2.2 plugin's
+        unsupported.append("--cp_dtensor.dynamic true (one plan over dp x cp: torchtitan 0.2.2's TOML plugin only so "
+                           "far; remove it for the static documents layout)")
     if section.layout == DOCUMENTS and tp > 1:  # Note [One plan per torchtitan batch]
         unsupported.append("--cp_dtensor.layout documents with --parallelism.tensor_parallel_degree > 1 (not served "
                            "yet; use a named layout)")

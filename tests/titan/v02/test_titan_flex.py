@@ -155,7 +155,42 @@ def _cp2_matches_reference(rank, world, case, layout, compiled=None):
         if name in ref_grads:
             dist.all_reduce(p.grad)  # each rank's gradient covers its own tokens
             torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-9, atol=1e-9, msg=lambda m: f"{name}: {m}")
+    if layout == "documents" and case == "llama3_flex" and compiled is None:
+        _dynamic_matches_reference(case, tokens, labels, ref_logits, ref_grads)
     return sorted(set(ref_grads) - {n for n, p in params.items() if p.grad is not None})
+
+
+def _dynamic_matches_reference(case, tokens, labels, ref_logits, ref_grads) -> None:
+    """[cp_dtensor] dynamic = true's batch sharding (Note [Dynamic CP in torchtitan]) on a grid of 2 dp ranks x
+    cp 1: rank d brings row d; one plan of both rows over both ranks (row 1's 64-token document cut over the
+    two), inputs, labels and positions moved to it; logits at each held token and the summed gradients equal
+    the float64 dense reference's."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from cp_dtensor.titan import CPDTensor, apply_ring_attention
+    from cp_dtensor.titan.v02.attention import shard_cp_batch
+
+    grid = init_device_mesh("cpu", (2,), mesh_dim_names=("loss",))
+    d = grid.get_local_rank()
+    model = _model(*CASES[case])
+    apply_ring_attention(model, grid, CPDTensor(layout="documents", dynamic=True))
+    masks = model.get_attention_masks(tokens[d : d + 1], types.SimpleNamespace(eos_id=EOS))
+    one = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "cp"))["cp"]  # this dp rank's cp group: 1 rank
+    x, y, kw = shard_cp_batch(tokens[d : d + 1], labels[d : d + 1], {"attention_masks": masks}, one,
+                              torch.device("cpu"), layout="documents", grid=grid)
+    plan = kw["attention_masks"].plan
+    held = plan.order[0, d * N : (d + 1) * N]  # [N]: the global tokens this rank holds (row * N + position)
+    assert plan.cp_size == 2 and x.shape == (1, N) and bool((held // N != d).any())  # some tokens moved
+    assert torch.equal(x[0], tokens.flatten()[held]) and torch.equal(y[0], labels.flatten()[held])
+    assert torch.equal(kw["positions"][0], held % N)  # the original positions: RoPE unchanged
+    logits = model(x, **kw)
+    torch.testing.assert_close(logits[0], ref_logits.flatten(0, 1)[held], rtol=1e-9, atol=1e-9)
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").backward()
+    for name, p in model.named_parameters():
+        if name in ref_grads:
+            dist.all_reduce(p.grad, group=grid.get_group())
+            torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-9, atol=1e-9, msg=lambda m: f"{name}: {m}")
 
 
 
@@ -197,7 +232,8 @@ def test_documents_are_torchtitans():
                                   pytest.param("deepseek_v3_flex", marks=slow())])
 def test_documents_layout_matches_dense_reference(case):
     # [cp_dtensor] layout = "documents": one plan per batch from the block_causal masks' documents (row 0 packed
-    # documents of 1, 2, 31, 7 and 23 tokens, row 1 one document), the batch, positions and masks sharded with it
+    # documents of 1, 2, 31, 7 and 23 tokens, row 1 one document), the batch, positions and masks sharded with it;
+    # llama3 also with dynamic = true's sharding, on a grid of 2 dp ranks (_dynamic_matches_reference)
     missing = run_ranks(2, _cp2_matches_reference, case, "documents")
     assert missing == [[], []], f"parameters without a gradient under CP: {missing}"
 

@@ -1,0 +1,114 @@
+"""``[cp_dtensor] dynamic = true`` (Note [Dynamic CP in torchtitan]): one plan of the global batch over every
+dp_shard x cp rank, against the static documents layout.
+
+The slow tier runs llama3 debugmodel_flex_attn at dp_shard 2 x cp 2 (4 ranks, fp32, 3 steps from one seed
+checkpoint), static documents, dynamic, and dynamic with full activation checkpointing, compiled blocks and
+sequence tiling,
+and checks from the jobs: the losses and grad norms equal (rel 2e-5), the validation losses (validation at
+step 2, the same batch sharding) equal, the ring runs over all 4 ranks, one balance line a step (rank 0) with the plan's work
+max/mean, the K/V rows received and the tokens a rank (B * N / cp). The default tier checks the start-up
+refusals of compositions dynamic does not serve (config parsing only, no job)."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import tempfile
+from pathlib import Path
+
+import pytest
+from _tiers import slow
+
+if importlib.util.find_spec("torchtitan") is None:
+    pytest.skip("torchtitan is not installed", allow_module_level=True)
+from _titan_run import skip_unless_titan  # noqa: E402
+
+skip_unless_titan((0, 2))
+
+import cp_dtensor.titan  # noqa: E402, F401  before any torchtitan import: see Note [torchtitan on CPU]
+from _titan_run import CONFIG, seed_checkpoint, torchrun  # noqa: E402
+
+FLEX = ["--model.flavor", "debugmodel_flex_attn"]
+GRID = ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
+        "--cp_dtensor.layout", "documents"]
+_STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*([0-9.]+)\s+grad_norm:\s*([0-9.]+)")
+_BALANCE = re.compile(r"cp_dtensor dynamic: work max/mean ([0-9.]+) over (\d+) ranks \(the dp ranks' rows alone "
+                      r"([0-9.]+)\), K/V rows received (\d+) \(busiest rank, a layer\), tokens a rank (\d+)")
+
+
+def _validation(out: str) -> set[tuple[int, float]]:
+    """(step, loss) of torchtitan's validation lines (every rank logs the same)."""
+    return {(int(a), float(b)) for a, b in re.findall(r"validate step:\s*(\d+)\s+loss:\s*([0-9.]+)", out)}
+
+
+def _steps(out: str) -> dict[int, tuple[float, float]]:
+    """(loss, grad_norm) of each step; every rank logs the same."""
+    by_step: dict[int, set] = {}
+    for step, loss, norm in _STEP.findall(out):
+        by_step.setdefault(int(step), set()).add((float(loss), float(norm)))
+    assert all(len(v) == 1 for v in by_step.values()), f"ranks disagree: {by_step}"
+    return {s: v.pop() for s, v in sorted(by_step.items())}
+
+
+@slow("three 4-rank torchtitan jobs, one compiled (about 2 min on a loaded 2-core machine)")
+def test_dynamic_equals_static_documents():
+    seed = seed_checkpoint(*FLEX)
+    common = [*FLEX, *GRID, "--checkpoint.enable", "--checkpoint.initial_load_path", str(seed),
+              "--checkpoint.load_only", "--training.steps", "3", "--validation.enable", "--validation.freq", "2",
+              "--validation.steps", "2"]  # validation at step 2: 2 batches, sharded by the same hook
+    static = torchrun(4, Path(tempfile.mkdtemp(prefix="titan-static-")), *common)
+    dynamic = torchrun(4, Path(tempfile.mkdtemp(prefix="titan-dynamic-")), *common, "--cp_dtensor.dynamic", "true")
+    want, got = _steps(static), _steps(dynamic)
+    # dynamic with full activation checkpointing, every block compiled (Inductor) and the LM head + loss and the
+    # MLPs in 64-token tiles: the same numbers
+    no_validation = common[: common.index("--validation.enable")]  # refused beside compile
+    both = torchrun(4, Path(tempfile.mkdtemp(prefix="titan-dynamic-ac-compile-")), *no_validation,
+                    "--cp_dtensor.dynamic", "true", "--activation_checkpoint.mode", "full", "--compile.enable",
+                    "--cp_dtensor.sequence_tiling", "64")
+    for line in ("Applied full activation checkpointing", "Compiling each TransformerBlock",
+                 "cp_dtensor: sequence tiling, 64 tokens a tile"):
+        assert line in both, (line, both[-3000:])
+    for run in (got, _steps(both)):
+        assert sorted(run) == sorted(want) == [1, 2, 3], (run, want)
+        for step in want:
+            assert run[step] == pytest.approx(want[step], rel=2e-5), (step, run[step], want[step])
+    assert _validation(dynamic) == _validation(static) and len(_validation(static)) >= 1, _validation(dynamic)
+    assert "Applied cp_dtensor ring attention (layout=documents, dynamic over dp x cp = 4 ranks)" in dynamic
+    assert "cp_dtensor dynamic:" not in static
+    lines = _BALANCE.findall(dynamic)
+    assert len(lines) >= 3 + 2, dynamic[-3000:]  # one a batch sharded (3 steps, the validation's batches), rank 0
+    for work, ranks, rows_alone, received, tokens in lines:
+        assert int(ranks) == 4 and int(tokens) == 2 * 256 // 2  # local_batch_size * seq_len / cp: equal on every rank
+        # the planner's figure (its own tests hold it to its bar): here 1.003-1.034, the dp rows alone 1.02-1.08
+        assert 1.0 <= float(work) < 1.1 and 1.0 <= float(rows_alone), (work, rows_alone)
+        assert int(received) > 0  # documents cut over ranks: the exchange runs
+
+
+def _parse(*overrides: str):
+    from torchtitan.config import ConfigManager
+
+    return ConfigManager().parse_args(["--job.config_file", str(CONFIG), *overrides])
+
+
+def test_dynamic_without_documents_is_refused():
+    from cp_dtensor.titan import CPDTensor
+
+    with pytest.raises(ValueError, match=r'dynamic = true .* needs layout = "documents"; got layout = \'striped\''):
+        CPDTensor(dynamic=True)  # what the TOML's section builds, on every rank at parse time
+    assert CPDTensor(layout="documents", dynamic="true").dynamic is True  # the command line's spelling
+
+
+@pytest.mark.parametrize(("overrides", "world", "message"), [
+    (["--parallelism.tensor_parallel_degree", "2"], 8, r"tensor_parallel_degree > 1"),
+    (["--parallelism.pipeline_parallel_degree", "2"], 8, r"pipeline_parallel_degree > 1"),
+    (["--parallelism.context_parallel_degree", "1"], 2, r"context_parallel_degree = 1"),
+    (["--parallelism.data_parallel_replicate_degree", "2"], 8, r"data_parallel_replicate_degree > 1"),
+    (["--validation.enable", "--compile.enable"], 4, r"\[validation\] enable beside \[compile\] enable"),
+], ids=["tp", "pp", "cp1", "hsdp", "validation_compile"])
+def test_unserved_compositions_are_refused_at_start(overrides, world, message):
+    from cp_dtensor.titan import check_config
+
+    cfg = _parse(*FLEX, *GRID, "--cp_dtensor.dynamic", "true", *overrides)
+    with pytest.raises(ValueError, match=r"dynamic = true is not served with: .*" + message + r".*remove dynamic"):
+        check_config(cfg, world_size=world)
+    check_config(_parse(*FLEX, *GRID, "--cp_dtensor.dynamic", "true"), world_size=4)  # the served job passes
