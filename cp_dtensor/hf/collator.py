@@ -35,6 +35,7 @@ class CollatedBatch(NamedTuple):
     added: tuple[str, ...]  #: the keys the CP collator added (position_ids, shift_labels)
     real: Tensor | None = None  #: [S_local] bool ([B, S_local] for a plan), this rank's positions of the user's row (None: no CP padding)
     plan: DocumentLayout | None = None  #: layout="documents": the batch's plan, for the model call (cp_layout=)
+    error: str | None = None  #: dynamic: this rank's batch error, agreed over the grid before any token moves
 
 
 def _fingerprint(batch: Mapping) -> int:
@@ -56,8 +57,9 @@ class ShardingCollator:
     [B, N] tensor, labels shifted on the full row. See Note [The Trainer under CP] in trainer.py."""
 
     @old_keywords("cp_dtensor.hf.ShardingCollator", positional=("layout",), npos=3, cp_mesh="mesh")
-    def __init__(self, collator, mesh: DeviceMesh, *, layout: str, windows=None):
+    def __init__(self, collator, mesh: DeviceMesh, *, layout: str, windows=None, dynamic: bool = False):
         self.collator, self.mesh, self.layout, self.windows = collator, mesh, layout, windows
+        self.dynamic = dynamic  # the full rows, padded: the trainer plans the global batch (hf/dynamic.py)
 
     def __call__(self, features):
         batch = self.collator(features)
@@ -85,6 +87,8 @@ class ShardingCollator:
                    if isinstance(batch.get(k), Tensor) and k not in keys}
             raise ValueError(f"context parallelism shards every [B, N] = [{b}, {n}] tensor alike; the collator returned "
                              f"{bad} (multi-axis positions and 4-D masks are not served).")
+        if self.dynamic:  # the trainer pads the replicas' rows to one length, plans and moves them
+            return _full_rows(batch, n, fingerprint, added)
         cp = self.mesh.size()
         pad = -n % (cp if self.layout == "documents" else layout_unit(self.layout, cp))
         if pad:
@@ -103,6 +107,20 @@ class ShardingCollator:
             real = local_positions(layout=layout, rank=self.mesh.get_local_rank(), cp_size=cp, seq_len=n + pad) < n
         out[META] = CollatedBatch(n, fingerprint, added, real, None if isinstance(layout, str) else layout)
         return out
+
+
+def _full_rows(batch: dict, n: int, fingerprint: int, added: tuple) -> dict:
+    """dynamic=True: the replica's full rows, the padding mask checked and dropped (the documents come from the
+    position ids), and which tokens are the user's (``real`` [B, N], all True: the trainer's padding is not)."""
+    mask, error = batch.get("attention_mask"), None
+    if isinstance(mask, Tensor) and not bool((mask[:, :n] != 0).all()):
+        error = ("with_context_parallel(dynamic=True) takes packed rows without padding inside them (the documents "
+                 "come from position_ids restarting at 0); the collator returned an attention_mask with zeros. Pack "
+                 "the rows (DataCollatorWithFlattening, TRL's padding_free) or drop dynamic=True.")
+    out = {k: v for k, v in batch.items() if k != "attention_mask"}
+    real = torch.ones(batch["input_ids"].shape, dtype=torch.bool)
+    out[META] = CollatedBatch(n, fingerprint, added, real, None, error)
+    return out
 
 
 def _pad(x: Tensor, key: str, pad: int) -> Tensor:

@@ -93,7 +93,7 @@ require("trainer", "cp_dtensor.hf.with_context_parallel (the transformers Traine
 with torchao_import_quiet():  # its quantizers import torchao: See Note [torchao's import noise] in _extras.py
     from transformers import Trainer
 
-from .._compat import replica_dataloaders, seq2seq_pad  # noqa: E402
+from .._compat import mesh_flatten, replica_dataloaders, seq2seq_pad  # noqa: E402
 from ..core.batch import unshard_batch  # noqa: E402
 from ..core.checks import options_error  # noqa: E402
 from ..core.exchange.comm import all_gather_objects, host_group  # noqa: E402
@@ -101,6 +101,7 @@ from ..core.tiling import check_tile_size  # noqa: E402
 from .attention import apply_context_parallel  # noqa: E402
 from .collator import META, CollatedBatch, ShardingCollator  # noqa: E402
 from .documents import KWARG, check_model_layout, model_windows  # noqa: E402
+from .grid import dynamic_refusal, move_batches  # noqa: E402
 from .state import state_of  # noqa: E402
 
 __all__ = ["ShardingCollator", "with_context_parallel"]
@@ -116,6 +117,7 @@ class CPOptions:
     comm_dtype: Any = None  #: ring_attention's comm_dtype (K/V's dtype on the wire; None: as they are)
     kv_exchange: str = "ring"  #: ring_attention's kv_exchange ("ring" or "allgather")
     sequence_tiling: bool | int = False  #: apply_context_parallel's sequence_tiling= (True, or tokens per tile)
+    dynamic: bool = False  #: layout="documents": each step's global batch planned over the dp x cp grid (hf/grid.py)
 
     def __post_init__(self):
         if isinstance(self.cp_size, bool) or not isinstance(self.cp_size, int) or self.cp_size < 1:
@@ -127,6 +129,14 @@ class CPOptions:
         if error is not None:
             raise ValueError(error)
         check_tile_size(self.sequence_tiling)
+        if not isinstance(self.dynamic, bool):
+            raise ValueError(f"dynamic must be True or False; got {self.dynamic!r}.")
+        if self.dynamic and self.layout != "documents":
+            raise ValueError("dynamic=True plans each step's packed documents over the dp x cp grid: it needs "
+                             f"layout='documents'; got layout={self.layout!r}. Pass layout='documents' (or drop "
+                             "dynamic=True).")
+        if self.dynamic and self.sequence_tiling:
+            raise ValueError("dynamic=True with sequence_tiling is not served; drop one of them.")
 
 
 def _causal_lm(model) -> bool:
@@ -176,7 +186,7 @@ def _refusal(trainer, options: CPOptions) -> str | None:
         return "train_sampling_strategy='batch_rebalance' counts ranks, not replicas; use 'random' or 'group_by_length'."
     if "inputs" in (args.include_for_metrics or ()):
         return "include_for_metrics=['inputs'] would gather each rank's shard of the inputs; drop 'inputs'."
-    return None
+    return dynamic_refusal(args, options.cp_size) if options.dynamic else None
 
 
 class _ContextParallel:
@@ -198,11 +208,28 @@ class _ContextParallel:
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         self.cp_mesh_2d = init_device_mesh(device, (world // cp, cp), mesh_dim_names=("dp_replicate", "cp"))
         self.cp_mesh = self.cp_mesh_2d["cp"]
-        apply_context_parallel(self.model, self.cp_mesh, layout=options.layout, documents=options.documents,
+        # dynamic: the grid's ranks as one group (flat rank d * cp + c), the ring's and the loss count's
+        self.cp_grid = mesh_flatten(self.cp_mesh_2d) if options.dynamic else None
+        ring = self.cp_mesh if self.cp_grid is None else self.cp_grid
+        apply_context_parallel(self.model, ring, layout=options.layout, documents=options.documents,
                                comm_dtype=options.comm_dtype, kv_exchange=options.kv_exchange,
                                sequence_tiling=options.sequence_tiling)
         self.data_collator = ShardingCollator(self.data_collator, self.cp_mesh, layout=options.layout,
-                                              windows=model_windows(self.model.config))
+                                              windows=model_windows(self.model.config), dynamic=options.dynamic)
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """dynamic=True: the step's micro-batches planned over the dp x cp grid and moved, then counted (Note
+        [Dynamic CP in the Trainer] in hf/grid.py)."""
+        if self.cp_grid is None:
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
+        batches = []
+        for _ in range(num_batches):
+            try:
+                batches.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        batches = move_batches(batches, self.cp_grid, self.cp_mesh.size(), model_windows(self.model.config))
+        return batches, self._get_num_items_in_batch(batches, device)
 
     # -- data: replicas, not ranks ------------------------------------------------------------------
     def get_train_dataloader(self):
@@ -281,10 +308,13 @@ class _ContextParallel:
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
         cp, processes = self.cp_mesh.size(), self.args.world_size // self.cp_mesh.size()
+        group = self.cp_mesh
+        if self.cp_grid is not None:  # every rank a process of the average; its tokens' part of the global batch
+            cp, processes, group = 1, self.args.world_size, self.cp_grid
         if inputs.get("shift_labels") is not None:
-            replica = (inputs["shift_labels"] != -100).sum()  # the replica's count: its CP ranks' shards
-            if cp > 1:
-                dist.all_reduce(replica, group=self.cp_mesh.get_group())
+            replica = (inputs["shift_labels"] != -100).sum()  # the replica's count (dynamic: the grid's)
+            if group.size() > 1:
+                dist.all_reduce(replica, group=group.get_group())
             if num_items_in_batch is None:  # CP=1 normalises by the rank's own count: the replica's here
                 num_items_in_batch, processes = replica, 1
             inputs = {**inputs, "num_items_in_batch": replica}
@@ -324,6 +354,10 @@ class _ContextParallel:
 
     # -- evaluation --------------------------------------------------------------------------------
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **gen_kwargs):
+        if self.cp_grid is not None:  # every rank alike, before anything moves
+            raise ValueError("with_context_parallel(dynamic=True) serves training only: evaluate() and predict() "
+                             "would gather logits whose tokens the plan moved across replicas. Evaluate with a trainer "
+                             "built without dynamic=True.")
         inputs, meta = self._cp_take(inputs)
         return self._cp_agreed(lambda: self._cp_predict(model, inputs, meta, prediction_loss_only, ignore_keys,
                                                         gen_kwargs))
@@ -494,10 +528,10 @@ def with_context_parallel(trainer_cls: type, *, cp_size: int, layout: str = "str
             f"TRL's {trainer_cls.__name__} computes its loss from per-sequence log-probabilities or rewards (sums over "
             "each completion's tokens, the last token's score), of which a CP rank holds a shard only. Among TRL's "
             "trainers, SFTTrainer (and its subclasses) is served.")
-    unknown = sorted(set(options) - {"documents", "comm_dtype", "kv_exchange", "sequence_tiling"})
+    unknown = sorted(set(options) - {"documents", "comm_dtype", "kv_exchange", "sequence_tiling", "dynamic"})
     if unknown:
         raise TypeError(f"with_context_parallel got unknown options {unknown}; it takes cp_size, layout, documents, "
-                        "comm_dtype, kv_exchange, sequence_tiling.")
+                        "comm_dtype, kv_exchange, sequence_tiling, dynamic.")
     bundle = CPOptions(cp_size=cp_size, layout=layout, **options)
     name = f"ContextParallel{trainer_cls.__name__}"
     return type(name, (_ContextParallel, trainer_cls), {"_cp_options": bundle, "__module__": trainer_cls.__module__,

@@ -288,6 +288,14 @@ def _refusals(rank: int, world: int, out: str) -> list[str]:
 
     expect("not a causal language model", lambda: cp2(model=classifier(), args=_args(out), train_dataset=rows,
                                                       data_collator=default_data_collator))
+    dyn = lambda **kw: hf.with_context_parallel(Trainer, layout="documents", dynamic=True, **kw)  # noqa: E731
+    expect("no data-parallel dimension", lambda: build(dyn(cp_size=2)))  # world 2 = cp_size: one replica
+    expect("serves training only", lambda: dyn(cp_size=1)(model=_model("llama"), args=_args(out, eval_strategy="steps",
+           eval_steps=1), train_dataset=rows, eval_dataset=rows, data_collator=default_data_collator))
+    with pytest.raises(ValueError, match="dynamic=True .* needs layout='documents'; got layout='striped'"):
+        hf.with_context_parallel(Trainer, cp_size=2, dynamic=True)
+    with pytest.raises(ValueError, match="dynamic=True with sequence_tiling"):
+        dyn(cp_size=2, sequence_tiling=True)
     with pytest.raises(ValueError, match="SFTTrainer .and its subclasses. is served"):
         hf.with_context_parallel(trl.DPOTrainer, cp_size=2)
     with pytest.raises(TypeError, match="unknown options"):
@@ -464,7 +472,7 @@ def test_checkpoint_at_save_steps_resumes_at_another_cp_size(runs):
 
 def test_refusals_raise_on_every_rank(runs):
     cp, _ = runs
-    assert cp[0]["refused"] == cp[1]["refused"] and len(cp[0]["refused"]) == 8, cp[0]["refused"]
+    assert cp[0]["refused"] == cp[1]["refused"] and len(cp[0]["refused"]) == 10, cp[0]["refused"]
 
 
 class _HoleOnReplica1:
@@ -478,6 +486,40 @@ class _HoleOnReplica1:
             mask[0, 5] = 0
         batch["attention_mask"] = mask
         return batch
+
+
+def _skewed(seed: int, count: int = 16) -> list[dict]:
+    """Documents of very unequal lengths: 2..5 tokens, every fourth (at random) 24..40: the rows a step's replicas
+    draw differ in work several-fold."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [int(torch.randint(24, 41, (1,), generator=g)) if torch.rand(1, generator=g) < 0.25
+               else int(torch.randint(2, 6, (1,), generator=g)) for _ in range(count)]
+    return [{"input_ids": torch.randint(2, V, (n,), generator=g).tolist()} for n in lengths]
+
+
+def _dynamic_runs(tmp: str, cp: int) -> dict:
+    """dynamic=True and the static documents layout on the same skewed packed rows (one row a replica a micro-batch;
+    with gradient accumulation two); a padding hole on replica 1 under dynamic=True."""
+    out = {}
+    for name, kw in (("plain", {}), ("accumulate", dict(gradient_accumulation_steps=2, per_device_train_batch_size=2))):
+        for dynamic in (False, True):
+            cls = hf.with_context_parallel(Trainer, cp_size=cp, layout="documents", dynamic=dynamic)
+            trainer = cls(model=_model("llama"), train_dataset=_skewed(21), data_collator=DataCollatorWithFlattening(),
+                          args=_args(tempfile.mkdtemp(dir=tmp), include_num_input_tokens_seen="all", **kw))
+            trainer.train()
+            history = trainer.state.log_history
+            out[f"{name}-{'dynamic' if dynamic else 'static'}"] = {
+                "losses": _losses(trainer), "grad_norm": [h["grad_norm"] for h in history if "grad_norm" in h],
+                "tokens": [float(h["num_input_tokens_seen"]) for h in history if "loss" in h]}
+    trainer = hf.with_context_parallel(Trainer, cp_size=cp, layout="documents", dynamic=True)(
+        model=_model("llama"), args=_args(tempfile.mkdtemp(dir=tmp), max_steps=1), train_dataset=_rows(17, 8),
+        data_collator=_HoleOnReplica1())
+    try:
+        trainer.train()
+        out["dynamic-error"] = None
+    except ValueError as e:
+        out["dynamic-error"] = str(e)
+    return out
 
 
 def _dp_cp(rank: int, world: int, tmp: str, cp: int) -> dict:
@@ -494,18 +536,29 @@ def _dp_cp(rank: int, world: int, tmp: str, cp: int) -> dict:
             out["error"] = None
         except (ValueError, RuntimeError) as e:
             out["error"] = [type(e).__name__, str(e)]
+        out["dynamic"] = _dynamic_runs(tmp, cp)
     return out
 
 
-@slow("6 ranks in two spawns: ~19 s")
+@slow("6 ranks in two spawns: ~30 s")
 def test_data_parallel_replicas_of_cp_ranks():
     """dp=2 x cp=2 on 4 ranks logs what dp=2 without CP (the unchanged Trainer on 2 ranks) logs: the samplers
     count replicas, not ranks; the evaluation gathers each replica's rows once (14 eval rows, 8 a step: the last
     step's remainder, 6, is more than one replica's batch); compute_loss overrides; TRL's eval metrics with a
-    partial last batch."""
+    partial last batch. dynamic=True (each step's global batch planned over the 4 ranks) logs the static
+    documents layout's losses, grad norms and token counts on skewed packed rows, with gradient accumulation
+    too; a replica's padding hole raises on every rank before any token moves."""
     with tempfile.TemporaryDirectory() as tmp:
         got = run_ranks(4, _dp_cp, tmp, 2, timeout=900)
         want = run_ranks(2, _dp_cp, tmp, 1, timeout=900)
+    for rank in range(4):
+        dyn = got[rank].pop("dynamic")
+        assert "rank 2: with_context_parallel(dynamic=True) takes packed rows" in dyn.pop("dynamic-error"), rank
+        for case in ("plain", "accumulate"):
+            for key in ("losses", "grad_norm", "tokens"):
+                a, b = dyn[f"{case}-dynamic"][key], dyn[f"{case}-static"][key]
+                assert len(a) == len(b) == 3, (case, key, a, b)
+                assert all(abs(x - y) <= 1e-5 * max(1.0, abs(y)) for x, y in zip(a, b)), (case, key, rank, a, b)
     for rank in range(4):  # one replica's data error: its ranks raise it, the other replica's ranks name it
         kind, message = got[rank].pop("error")
         if rank // 2 == 1:
