@@ -50,6 +50,10 @@ Gradient reduction needs nothing: DDP and FSDP2 already reduce over every rank, 
 hold the full model (DDP) and the optimizer as the Trainer saves them: nothing in them depends on P,
 so a run resumes at another CP size (same dp, same batches).
 
+``dynamic=True`` (with ``layout="documents"``) changes 1-3: the collator hands the replica's full rows and the
+step's global batch is planned over every rank of the flattened (dp, cp) mesh, the ring's and the loss count's
+(Note [Dynamic CP in the Trainer] in hf/grid.py).
+
 5. Errors. What the trainer cannot serve raises on every rank when it is built. An error that depends on a
    batch (padding inside a row, an unsupported mask) is agreed by the ring's check within the CP group
    (Note [Agreeing before the ring] in core/checks.py); with several data-parallel replicas each forward
@@ -513,7 +517,9 @@ def with_context_parallel(trainer_cls: type, *, cp_size: int, layout: str = "str
     ``documents`` (``"position_ids"``, the default, or ``None``: transformers' own packed-sequence rule),
     ``comm_dtype`` and ``kv_exchange`` (``ring_attention``'s, for every ring call of the model),
     ``sequence_tiling`` (True or tokens per tile: the LM head + loss and the MLPs in sequence tiles, no
-    [S_local, vocab] logits in training steps; evaluation still returns logits -- hf/tiling.py). See
+    [S_local, vocab] logits in training steps; evaluation still returns logits -- hf/tiling.py), ``dynamic``
+    (with ``layout="documents"``: each step's global batch planned over every dp x cp rank; training only --
+    Note [Dynamic CP in the Trainer] in hf/grid.py). See
     Note [The Trainer under CP]; what cannot be served raises on every rank when the trainer is built. A
     ``compute_loss`` override takes ``inputs["shift_labels"]`` and divides by ``num_items_in_batch`` (docs/trainer.md,
     "Your own loss"). ``predict()``'s logits at padding positions (attention_mask 0) are not CP=1's: a pad token
