@@ -13,7 +13,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "cp_dtensor"
 # each layer's own imports a DAG. A package's __init__ sits with its modules' top layer.
 _V02 = ("pipeline_checks", "config", "dynamic", "attention", "families", "flex", "pipeline", "resume", "spec", "validate",
         "trainer")
-_V03 = ("_cpu", "attention", "linear", "trainer", "main", "tiling")
+_V03 = ("_cpu", "attention", "dynamic", "linear", "trainer", "main", "tiling")
 LAYERS: list[tuple[str, set[str]]] = [
     ("private torch touch points, deprecation, torch-free layout facts",
      {"_compat", "_compat.torch_versions", "_deprecated", "_extras", "checkpoint.manifest", "core.plan.layout",
@@ -37,7 +37,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("own models: the SDPA mode's hooks", {"nn.sdpa_mode", "nn"}),
     ("integrations", {"hf.attention", "hf.cache", "hf.documents", "hf.tiling", "hf.logits", "hf.served", "hf.families", "hf.generate", "hf.turns", "hf.pass_kv", "hf.linear", "hf.sparse", "hf.sparse_generate", "hf.router", "hf.state", "hf.trainer", "hf.collator", "hf.grid", "hf",
                       "checkpoint.dcp", "checkpoint"}
-     | {f"titan.shared.{m}" for m in ("options", "cpu", "replica", "compile_check", "data", "float8", "heads", "inner", "plan", "tiling")} | {"titan.shared"}
+     | {f"titan.shared.{m}" for m in ("options", "cpu", "replica", "compile_check", "data", "dynamic", "float8", "heads", "inner", "plan", "tiling")} | {"titan.shared"}
      | {f"titan.v02.{m}" for m in _V02} | {"titan.v02"}
      | {f"titan.v03.{m}" for m in _V03} | {"titan.v03"} | {"titan", "titan.config", "titan.config_registry",
                                                           "titan.train"}),

@@ -26,16 +26,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torchtitan.tools.logging import logger
 
-from ...core.dynamic import plan_report, shard_on_grid
+from ..shared.dynamic import LINEAR_PAIRS, shard_on_loss_mesh
 from .flex import RingMask
 
 __all__ = ["LINEAR_PAIRS", "shard_dynamic_batch"]
-
-LINEAR_PAIRS = 64  #: the linear layers' work a token, in kept-pair equivalents (the benchmark's figure)
 
 
 def shard_dynamic_batch(inputs: torch.Tensor, labels: torch.Tensor, extra_kwargs: dict[str, Any], grid: DeviceMesh,
@@ -48,14 +44,7 @@ def shard_dynamic_batch(inputs: torch.Tensor, labels: torch.Tensor, extra_kwargs
                          'flex flavor with attn_mask_type = "block_causal", e.g. "debugmodel_flex_attn").')
     b, n = inputs.shape
     positions = torch.arange(n, device=inputs.device).expand(b, n)  # the token's index in its row, as RoPE reads it
-    (x, y, pos), plan, _ = shard_on_grid((inputs, labels, positions), grid, cp, document_ids=mask.ids,
-                                         windows=[mask.window_size])
-    rank = grid.get_local_rank()
-    extra_kwargs["attention_masks"] = mask.with_ids(plan.local_ids(rank).to(mask.ids.device), plan)
+    (x, y, pos), plan, ids = shard_on_loss_mesh((inputs, labels, positions), grid, cp, mask.ids, [mask.window_size])
+    extra_kwargs["attention_masks"] = mask.with_ids(ids, plan)
     extra_kwargs["positions"] = pos.to(device)
-    if dist.get_rank() == 0:
-        r = plan_report(plan, linear=LINEAR_PAIRS, dp=grid.size() // cp)
-        logger.info(f"cp_dtensor dynamic: work max/mean {r['work']:.3f} over {grid.size()} ranks (the dp ranks' "
-                    f"rows alone {r.get('dp_rows', 1.0):.3f}), K/V rows received {r['rows']} (busiest rank, a "
-                    f"layer), tokens a rank {r['tokens']}")
     return x.to(device), y.to(device), extra_kwargs

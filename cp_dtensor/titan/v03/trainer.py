@@ -60,6 +60,7 @@ from ..shared.plan import DOCUMENTS, titan_unit
 from ..shared.tiling import apply_sequence_tiling, tag_after_tp
 from ._cpu import experts_in_param_dtype
 from .attention import RingInnerAttention, ring_masks, shard_cp_batch
+from .dynamic import dynamic_unsupported, shard_dynamic_batch
 from .linear import HYBRID, apply_hybrid, check_hybrid, hybrid_masks, is_hybrid, without_cp
 from .tiling import tiled_loss_config
 
@@ -140,9 +141,8 @@ def check_config(config: Any, world_size: int) -> None:
         if getattr(par, "fsdp_reshard_after_forward", "default") == "always":
             unsupported.append("--cp_dtensor.sequence_tiling with --parallelism.fsdp_reshard_after_forward always (the "
                                "tiled loss uses the LM head's unsharded weights after its forward)")
-    if section.dynamic:  # Note [Dynamic CP in torchtitan]: the 0.2.2 plugin's
-        unsupported.append("--cp_dtensor.dynamic true (one plan over dp x cp: torchtitan 0.2.2's TOML plugin only so "
-                           "far; remove it for the static documents layout)")
+    if section.dynamic:  # Note [Dynamic CP in torchtitan 0.3]
+        unsupported.extend(f"{what} with --cp_dtensor.dynamic true" for what in dynamic_unsupported(config))
     if section.layout == DOCUMENTS and tp > 1:  # Note [One plan per torchtitan batch]
         unsupported.append("--cp_dtensor.layout documents with --parallelism.tensor_parallel_degree > 1 (not served "
                            "yet; use a named layout)")
@@ -206,8 +206,10 @@ def _ring_in_place(attention_modules, cp_mesh) -> None:
     assert all(isinstance(m, RingInnerAttention) for m in attention_modules), "ring attention was not attached"
 
 
-def _bind_batch_sharding(section: CPDTensor) -> None:
+def _bind_batch_sharding(section: CPDTensor, grid: DeviceMesh | None = None) -> None:
     def prepare(inputs, labels, extra_kwargs, cp_mesh, device, load_balancer_type=None, ptrr_mask_key=None):
+        if grid is not None:  # Note [Dynamic CP in torchtitan 0.3]: the global batch over the "loss" mesh
+            return shard_dynamic_batch(inputs, labels, extra_kwargs, grid, cp_mesh.size())
         rank, world = cp_mesh.get_local_rank(), cp_mesh.size()
         rank = ulysses_shard_index(rank, world, section.ulysses_degree)  # Note [Ulysses in torchtitan]
         return shard_cp_batch(inputs, labels, extra_kwargs, layout=section.layout, rank=rank, cp_size=world)
@@ -289,6 +291,8 @@ def parallelize_with_ring(model: nn.Module, *, titan_fn, section: CPDTensor, par
     if n := _experts_return_input_dtype(model):
         logger.info(f"cp_dtensor: {n} gpt_oss expert modules return their input's dtype (fp32 training)")
     cp_mesh = parallel_dims.get_mesh("cp") if parallel_dims.cp_enabled else None
+    # --cp_dtensor.dynamic true: the ring over the flattened dp x cp ("loss") mesh: Note [Dynamic CP in torchtitan 0.3]
+    grid = parallel_dims.get_mesh("loss") if cp_mesh is not None and section.dynamic else None
     if section.tile_size is not None:  # Note [Sequence tiling in torchtitan] (titan/shared/tiling.py)
         tp = parallel_dims.tp_enabled  # under TP the MLPs stay whole and the head is vocabulary-parallel, as on 0.2.2
         tiled, whole = apply_sequence_tiling(model, section.tile_size, head_name="lm_head", tile_mlps=not tp,
@@ -299,7 +303,7 @@ def parallelize_with_ring(model: nn.Module, *, titan_fn, section: CPDTensor, par
                     + (f" ({whole} MoE layers whole)" if whole and not tp else ""))
     if parallel_dims.tp_enabled:
         _retie_after_parallelize(model)
-    ring = apply_ring_attention(model, cp_mesh, section)
+    ring = apply_ring_attention(model, cp_mesh if grid is None else grid, section)
     model_config = model.config
     titan_module = sys.modules[titan_fn.__module__]
     with contextlib.ExitStack() as stack:
@@ -312,11 +316,12 @@ def parallelize_with_ring(model: nn.Module, *, titan_fn, section: CPDTensor, par
     masks = hybrid_masks if hybrid else ring_masks
     model.get_attention_masks = functools.partial(masks, model_config)  # Note [0.3 inner attention as the ring]
     if cp_mesh is not None:
-        _bind_batch_sharding(section)
+        _bind_batch_sharding(section, grid)
     first = ring[0]
     logger.info(f"Applied cp_dtensor ring attention (layout={section.layout}, cp={parallel_dims.cp}"
                 + (f", ulysses={section.ulysses_degree}" if section.ulysses_degree > 1 else "")
                 + ("" if section.kv_exchange == "ring" else f", kv_exchange={section.kv_exchange}")
+                + ("" if grid is None else f", dynamic over dp x cp = {grid.size()} ranks")
                 + f") to the model; K/V payload {'as the input dtype' if first.comm_dtype is None else first.comm_dtype}")
     use_sum_reduction_on_gloo(model)
     if init_as_unsharded(model, template):
