@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from _tiers import exhaustive, slow
+from _tiers import SLOW, exhaustive, slow
 
 from cp_dtensor.core.decode import sharded_cache_attention
 from cp_dtensor.core.linear.linear_attention import sharded_causal_conv1d, sharded_delta_rule
@@ -120,6 +120,7 @@ def _compiled_ops(rank: int, world: int, backends: tuple[str, ...], names: tuple
 DEFAULT = ("conv documents", "delta rule state")  # the rest compiles for minutes on 2 cores: slow tier
 
 
+@pytest.mark.skipif(SLOW, reason="the slow tier's every-case run below is a superset")
 def test_ops_compile_fullgraph_aot_eager():
     """aot_eager: forward and input gradients equal eager (the conv, with documents, and the delta rule's final
     state; decoding); faults on one rank raise on both."""

@@ -629,7 +629,8 @@ _F8_CP1: list[float] = []  # the float8 CP = 1 losses, one run per session
 
 @_SLOW
 @pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="float8 linears need torchao ([float8])")
-@pytest.mark.parametrize("flags", [[], ["--compile.enable"]], ids=["eager", "compiled"])
+@pytest.mark.parametrize("flags", [[], pytest.param(["--compile.enable"], marks=exhaustive(
+    "~30 s; float8 compiled runs on torchtitan 0.2.2 in the slow tier"))], ids=["eager", "compiled"])
 def test_float8_linears_cp2_match_cp1(flags, tmp_path, tmp_path_factory):
     # compiled (as 0.2.2's slow tier has it): Float8Linear's casts and the ring in each block's Inductor graph;
     # measured equal to eager CP = 2 to every printed digit (200 s wall cold at load ~7, 2.4 CPU-min)
@@ -711,7 +712,8 @@ def test_comm_dtype_flag_sets_the_kv_payload_bytes(flags, itemsize):
 
 
 @_SLOW
-@pytest.mark.parametrize("family", ["qwen3", "deepseek_v3", pytest.param("gpt_oss", marks=exhaustive(
+@pytest.mark.parametrize("family", [pytest.param("qwen3", marks=exhaustive("~30 s; deepseek_v3 compiled is in CI")),
+                                    "deepseek_v3", pytest.param("gpt_oss", marks=exhaustive(
     "7.5 min wall for the compiled CP = 2 job on the loaded 2-core machine (3.7 CPU-min)"))])
 def test_compiled_cp2_matches_eager_cp1(family, tmp_path, tmp_path_factory):
     # torchtitan compiles each block and the loss: the ring (and the MoE, the q/k norms, MLA, the sinks and
