@@ -371,7 +371,9 @@ def test_bad_config_fails_on_every_rank_at_start(tmp_path):
     code, out = run_torchrun_03(2, tmp_path, *args, entry=STOCK, timeout=300)
     assert code != 0
     assert "Applied cp_dtensor ring attention" not in out and "step:  1" not in out
-    assert out.count('--parallelism.spmd_backend spmd_types (cp_dtensor runs under "partial_dtensor"') >= 2, out[-3000:]
+    # every rank raises it before any collective, but torchrun stops the other rank as soon as one fails: under
+    # load the second may be stopped before it prints (seen once in a whole-directory run), so at least one
+    assert out.count('--parallelism.spmd_backend spmd_types (cp_dtensor runs under "partial_dtensor"') >= 1, out[-3000:]
 
 
 # ---- in-process: the config the plugin builds and its start-up checks (no ranks started) ----
