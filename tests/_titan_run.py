@@ -122,6 +122,18 @@ def step_losses(out: str, *, first: int = 1, last: int | None = None) -> list[fl
     return [by_step[s].pop() for s in range(first, last + 1)]
 
 
+
+_STEP_NORM = re.compile(r"step:\s*(\d+)\s+loss:\s*([0-9.]+)\s+grad_norm:\s*([0-9.]+)")
+
+
+def step_losses_and_norms(out: str) -> dict[int, tuple[float, float]]:
+    """(loss, grad_norm) of each logged step; every rank that logged it must agree."""
+    by_step: dict[int, set] = {}
+    for step, loss, norm in _STEP_NORM.findall(out):
+        by_step.setdefault(int(step), set()).add((float(loss), float(norm)))
+    assert all(len(v) == 1 for v in by_step.values()), f"ranks disagree: {by_step}"
+    return {s: v.pop() for s, v in sorted(by_step.items())}
+
 # ---- torchtitan 0.3: --module / --config instead of a TOML (tests/titan/v03/test_titan03.py) ----
 
 def run_torchrun_03(nproc: int, dump: Path, *args: str, entry: Sequence[str] = TRAIN, timeout: float | None = 420,

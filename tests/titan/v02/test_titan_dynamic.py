@@ -26,12 +26,11 @@ from _titan_run import skip_unless_titan  # noqa: E402
 skip_unless_titan((0, 2))
 
 import cp_dtensor.titan  # noqa: E402, F401  before any torchtitan import: see Note [torchtitan on CPU]
-from _titan_run import CONFIG, seed_checkpoint, torchrun  # noqa: E402
+from _titan_run import CONFIG, seed_checkpoint, step_losses_and_norms, torchrun  # noqa: E402
 
 FLEX = ["--model.flavor", "debugmodel_flex_attn"]
 GRID = ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
         "--cp_dtensor.layout", "documents"]
-_STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*([0-9.]+)\s+grad_norm:\s*([0-9.]+)")
 _BALANCE = re.compile(r"cp_dtensor dynamic: work max/mean ([0-9.]+) over (\d+) ranks \(the dp ranks' rows alone "
                       r"([0-9.]+)\), K/V rows received (\d+) \(busiest rank, a layer\), tokens a rank (\d+)")
 
@@ -39,15 +38,6 @@ _BALANCE = re.compile(r"cp_dtensor dynamic: work max/mean ([0-9.]+) over (\d+) r
 def _validation(out: str) -> set[tuple[int, float]]:
     """(step, loss) of torchtitan's validation lines (every rank logs the same)."""
     return {(int(a), float(b)) for a, b in re.findall(r"validate step:\s*(\d+)\s+loss:\s*([0-9.]+)", out)}
-
-
-def _steps(out: str) -> dict[int, tuple[float, float]]:
-    """(loss, grad_norm) of each step; every rank logs the same."""
-    by_step: dict[int, set] = {}
-    for step, loss, norm in _STEP.findall(out):
-        by_step.setdefault(int(step), set()).add((float(loss), float(norm)))
-    assert all(len(v) == 1 for v in by_step.values()), f"ranks disagree: {by_step}"
-    return {s: v.pop() for s, v in sorted(by_step.items())}
 
 
 @slow("three 4-rank torchtitan jobs, one compiled (about 2 min on a loaded 2-core machine)")
@@ -58,7 +48,7 @@ def test_dynamic_equals_static_documents():
               "--validation.steps", "2"]  # validation at step 2: 2 batches, sharded by the same hook
     static = torchrun(4, Path(tempfile.mkdtemp(prefix="titan-static-")), *common)
     dynamic = torchrun(4, Path(tempfile.mkdtemp(prefix="titan-dynamic-")), *common, "--cp_dtensor.dynamic", "true")
-    want, got = _steps(static), _steps(dynamic)
+    want, got = step_losses_and_norms(static), step_losses_and_norms(dynamic)
     # dynamic with full activation checkpointing, every block compiled (Inductor) and the LM head + loss and the
     # MLPs in 64-token tiles: the same numbers
     no_validation = common[: common.index("--validation.enable")]  # refused beside compile
@@ -68,7 +58,7 @@ def test_dynamic_equals_static_documents():
     for line in ("Applied full activation checkpointing", "Compiling each TransformerBlock",
                  "cp_dtensor: sequence tiling, 64 tokens a tile"):
         assert line in both, (line, both[-3000:])
-    for run in (got, _steps(both)):
+    for run in (got, step_losses_and_norms(both)):
         assert sorted(run) == sorted(want) == [1, 2, 3], (run, want)
         for step in want:
             assert run[step] == pytest.approx(want[step], rel=2e-5), (step, run[step], want[step])

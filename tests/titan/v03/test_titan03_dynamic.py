@@ -18,7 +18,7 @@ import re
 import pytest
 from _tiers import slow
 
-from _titan_run import skip_unless_titan, torchrun_03
+from _titan_run import skip_unless_titan, step_losses_and_norms, torchrun_03
 
 skip_unless_titan((0, 3))
 
@@ -26,19 +26,9 @@ ARGS = ["--module", "llama3", "--config", "llama3_debugmodel", "--parallelism.co
         "--parallelism.data_parallel_shard_degree", "2", "--cp_dtensor.layout", "documents", "--training.steps", "3",
         "--training.seq_len", "128", "--training.local_batch_size", "2", "--training.mixed_precision_param", "float32",
         "--validator.enable", "--validator.freq", "2", "--validator.steps", "2"]
-_STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*([0-9.]+)\s+grad_norm:\s*([0-9.]+)")
 _VALIDATE = re.compile(r"validate step:\s*(\d+)\s+loss:\s*([0-9.]+)")
 _BALANCE = re.compile(r"cp_dtensor dynamic: work max/mean ([0-9.]+) over (\d+) ranks \(the dp ranks' rows alone "
                       r"([0-9.]+)\), K/V rows received (\d+) \(busiest rank, a layer\), tokens a rank (\d+)")
-
-
-def _steps(out: str) -> dict[int, tuple[float, float]]:
-    """(loss, grad_norm) of each step; every rank logs the same."""
-    by_step: dict[int, set] = {}
-    for step, loss, norm in _STEP.findall(out):
-        by_step.setdefault(int(step), set()).add((float(loss), float(norm)))
-    assert all(len(v) == 1 for v in by_step.values()), f"ranks disagree: {by_step}"
-    return {s: v.pop() for s, v in sorted(by_step.items())}
 
 
 @slow("three 4-rank torchtitan 0.3 jobs (about 20 s each on a loaded 2-core machine)")
@@ -50,8 +40,8 @@ def test_dynamic_equals_static_documents(tmp_path):
     tiled = torchrun_03(4, tmp_path / "tiled", *no_validation, "--cp_dtensor.dynamic", "true",
                         "--cp_dtensor.sequence_tiling=32")
     assert "cp_dtensor: sequence tiling, 32 tokens a tile: the LM head + loss and 6 MLPs" in tiled, tiled[-3000:]
-    want = _steps(static)
-    for got in (_steps(dynamic), _steps(tiled)):
+    want = step_losses_and_norms(static)
+    for got in (step_losses_and_norms(dynamic), step_losses_and_norms(tiled)):
         assert sorted(got) == sorted(want) == [1, 2, 3], (got, want, dynamic[-3000:])
         for step in want:
             assert got[step] == pytest.approx(want[step], rel=2e-5), (step, got[step], want[step])
