@@ -23,11 +23,27 @@ then, for the whole step:
 Each rank's loss is then the Trainer's own: its tokens' summed loss over the global count, times the
 number of processes (the world: every rank is a process of the data-parallel average); DDP or FSDP2 over the
 world averages it once, so the gradient is the global batch's mean, the static run's. Token counts leave the
-layout's padding out through the moved ``real`` mask. Evaluation is not served (the logits of a rank are
-tokens of other replicas' rows): the trainer refuses ``eval_strategy`` and ``evaluate()`` / ``predict()``.
+layout's padding out through the moved ``real`` mask.
+
+Evaluation (``evaluate()``, ``predict()``, ``eval_strategy`` during training) does not plan over the grid: it
+runs the static documents path the trainer runs without ``dynamic=True``. The eval and test dataloaders get
+the static collator (:func:`static_collator`: each replica's rows planned over its own CP group and sharded
+there, Note [One plan per batch in transformers]), and for the evaluation loop :func:`replica_ring` points the
+model's ring at the replica's CP mesh and ``compute_loss`` counts over the replica, as without ``dynamic``
+(Note [The Trainer under CP] 4). So ``eval_loss``, the logits and the labels the loop gathers are the static
+documents trainer's -- the same code on the same shards, in each replica's own row order -- not merely equal to
+rounding. Why not plan evaluation over the grid and move the logits back with the inverse of the plan's
+all-to-all: the plan moves token ids (a few bytes a token); its inverse would move [tokens, vocab] logits,
+thousands of times more bytes, for metrics that the per-replica path gets exactly with no move at all.
+What the grid buys in training is balance across the gradient all-reduce each step waits for; an evaluation
+step has no backward and no gradient reduction, and a rank holds its replica's rows over P -- no more tokens
+than in training on rows as long (training pads every replica's rows to the longest), so memory stays within
+training's. The price is evaluation's imbalance across replicas (the static grid's), paid in evaluation time only.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -36,9 +52,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..core.dynamic import shard_on_grid
 from ..core.exchange.comm import all_gather_objects, host_group
-from .collator import META, CollatedBatch
+from .collator import META, CollatedBatch, ShardingCollator
+from .state import state_of
 
-__all__ = ["dynamic_refusal", "move_batches"]
+__all__ = ["dynamic_refusal", "move_batches", "replica_ring", "static_collator"]
 
 WHERE = "with_context_parallel(dynamic=True)"
 
@@ -51,10 +68,25 @@ def dynamic_refusal(args, cp: int) -> str | None:
                 f"with one replica (world size {world} = cp_size {cp}) there is no data-parallel dimension to "
                 "balance over. Drop dynamic=True (layout='documents' alone), or launch a multiple of cp_size "
                 "processes with 2 or more replicas.")
-    if str(getattr(args.eval_strategy, "value", args.eval_strategy)) != "no" or args.do_eval:
-        return (f"{WHERE} serves training only: evaluation would gather logits whose tokens the plan moved across "
-                "replicas. Set eval_strategy='no' (evaluate with a trainer without dynamic=True).")
     return None
+
+
+def static_collator(collator: ShardingCollator) -> ShardingCollator:
+    """The dynamic collator's static twin (the same user collator, CP mesh, windows): evaluation's, which shards
+    each replica's rows over its own CP group. See Note [Dynamic CP in the Trainer]."""
+    return ShardingCollator(collator.collator, collator.mesh, layout=collator.layout, windows=collator.windows)
+
+
+@contextlib.contextmanager
+def replica_ring(model, mesh: DeviceMesh):
+    """The model's ring over ``mesh`` (the replica's CP group) inside the block, the grid's again after it (even
+    when the block raises). See Note [Dynamic CP in the Trainer]."""
+    state = state_of(model)
+    grid, state.mesh = state.mesh, mesh
+    try:
+        yield
+    finally:
+        state.mesh = grid
 
 
 def move_batches(batches: list, flat: DeviceMesh, cp: int, windows) -> list:

@@ -51,8 +51,8 @@ hold the full model (DDP) and the optimizer as the Trainer saves them: nothing i
 so a run resumes at another CP size (same dp, same batches).
 
 ``dynamic=True`` (with ``layout="documents"``) changes 1-3: the collator hands the replica's full rows and the
-step's global batch is planned over every rank of the flattened (dp, cp) mesh, the ring's and the loss count's
-(Note [Dynamic CP in the Trainer] in hf/grid.py).
+step's global batch is planned over every rank of the flattened (dp, cp) mesh, the ring's and the loss count's;
+evaluation (4) runs as without it (Note [Dynamic CP in the Trainer] in hf/grid.py).
 
 5. Errors. What the trainer cannot serve raises on every rank when it is built. An error that depends on a
    batch (padding inside a row, an unsupported mask) is agreed by the ring's check within the CP group
@@ -80,6 +80,7 @@ as CP=1 does. Calls nested inside (``self.compute_loss`` from a subclass's ``com
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Mapping
@@ -105,7 +106,7 @@ from ..core.tiling import check_tile_size  # noqa: E402
 from .attention import apply_context_parallel  # noqa: E402
 from .collator import META, CollatedBatch, ShardingCollator  # noqa: E402
 from .documents import KWARG, check_model_layout, model_windows  # noqa: E402
-from .grid import dynamic_refusal, move_batches  # noqa: E402
+from .grid import dynamic_refusal, move_batches, replica_ring, static_collator  # noqa: E402
 from .state import state_of  # noqa: E402
 
 __all__ = ["ShardingCollator", "with_context_parallel"]
@@ -197,6 +198,7 @@ class _ContextParallel:
     """The overrides; ``with_context_parallel`` puts this class before the trainer class in the MRO."""
 
     _cp_options: CPOptions
+    _cp_evaluating = False  #: dynamic=True, inside the evaluation loop: the static documents path
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -241,12 +243,33 @@ class _ContextParallel:
             return super().get_train_dataloader()
 
     def get_eval_dataloader(self, eval_dataset=None):
-        with replica_dataloaders(self.accelerator, self.cp_mesh_2d, eval_dataset or self.eval_dataset):
+        with replica_dataloaders(self.accelerator, self.cp_mesh_2d, eval_dataset or self.eval_dataset), \
+                self._cp_static():
             return super().get_eval_dataloader(eval_dataset)
 
     def get_test_dataloader(self, test_dataset):
-        with replica_dataloaders(self.accelerator, self.cp_mesh_2d, test_dataset):
+        with replica_dataloaders(self.accelerator, self.cp_mesh_2d, test_dataset), self._cp_static():
             return super().get_test_dataloader(test_dataset)
+
+    @contextlib.contextmanager
+    def _cp_static(self, ring: bool = False):
+        """dynamic=True: evaluation's static documents path inside the block -- its dataloaders get the static
+        collator; with ``ring``, the evaluation loop runs the model's ring over the replica's CP group and
+        ``compute_loss`` counts over the replica (Note [Dynamic CP in the Trainer] in hf/grid.py)."""
+        if self.cp_grid is None or self._cp_evaluating:
+            yield
+            return
+        collator = self.data_collator
+        self.data_collator = static_collator(collator)
+        try:
+            if not ring:
+                yield
+                return
+            with replica_ring(self.model, self.cp_mesh):
+                self._cp_evaluating = True
+                yield
+        finally:
+            self.data_collator, self._cp_evaluating = collator, False
 
     def get_total_train_batch_size(self, args) -> int:
         return super().get_total_train_batch_size(args) // self._cp_options.cp_size  # samples, over replicas
@@ -313,8 +336,8 @@ class _ContextParallel:
                                         num_items_in_batch=num_items_in_batch)
         cp, processes = self.cp_mesh.size(), self.args.world_size // self.cp_mesh.size()
         group = self.cp_mesh
-        if self.cp_grid is not None:  # every rank a process of the average; its tokens' part of the global batch
-            cp, processes, group = 1, self.args.world_size, self.cp_grid
+        if self.cp_grid is not None and not self._cp_evaluating:  # every rank a process of the average; its
+            cp, processes, group = 1, self.args.world_size, self.cp_grid  # tokens' part of the global batch
         if inputs.get("shift_labels") is not None:
             replica = (inputs["shift_labels"] != -100).sum()  # the replica's count (dynamic: the grid's)
             if group.size() > 1:
@@ -358,10 +381,6 @@ class _ContextParallel:
 
     # -- evaluation --------------------------------------------------------------------------------
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **gen_kwargs):
-        if self.cp_grid is not None:  # every rank alike, before anything moves
-            raise ValueError("with_context_parallel(dynamic=True) serves training only: evaluate() and predict() "
-                             "would gather logits whose tokens the plan moved across replicas. Evaluate with a trainer "
-                             "built without dynamic=True.")
         inputs, meta = self._cp_take(inputs)
         return self._cp_agreed(lambda: self._cp_predict(model, inputs, meta, prediction_loss_only, ignore_keys,
                                                         gen_kwargs))
@@ -409,7 +428,8 @@ class _ContextParallel:
         # the Trainer resets gather_function to gather_for_metrics when the loop ends; a subclass may have chosen
         # another (Seq2SeqTrainer: accelerator.gather, which keeps the even-batches padding)
         self.gather_function = functools.partial(self._cp_gather, chosen=self.gather_function)
-        return super().evaluation_loop(*args, **kwargs)
+        with self._cp_static(ring=True):  # dynamic=True: the static documents path (Note [Dynamic CP in the Trainer])
+            return super().evaluation_loop(*args, **kwargs)
 
     def _cp_gather(self, data, use_gather_object: bool = False, *, chosen=None):
         """The trainer's gather (accelerate's gather_for_metrics or gather) over the dp replicas: each replica's
@@ -518,8 +538,8 @@ def with_context_parallel(trainer_cls: type, *, cp_size: int, layout: str = "str
     ``comm_dtype`` and ``kv_exchange`` (``ring_attention``'s, for every ring call of the model),
     ``sequence_tiling`` (True or tokens per tile: the LM head + loss and the MLPs in sequence tiles, no
     [S_local, vocab] logits in training steps; evaluation still returns logits -- hf/tiling.py), ``dynamic``
-    (with ``layout="documents"``: each step's global batch planned over every dp x cp rank; training only --
-    Note [Dynamic CP in the Trainer] in hf/grid.py). See
+    (with ``layout="documents"``: each training step's global batch planned over every dp x cp rank; evaluation
+    runs the static documents path -- Note [Dynamic CP in the Trainer] in hf/grid.py). See
     Note [The Trainer under CP]; what cannot be served raises on every rank when the trainer is built. A
     ``compute_loss`` override takes ``inputs["shift_labels"]`` and divides by ``num_items_in_batch`` (docs/trainer.md,
     "Your own loss"). ``predict()``'s logits at padding positions (attention_mask 0) are not CP=1's: a pad token

@@ -214,9 +214,10 @@ def _tokenizer():
                                    eos_token="<eos>")
 
 
-def _sft(out: str, cp: int | None, bf16: bool = False, packing: bool = True, layout: str = "striped") -> dict:
+def _sft(out: str, cp: int | None, bf16: bool = False, packing: bool = True, layout: str = "striped",
+         **options) -> dict:
     """TRL's SFTTrainer with packing (bfd: padding-free rows, position ids restarting per document), or without
-    (rows right-padded to the batch's longest, a 2-D attention mask)."""
+    (rows right-padded to the batch's longest, a 2-D attention mask). ``options``: with_context_parallel's."""
     from datasets import Dataset
 
     # unpacked: a learning rate at which the token accuracy of a partial eval batch's last row is not 0
@@ -225,13 +226,14 @@ def _sft(out: str, cp: int | None, bf16: bool = False, packing: bool = True, lay
                      packing=packing, max_length=23 if packing else 24, eval_packing=packing, per_device_eval_batch_size=2, bf16=bf16)
     data = Dataset.from_list([{"input_ids": d["input_ids"] + [1]} for d in _documents(12, 24)])
     evals = Dataset.from_list([{"input_ids": d["input_ids"] + [1]} for d in _documents(13, 12)])
-    cls = SFTTrainer if cp is None else hf.with_context_parallel(SFTTrainer, cp_size=cp, layout=layout)
+    cls = SFTTrainer if cp is None else hf.with_context_parallel(SFTTrainer, cp_size=cp, layout=layout, **options)
     trainer = cls(model=_model("llama"), args=args, train_dataset=data, eval_dataset=evals,
                   processing_class=_tokenizer())
     trainer.train()
     accuracy = [h["mean_token_accuracy"] for h in trainer.state.log_history if "mean_token_accuracy" in h]
     result = {"losses": _losses(trainer), "accuracy": accuracy, "eval": trainer.evaluate(),
-              "num_tokens": [h["num_tokens"] for h in trainer.state.log_history if "num_tokens" in h]}
+              "num_tokens": [h["num_tokens"] for h in trainer.state.log_history if "num_tokens" in h],
+              "planned_over": _planned_over(trainer)}
     if not packing:  # partial last batches (5 rows, 2 a batch): plain rows, prompt-completion rows
         five = [{"input_ids": d["input_ids"] + [1]} for d in _documents(13, 5)]
         result["eval-5"] = trainer.evaluate(eval_dataset=Dataset.from_list(five))
@@ -290,8 +292,6 @@ def _refusals(rank: int, world: int, out: str) -> list[str]:
                                                       data_collator=default_data_collator))
     dyn = lambda **kw: hf.with_context_parallel(Trainer, layout="documents", dynamic=True, **kw)  # noqa: E731
     expect("no data-parallel dimension", lambda: build(dyn(cp_size=2)))  # world 2 = cp_size: one replica
-    expect("serves training only", lambda: dyn(cp_size=1)(model=_model("llama"), args=_args(out, eval_strategy="steps",
-           eval_steps=1), train_dataset=rows, eval_dataset=rows, data_collator=default_data_collator))
     with pytest.raises(ValueError, match="dynamic=True .* needs layout='documents'; got layout='striped'"):
         hf.with_context_parallel(Trainer, cp_size=2, dynamic=True)
     with pytest.raises(ValueError, match="dynamic=True with sequence_tiling"):
@@ -472,7 +472,7 @@ def test_checkpoint_at_save_steps_resumes_at_another_cp_size(runs):
 
 def test_refusals_raise_on_every_rank(runs):
     cp, _ = runs
-    assert cp[0]["refused"] == cp[1]["refused"] and len(cp[0]["refused"]) == 10, cp[0]["refused"]
+    assert cp[0]["refused"] == cp[1]["refused"] and len(cp[0]["refused"]) == 9, cp[0]["refused"]
 
 
 class _HoleOnReplica1:
@@ -497,20 +497,50 @@ def _skewed(seed: int, count: int = 16) -> list[dict]:
     return [{"input_ids": torch.randint(2, V, (n,), generator=g).tolist()} for n in lengths]
 
 
+def _skewed_run(tmp: str, cp: int | None, dynamic: bool = False, evaluate: bool = False, **kw) -> dict:
+    """Train on the skewed packed rows (``cp`` None: the unchanged Trainer); with ``evaluate``, eval_strategy every
+    2 steps, then evaluate() and predict() on skewed packed rows (a partial last batch: 10 documents, 8 a step)."""
+    cls = Trainer if cp is None else hf.with_context_parallel(Trainer, cp_size=cp, layout="documents", dynamic=dynamic)
+    evals = dict(eval_dataset=_skewed(22, 10), compute_metrics=_metrics) if evaluate else {}
+    if evaluate:
+        kw.update(eval_strategy="steps", eval_steps=2)
+    trainer = cls(model=_model("llama"), train_dataset=_skewed(21), data_collator=DataCollatorWithFlattening(),
+                  args=_args(tempfile.mkdtemp(dir=tmp), include_num_input_tokens_seen="all", **kw), **evals)
+    before = None  # predict() on the initial weights, the same in every run (a trainer of its own: the Trainer's
+    if evaluate:  # predict() before train() at dp > 1 changes the training, without CP too)
+        before = cls(model=_model("llama"), args=_args(tempfile.mkdtemp(dir=tmp)),
+                     data_collator=DataCollatorWithFlattening()).predict(_skewed(23, 10)).predictions
+    trainer.train()
+    history = trainer.state.log_history
+    out = {"losses": _losses(trainer), "grad_norm": [h["grad_norm"] for h in history if "grad_norm" in h],
+           "tokens": [float(h["num_input_tokens_seen"]) for h in history if "loss" in h], "before": before,
+           "planned_over": _planned_over(trainer)}
+    if evaluate:
+        out["during"] = [(h["step"], h["eval_loss"], h["eval_target_logit"]) for h in history if "eval_loss" in h]
+        out["eval"] = trainer.evaluate()
+        pred = trainer.predict(_skewed(23, 10))
+        out["predict"] = {"predictions": pred.predictions, "label_ids": pred.label_ids, **pred.metrics}
+    return out
+
+
+def _planned_over(trainer) -> int | None:
+    """How many ranks the last training step's plan spans (the grid's under dynamic=True, P without)."""
+    plan = getattr(getattr(trainer, "_cp_meta", None), "plan", None)
+    return None if plan is None else plan.cp_size
+
+
 def _dynamic_runs(tmp: str, cp: int) -> dict:
     """dynamic=True and the static documents layout on the same skewed packed rows (one row a replica a micro-batch;
-    with gradient accumulation two); a padding hole on replica 1 under dynamic=True."""
+    with gradient accumulation two), evaluating as they train; TRL's packed SFTTrainer; a padding hole on replica 1
+    under dynamic=True."""
     out = {}
-    for name, kw in (("plain", {}), ("accumulate", dict(gradient_accumulation_steps=2, per_device_train_batch_size=2))):
+    for name, kw in (("plain", {"evaluate": True}),
+                     ("accumulate", dict(gradient_accumulation_steps=2, per_device_train_batch_size=2))):
         for dynamic in (False, True):
-            cls = hf.with_context_parallel(Trainer, cp_size=cp, layout="documents", dynamic=dynamic)
-            trainer = cls(model=_model("llama"), train_dataset=_skewed(21), data_collator=DataCollatorWithFlattening(),
-                          args=_args(tempfile.mkdtemp(dir=tmp), include_num_input_tokens_seen="all", **kw))
-            trainer.train()
-            history = trainer.state.log_history
-            out[f"{name}-{'dynamic' if dynamic else 'static'}"] = {
-                "losses": _losses(trainer), "grad_norm": [h["grad_norm"] for h in history if "grad_norm" in h],
-                "tokens": [float(h["num_input_tokens_seen"]) for h in history if "loss" in h]}
+            out[f"{name}-{'dynamic' if dynamic else 'static'}"] = _skewed_run(tmp, cp, dynamic, **kw)
+    for dynamic in (False, True):
+        out[f"sft-{'dynamic' if dynamic else 'static'}"] = _sft(tempfile.mkdtemp(dir=tmp), cp, layout="documents",
+                                                                 dynamic=dynamic)
     trainer = hf.with_context_parallel(Trainer, cp_size=cp, layout="documents", dynamic=True)(
         model=_model("llama"), args=_args(tempfile.mkdtemp(dir=tmp), max_steps=1), train_dataset=_rows(17, 8),
         data_collator=_HoleOnReplica1())
@@ -537,6 +567,8 @@ def _dp_cp(rank: int, world: int, tmp: str, cp: int) -> dict:
         except (ValueError, RuntimeError) as e:
             out["error"] = [type(e).__name__, str(e)]
         out["dynamic"] = _dynamic_runs(tmp, cp)
+    else:  # the CP=1 references of the dynamic runs' evaluation and SFT (dp = 2, the unchanged classes)
+        out["dynamic"] = {"plain": _skewed_run(tmp, None, evaluate=True), "sft": _sft(tempfile.mkdtemp(dir=tmp), None)}
     return out
 
 
@@ -547,18 +579,40 @@ def test_data_parallel_replicas_of_cp_ranks():
     step's remainder, 6, is more than one replica's batch); compute_loss overrides; TRL's eval metrics with a
     partial last batch. dynamic=True (each step's global batch planned over the 4 ranks) logs the static
     documents layout's losses, grad norms and token counts on skewed packed rows, with gradient accumulation
-    too; a replica's padding hole raises on every rank before any token moves."""
+    too; its evaluation (eval_strategy, evaluate(), predict()) gives the static documents trainer's eval_loss,
+    metrics and predictions in each replica's row order, and CP=1's (dp = 2); TRL's packed SFTTrainer logs the
+    static documents run's losses, token accuracy, num_tokens and eval metrics, and CP=1's; a replica's padding
+    hole raises on every rank before any token moves."""
     with tempfile.TemporaryDirectory() as tmp:
         got = run_ranks(4, _dp_cp, tmp, 2, timeout=900)
         want = run_ranks(2, _dp_cp, tmp, 1, timeout=900)
+    ref = want[0].pop("dynamic")
+    want[1].pop("dynamic")
     for rank in range(4):
         dyn = got[rank].pop("dynamic")
         assert "rank 2: with_context_parallel(dynamic=True) takes packed rows" in dyn.pop("dynamic-error"), rank
-        for case in ("plain", "accumulate"):
-            for key in ("losses", "grad_norm", "tokens"):
+        for case in ("plain", "accumulate", "sft"):
+            assert (dyn[f"{case}-dynamic"]["planned_over"], dyn[f"{case}-static"]["planned_over"]) == (4, 2), case
+            for key in ("losses", "grad_norm", "tokens", "accuracy", "num_tokens"):
+                if key not in dyn[f"{case}-static"]:
+                    continue
                 a, b = dyn[f"{case}-dynamic"][key], dyn[f"{case}-static"][key]
                 assert len(a) == len(b) == 3, (case, key, a, b)
                 assert all(abs(x - y) <= 1e-5 * max(1.0, abs(y)) for x, y in zip(a, b)), (case, key, rank, a, b)
+        _close(dyn["plain-static"]["losses"], ref["plain"]["losses"], f"dp x cp documents, skewed rows, rank {rank}")
+        for layout in ("dynamic", "static"):
+            _same_evaluation(dyn[f"plain-{layout}"], ref["plain"], TOL, f"{layout} vs CP=1 rank {rank}")
+            sft, sft_ref = dyn[f"sft-{layout}"], ref["sft"]
+            _close(sft["losses"], sft_ref["losses"], f"SFTTrainer {layout} vs CP=1 rank {rank}")
+            assert sft["num_tokens"] == sft_ref["num_tokens"], (layout, rank, sft["num_tokens"], sft_ref["num_tokens"])
+            for key in ("eval_loss", "eval_mean_token_accuracy", "eval_entropy"):
+                _close([sft["eval"][key]], [sft_ref["eval"][key]], f"SFTTrainer {layout} {key} vs CP=1 rank {rank}")
+                _close([dyn["sft-dynamic"]["eval"][key]], [dyn["sft-static"]["eval"][key]], f"SFTTrainer {key}")
+        _same_evaluation(dyn["plain-dynamic"], dyn["plain-static"], 1e-5, f"dynamic vs static rank {rank}")
+        before = dyn["plain-dynamic"]["before"], dyn["plain-static"]["before"]  # the same code on the same weights
+        assert before[0].shape == before[1].shape and (before[0] == before[1]).all(), rank
+        err = np.abs(before[0] - ref["plain"]["before"]).max() / np.abs(ref["plain"]["before"]).max()
+        assert err <= TOL, (rank, err)
     for rank in range(4):  # one replica's data error: its ranks raise it, the other replica's ranks name it
         kind, message = got[rank].pop("error")
         if rank // 2 == 1:
@@ -578,6 +632,22 @@ def test_data_parallel_replicas_of_cp_ranks():
             for key in ("eval_loss", "eval_target_logit", "eval_rows"):
                 if key in want[0][name].get("eval", {}):
                     _close([got[rank][name]["eval"][key]], [want[0][name]["eval"][key]], f"dp x cp {name} {key}")
+
+
+def _same_evaluation(got: dict, want: dict, tol: float, what: str) -> None:
+    """eval_strategy's evaluations, evaluate()'s metrics, predict()'s loss, logits and labels (row for row)."""
+    assert [s for s, *_ in got["during"]] == [s for s, *_ in want["during"]] == [2, 3], (what, got["during"])
+    for (_, *a), (_, *b) in zip(got["during"], want["during"]):
+        _close(a, b, f"{what}: eval_strategy's eval_loss, eval_target_logit")
+    for key in ("eval_loss", "eval_target_logit", "eval_rows"):
+        _close([got["eval"][key]], [want["eval"][key]], f"{what}: evaluate() {key}")
+    g, w = got["predict"], want["predict"]
+    for key in ("test_loss", "test_target_logit", "test_rows"):
+        _close([g[key]], [w[key]], f"{what}: predict() {key}")
+    assert g["label_ids"].shape == w["label_ids"].shape and (g["label_ids"] == w["label_ids"]).all(), what
+    assert g["predictions"].shape == w["predictions"].shape, (what, g["predictions"].shape, w["predictions"].shape)
+    err = np.abs(g["predictions"] - w["predictions"]) / np.maximum(1.0, np.abs(w["predictions"]))
+    assert err.max() <= tol, f"{what}: predict() logits differ by {err.max():.2e} (relative)"
 
 
 def _cp3(rank: int, world: int, tmp: str) -> dict:
