@@ -4,8 +4,8 @@
     torchrun --nproc-per-node 1 scripts/examples/trainer_example.py --cp 1      # the unchanged Trainer: the same losses
     torchrun --nproc-per-node 4 scripts/examples/trainer_example.py --cp 2      # 2 data-parallel replicas x CP=2
     torchrun --nproc-per-node 4 scripts/examples/trainer_example.py --layout documents --dynamic  # one plan a
-    torchrun --nproc-per-node 2 scripts/examples/trainer_example.py --cp 1 --no-eval   # step over all 4 ranks
-                                                           # (training only) prints the losses of dp=2 without CP
+    torchrun --nproc-per-node 2 scripts/examples/trainer_example.py --cp 1   # training step over all 4 ranks
+                                                           # prints the train and eval losses of dp=2 without CP
 
 A random-init Llama (GQA, a few layers) trains on synthetic documents packed into one row per batch by
 transformers' ``DataCollatorWithFlattening`` (position ids restarting at 0 per document); the CP ranks keep
@@ -35,8 +35,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cp", type=int, default=2, help="CP ranks per data-parallel replica (1: the plain Trainer)")
     p.add_argument("--layout", default="headtail", choices=["striped", "headtail", "contiguous", "documents"])
-    p.add_argument("--dynamic", action="store_true", help="with --layout documents: each step's global batch planned "
-                   "over every dp x cp rank (training only: no evaluation)")
+    p.add_argument("--dynamic", action="store_true", help="with --layout documents: each training step's global batch "
+                   "planned over every dp x cp rank (evaluation: each replica's rows over its own CP ranks)")
     p.add_argument("--no-eval", action="store_true", help="train only")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--docs-per-row", type=int, default=8)
@@ -44,7 +44,7 @@ def main() -> None:
     p.add_argument("--fsdp", action="store_true", help="FSDP2 over every rank (CP ranks included) instead of DDP")
     p.add_argument("--out", default="/tmp/cp_dtensor_trainer_example")
     args = p.parse_args()
-    evaluate = not (args.no_eval or args.dynamic)
+    evaluate = not args.no_eval
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
