@@ -382,8 +382,9 @@ class _ContextParallel:
     # -- evaluation --------------------------------------------------------------------------------
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None, **gen_kwargs):
         inputs, meta = self._cp_take(inputs)
-        return self._cp_agreed(lambda: self._cp_predict(model, inputs, meta, prediction_loss_only, ignore_keys,
-                                                        gen_kwargs))
+        with self._cp_static(ring=True):  # dynamic=True, called outside the evaluation loop: its static path too
+            return self._cp_agreed(lambda: self._cp_predict(model, inputs, meta, prediction_loss_only, ignore_keys,
+                                                            gen_kwargs))
 
     def _cp_predict(self, model, inputs: dict, meta: CollatedBatch, prediction_loss_only, ignore_keys, gen_kwargs):
         if getattr(self.args, "predict_with_generate", False) and not prediction_loss_only:

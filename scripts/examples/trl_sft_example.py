@@ -2,6 +2,8 @@
 
     torchrun --nproc-per-node 2 scripts/examples/trl_sft_example.py              # CP=2 (gloo on CPU, NCCL on GPUs)
     torchrun --nproc-per-node 1 scripts/examples/trl_sft_example.py --cp 1       # the unchanged SFTTrainer: the same losses
+    torchrun --nproc-per-node 4 scripts/examples/trl_sft_example.py --layout documents --dynamic  # one plan a step
+    torchrun --nproc-per-node 2 scripts/examples/trl_sft_example.py --cp 1       # over all 4 ranks: dp=2's losses
 
 A random-init Llama learns a synthetic text corpus with a word-level tokenizer built here (nothing is
 downloaded). ``packing=True`` packs the tokenized examples into rows of ``--max-length`` tokens (best-fit
@@ -44,6 +46,9 @@ def tokenizer() -> PreTrainedTokenizerFast:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cp", type=int, default=2, help="CP ranks per data-parallel replica (1: the plain SFTTrainer)")
+    p.add_argument("--layout", default="striped", choices=["striped", "headtail", "contiguous", "documents"])
+    p.add_argument("--dynamic", action="store_true", help="with --layout documents: each step's global batch planned "
+                   "over every dp x cp rank")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--max-length", type=int, default=128, help="the packed row length, in tokens")
     p.add_argument("--out", default="/tmp/cp_dtensor_trl_sft_example")
@@ -62,7 +67,8 @@ def main() -> None:
     if args.cp > 1:  # the one line
         from cp_dtensor.hf import with_context_parallel
 
-        trainer_cls = with_context_parallel(SFTTrainer, cp_size=args.cp)
+        trainer_cls = with_context_parallel(SFTTrainer, cp_size=args.cp, layout=args.layout,
+                                            **(dict(dynamic=True) if args.dynamic else {}))
 
     trainer = trainer_cls(model=model, args=config, train_dataset=Dataset.from_list(corpus(1, 64)), processing_class=tok)
     trainer.train()

@@ -572,7 +572,7 @@ def _dp_cp(rank: int, world: int, tmp: str, cp: int) -> dict:
     return out
 
 
-@slow("6 ranks in two spawns: ~30 s")
+@slow("6 ranks in two spawns: ~30 s, ~45 s with dynamic CP's evaluation and SFTTrainer")
 def test_data_parallel_replicas_of_cp_ranks():
     """dp=2 x cp=2 on 4 ranks logs what dp=2 without CP (the unchanged Trainer on 2 ranks) logs: the samplers
     count replicas, not ranks; the evaluation gathers each replica's rows once (14 eval rows, 8 a step: the last
