@@ -181,7 +181,7 @@ def _train(name: str, out: str, cp: int | None, layout: str | None = None, **ext
     return result
 
 
-def _generate(out: str, cp: int | None, layout: str = "striped") -> dict:
+def _generate(out: str, cp: int | None, layout: str = "striped", **options) -> dict:
     """Seq2SeqTrainer's predict_with_generate on a decoder-only model: eval loss and greedy tokens (4 new)."""
     from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
 
@@ -191,7 +191,8 @@ def _generate(out: str, cp: int | None, layout: str = "striped") -> dict:
     model.config.use_cache = model.generation_config.use_cache = True  # generate() under CP decodes from a cache
     args = Seq2SeqTrainingArguments(output_dir=out, predict_with_generate=True, per_device_eval_batch_size=2,
                                     report_to=[], use_cpu=True, disable_tqdm=True, seed=0)
-    cls = Seq2SeqTrainer if cp is None else hf.with_context_parallel(Seq2SeqTrainer, cp_size=cp, layout=layout)
+    cls = Seq2SeqTrainer if cp is None else hf.with_context_parallel(Seq2SeqTrainer, cp_size=cp, layout=layout,
+                                                                     **options)
     got = {}
 
     def metrics(pred):
@@ -541,6 +542,8 @@ def _dynamic_runs(tmp: str, cp: int) -> dict:
     for dynamic in (False, True):
         out[f"sft-{'dynamic' if dynamic else 'static'}"] = _sft(tempfile.mkdtemp(dir=tmp), cp, layout="documents",
                                                                  dynamic=dynamic)
+        out[f"generate-{'dynamic' if dynamic else 'static'}"] = _generate(tempfile.mkdtemp(dir=tmp), cp,
+                                                                          layout="documents", dynamic=dynamic)
     trainer = hf.with_context_parallel(Trainer, cp_size=cp, layout="documents", dynamic=True)(
         model=_model("llama"), args=_args(tempfile.mkdtemp(dir=tmp), max_steps=1), train_dataset=_rows(17, 8),
         data_collator=_HoleOnReplica1())
@@ -568,7 +571,8 @@ def _dp_cp(rank: int, world: int, tmp: str, cp: int) -> dict:
             out["error"] = [type(e).__name__, str(e)]
         out["dynamic"] = _dynamic_runs(tmp, cp)
     else:  # the CP=1 references of the dynamic runs' evaluation and SFT (dp = 2, the unchanged classes)
-        out["dynamic"] = {"plain": _skewed_run(tmp, None, evaluate=True), "sft": _sft(tempfile.mkdtemp(dir=tmp), None)}
+        out["dynamic"] = {"plain": _skewed_run(tmp, None, evaluate=True), "sft": _sft(tempfile.mkdtemp(dir=tmp), None),
+                          "generate": _generate(tempfile.mkdtemp(dir=tmp), None)}
     return out
 
 
@@ -580,7 +584,8 @@ def test_data_parallel_replicas_of_cp_ranks():
     partial last batch. dynamic=True (each step's global batch planned over the 4 ranks) logs the static
     documents layout's losses, grad norms and token counts on skewed packed rows, with gradient accumulation
     too; its evaluation (eval_strategy, evaluate(), predict()) gives the static documents trainer's eval_loss,
-    metrics and predictions in each replica's row order, and CP=1's (dp = 2); TRL's packed SFTTrainer logs the
+    metrics and predictions in each replica's row order, and CP=1's (dp = 2), predict_with_generate's tokens
+    too; TRL's packed SFTTrainer logs the
     static documents run's losses, token accuracy, num_tokens and eval metrics, and CP=1's; a replica's padding
     hole raises on every rank before any token moves."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -608,6 +613,9 @@ def test_data_parallel_replicas_of_cp_ranks():
             for key in ("eval_loss", "eval_mean_token_accuracy", "eval_entropy"):
                 _close([sft["eval"][key]], [sft_ref["eval"][key]], f"SFTTrainer {layout} {key} vs CP=1 rank {rank}")
                 _close([dyn["sft-dynamic"]["eval"][key]], [dyn["sft-static"]["eval"][key]], f"SFTTrainer {key}")
+            gen, gen_ref = dyn[f"generate-{layout}"], ref["generate"]  # Seq2SeqTrainer's predict_with_generate
+            assert gen["predictions"] == gen_ref["predictions"] and gen["labels"] == gen_ref["labels"], (layout, rank)
+            _close([gen["eval_loss"]], [gen_ref["eval_loss"]], f"Seq2SeqTrainer {layout} eval_loss rank {rank}")
         _same_evaluation(dyn["plain-dynamic"], dyn["plain-static"], 1e-5, f"dynamic vs static rank {rank}")
         before = dyn["plain-dynamic"]["before"], dyn["plain-static"]["before"]  # the same code on the same weights
         assert before[0].shape == before[1].shape and (before[0] == before[1]).all(), rank
