@@ -37,9 +37,10 @@ The documents layout (static, and ``dynamic``) needs nothing of its own under TP
 * The ring runs over the CP group (dynamic: the "loss" mesh) of each TP index on that rank's heads; the
   loss and the gradient reductions are torchtitan's, as with a named layout.
 
-Measured (torchtitan 0.2.2, llama3 debugmodel_flex_attn, fp32, 3 steps): documents at cp 2 x tp 2 logs the
-losses of cp 1 x tp 2, and ``dynamic`` at dp 2 x cp 2 x tp 2 those of the static documents run (identical
-digits; tests/titan/v02/test_titan_dynamic.py).
+Measured (llama3 debug models, fp32, 3 steps): on torchtitan 0.2.2 documents at dp 2 x cp 2 x tp 2 logs the
+losses of dp 2 x tp 2 at cp 1, and ``dynamic`` on the same ranks those of the static documents run (identical
+digits; tests/titan/v02/test_titan_dynamic.py); on 0.3 ``dynamic`` at dp 2 x cp 2 x tp 2 those of the static
+documents run (tests/titan/v03/test_titan03_dynamic.py).
 """
 
 from __future__ import annotations
