@@ -19,6 +19,28 @@ with the masks' windows (gpt_oss: a global layer beside a sliding-window one; th
 
 The documents must be the batch's: a mask whose ids differ from the plan's (llama4's chunks) is refused
 here, on every rank alike (every CP rank reads the same batch), before anything is sent.
+
+Note [Documents under tensor parallelism]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The documents layout (static, and ``dynamic``) needs nothing of its own under TP, for three reasons:
+
+* Every TP rank of one (dp, cp) position gets the same tokens. torchtitan loads a batch per dp rank (the
+  TP ranks of a dp rank read the same rows) and the plan is a pure function of the batch's document ids,
+  made on every rank; ``dynamic`` gathers the rows and moves the tokens over torchtitan's "loss" mesh
+  (dp x cp at this rank's TP index): the TP ranks gather the same rows, make the same plan and receive
+  the same tokens, each through its own TP index's mesh.
+* Sequence parallelism splits a rank's [B, S_local] tokens over TP only between the blocks (norms,
+  residual); the TP plan gathers them back before attention's projections, so attention sees the whole
+  [B, S_local] shard with Hq / TP heads (Note [TP heads into the ring]) and the positions [B, S_local] and
+  masks, which are never DTensors, as they are without TP. What SP needs is S_local (dynamic: B * N / cp)
+  divisible by TP: seq_len a multiple of cp * tp, checked at start.
+* The ring runs over the CP group (dynamic: the "loss" mesh) of each TP index on that rank's heads; the
+  loss and the gradient reductions are torchtitan's, as with a named layout.
+
+Measured (llama3 debug models, fp32, 3 steps): on torchtitan 0.2.2 documents at dp 2 x cp 2 x tp 2 logs the
+losses of dp 2 x tp 2 at cp 1, and ``dynamic`` on the same ranks those of the static documents run (identical
+digits; tests/titan/v02/test_titan_dynamic.py); on 0.3 ``dynamic`` at dp 2 x cp 2 x tp 2 those of the static
+documents run (tests/titan/v03/test_titan03_dynamic.py).
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ def check_config(job_config: Any, world_size: int) -> None:
     _check_pipeline(job_config)
     _check_tp_compile(job_config, cp, tp)
     _check_expert_parallel(job_config, world_size, cp, tp)
-    _check_dynamic(job_config, cp, tp)
+    _check_dynamic(job_config, cp)
     if cp == 1:
         return
     layout = cp_section(job_config).layout
@@ -95,7 +95,7 @@ def check_config(job_config: Any, world_size: int) -> None:
         unsupported.append(f'[model] flavor = "{job_config.model.flavor}" with attn_type "{attn}" (the ring serves '
                            '"sdpa" and "flex" flavors, e.g. "debugmodel", "debugmodel_flex_attn")')
     if layout == DOCUMENTS and not unsupported:
-        unsupported.extend(_documents_unsupported(name, job_config.model.flavor, tp))
+        unsupported.extend(_documents_unsupported(name, job_config.model.flavor))
     if unsupported:
         raise ValueError(
             "cp_dtensor context parallelism does not support: " + "; ".join(unsupported)
@@ -178,8 +178,8 @@ def _check_pipeline(job_config: Any) -> None:
     check_pipeline(job_config, args, f"{name} {flavor}")
 
 
-def _check_dynamic(job_config: Any, cp: int, tp: int) -> None:
-    # [cp_dtensor] dynamic = true: the compositions it is tested with (FSDP, compile, activation checkpointing,
+def _check_dynamic(job_config: Any, cp: int) -> None:
+    # [cp_dtensor] dynamic = true: the compositions it is tested with (FSDP, TP, compile, activation checkpointing,
     # sequence tiling, validation, gradient accumulation; Note [Dynamic CP in torchtitan]), the rest refused
     section = getattr(job_config, "cp_dtensor", None)
     if section is None or not section.dynamic:
@@ -188,7 +188,6 @@ def _check_dynamic(job_config: Any, cp: int, tp: int) -> None:
     refused = [what for what, on in (
         ("context_parallel_degree = 1 (set it > 1: the plan spans dp_shard x cp)", cp == 1),
         (f'[model] name = "{job_config.model.name}" (dynamic serves llama3 flex flavors)', job_config.model.name != "llama3"),
-        ("tensor_parallel_degree > 1", tp > 1),
         ("pipeline_parallel_degree > 1", par.pipeline_parallel_degree > 1),
         ("data_parallel_replicate_degree > 1 (use data_parallel_shard_degree)", par.data_parallel_replicate_degree > 1),
         ("[model] converters (float8 / MX)", bool(getattr(job_config.model, "converters", None))),
@@ -206,8 +205,9 @@ def _flavors(family: str):
     return importlib.import_module(f"torchtitan.models.{family}").get_train_spec().model_args
 
 
-def _documents_unsupported(name: str, flavor: str, tp: int) -> list[str]:
+def _documents_unsupported(name: str, flavor: str) -> list[str]:
     # layout = "documents" plans the documents of the batch's block_causal masks: Note [One plan per torchtitan batch]
+    # (under TP too: Note [Documents under tensor parallelism])
     args = _flavor_args(name, flavor)
     out = []
     if getattr(args, "attn_type", "sdpa") != "flex" or getattr(args, "attn_mask_type", "causal") != "block_causal":
@@ -215,8 +215,6 @@ def _documents_unsupported(name: str, flavor: str, tp: int) -> list[str]:
                    'documents come from a flex flavor with attn_mask_type = "block_causal", e.g. "debugmodel_flex_attn")')
     if getattr(args, "every_n_layers_nope", None) is not None:
         out.append('layout = "documents" with llama4\'s chunked attention (its RoPE layers mask chunks, not documents)')
-    if tp > 1:
-        out.append('layout = "documents" with tensor_parallel_degree > 1 (not served yet; use a named layout)')
     return out
 
 

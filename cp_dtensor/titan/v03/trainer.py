@@ -56,7 +56,7 @@ from ..shared.cpu import (
 )
 from ..shared.heads import ulysses_mesh, ulysses_shard_index
 from ..shared.options import CPDTensor
-from ..shared.plan import DOCUMENTS, titan_unit
+from ..shared.plan import titan_unit
 from ..shared.tiling import apply_sequence_tiling, tag_after_tp
 from ._cpu import experts_in_param_dtype
 from .attention import RingInnerAttention, ring_masks, shard_cp_batch
@@ -143,9 +143,6 @@ def check_config(config: Any, world_size: int) -> None:
                                "tiled loss uses the LM head's unsharded weights after its forward)")
     if section.dynamic:  # Note [Dynamic CP in torchtitan 0.3]
         unsupported.extend(f"{what} with --cp_dtensor.dynamic true" for what in dynamic_unsupported(config))
-    if section.layout == DOCUMENTS and tp > 1:  # Note [One plan per torchtitan batch]
-        unsupported.append("--cp_dtensor.layout documents with --parallelism.tensor_parallel_degree > 1 (not served "
-                           "yet; use a named layout)")
     if unsupported:
         raise ValueError("cp_dtensor context parallelism (torchtitan 0.3) does not support: " + "; ".join(unsupported)
                          + ". Change these or run torchtitan without the plugin.")

@@ -347,11 +347,10 @@ def test_shard_cp_batch_documents_refuses_masks_without_documents():
         (["--model.flavor", "debugmodel"], 2, r'layout = "documents" with \[model\] llama3 flavor "debugmodel" \(its '
          r"masks mark no documents"),
         (["--model.name", "llama4", "--model.flavor", "debugmodel_irope"], 2, r"llama4's chunked attention"),
-        (["--parallelism.tensor_parallel_degree", "2"], 4, r'"documents" with tensor_parallel_degree > 1'),
         (["--parallelism.context_parallel_degree", "4", "--training.seq_len", "250"], 4,
          r"documents layout on 4 CP ranks needs a multiple of 4"),
     ],
-    ids=["sdpa", "llama4", "tp", "seq_len"],
+    ids=["sdpa", "llama4", "seq_len"],
 )
 def test_bad_documents_config_is_rejected(overrides, world, message):
     from cp_dtensor.titan import check_config
@@ -361,12 +360,16 @@ def test_bad_documents_config_is_rejected(overrides, world, message):
         check_config(cfg, world_size=world)
 
 
-def test_documents_config_compiles():
+def test_documents_config_is_accepted():
     # [compile] with the documents layout: accepted (test_titan_flex.py runs the compiled blocks)
     from cp_dtensor.titan import check_config
 
     cfg = _parse(CONFIG, "--cp_dtensor.layout", "documents", "--model.flavor", "debugmodel_flex_attn", "--compile.enable")
     check_config(cfg, world_size=2)
+    # and under TP (Note [Documents under tensor parallelism]; the jobs: test_titan_dynamic.py), static and dynamic
+    for extra in ([], ["--cp_dtensor.dynamic", "true", "--parallelism.data_parallel_shard_degree", "2"]):
+        check_config(_parse(CONFIG, "--cp_dtensor.layout", "documents", "--model.flavor", "debugmodel_flex_attn",
+                            "--parallelism.tensor_parallel_degree", "2", *extra), world_size=8 if extra else 4)
 
 
 @pytest.mark.parametrize("key", [["--cp_dtensor.comm_dtype", "bfloat16"], ["--cp_dtensor.kv_exchange", "allgather"],

@@ -7,7 +7,11 @@ sequence tiling,
 and checks from the jobs: the losses and grad norms equal (rel 2e-5), the validation losses (validation at
 step 2, the same batch sharding) equal, the ring runs over all 4 ranks, one balance line a step (rank 0) with the plan's work
 max/mean, the K/V rows received and the tokens a rank (B * N / cp). The default tier checks the start-up
-refusals of compositions dynamic does not serve (config parsing only, no job)."""
+refusals of compositions dynamic does not serve (config parsing only, no job).
+
+Under tensor parallelism (Note [Documents under tensor parallelism], slow tier, fresh init: the same weights at
+every degree): the static documents job at dp_shard 2 x cp 2 x tp 2 (8 ranks) logs the losses and validation
+losses of dp_shard 2 x tp 2 at cp 1, and ``dynamic = true`` on the same 8 ranks those of the static job."""
 
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ from _titan_run import skip_unless_titan  # noqa: E402
 skip_unless_titan((0, 2))
 
 import cp_dtensor.titan  # noqa: E402, F401  before any torchtitan import: see Note [torchtitan on CPU]
-from _titan_run import CONFIG, seed_checkpoint, step_losses_and_norms, torchrun  # noqa: E402
+from _titan_run import CONFIG, reference_run, seed_checkpoint, step_losses_and_norms, torchrun  # noqa: E402
 
 FLEX = ["--model.flavor", "debugmodel_flex_attn"]
 GRID = ["--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
@@ -89,12 +93,11 @@ def test_dynamic_without_documents_is_refused():
 
 
 @pytest.mark.parametrize(("overrides", "world", "message"), [
-    (["--parallelism.tensor_parallel_degree", "2"], 8, r"tensor_parallel_degree > 1"),
     (["--parallelism.pipeline_parallel_degree", "2"], 8, r"pipeline_parallel_degree > 1"),
     (["--parallelism.context_parallel_degree", "1"], 2, r"context_parallel_degree = 1"),
     (["--parallelism.data_parallel_replicate_degree", "2"], 8, r"data_parallel_replicate_degree > 1"),
     (["--validation.enable", "--compile.enable"], 4, r"\[validation\] enable beside \[compile\] enable"),
-], ids=["tp", "pp", "cp1", "hsdp", "validation_compile"])
+], ids=["pp", "cp1", "hsdp", "validation_compile"])
 def test_unserved_compositions_are_refused_at_start(overrides, world, message):
     from cp_dtensor.titan import check_config
 
@@ -102,3 +105,40 @@ def test_unserved_compositions_are_refused_at_start(overrides, world, message):
     with pytest.raises(ValueError, match=r"dynamic = true is not served with: .*" + message + r".*remove dynamic"):
         check_config(cfg, world_size=world)
     check_config(_parse(*FLEX, *GRID, "--cp_dtensor.dynamic", "true"), world_size=4)  # the served job passes
+
+
+TP = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
+      "--training.steps", "3", "--validation.enable", "--validation.freq", "2", "--validation.steps", "2"]
+TP_GRID = [*FLEX, *GRID, *TP]  # dp_shard 2 x cp 2 x tp 2: 8 ranks
+
+
+def _approx_equal(got: dict, want: dict, what: str) -> None:
+    assert sorted(got) == sorted(want) == [1, 2, 3], (what, got, want)
+    for step in want:  # grad norms are printed to 4 decimals: rel 1e-4 is their resolution
+        assert got[step][0] == pytest.approx(want[step][0], rel=2e-5), (what, step, got[step], want[step])
+        assert got[step][1] == pytest.approx(want[step][1], rel=1e-4), (what, step, got[step], want[step])
+
+
+@slow("a 4-rank and an 8-rank torchtitan job (about 50 s on a quiet 2-core machine)")
+def test_documents_under_tp_match_cp1():
+    # the static documents layout with sequence parallelism splitting each CP rank's tokens over TP
+    ref = torchrun(4, Path(tempfile.mkdtemp(prefix="titan-tp2-cp1-")), *FLEX, *TP,
+                   "--parallelism.context_parallel_degree", "1")
+    static = reference_run(8, *TP_GRID)  # shared with the next test
+    assert "Applied Tensor Parallelism" in static and "Applied cp_dtensor ring attention (layout=documents)" in static
+    _approx_equal(step_losses_and_norms(static), step_losses_and_norms(ref), "documents cp 2 x tp 2 vs cp 1 x tp 2")
+    want = dict(_validation(ref))
+    assert len(want) >= 1 and {s: pytest.approx(v, rel=2e-5) for s, v in _validation(static)} == want
+
+
+@slow("two 8-rank torchtitan jobs, one shared with the test above (about 35 s more on a quiet 2-core machine)")
+def test_dynamic_under_tp_equals_static_documents():
+    static = reference_run(8, *TP_GRID)
+    dynamic = torchrun(8, Path(tempfile.mkdtemp(prefix="titan-dynamic-tp-")), *TP_GRID, "--cp_dtensor.dynamic", "true")
+    _approx_equal(step_losses_and_norms(dynamic), step_losses_and_norms(static), "dynamic vs static, dp 2 x cp 2 x tp 2")
+    assert _validation(dynamic) == _validation(static) and len(_validation(static)) >= 1, _validation(dynamic)
+    assert "Applied cp_dtensor ring attention (layout=documents, dynamic over dp x cp = 4 ranks)" in dynamic
+    lines = _BALANCE.findall(dynamic)  # rank 0 only: one a batch, the TP ranks make the same plan
+    assert len(lines) >= 3 + 2, dynamic[-3000:]
+    for work, ranks, _, received, tokens in lines:
+        assert int(ranks) == 4 and int(tokens) == 2 * 256 // 2 and 1.0 <= float(work) < 1.1 and int(received) > 0
