@@ -1,0 +1,106 @@
+"""Sequence tiling serves what the tiling sweep proves (tests/hf/_tiling_sweep.py, scripts/hf_tiling_sweep.py;
+Note [The transformers door's allowlist]). Default tier, cheap: the checked-in list (cp_dtensor/hf/tiled_families.py)
+has a verdict for every family the CP door serves, TILED_FAMILIES is its served entries with the rules their runs
+proved, docs/transformers.md's table is the one the list generates; the sweep on three families (a divided and two
+multiplied logit scales, a router loss, multipliers) gives the list's verdicts; and the sweep refuses what it must
+(a soft cap or an unknown scale between the head and the loss, an MLP that mixes tokens). Slow tier: the whole
+sweep gives the list."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from _tiers import slow
+
+transformers = pytest.importorskip("transformers")
+
+import _tiling_sweep as sweep  # noqa: E402
+
+from cp_dtensor.hf import families, served, tiled_families  # noqa: E402
+
+DOCS = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "transformers.md")
+
+
+def _served() -> set[str]:
+    return {kind for kind, verdict in tiled_families.VERDICTS.items() if verdict.startswith("served")}
+
+
+def test_the_list_covers_the_cp_list():
+    """A verdict for every family the CP door serves, and only those; swept on the CP list's transformers."""
+    assert tiled_families.TRANSFORMERS == families.TRANSFORMERS
+    assert set(tiled_families.VERDICTS) == set(sweep.cp_served()), (
+        f"families without a tiling verdict: {sorted(set(sweep.cp_served()) - set(tiled_families.VERDICTS))}; "
+        f"verdicts of families the CP door no longer serves: {sorted(set(tiled_families.VERDICTS) - set(sweep.cp_served()))}."
+        " Run python scripts/hf_tiling_sweep.py")
+    for verdict in tiled_families.VERDICTS.values():  # every verdict says served, or why not
+        assert verdict.startswith("served") or len(verdict) > 20, verdict
+
+
+def test_the_door_serves_the_list():
+    """TILED_FAMILIES is the served entries: each family's own causal LM class, the config keys its run proved,
+    output_router_logits where that run was proven, the logit scale and by-hand rules."""
+    names = sweep.families()
+    assert set(served.TILED_FAMILIES) == _served() == set(tiled_families.CLASSES)
+    assert set(tiled_families.KEYS) | set(tiled_families.ROUTER_LOSS) <= _served()
+    for kind, (cls, rules) in served.TILED_FAMILIES.items():
+        assert cls == names[kind], kind
+        assert rules == served.tiled_rules(kind, tiled_families.KEYS.get(kind, ()), kind in tiled_families.ROUTER_LOSS)
+        assert ("output_router_logits" in rules) == (kind in tiled_families.ROUTER_LOSS) or kind in served.TILED_RULES
+    assert set(served.LOGIT_SCALES) | set(served.TILED_RULES) <= _served()
+
+
+def test_the_docs_table_is_current():
+    text = open(DOCS).read()
+    table = text[text.index(sweep.BEGIN):text.index(sweep.END) + len(sweep.END)]
+    assert table == sweep.render_table(tiled_families.VERDICTS, tiled_families.KEYS, tiled_families.TRANSFORMERS), \
+        "docs/transformers.md's tiling table is not the list's: run python scripts/hf_tiling_sweep.py --table"
+
+
+def test_the_list_file_is_what_the_sweep_writes():
+    path = os.path.join(os.path.dirname(tiled_families.__file__), "tiled_families.py")
+    t = tiled_families
+    assert open(path).read() == sweep.render_list(t.VERDICTS, t.CLASSES, t.KEYS, t.ROUTER_LOSS, t.TRANSFORMERS)
+
+
+FEW = ("cohere2", "granitemoe", "hyperclovax")  # model.logit_scale; logits / config scale + router loss; logits * it
+
+
+def test_the_sweep_on_three_families():
+    """The sweep itself in the default tier, for the families whose logits the door scales (Granite-MoE with its
+    router loss and multipliers too): their verdicts, keys and router loss as the list has them."""
+    verdicts, classes, keys, routers = sweep.sweep(only=list(FEW))
+    assert verdicts == {k: tiled_families.VERDICTS[k] for k in FEW}
+    assert keys == {k: tiled_families.KEYS[k] for k in FEW if k in tiled_families.KEYS}
+    assert routers == set(FEW) & tiled_families.ROUTER_LOSS == {"granitemoe"}
+
+
+def test_the_sweep_refuses_what_touches_the_logits(monkeypatch):
+    """The sweep can fail: a soft cap between Gemma 2's head and its loss is refused by the door's key rule and,
+    with the rule lifted, by the tiled loss itself; Granite-MoE's scale unknown to the door is refused by the
+    tiled loss; an MLP that mixes tokens (which tiling would split) changes the loss."""
+    cap = dict(final_logit_softcapping=30.0)
+    got, _ = sweep.compare("gemma2", "Gemma2ForCausalLM", config=cap)
+    assert got.startswith("refused at the door") and "final_logit_softcapping=30.0" in got, got
+    lifted = {**served.tiled_rules("gemma2"), "final_logit_softcapping": served._ANY}
+    got, _ = sweep.compare("gemma2", "Gemma2ForCausalLM", config=cap, rules=lifted)
+    assert got.startswith("tiled: ValueError") and "a tensor other than the LM head's output" in got, got
+    assert sweep.compare("gemma2", "Gemma2ForCausalLM")[0] == "served"  # the same run without the cap
+
+    monkeypatch.delitem(served.LOGIT_SCALES, "granitemoe")
+    got, keys = sweep.compare("granitemoe", "GraniteMoeForCausalLM")
+    assert "logits_scaling" in keys and "a tensor other than the LM head's output" in got, got
+
+    from transformers.models.llama import modeling_llama
+
+    mlp = modeling_llama.LlamaMLP.forward  # an MLP that mixes tokens: tiles change what each token sees
+    monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", lambda self, x: mlp(self, x) + x.cumsum(1) / x.shape[1])
+    got, _ = sweep.compare("llama", "LlamaForCausalLM")
+    assert got.startswith("tiled: the loss") and "differs from the untiled" in got, got
+
+
+@slow("the whole tiling sweep: every family the CP door serves, tiled against untiled (~1 min on one core)")
+def test_the_sweep_proves_the_list():
+    verdicts, classes, keys, routers = sweep.sweep()
+    assert verdicts == tiled_families.VERDICTS
+    assert (classes, keys, routers) == (tiled_families.CLASSES, tiled_families.KEYS, tiled_families.ROUTER_LOSS)
