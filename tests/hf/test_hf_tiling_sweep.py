@@ -104,3 +104,17 @@ def test_the_sweep_proves_the_list():
     verdicts, classes, keys, routers = sweep.sweep()
     assert verdicts == tiled_families.VERDICTS
     assert (classes, keys, routers) == (tiled_families.CLASSES, tiled_families.KEYS, tiled_families.ROUTER_LOSS)
+
+
+# newly tiled families with what the sweep proved in them: a multiplied scale read from the model and sliding
+# windows, a multiplied config scale and multipliers, a divided one on an MoE, linear attention + MoE, MLA
+UNDER_CP = ("cohere2", "hyperclovax", "granitemoeshared", "qwen3_next", "deepseek_v3")
+
+
+def test_tiled_under_cp2_equals_untiled_cp1():
+    """The sweep's path is the CP door's: with apply_context_parallel(sequence_tiling=5) at CP=2, these families'
+    loss and every gradient equal the untiled model's at CP=1 (the sweep's bars)."""
+    from _dist import run_ranks
+
+    got = run_ranks(2, sweep.cp_tiled_ranks, list(UNDER_CP), timeout=300)
+    assert got == [{kind: "served" for kind in UNDER_CP}] * 2, got
