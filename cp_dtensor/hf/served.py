@@ -174,10 +174,14 @@ def tiling_error(model: nn.Module) -> str | None:
     family = next((c for c in type(model).__mro__ if entry is not None and c.__name__ == entry[0]
                    and c.__module__.startswith("transformers.models.")), None)
     if family is None:
-        return (f"sequence_tiling tiles the head and loss of the causal LMs whose forward is proven to be "
-                f"loss_function(lm_head(hidden)) ({', '.join(c for c, _ in TILED_FAMILIES.values())}); {name} "
-                f"(model_type {kind!r}) is not one of them: its forward may touch the logits or compute its own loss. "
-                + _NO_TILING)
+        verdict = tiled_families.VERDICTS.get(kind, "no verdict: the tiling sweep runs the families context "
+                                                    "parallelism serves (cp_dtensor.hf.families)")
+        if entry is not None:
+            verdict = f"served for {entry[0]} only"
+        return (f"sequence_tiling tiles the head and loss of the causal LMs whose forward the tiling sweep proved to be "
+                f"loss_function(lm_head(hidden)) ({len(TILED_FAMILIES)} families: cp_dtensor.hf.tiled_families); "
+                f"{name} (model_type {kind!r}) is not one of them -- the sweep's verdict: {verdict}. Its forward may "
+                "touch the logits or compute its own loss. " + _NO_TILING)
     mro = type(model).__mro__
     own = [c.__name__ for c in mro[:mro.index(family)] if "forward" in vars(c) or "loss_function" in vars(c)]
     if own:
