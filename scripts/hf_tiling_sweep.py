@@ -27,8 +27,9 @@ def write_table(verdicts: dict[str, str], keys: dict[str, tuple], version: str) 
     text = open(DOCS).read()
     head, rest = text.split(sweep.BEGIN)
     tail = rest.split(sweep.END)[1]
+    text = head + sweep.render_table(verdicts, keys, version) + tail  # rendered before the file is opened
     with open(DOCS, "w") as f:
-        f.write(head + sweep.render_table(verdicts, keys, version) + tail)
+        f.write(text)
 
 
 def main() -> None:

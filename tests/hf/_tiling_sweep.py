@@ -268,6 +268,8 @@ BEGIN, END = "<!-- tiled families: begin (python scripts/hf_tiling_sweep.py --ta
 
 def render_table(verdicts: dict[str, str], keys: dict[str, tuple], version: str) -> str:
     """docs/transformers.md's table of the tiled families, between BEGIN and END."""
+    from cp_dtensor.hf import served as door
+
     served = [k for k, v in verdicts.items() if v.startswith("served")]
     lines = [BEGIN, "",
              f"{len(served)} of the {len(verdicts)} families served at the CP door in transformers {version} are "
@@ -281,6 +283,13 @@ def render_table(verdicts: dict[str, str], keys: dict[str, tuple], version: str)
         verdict = verdicts[kind]
         ok = verdict.startswith("served")
         note = (verdict[len("served"):].lstrip("; ") if ok else verdict).replace("|", "\\|").replace("\n", " ")
+        if ok and kind in door.LOGIT_SCALES:
+            key, op, _ = door.LOGIT_SCALES[kind]
+            note = "; ".join(filter(None, [f"`logits {op} {key}` served (the logits' scale)", note]))
+        if ok and kind in door.TILED_RULES:
+            rules = ", ".join(f"`{k}`" + (" not on the head" if r is door._ANY else f" in {r}")
+                              for k, r in door.TILED_RULES[kind].items())
+            note = "; ".join(filter(None, [note, f"by hand: {rules}"]))
         proven = ", ".join(f"`{k}`" for k in keys.get(kind, ()))
         lines.append(f"| `{kind}` | {'served' if ok else 'refused'} | {proven} | {note} |")
     return "\n".join([*lines, "", END])
