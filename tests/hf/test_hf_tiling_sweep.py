@@ -118,3 +118,48 @@ def test_tiled_under_cp2_equals_untiled_cp1():
 
     got = run_ranks(2, sweep.cp_tiled_ranks, list(UNDER_CP), timeout=300)
     assert got == [{kind: "served" for kind in UNDER_CP}] * 2, got
+
+
+def _between_head_and_loss(cls) -> list[str]:
+    """What the family's forward does to the logits after the head and before ``self.loss_function(``, read from
+    its source: the first ``logits = self.<head>(...)`` line past the call's closing parenthesis, then each
+    line up to the loss that names the logits."""
+    import inspect
+
+    lines = inspect.getsource(cls.forward).splitlines()
+    head = next(i for i, line in enumerate(lines) if line.strip().startswith("logits = self."))
+    loss = next(i for i, line in enumerate(lines) if "self.loss_function(" in line)
+    assert head < loss, cls
+    text, depth = lines[head].split("#")[0].strip()[len("logits = "):], 0
+    for end, char in enumerate(text):  # the head call's closing parenthesis
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if char == ")" and depth == 0:
+            break
+    after = text[end + 1:].strip()
+    return [f"logits {after}"] * bool(after) + [line.split("#")[0].strip() for line in lines[head + 1:loss]
+                                                if "logits" in line]
+
+
+def test_the_forwards_read_agree_with_the_list():
+    """An independent reference for the sweep's verdicts: every served family's forward, read from its source,
+    calls the head once and the loss after it, and what it does to the logits in between is a scale the door
+    applies with the same operation and key (LOGIT_SCALES: which a head without a bias does not show in the loss)
+    or a soft cap whose key the door serves only as None."""
+    names = sweep.families()
+    read = {}
+    for kind in served.TILED_FAMILIES:
+        steps = _between_head_and_loss(getattr(transformers, names[kind]))
+        if steps:
+            read[kind] = steps
+    for kind, steps in read.items():
+        rules = served.TILED_FAMILIES[kind][1]
+        if any("tanh" in step for step in steps):  # a soft cap: served only while its key is None
+            key = "final_logit_softcapping"
+            assert all(key in step for step in steps if "tanh" not in step), (kind, steps)
+            assert rules.get(key) in (None, (None,)), (kind, rules.get(key))
+        else:  # a scale: `logits <op> <where>.<key>`, the door's entry the same
+            key, op, where = served.LOGIT_SCALES[kind]
+            src = "self.config." if where == "config" else "self."
+            assert steps == [f"logits = logits {op} {src}{key}"] or steps == [f"logits {op} {src}{key}"], (kind, steps)
+    assert set(served.LOGIT_SCALES) <= set(read)
+    assert len(read) == 15, sorted(read)  # 5 Granite, HyperCLOVA X, 3 Cohere, 6 soft caps (Gemma 2 / 3 / 4, ...)
