@@ -3,11 +3,13 @@ Note [The transformers door's allowlist]). Default tier, cheap: the checked-in l
 has a verdict for every family the CP door serves, TILED_FAMILIES is its served entries with the rules their runs
 proved, docs/transformers.md's table is the one the list generates; the sweep on three families (a divided and two
 multiplied logit scales, a router loss, multipliers) gives the list's verdicts; and the sweep refuses what it must
-(a soft cap or an unknown scale between the head and the loss, an MLP that mixes tokens). Slow tier: the whole
+(a soft cap or an unknown scale between the head and the loss, an MLP that mixes tokens); the served families'
+forwards, read from their source, do between head and loss only what the door serves. Slow tier: the whole
 sweep gives the list."""
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -130,11 +132,9 @@ def _between_head_and_loss(cls) -> list[str]:
     head = next(i for i, line in enumerate(lines) if line.strip().startswith("logits = self."))
     loss = next(i for i, line in enumerate(lines) if "self.loss_function(" in line)
     assert head < loss, cls
-    text, depth = lines[head].split("#")[0].strip()[len("logits = "):], 0
-    for end, char in enumerate(text):  # the head call's closing parenthesis
-        depth += {"(": 1, ")": -1}.get(char, 0)
-        if char == ")" and depth == 0:
-            break
+    text = lines[head].split("#")[0].strip()[len("logits = "):]
+    depths = itertools.accumulate({"(": 1, ")": -1}.get(char, 0) for char in text)
+    end = next(i for i, (char, depth) in enumerate(zip(text, depths)) if char == ")" and depth == 0)  # the call's
     after = text[end + 1:].strip()
     return [f"logits {after}"] * bool(after) + [line.split("#")[0].strip() for line in lines[head + 1:loss]
                                                 if "logits" in line]
