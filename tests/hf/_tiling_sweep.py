@@ -1,9 +1,9 @@
 """The tiling sweep of the transformers door (tests/hf/test_hf_tiling_sweep.py, scripts/hf_tiling_sweep.py): every
 family the conformance sweep serves at the CP door (cp_dtensor/hf/families.py), as the same tiny random fp32
 model, run with sequence tiling (5-token tiles: several a row, the last one short) against the untiled model --
-the loss and every gradient, and with the MoE router loss on where the family's config has one -- with the
-door's tiling allowlist lifted for the family under test. What passes is what cp_dtensor/hf/tiled_families.py
-lists as served.
+the loss and every gradient, and with the MoE router loss on (and a left-padded row) where the family's config
+has one -- with the door's tiling allowlist lifted for the family under test. What passes is what
+cp_dtensor/hf/tiled_families.py lists as served.
 
 The tiled path is the same with and without CP (``apply_context_parallel(sequence_tiling=)`` applies
 ``apply_sequence_tiling`` once the ring is in; under CP the loss gets the globally shifted labels as
@@ -102,14 +102,19 @@ def _batch():
     return tokens, torch.arange(N).expand(B, N), labels
 
 
-def _run(model, *, cp_labels: bool):
+def _run(model, *, cp_labels: bool, padded: bool = False):
     """(loss, router loss or None, {name: gradient}) of one training call with the global token count; with
-    ``cp_labels`` the call has the shape a CP rank's has: ``labels`` and ``shift_labels`` both the shifted labels."""
+    ``cp_labels`` the call has the shape a CP rank's has: ``labels`` and ``shift_labels`` both the shifted labels;
+    with ``padded`` an attention_mask left-pads the second row (the router loss counts only its 1 tokens, rows in
+    [B * S] order: Note [Recorded router logits under tiling])."""
     from cp_dtensor.hf.attention import shift_labels
 
     tokens, positions, labels = _batch()
     shifted = shift_labels(labels)
     kw = dict(labels=shifted, shift_labels=shifted) if cp_labels else dict(labels=labels)
+    if padded:
+        kw["attention_mask"] = torch.ones(B, N, dtype=torch.long)
+        kw["attention_mask"][1, :4] = 0
     out = model(input_ids=tokens, position_ids=positions, num_items_in_batch=(shifted != -100).sum(), use_cache=False,
                 **kw)
     out.loss.backward()
@@ -153,7 +158,7 @@ def compare(kind: str, cls_name: str, *, router: bool = False, config: dict | No
         except ValueError as e:
             return "refused at the door: " + str(e).split(" Drop sequence_tiling")[0][:240], keys
         try:
-            ref = _run(plain, cp_labels=False)
+            ref = _run(plain, cp_labels=False, padded=router)
         except Exception as e:  # noqa: BLE001
             return f"the untiled model raises {type(e).__name__}: {str(e).splitlines()[0][:200]}", keys
         if router and ref[1] is not None and not ref[1] > 0:
@@ -162,7 +167,7 @@ def compare(kind: str, cls_name: str, *, router: bool = False, config: dict | No
         for cp_labels in (False, True):
             tiled.zero_grad(set_to_none=True)
             try:
-                got = _run(tiled, cp_labels=cp_labels)
+                got = _run(tiled, cp_labels=cp_labels, padded=router)
             except Exception as e:  # noqa: BLE001 -- the sweep reports every failure as the family's verdict
                 return f"tiled: {type(e).__name__}: {str(e).splitlines()[0][:240]}", keys
             why = _differs(ref, got, "tiled" + (", shift_labels" if cp_labels else ""), LINEAR_TOL if linear else TOL)
@@ -277,7 +282,8 @@ def render_table(verdicts: dict[str, str], keys: dict[str, tuple], version: str)
              f"{TILE}-token tiles of 24-token rows, against the untiled model: loss and every gradient within 1e-5 "
              "(relative to the largest; 1e-4 with linear-attention layers), with `labels` and with CP's "
              "`shift_labels`, every config key that may touch the logits run off its default, and again with "
-             "`output_router_logits=True` where the config has it (the router loss within 1e-5 too).", "",
+             "`output_router_logits=True` and a left-padded row where the config has it (the router loss within "
+             "1e-5 too).", "",
              "| `model_type` | tiled | config keys proven away from the head | what else |", "|---|---|---|---|"]
     for kind in sorted(verdicts, key=lambda k: (not verdicts[k].startswith("served"), k)):
         verdict = verdicts[kind]
