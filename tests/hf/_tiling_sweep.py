@@ -299,39 +299,3 @@ def render_table(verdicts: dict[str, str], keys: dict[str, tuple], version: str)
         proven = ", ".join(f"`{k}`" for k in keys.get(kind, ()))
         lines.append(f"| `{kind}` | {'served' if ok else 'refused'} | {proven} | {note} |")
     return "\n".join([*lines, "", END])
-
-
-def cp_tiled_ranks(rank: int, world: int, kinds: list[str]) -> dict[str, str]:
-    """The same check through the CP door: ``apply_context_parallel(sequence_tiling=TILE)`` at CP=world
-    (headtail) against the untiled model at CP=1 -- the tiled path a CP run takes. 'served' or what differs."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    import cp_dtensor
-    from cp_dtensor.doors import reduce_gradients
-    from cp_dtensor.hf import attention as hf
-    from cp_dtensor.hf.attention import shift_labels
-
-    mesh, names, out = init_device_mesh("cpu", (world,)), families(), {}
-    tokens, positions, labels = _batch()
-    shifted = shift_labels(labels)
-    count = (shifted != -100).sum()
-    for kind in kinds:
-        plain, _ = build(kind, names[kind])
-        model = copy.deepcopy(plain)
-        ref = _run(plain, cp_labels=False)
-        hf.apply_context_parallel(model, mesh, layout="headtail", sequence_tiling=TILE)
-        tok, pos, lab = cp_dtensor.shard_batch((tokens, positions, shifted), mesh, layout="headtail")
-        res = model(input_ids=tok, position_ids=pos, labels=lab, shift_labels=lab, num_items_in_batch=count,
-                    use_cache=False)
-        res.loss.backward()
-        if res.logits.shape[-1] != 0:  # a tiled call returns [B, S_local, 0] logits
-            out[kind] = f"CP={world}: the head was not tiled (logits {tuple(res.logits.shape)})"
-            continue
-        reduce_gradients(model, mesh)
-        loss = res.loss.detach().clone()
-        torch.distributed.all_reduce(loss)
-        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-        linear = any("linear_attention" in (getattr(c, "layer_types", None) or ()) for c in _all_configs(plain.config))
-        out[kind] = _differs(ref, (loss.item(), None, grads), f"CP={world} tiled",
-                             LINEAR_TOL if linear else TOL) or "served"
-    return out
