@@ -3,7 +3,7 @@ tiny random fp32 model, sequence-tiled against untiled (loss, every gradient, th
 has one), in this process (tests/hf/_tiling_sweep.py). Writes what it proves to cp_dtensor/hf/tiled_families.py
 (the tiling door's allowlist) and the tiling table of docs/transformers.md.
 
-    python scripts/hf_tiling_sweep.py            # sweep (~1 min on one core), write the list and the table
+    python scripts/hf_tiling_sweep.py            # sweep (~30-40 s on one core), write the list and the table
     python scripts/hf_tiling_sweep.py --table    # the table again from the checked-in list (no sweep)
     python scripts/hf_tiling_sweep.py --only granitemoe,cohere2   # sweep these, print, write nothing
 """

@@ -103,7 +103,7 @@ def test_the_sweep_refuses_what_touches_the_logits(monkeypatch):
     assert got.startswith("tiled: the loss") and "differs from the untiled" in got, got
 
 
-@slow("the whole tiling sweep: every family the CP door serves, tiled against untiled (~1 min on one core)")
+@slow("the whole tiling sweep: every family the CP door serves, tiled against untiled (~15-25 s on one core, ~7 s more to import their modeling code)")
 def test_the_sweep_proves_the_list():
     verdicts, classes, keys, routers = sweep.sweep()
     assert verdicts == tiled_families.VERDICTS
