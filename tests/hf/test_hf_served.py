@@ -97,17 +97,20 @@ def _compare(where: str, loss: float, grads: torch.Tensor, ref) -> None:
 
 def test_every_entry_has_a_test():
     """The families tested here by hand stay served; every other CP_FAMILIES entry is the conformance sweep's
-    (tests/hf/test_hf_conformance.py)."""
-    assert set(TILED_FAMILIES) <= set(FAMILIES) | set(SWEPT) and set(FAMILIES) | HYBRIDS | set(SWEPT) <= CP_FAMILIES
+    (tests/hf/test_hf_conformance.py), every other TILED_FAMILIES entry the tiling sweep's
+    (tests/hf/test_hf_tiling_sweep.py)."""
+    assert set(FAMILIES) | set(SWEPT) <= set(TILED_FAMILIES) <= CP_FAMILIES
+    assert set(FAMILIES) | HYBRIDS | set(SWEPT) <= CP_FAMILIES
     for kind, (_, cls, _) in FAMILIES.items():
         assert cls.config_class.model_type == kind and (kind not in TILED_FAMILIES or TILED_FAMILIES[kind][0] == cls.__name__)
 
 
 def test_tiled_families_equal_untiled():
-    """Each TILED_FAMILIES entry at CP=1: tiled head, loss and MLPs equal the untiled model (B = 2)."""
+    """Each family tested here at CP=1 (Granite with its multipliers and scale on): tiled head, loss and MLPs
+    equal the untiled model (B = 2)."""
     tokens, positions, labels = _batch()
     count = (hf.shift_labels(labels) != -100).sum()
-    for kind in TILED_FAMILIES:
+    for kind in (*FAMILIES, *SWEPT):
         ref = _plain(kind)
         model = apply_sequence_tiling(_model(kind), tile_size=5)
         out = model(input_ids=tokens, position_ids=positions, labels=labels, num_items_in_batch=count, use_cache=False)
@@ -124,8 +127,8 @@ def test_tiled_moe_router_loss_equals_untiled():
     tokens, positions, labels = _batch()
     mask = torch.ones(B, N, dtype=torch.long)
     mask[1, :4] = 0
-    moe = [kind for kind, (_, served) in TILED_FAMILIES.items() if "output_router_logits" in served]
-    assert moe == ["gpt_oss", "mixtral", "qwen3_moe", "minimax_m2", "qwen2_moe", "ernie4_5_moe"]
+    moe = ["gpt_oss", "mixtral", "qwen3_moe", *ROUTED]
+    assert all("output_router_logits" in TILED_FAMILIES[kind][1] for kind in moe)
     for kind in moe:
         for attention_mask in (None, mask):
             kw = dict(input_ids=tokens, position_ids=positions, labels=labels, attention_mask=attention_mask,
@@ -169,7 +172,9 @@ def _refusals(rank: int, world: int) -> dict:
         "z_loss": (_model("llama", z_loss_weight=1e-4), "z_loss_weight"),
         "gemma2 softcap": (_model("gemma2", final_logit_softcapping=30.0), "final_logit_softcapping"),
         "own loss": (_OwnLossForCausalLM(T.LlamaConfig(**llama)), "overrides"),
-        "phi (not listed)": (T.PhiForCausalLM(T.PhiConfig(**{**llama, "num_key_value_heads": 4})), "not one of them"),
+        "opt (not listed)": (T.OPTForCausalLM(T.OPTConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2, ffn_dim=64,
+                                                           num_attention_heads=4, word_embed_proj_dim=32)),
+                             "not one of them"),
     }
     for case, (model, words) in tiling.items():
         for door in (lambda m: hf.apply_context_parallel(m, mesh, sequence_tiling=True),
