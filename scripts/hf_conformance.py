@@ -30,8 +30,9 @@ def write_table(verdicts: dict[str, str], version: str) -> None:
     text = open(DOCS).read()
     head, rest = text.split(conformance.BEGIN)
     tail = rest.split(conformance.END)[1]
+    text = head + conformance.render_table(verdicts, version) + tail  # rendered before the file is opened
     with open(DOCS, "w") as f:
-        f.write(head + conformance.render_table(verdicts, version) + tail)
+        f.write(text)
 
 
 def main() -> None:
