@@ -11,16 +11,23 @@ as the "values"), and this module keeps each layer's index keys beside them, slo
 * prefill: the training forward of Note [DeepSeek Sparse Attention under CP] (hf/sparse.py), with the
   layout's pad columns cut from the gathered index keys, so each query's indexer row is CP=1's row over
   the N prompt columns; the kept columns' latents and index keys go to the cache.
-* decode: the new token's index query is scored on each rank against the index keys it holds (the
-  family's arithmetic); one all-gather of those scores and their columns (8 bytes a cached token per
-  query, instead of the keys' ``index_head_dim`` numbers) rebuilds CP=1's row over every column, and
-  ``topk`` on it picks CP=1's columns, ties included. Each rank then expands and attends to the picked
-  slots it holds only (at most ``index_topk``), and the partial outputs merge by their log-sum-exp in the one all-gather
-  of ``cp_dtensor.sharded_cache_attention`` (core/decode.py).
+* decode steps, later turns (``cache=`` from an earlier call) and prefill chunks after the first: the T
+  new tokens run replicated (pass-Q, Note [Continuing a sharded cache] in hf/turns.py: the prefill marks
+  the cache as holding latents, not what is attended, so no forward runs pass-KV), each new column kept
+  by one rank (the balance rule) with its latent and index key. The new tokens' index queries are scored
+  on each rank against the index keys it holds (the family's arithmetic), masked by global column
+  (causal; padding slots, column -1, dropped); one all-gather of those scores and their columns
+  (8 * (T + 1) bytes a cached slot, from the rank holding most) rebuilds CP=1's rows over every column --
+  C + T long, as transformers scores a cached forward -- and ``topk`` on them picks CP=1's columns, ties
+  included (a chunk's rows are shorter than the whole prompt's: a chunked prefill picks what CP=1's
+  chunked prefill picks). Each rank expands the held slots some new query picked (at most T *
+  ``index_topk``), attends each query to its own picks among them (``select`` of core/decode.py's
+  ``attend``), and the partials merge by their log-sum-exp in the one all-gather of [out | lse]
+  ((P - 1) * B * H * T * (Dv + 1) * 4 bytes a rank receives, as every pass-Q turn).
 
-Served: greedy and sampled decoding of one call, left-padded prompts (the pads masked in every row, as at
-CP=1). Refused on every rank: a cache passed in (a second turn), decode forwards of several tokens
-(pass-KV turns, chunked prefill).
+A turn that fails puts the index keys back with the latents (Note [Transactional turns]). Served: greedy
+and sampled decoding, left-padded prompts and padding inside a conversation (the pads masked in every
+row, as at CP=1), several turns, ``prefill_chunk_size``.
 """
 
 from __future__ import annotations
@@ -40,19 +47,26 @@ from .sparse import _SEE, attend_selected, project, real_mask
 
 __all__ = ["generating_forward", "sparse_generate"]
 
-_ONE_CALL = ("generate() of a DeepSeek Sparse Attention model under CP serves one call, decoding a token a step: pass "
-             "every rank the same input_ids (and attention_mask, left padding), and no cache= from an earlier call. "
-             + _SEE)
+_STORE = "_cp_dtensor_index_keys"  # the index keys' attribute on the ShardedCache, slot for slot with the latents
+_STEPS = ("generate() of a DeepSeek Sparse Attention model under CP runs the sharded cache's prefill and pass-Q "
+          "forwards (decode steps, later turns, prefill chunks). " + _SEE)
 
 
 def sparse_generate(model: nn.Module, *args, **kwargs):
-    """``model.generate`` of a DSA model under CP: the refusals of Note [DSA generate() under CP] (the same
-    full inputs on every rank: every rank raises alike), then hf/generate.py's generate()."""
+    """``model.generate`` of a DSA model under CP: hf/generate.py's generate(), the index keys of a continued
+    cache put back as they were when the call fails (Note [Transactional turns] in hf/turns.py)."""
     from .generate import generate
 
-    if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
-        raise ValueError(f"{type(model).__name__}.generate(): " + _ONE_CALL)
-    return generate(model, *args, **kwargs)
+    given = kwargs.get("cache", kwargs.get("past_key_values"))
+    store = vars(given).get(_STORE) if hasattr(given, "__dict__") else None
+    saved = None if store is None else dict(store)  # a turn replaces the tensors, never writes into them
+    try:
+        return generate(model, *args, **kwargs)
+    except BaseException:
+        if saved is not None:
+            store.clear()
+            store.update(saved)
+        raise
 
 
 class _Prefill:
@@ -75,10 +89,9 @@ def generating_forward(module: nn.Module, state, hidden_states: Tensor, position
     """A DSA layer's forward inside generate() under CP (Note [DSA generate() under CP])."""
     call = state.generating
     step = call.step
-    if step is None or step.kind not in ("prefill", "decode") or cache is not call.cache or (
-            step.kind == "decode" and hidden_states.shape[1] != 1):
-        raise ValueError(_ONE_CALL)
-    store = cache.__dict__.setdefault("_cp_dtensor_index_keys", {})
+    if step is None or step.kind not in ("prefill", "decode") or cache is not call.cache:
+        raise ValueError(_STEPS)
+    store = cache.__dict__.setdefault(_STORE, {})
     if step.kind == "prefill":
         picks, out = _prefill(module, state, hidden_states, position_embeddings, attention_mask, position_ids,
                               prev_topk_indices, store)
@@ -106,6 +119,7 @@ def _prefill(module, state, h, position_embeddings, attention_mask, position_ids
         scored = torch.zeros(allowed.shape, dtype=h.dtype, device=dev).masked_fill(~allowed, torch.finfo(h.dtype).min)
     q_resid, query, k_pass, k_rot = project(module, h, position_embeddings)
     call.cache.update(k_pass, k_rot, module.layer_idx)  # the kept columns' latents (the pads' dropped)
+    call.cache.attends_cached = False  # the cache holds latents, not what is attended: later turns run pass-Q
     if module.indexer is not None:
         picks = module.indexer(h, q_resid, position_embeddings, scored, position_ids,
                                cache=_Prefill(group, order, pad, store, call.step.keep))  # [B, S, K] prompt columns
@@ -140,6 +154,10 @@ def _decode(module, state, h, position_embeddings, prev, store):
     layer = call.cache.layers[module.layer_idx]
     slots, columns = layer.positions, layer.columns  # [B, S_r] global columns; the sequence's length
     if module.indexer is not None:
+        if module.layer_idx not in store:  # the same on every rank: the cache's global facts are agreed
+            raise ValueError(f"generate() of {type(module).__name__} under CP was passed a ShardedCache without its "
+                             "index keys (filled by another model's generate()); pass the cache this model's "
+                             "generate() returned, or none.")
         ind = module.indexer
         iq, ik = _index_query_key(module, h, q_resid, position_embeddings)
         held = torch.cat([store[module.layer_idx], ik.index_select(1, step.keep.to(ik.device))], dim=1)
@@ -152,17 +170,18 @@ def _decode(module, state, h, position_embeddings, prev, store):
         picks = row.topk(min(ind.index_topk, columns), dim=-1).indices
     else:
         picks = prev
-    chosen = torch.zeros(bsz, columns + 1, dtype=torch.bool, device=h.device)
-    chosen[torch.arange(bsz, device=h.device)[:, None], picks[:, 0].long()] = True  # T = 1
-    mask = chosen.gather(1, slots.clamp(min=0)) & (slots >= 0)  # [B, S_r]: the picked slots this rank holds
-    m = max(int(mask.sum(1).max()), 1)  # at most index_topk: only those are expanded, not the whole share
-    take = torch.sort(mask.long(), dim=1, descending=True, stable=True).indices[:, :m]  # [B, m] picked first
-    kpos = slots.gather(1, take).masked_fill(~mask.gather(1, take), -1)  # -1: an empty slot
+    chosen = torch.zeros(bsz, t, columns + 1, dtype=torch.bool, device=h.device).scatter_(-1, picks.long(), True)
+    seen = chosen.gather(2, slots.clamp(min=0)[:, None, :].expand(-1, t, -1)) & (slots >= 0)[:, None, :]  # [B, T, S_r]
+    union = seen.any(1)  # [B, S_r]: the held slots some new query picked
+    m = max(int(union.sum(1).max()), 1)  # at most T * index_topk: only those are expanded, not the whole share
+    take = torch.sort(union.long(), dim=1, descending=True, stable=True).indices[:, :m]  # [B, m] picked first
+    kpos = slots.gather(1, take).masked_fill(~union.gather(1, take), -1)  # -1: an empty slot
     pick = lambda x: x.gather(2, take[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]))  # noqa: E731
     keys, values = module.expand_kv(pick(held_pass), pick(held_rot))  # [B, H, m, D]
     out = attend(query, keys, values, q_positions=step.q_positions, k_positions=kpos, group=group, world=world,
-                 scale=module.scaling, window_size=None, sinks=None,
-                 padding=step.q_padding)  # [B, H, T, Dv]: the picked slots of every rank, merged
+                 scale=module.scaling, window_size=None, sinks=None, padding=step.q_padding,
+                 select=seen.gather(2, take[:, None, :].expand(-1, t, -1)))  # [B, H, T, Dv]: each query its own
+    # picks among the slots of every rank, merged
     return picks, module.o_proj(out.transpose(1, 2).reshape(bsz, t, -1))
 
 

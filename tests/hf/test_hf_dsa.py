@@ -217,10 +217,82 @@ def _generate_ranks(rank, world):
                 cp = hf.apply_context_parallel(copy.deepcopy(plain), mesh, layout=layout)
                 got, scores = _generate(cp, prompt, mask)
                 out[kind, ties, mask is None, layout] = (torch.equal(got, want), rel_err(scores, want_scores))
-        cache = cp.generate(input_ids=ids, max_new_tokens=1, do_sample=False, return_dict_in_generate=True).cache
-        out[kind, ties, "second turn"] = _raises(lambda: cp.generate(input_ids=ids, cache=cache, max_new_tokens=1),
-                                                 "no cache= from an earlier call")
     return out
+
+
+def _follow(ids, mask, seed: int, lens):
+    """The conversation so far [B, M] and follow-ups of ``lens`` tokens (one a row), each padded on the left to the
+    longest (padding inside the conversation)."""
+    g, t = torch.Generator().manual_seed(seed), max(lens)
+    new, real = torch.zeros(ids.shape[0], t, dtype=torch.long), torch.zeros(ids.shape[0], t, dtype=mask.dtype)
+    for row, n in enumerate(lens):
+        new[row, t - n:], real[row, t - n:] = torch.randint(3, V, (n,), generator=g), 1
+    ones = torch.ones(ids.shape[0], ids.shape[1] - mask.shape[1], dtype=mask.dtype)
+    return torch.cat([ids, new], 1), torch.cat([mask, ones, real], 1)
+
+
+class _Fail:
+    """A stopping criterion that raises at its ``at``-th call: a turn that fails midway (Note [Transactional turns])."""
+
+    def __init__(self, at: int):
+        self.at, self.calls = at, 0
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.calls += 1
+        if self.calls == self.at:
+            raise RuntimeError("stopped")
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+def _turns_ranks(rank, world):
+    """Three turns of a conversation (batch 2, a left-padded row; follow-ups of 4 (one row's 2, padded) and 2N
+    tokens, so the cache outgrows index_topk) from the sharded cache, a turn that fails midway then retried, and a prefill in chunks of
+    8 (both families, and a model whose index scores all tie): greedy tokens identical to CP=1's (transformers continuing its own cache, prefilling in the same chunks: a
+    chunk's index rows are shorter than the whole prompt's, and topk breaks the index scores' ties over the row) and
+    every step's logits within 1e-5; every forward after the prefill pass-Q."""
+    from test_hf_generate import _generate as _gen
+    from test_hf_generate import _prompt
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import StoppingCriteriaList
+
+    def compare(got, ref, where):  # tokens identical; every step's logits, the largest relative error
+        out[where] = (torch.equal(got.sequences, ref.sequences),
+                      max(rel_err(a, b) for a, b in zip(got.logits, ref.logits)) if len(got.logits) == len(
+                          ref.logits) else float("inf"))
+
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for i, (kind, ties) in enumerate([(k, False) for k in FAMILIES] + [("deepseek_v32", True)]):
+        layout = ("striped", "headtail", "contiguous")[i % (2 if world == 2 else 3)]
+        plain = _model(kind, ties=ties).eval()
+        kind = f"{kind} ties" if ties else kind
+        ref_model = copy.deepcopy(plain)
+        cp = hf.apply_context_parallel(copy.deepcopy(plain), mesh, layout=layout)
+        ids, mask = _prompt(1, B, 11, [2, 0], low=3, vocab=V)
+        ref, got = _gen(ref_model, ids, mask, max_new_tokens=3), _gen(cp, ids, mask, max_new_tokens=3)
+        compare(got, ref, (kind, "turn 1"))
+        for turn, lens in enumerate(((4, 2), (2 * N, 2 * N)), 2):
+            ids, mask = _follow(got.sequences, mask, turn, lens)
+            if turn == 3:  # a turn that fails after its first token: the cache (index keys too) as it was
+                fail = StoppingCriteriaList([_Fail(2)])
+                out[kind, "failed turn"] = _raises_any(lambda: _gen(cp, ids, mask, cache=got.cache, max_new_tokens=3,
+                                                                    stopping_criteria=fail))
+            ref = _gen(ref_model, ids, mask, cache=ref.cache, max_new_tokens=3)
+            got = _gen(cp, ids, mask, cache=got.cache, max_new_tokens=3)
+            compare(got, ref, (kind, f"turn {turn}"))
+        out[kind, "runs"] = dict(got.cache.runs)
+        ids, mask = _prompt(2, B, 29, [3, 0], low=3, vocab=V)
+        compare(_gen(cp, ids, mask, prefill_chunk_size=8, max_new_tokens=3),
+                _gen(copy.deepcopy(plain), ids, mask, prefill_chunk_size=8, max_new_tokens=3), (kind, "chunked prefill"))
+    return out
+
+
+def _raises_any(fn) -> str:
+    try:
+        fn()
+    except RuntimeError:
+        return "raised"
+    return "ran"
 
 
 def _check_generate(world):
@@ -257,6 +329,28 @@ def test_dsa_cp3():
 
 def test_dsa_generate_cp2():
     _check_generate(2)
+
+
+def _check_turns(world):
+    results = run_ranks(world, _turns_ranks, timeout=600)
+    assert all(r == results[0] for r in results)
+    kinds = [*FAMILIES, "deepseek_v32 ties"]
+    for kind in kinds:
+        assert results[0].pop((kind, "failed turn")) == "raised"
+        runs = results[0].pop((kind, "runs"))
+        assert set(runs) == {"prefill", "decode"}, runs  # pass-Q: no pass-KV forward
+    assert len(results[0]) == 4 * len(kinds)
+    for key, (same, err) in results[0].items():
+        assert same and err <= TOL, (key, same, err)
+
+
+def test_dsa_turns_cp2():
+    _check_turns(2)
+
+
+@pytest.mark.skipif(not SLOW, reason="slow tier (CP_DTENSOR_SLOW=1)")
+def test_dsa_turns_cp3():
+    _check_turns(3)
 
 
 @pytest.mark.skipif(not SLOW, reason="slow tier (CP_DTENSOR_SLOW=1)")
