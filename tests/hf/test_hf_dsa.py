@@ -1,8 +1,8 @@
 """DeepSeek Sparse Attention under CP (cp_dtensor/hf/sparse.py, sparse_generate.py): tiny random DeepSeek-V3.2 and
 GLM-MoE-DSA models (index_topk < N, so the selection matters) at CP = 2 and 3, every layout, against the same
 model at CP=1 (transformers' own sdpa / eager path): the indexer's selected index sets identical, logits and
-every gradient within 1e-5, the loss equal; generate() from the sharded cache: greedy tokens identical; what
-the scheme does not serve raises on every rank."""
+every gradient within 1e-5, the loss equal; generate() from the sharded cache (one call, three turns, a chunked
+prefill): greedy tokens identical; what the scheme does not serve raises on every rank."""
 
 from __future__ import annotations
 
@@ -217,6 +217,7 @@ def _generate_ranks(rank, world):
                 cp = hf.apply_context_parallel(copy.deepcopy(plain), mesh, layout=layout)
                 got, scores = _generate(cp, prompt, mask)
                 out[kind, ties, mask is None, layout] = (torch.equal(got, want), rel_err(scores, want_scores))
+    out["turns"] = _turns(mesh, world)
     return out
 
 
@@ -229,6 +230,9 @@ def _follow(ids, mask, seed: int, lens):
         new[row, t - n:], real[row, t - n:] = torch.randint(3, V, (n,), generator=g), 1
     ones = torch.ones(ids.shape[0], ids.shape[1] - mask.shape[1], dtype=mask.dtype)
     return torch.cat([ids, new], 1), torch.cat([mask, ones, real], 1)
+
+
+_TURN_CASES = [(k, False) for k in FAMILIES] + [("deepseek_v32", True)]
 
 
 class _Fail:
@@ -244,15 +248,14 @@ class _Fail:
         return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
 
-def _turns_ranks(rank, world):
+def _turns(mesh, world: int) -> dict:
     """Three turns of a conversation (batch 2, a left-padded row; follow-ups of 4 (one row's 2, padded) and 2N
     tokens, so the cache outgrows index_topk) from the sharded cache, a turn that fails midway then retried, and a prefill in chunks of
-    8 (both families, and a model whose index scores all tie): greedy tokens identical to CP=1's (transformers continuing its own cache, prefilling in the same chunks: a
+    8 (both families; at P > 2 also a model whose index scores all tie): greedy tokens identical to CP=1's (transformers continuing its own cache, prefilling in the same chunks: a
     chunk's index rows are shorter than the whole prompt's, and topk breaks the index scores' ties over the row) and
     every step's logits within 1e-5; every forward after the prefill pass-Q."""
     from test_hf_generate import _generate as _gen
     from test_hf_generate import _prompt
-    from torch.distributed.device_mesh import init_device_mesh
     from transformers import StoppingCriteriaList
 
     def compare(got, ref, where):  # tokens identical; every step's logits, the largest relative error
@@ -260,9 +263,8 @@ def _turns_ranks(rank, world):
                       max(rel_err(a, b) for a, b in zip(got.logits, ref.logits)) if len(got.logits) == len(
                           ref.logits) else float("inf"))
 
-    mesh = init_device_mesh("cpu", (world,))
     out = {}
-    for i, (kind, ties) in enumerate([(k, False) for k in FAMILIES] + [("deepseek_v32", True)]):
+    for i, (kind, ties) in enumerate(_TURN_CASES[:len(_TURN_CASES) if world > 2 else 2]):
         layout = ("striped", "headtail", "contiguous")[i % (2 if world == 2 else 3)]
         plain = _model(kind, ties=ties).eval()
         kind = f"{kind} ties" if ties else kind
@@ -298,11 +300,17 @@ def _raises_any(fn) -> str:
 def _check_generate(world):
     results = run_ranks(world, _generate_ranks, timeout=600)
     assert all(r == results[0] for r in results)
+    turns = results[0].pop("turns")
     for key, got in results[0].items():
-        if isinstance(got, str):
-            assert got == "raised", key
-        else:
-            assert got[0] and got[1] <= TOL, (key, got)
+        assert got[0] and got[1] <= TOL, (key, got)
+    kinds = [f"{k} ties" if ties else k for k, ties in _TURN_CASES[:len(_TURN_CASES) if world > 2 else 2]]
+    for kind in kinds:
+        assert turns.pop((kind, "failed turn")) == "raised"
+        runs = turns.pop((kind, "runs"))
+        assert set(runs) == {"prefill", "decode"}, runs  # pass-Q: no pass-KV forward
+    assert len(turns) == 4 * len(kinds)
+    for key, (same, err) in turns.items():
+        assert same and err <= TOL, (key, same, err)
 
 
 def _check(world):
@@ -329,28 +337,6 @@ def test_dsa_cp3():
 
 def test_dsa_generate_cp2():
     _check_generate(2)
-
-
-def _check_turns(world):
-    results = run_ranks(world, _turns_ranks, timeout=600)
-    assert all(r == results[0] for r in results)
-    kinds = [*FAMILIES, "deepseek_v32 ties"]
-    for kind in kinds:
-        assert results[0].pop((kind, "failed turn")) == "raised"
-        runs = results[0].pop((kind, "runs"))
-        assert set(runs) == {"prefill", "decode"}, runs  # pass-Q: no pass-KV forward
-    assert len(results[0]) == 4 * len(kinds)
-    for key, (same, err) in results[0].items():
-        assert same and err <= TOL, (key, same, err)
-
-
-def test_dsa_turns_cp2():
-    _check_turns(2)
-
-
-@pytest.mark.skipif(not SLOW, reason="slow tier (CP_DTENSOR_SLOW=1)")
-def test_dsa_turns_cp3():
-    _check_turns(3)
 
 
 @pytest.mark.skipif(not SLOW, reason="slow tier (CP_DTENSOR_SLOW=1)")
