@@ -14,11 +14,20 @@ as the "values"), and this module keeps each layer's index keys beside them, slo
 * decode steps, later turns (``cache=`` from an earlier call) and prefill chunks after the first: the T
   new tokens run replicated (pass-Q, Note [Continuing a sharded cache] in hf/turns.py: the prefill marks
   the cache as holding latents, not what is attended, so no forward runs pass-KV), each new column kept
-  by one rank (the balance rule) with its latent and index key. The new tokens' index queries are scored
-  on each rank against the index keys it holds (the family's arithmetic), masked by global column
-  (causal; padding slots, column -1, dropped); one all-gather of those scores and their columns
-  (8 * (T + 1) bytes a cached slot, from the rank holding most) rebuilds CP=1's rows over every column --
-  C + T long, as transformers scores a cached forward -- and ``topk`` on them picks CP=1's columns, ties
+  by one rank (the balance rule) with its latent and index key. CP=1's index rows of the T new queries
+  -- C + T columns long, as transformers scores a cached forward -- are rebuilt in one of two ways, by
+  the bytes a cached slot costs (``gathers_keys``, global facts only):
+
+  - few tokens (8 * (T + 1) <= the key's bytes + 8; a decode step): each rank scores the new index
+    queries against the index keys it holds (the family's arithmetic), masked by global column (causal;
+    padding slots, column -1, dropped), and one all-gather of those scores and their columns (8 * (T + 1)
+    bytes a slot of the rank holding most) places them in the rows;
+  - a long turn or chunk: one all-gather of every rank's held index keys (``index_head_dim`` numbers a
+    slot) and, once a forward, of the slots' positions and columns ((B + 1) * 8 bytes a slot) lays the
+    keys out by column, and the family's indexer scores the new queries on the full rows with
+    transformers' mask (causal by column, the pads masked);
+
+  ``topk`` on the rows then picks CP=1's columns, ties
   included (a chunk's rows are shorter than the whole prompt's: a chunked prefill picks what CP=1's
   chunked prefill picks). Each rank expands the held slots some new query picked (at most T *
   ``index_topk``), attends each query to its own picks among them (``select`` of core/decode.py's
@@ -45,7 +54,7 @@ from ..core.plan.layout import global_order
 from .documents import ring_layout
 from .sparse import _SEE, attend_selected, project, real_mask
 
-__all__ = ["generating_forward", "sparse_generate"]
+__all__ = ["gathers_keys", "generating_forward", "sparse_generate"]
 
 _STORE = "_cp_dtensor_index_keys"  # the index keys' attribute on the ShardedCache, slot for slot with the latents
 _STEPS = ("generate() of a DeepSeek Sparse Attention model under CP runs the sharded cache's prefill and pass-Q "
@@ -96,7 +105,7 @@ def generating_forward(module: nn.Module, state, hidden_states: Tensor, position
         picks, out = _prefill(module, state, hidden_states, position_embeddings, attention_mask, position_ids,
                               prev_topk_indices, store)
     else:
-        picks, out = _decode(module, state, hidden_states, position_embeddings, prev_topk_indices, store)
+        picks, out = _decode(module, state, hidden_states, position_embeddings, position_ids, prev_topk_indices, store)
     return (out, None, picks) if hasattr(module, "skip_topk") else (out, None)
 
 
@@ -145,7 +154,7 @@ def _index_query_key(module, h: Tensor, q_resid: Tensor, position_embeddings) ->
     return torch.cat([q_rot, q_pass], dim=-1), torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
 
 
-def _decode(module, state, h, position_embeddings, prev, store):
+def _decode(module, state, h, position_embeddings, position_ids, prev, store):
     call, group = state.generating, state.mesh.get_group()
     world, step = state.mesh.size(), state.generating.step
     bsz, t = h.shape[:2]
@@ -162,12 +171,16 @@ def _decode(module, state, h, position_embeddings, prev, store):
         iq, ik = _index_query_key(module, h, q_resid, position_embeddings)
         held = torch.cat([store[module.layer_idx], ik.index_select(1, step.keep.to(ik.device))], dim=1)
         store[module.layer_idx] = held  # [B, S_r, D], slot for slot with the latents
-        scores = F.relu(torch.matmul(iq.float(), held.transpose(-1, -2).float().unsqueeze(1)) * ind.softmax_scale)
-        weights = ind.weights_proj(h.to(ind.weights_proj.weight.dtype)).float() * (ind.n_heads ** -0.5)
-        mine = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)  # [B, T, S_r]
-        mine = mine.masked_fill(slots[:, None, :] > step.q_positions[:, :, None], float("-inf"))
-        row = _global_row(group, world, mine, slots, max(call.cache.held), columns)  # [B, T, columns]: CP=1's
-        picks = row.topk(min(ind.index_topk, columns), dim=-1).indices
+        if gathers_keys(t, ind.head_dim, held.element_size()):  # a long turn or chunk: the keys are fewer bytes
+            store["gathered"] = store.get("gathered", 0) + 1
+            picks = _picks_from_keys(module, state, h, q_resid, position_embeddings, position_ids, held, layer)
+        else:
+            scores = F.relu(torch.matmul(iq.float(), held.transpose(-1, -2).float().unsqueeze(1)) * ind.softmax_scale)
+            weights = ind.weights_proj(h.to(ind.weights_proj.weight.dtype)).float() * (ind.n_heads ** -0.5)
+            mine = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)  # [B, T, S_r]
+            mine = mine.masked_fill(slots[:, None, :] > step.q_positions[:, :, None], float("-inf"))
+            row = _global_row(group, world, mine, slots, max(call.cache.held), columns)  # [B, T, columns]: CP=1's
+            picks = row.topk(min(ind.index_topk, columns), dim=-1).indices
     else:
         picks = prev
     chosen = torch.zeros(bsz, t, columns + 1, dtype=torch.bool, device=h.device).scatter_(-1, picks.long(), True)
@@ -183,6 +196,53 @@ def _decode(module, state, h, position_embeddings, prev, store):
                  select=seen.gather(2, take[:, None, :].expand(-1, t, -1)))  # [B, H, T, Dv]: each query its own
     # picks among the slots of every rank, merged
     return picks, module.o_proj(out.transpose(1, 2).reshape(bsz, t, -1))
+
+
+def gathers_keys(t: int, head_dim: int, esize: int) -> bool:
+    """Whether a forward of ``t`` new tokens gathers every rank's index keys (``esize * head_dim`` bytes a cached
+    slot) rather than its index scores (``8 * (t + 1)``): Note [DSA generate() under CP]. Global facts only."""
+    return 8 * (t + 1) > esize * head_dim + 8
+
+
+class _Row:
+    """The indexer's ``cache`` in a long pass-Q forward: hands back the gathered keys of every column."""
+
+    def __init__(self, keys: Tensor):
+        self.keys = keys
+
+    def update_indexer(self, k: Tensor, layer_idx: int) -> Tensor:  # the new columns' keys are among them
+        return self.keys
+
+
+def _picks_from_keys(module, state, h, q_resid, position_embeddings, position_ids, held: Tensor, layer) -> Tensor:
+    """CP=1's top-k columns [B, T, K] of the T new (replicated) queries: every rank's held index keys ``held``
+    [B, S_r, D] (the new ones it keeps included) gathered and laid out by column, [B, C + T, D], the columns' padding
+    mask by one gather of the slots' positions and columns a forward, and the family's indexer on the full rows
+    with transformers' mask (causal by column, the pads masked)."""
+    call, group, world = state.generating, state.mesh.get_group(), state.mesh.size()
+    bsz, t = h.shape[:2]
+    step, columns, most, dev = call.step, layer.columns, max(call.cache.held), h.device
+    if getattr(step, "dsa_columns", None) is None:  # [B + 1, most]: the slots' positions (-1 padding), their columns
+        ids = torch.full((bsz + 1, most), -1, dtype=torch.long, device=dev)
+        ids[:bsz, :layer.held] = layer.positions
+        ids[bsz, :layer.held] = layer._pos.cols[:layer.held].to(dev)
+        every = funcol.wait_tensor(all_gather_single(ids, 0, group)).view(world, bsz + 1, most)
+        cols = every[:, bsz].reshape(-1)  # [P * most]: the column of each gathered slot, -1 none
+        filled = torch.nonzero(cols >= 0).flatten()
+        real = torch.zeros(bsz, columns, dtype=torch.bool, device=dev)
+        real[:, cols[filled]] = every[:, :bsz].permute(1, 0, 2).reshape(bsz, -1)[:, filled] >= 0
+        step.dsa_columns = (cols[filled], filled, real)
+    cols, filled, real = step.dsa_columns
+    buf = held.new_zeros(bsz, most, held.shape[2])
+    buf[:, :held.shape[1]] = held
+    every = funcol.wait_tensor(all_gather_single(buf, 0, group)).view(world, bsz, most, -1)
+    keys = held.new_zeros(bsz, columns, held.shape[2])
+    keys[:, cols] = every.permute(1, 0, 2, 3).reshape(bsz, world * most, -1)[:, filled]  # [B, C + T, D] by column
+    allowed = (torch.arange(columns, device=dev)[None, None, :] <= step.q_positions[:, :, None]) & real[:, None, :]
+    scored = allowed
+    if state.attn_implementation.get("") == "eager":
+        scored = torch.zeros(allowed.shape, dtype=h.dtype, device=dev).masked_fill(~allowed, torch.finfo(h.dtype).min)
+    return module.indexer(h, q_resid, position_embeddings, scored, position_ids, cache=_Row(keys))
 
 
 def _global_row(group, world: int, mine: Tensor, slots: Tensor, most: int, columns: int) -> Tensor:

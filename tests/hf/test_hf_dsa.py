@@ -249,8 +249,8 @@ class _Fail:
 
 
 def _turns(mesh, world: int) -> dict:
-    """Three turns of a conversation (batch 2, a left-padded row; follow-ups of 4 (one row's 2, padded) and 2N
-    tokens, so the cache outgrows index_topk) from the sharded cache, a turn that fails midway then retried, and a prefill in chunks of
+    """Three turns of a conversation (batch 2, a left-padded row; follow-ups of 3 tokens (one row's 1, padded:
+    the index scores gathered) and 2N (the index keys gathered), so the cache outgrows index_topk) from the sharded cache, a turn that fails midway then retried, and a prefill in chunks of
     8 (both families; at P > 2 also a model whose index scores all tie): greedy tokens identical to CP=1's (transformers continuing its own cache, prefilling in the same chunks: a
     chunk's index rows are shorter than the whole prompt's, and topk breaks the index scores' ties over the row) and
     every step's logits within 1e-5; every forward after the prefill pass-Q."""
@@ -273,7 +273,7 @@ def _turns(mesh, world: int) -> dict:
         ids, mask = _prompt(1, B, 11, [2, 0], low=3, vocab=V)
         ref, got = _gen(ref_model, ids, mask, max_new_tokens=3), _gen(cp, ids, mask, max_new_tokens=3)
         compare(got, ref, (kind, "turn 1"))
-        for turn, lens in enumerate(((4, 2), (2 * N, 2 * N)), 2):
+        for turn, lens in enumerate(((3, 1), (2 * N, 2 * N)), 2):
             ids, mask = _follow(got.sequences, mask, turn, lens)
             if turn == 3:  # a turn that fails after its first token: the cache (index keys too) as it was
                 fail = StoppingCriteriaList([_Fail(2)])
@@ -282,7 +282,8 @@ def _turns(mesh, world: int) -> dict:
             ref = _gen(ref_model, ids, mask, cache=ref.cache, max_new_tokens=3)
             got = _gen(cp, ids, mask, cache=got.cache, max_new_tokens=3)
             compare(got, ref, (kind, f"turn {turn}"))
-        out[kind, "runs"] = dict(got.cache.runs)
+        out[kind, "runs"] = dict(got.cache.runs)  # and how many layer forwards gathered the index keys (the long turn)
+        out[kind, "gathered"] = vars(got.cache)["_cp_dtensor_index_keys"].get("gathered", 0)
         ids, mask = _prompt(2, B, 29, [3, 0], low=3, vocab=V)
         compare(_gen(cp, ids, mask, prefill_chunk_size=8, max_new_tokens=3),
                 _gen(copy.deepcopy(plain), ids, mask, prefill_chunk_size=8, max_new_tokens=3), (kind, "chunked prefill"))
@@ -308,6 +309,8 @@ def _check_generate(world):
         assert turns.pop((kind, "failed turn")) == "raised"
         runs = turns.pop((kind, "runs"))
         assert set(runs) == {"prefill", "decode"}, runs  # pass-Q: no pass-KV forward
+        assert turns.pop((kind, "gathered")) == (1 if "glm" in kind else 2)  # the 48-token turn: its first forward
+        # (the failed try's count is restored with its keys); the 3-token turn (4 columns) gathers scores
     assert len(turns) == 4 * len(kinds)
     for key, (same, err) in turns.items():
         assert same and err <= TOL, (key, same, err)
