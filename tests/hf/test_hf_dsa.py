@@ -408,3 +408,33 @@ def test_dsa_trainer_cp2():
         assert len(want[key]) == 3
         for r in got:
             assert max(abs(a - b) for a, b in zip(r[key], want[key])) <= 1e-4, (key, r[key], want[key])
+
+
+@pytest.mark.parametrize("case", ["causal", "padded", "packed"])
+def test_seen_keys_are_the_keys_a_rank_can_see(case):
+    """The index keys sent to a rank: those one of its queries sees in CP=1's mask (brute force over every query),
+    in every layout at P = 2 and 3; with packed documents fewer than every other rank's."""
+    from cp_dtensor.core.plan.layout import global_order
+
+    _, positions, _ = _batch()
+    mask = torch.ones(B, N, dtype=torch.long)
+    if case == "padded":
+        mask[0, :5] = 0
+        mask[1, -3:] = 0
+    if case == "packed":
+        positions = torch.stack([torch.cat([torch.arange(10), torch.arange(N - 10)]),
+                                 torch.cat([torch.arange(7), torch.arange(9), torch.arange(N - 16)])])
+    allowed = torch.ones(N, N, dtype=torch.bool).tril()[None].expand(B, -1, -1) if case == "causal" else \
+        _allowed(positions, mask, case)  # [B, N, N]
+    docs = (torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+    rows = None if case == "causal" else ("real", mask.bool()) if case == "padded" else ("documents", docs * 7 + 3)
+    for world in (2, 3):
+        for layout in LAYOUTS:
+            order = global_order(layout, world, N)
+            got = sparse.seen_keys(order, world, B, rows)
+            want = torch.stack([allowed[:, order.view(world, -1)[r]].any(1) for r in range(world)])  # [P, B, N]
+            assert torch.equal(got, want), (case, world, layout)
+            held = torch.zeros(world, N, dtype=torch.bool)
+            held[torch.arange(world)[:, None], order.view(world, -1)] = True
+            sent = int((got & ~held[:, None, :]).sum())  # keys that travel; the all-gather sends (P - 1) B N
+            assert sent < (world - 1) * B * N if case != "causal" or layout == "contiguous" else sent <= (world - 1) * B * N
