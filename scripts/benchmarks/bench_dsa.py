@@ -8,15 +8,18 @@ likely, the worst case for how many distinct rows a rank needs (a trained indexe
 so fewer rows move, and the index keys' share grows). For each rank (simulated in one process, every rank's
 plan being a function of the selection only): the bytes it receives in one forward --
 
-* ``index keys``: the all-gather of every other rank's index keys ((P - 1) S_local x 256);
+* ``index keys``: the keys of the other ranks' tokens one of its queries can see (causal, in its document:
+  ``--doc L`` packs documents of L tokens), which the all_to_all sends it (``all-gathered keys``: every
+  key, what an all-gather would bring);
 * ``requests``: the row numbers other ranks ask of it (8 bytes a row) and the counts (8 P);
 * ``rows``: the selected latent rows it does not hold (what it must receive in any exact scheme);
-* ``ring``: the ring's K/V through it ((P - 1) S_local x 81920); ``latent ring``: every other rank's latent rows.
+* ``ring``: the ring's K/V through it ((P - 1) S_local x 81920).
 
 Backward sends the received rows' gradients back (the rows' bytes again); the ring's backward passes K/V and
-dK/dV (twice its forward). The rank that receives the most is reported.
+dK/dV (twice its forward): ``fwd+bwd`` counts the rows twice, the keys and requests once. The rank that
+receives the most is reported.
 
-    python scripts/benchmarks/bench_dsa.py --n 8192 16384 32768 --world 4 [--device cuda]
+    python scripts/benchmarks/bench_dsa.py --n 8192 16384 32768 --world 4 [--doc 0 3000] [--device cuda]
 """
 
 from __future__ import annotations
@@ -86,9 +89,8 @@ def main() -> None:
                         "sequence a row)")
     args = parser.parse_args()
     print("| N | P | doc | index_topk | rows not held (max rank) | rows MB | index keys MB | requests MB | ours MB | "
-          "ours / rows | ours / ring | ring MB | latent ring MB | fwd+bwd ours / rows | seen keys MB | "
-          "seen-keys / rows (fwd) | (fwd+bwd) | s |")
-    print("|" + "---|" * 18)
+          "ours / rows | fwd+bwd ours / rows | all-gathered keys: ours / rows | ours / ring | ring MB | s |")
+    print("|" + "---|" * 15)
     for world in args.world:
         for n in args.n:
             for doc in args.doc:
@@ -98,21 +100,21 @@ def main() -> None:
                         for r in range(world)]
                 worst = max(range(world), key=lambda r: need[r])
                 # what the worst rank receives: the rows, the others' requests of it (a rank answers every other's:
-                # in total the others need sum(need) - need[worst] rows, spread over the ranks: their mean), index
-                # keys; backward: the rows' gradients go back (the rows' bytes again), no index key moves
+                # in total the others need sum(need) - need[worst] rows, spread over the ranks: their mean), the
+                # index keys its queries can see; backward: the rows' gradients go back (the rows' bytes again), no
+                # index key moves
                 rows = need[worst] * LATENT
                 requests = (sum(need) - need[worst]) / (world - 1) * ROW_ID + 8 * world
-                index = (world - 1) * s * INDEX_KEY
-                seen = keys_needed(n, world, worst, args.layout, doc) * INDEX_KEY
+                index = keys_needed(n, world, worst, args.layout, doc) * INDEX_KEY
+                gathered = (world - 1) * s * INDEX_KEY  # an all-gather of every key
                 ours = rows + requests + index
-                ring, latent_ring = (world - 1) * s * RING_KV, (world - 1) * s * LATENT
+                ring = (world - 1) * s * RING_KV
                 mb = 1 / 2**20
                 per = lambda x, y: f"{x / y:.3f}" if y else "inf"  # noqa: E731
                 print(f"| {n} | {world} | {doc or n} | {topk} | {need[worst]} of {(world - 1) * s} | {rows * mb:.2f} | "
                       f"{index * mb:.2f} | {requests * mb:.3f} | {ours * mb:.2f} | {per(ours, rows)} | "
-                      f"{ours / ring:.4f} | {ring * mb:.1f} | {latent_ring * mb:.2f} | {per(ours + rows, 2 * rows)} | "
-                      f"{seen * mb:.2f} | {per(rows + requests + seen, rows)} | "
-                      f"{per(2 * rows + requests + seen, 2 * rows)} | {time.perf_counter() - t0:.1f} |", flush=True)
+                      f"{per(ours + rows, 2 * rows)} | {per(rows + requests + gathered, rows)} | {ours / ring:.4f} | "
+                      f"{ring * mb:.1f} | {time.perf_counter() - t0:.1f} |", flush=True)
 
 if __name__ == "__main__":
     main()
