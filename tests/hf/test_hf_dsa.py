@@ -232,7 +232,7 @@ def _follow(ids, mask, seed: int, lens):
     return torch.cat([ids, new], 1), torch.cat([mask, ones, real], 1)
 
 
-_TURN_CASES = [(k, False) for k in FAMILIES] + [("deepseek_v32", True)]
+_TURN_CASES = [(k, "") for k in FAMILIES] + [("deepseek_v32", "ties"), ("glm_moe_dsa", "eager")]  # P > 2: all
 
 
 class _Fail:
@@ -251,7 +251,7 @@ class _Fail:
 def _turns(mesh, world: int) -> dict:
     """Three turns of a conversation (batch 2, a left-padded row; follow-ups of 3 tokens (one row's 1, padded:
     the index scores gathered) and 2N (the index keys gathered), so the cache outgrows index_topk) from the sharded cache, a turn that fails midway then retried, and a prefill in chunks of
-    8 (both families; at P > 2 also a model whose index scores all tie): greedy tokens identical to CP=1's (transformers continuing its own cache, prefilling in the same chunks: a
+    8 (both families; at P > 2 also a model whose index scores all tie and the eager implementation): greedy tokens identical to CP=1's (transformers continuing its own cache, prefilling in the same chunks: a
     chunk's index rows are shorter than the whole prompt's, and topk breaks the index scores' ties over the row) and
     every step's logits within 1e-5; every forward after the prefill pass-Q."""
     from test_hf_generate import _generate as _gen
@@ -264,10 +264,10 @@ def _turns(mesh, world: int) -> dict:
                           ref.logits) else float("inf"))
 
     out = {}
-    for i, (kind, ties) in enumerate(_TURN_CASES[:len(_TURN_CASES) if world > 2 else 2]):
+    for i, (kind, variant) in enumerate(_TURN_CASES[:len(_TURN_CASES) if world > 2 else 2]):
         layout = ("striped", "headtail", "contiguous")[i % (2 if world == 2 else 3)]
-        plain = _model(kind, ties=ties).eval()
-        kind = f"{kind} ties" if ties else kind
+        plain = _model(kind, "eager" if variant == "eager" else "sdpa", ties=variant == "ties").eval()
+        kind = f"{kind} {variant}".strip()
         ref_model = copy.deepcopy(plain)
         cp = hf.apply_context_parallel(copy.deepcopy(plain), mesh, layout=layout)
         ids, mask = _prompt(1, B, 11, [2, 0], low=3, vocab=V)
@@ -304,7 +304,7 @@ def _check_generate(world):
     turns = results[0].pop("turns")
     for key, got in results[0].items():
         assert got[0] and got[1] <= TOL, (key, got)
-    kinds = [f"{k} ties" if ties else k for k, ties in _TURN_CASES[:len(_TURN_CASES) if world > 2 else 2]]
+    kinds = [f"{k} {v}".strip() for k, v in _TURN_CASES[:len(_TURN_CASES) if world > 2 else 2]]
     for kind in kinds:
         assert turns.pop((kind, "failed turn")) == "raised"
         runs = turns.pop((kind, "runs"))
