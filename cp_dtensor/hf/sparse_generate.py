@@ -18,18 +18,19 @@ as the "values"), and this module keeps each layer's index keys beside them, slo
   -- C + T columns long, as transformers scores a cached forward -- are rebuilt in one of two ways, by
   the bytes a cached slot costs (``gathers_keys``, global facts only):
 
-  - few tokens (8 * (T + 1) <= the key's bytes + 8; a decode step): each rank scores the new index
-    queries against the index keys it holds (the family's arithmetic), masked by global column (causal;
-    padding slots, column -1, dropped), and one all-gather of those scores and their columns (8 * (T + 1)
-    bytes a slot of the rank holding most) places them in the rows;
+  - few tokens (4 * T <= an index key's bytes; a decode step): each rank scores the new index queries
+    against the index keys it holds (the family's arithmetic, fp32), masked causally by global column,
+    and one all-gather of those scores (4 * T bytes a slot of the rank holding most) places them in the
+    rows by the slots' columns, the padding columns -inf;
   - a long turn or chunk: one all-gather of every rank's held index keys (``index_head_dim`` numbers a
-    slot) and, once a forward, of the slots' positions and columns ((B + 1) * 8 bytes a slot) lays the
-    keys out by column, and the family's indexer scores the new queries on the full rows with
-    transformers' mask (causal by column, the pads masked);
+    slot) lays the keys out by column, and the family's indexer scores the new queries on the full rows
+    with transformers' mask (causal by column, the pads masked);
 
-  ``topk`` on the rows then picks CP=1's columns, ties
-  included (a chunk's rows are shorter than the whole prompt's: a chunked prefill picks what CP=1's
-  chunked prefill picks). Each rank expands the held slots some new query picked (at most T *
+  either way the slots' positions and columns are gathered once a forward, for every layer ((B + 1) * 8
+  bytes a slot);
+
+  ``topk`` on the rows then picks CP=1's columns, ties included (a chunk's rows are shorter than the
+  whole prompt's: a chunked prefill picks what CP=1's chunked prefill picks). Each rank expands the held slots some new query picked (at most T *
   ``index_topk``), attends each query to its own picks among them (``select`` of core/decode.py's
   ``attend``), and the partials merge by their log-sum-exp in the one all-gather of [out | lse]
   ((P - 1) * B * H * T * (Dv + 1) * 4 bytes a rank receives, as every pass-Q turn).
@@ -179,7 +180,7 @@ def _decode(module, state, h, position_embeddings, position_ids, prev, store):
             weights = ind.weights_proj(h.to(ind.weights_proj.weight.dtype)).float() * (ind.n_heads ** -0.5)
             mine = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)  # [B, T, S_r]
             mine = mine.masked_fill(slots[:, None, :] > step.q_positions[:, :, None], float("-inf"))
-            row = _global_row(group, world, mine, slots, max(call.cache.held), columns)  # [B, T, columns]: CP=1's
+            row = _global_row(state, mine, layer)  # [B, T, columns]: CP=1's
             picks = row.topk(min(ind.index_topk, columns), dim=-1).indices
     else:
         picks = prev
@@ -200,8 +201,8 @@ def _decode(module, state, h, position_embeddings, position_ids, prev, store):
 
 def gathers_keys(t: int, head_dim: int, esize: int) -> bool:
     """Whether a forward of ``t`` new tokens gathers every rank's index keys (``esize * head_dim`` bytes a cached
-    slot) rather than its index scores (``8 * (t + 1)``): Note [DSA generate() under CP]. Global facts only."""
-    return 8 * (t + 1) > esize * head_dim + 8
+    slot) rather than its fp32 index scores (``4 * t``): Note [DSA generate() under CP]. Global facts only."""
+    return 4 * t > esize * head_dim
 
 
 class _Row:
@@ -220,43 +221,48 @@ def _picks_from_keys(module, state, h, q_resid, position_embeddings, position_id
     mask by one gather of the slots' positions and columns a forward, and the family's indexer on the full rows
     with transformers' mask (causal by column, the pads masked)."""
     call, group, world = state.generating, state.mesh.get_group(), state.mesh.size()
-    bsz, t = h.shape[:2]
-    step, columns, most, dev = call.step, layer.columns, max(call.cache.held), h.device
-    if getattr(step, "dsa_columns", None) is None:  # [B + 1, most]: the slots' positions (-1 padding), their columns
-        ids = torch.full((bsz + 1, most), -1, dtype=torch.long, device=dev)
-        ids[:bsz, :layer.held] = layer.positions
-        ids[bsz, :layer.held] = layer._pos.cols[:layer.held].to(dev)
-        every = funcol.wait_tensor(all_gather_single(ids, 0, group)).view(world, bsz + 1, most)
-        cols = every[:, bsz].reshape(-1)  # [P * most]: the column of each gathered slot, -1 none
-        filled = torch.nonzero(cols >= 0).flatten()
-        real = torch.zeros(bsz, columns, dtype=torch.bool, device=dev)
-        real[:, cols[filled]] = every[:, :bsz].permute(1, 0, 2).reshape(bsz, -1)[:, filled] >= 0
-        step.dsa_columns = (cols[filled], filled, real)
-    cols, filled, real = step.dsa_columns
+    bsz, columns, most, dev = h.shape[0], layer.columns, max(call.cache.held), h.device
+    cols, filled, real = _columns(state, layer, bsz, dev)
     buf = held.new_zeros(bsz, most, held.shape[2])
     buf[:, :held.shape[1]] = held
     every = funcol.wait_tensor(all_gather_single(buf, 0, group)).view(world, bsz, most, -1)
     keys = held.new_zeros(bsz, columns, held.shape[2])
     keys[:, cols] = every.permute(1, 0, 2, 3).reshape(bsz, world * most, -1)[:, filled]  # [B, C + T, D] by column
-    allowed = (torch.arange(columns, device=dev)[None, None, :] <= step.q_positions[:, :, None]) & real[:, None, :]
+    allowed = (torch.arange(columns, device=dev)[None, None, :] <= call.step.q_positions[:, :, None]) & real[:, None, :]
     scored = allowed
     if state.attn_implementation.get("") == "eager":
         scored = torch.zeros(allowed.shape, dtype=h.dtype, device=dev).masked_fill(~allowed, torch.finfo(h.dtype).min)
     return module.indexer(h, q_resid, position_embeddings, scored, position_ids, cache=_Row(keys))
 
 
-def _global_row(group, world: int, mine: Tensor, slots: Tensor, most: int, columns: int) -> Tensor:
-    """CP=1's index-score row [B, T, columns] from each rank's scores ``mine`` [B, T, S_r] of its ``slots``
-    [B, S_r] (-1: none): one all-gather of [B, T + 1, max S_r] float64 (the fp32 scores and the columns, exact)."""
+def _columns(state, layer, bsz: int, dev) -> tuple[Tensor, Tensor, Tensor]:
+    """Where every rank's slots lie, once a forward (the layers hold the same slots): one all-gather of [B + 1,
+    most] int64 -- the slots' positions (-1 padding) and their columns. Returns (the columns of the gathered
+    slots that exist, their indices in the rank-major gathered axis, the columns' padding mask [B, C + T])."""
+    call, group, world = state.generating, state.mesh.get_group(), state.mesh.size()
+    step, most = call.step, max(call.cache.held)
+    if getattr(step, "dsa_columns", None) is None:
+        ids = torch.full((bsz + 1, most), -1, dtype=torch.long, device=dev)
+        ids[:bsz, :layer.held] = layer.positions
+        ids[bsz, :layer.held] = layer._pos.cols[:layer.held].to(dev)
+        every = funcol.wait_tensor(all_gather_single(ids, 0, group)).view(world, bsz + 1, most)
+        cols = every[:, bsz].reshape(-1)  # [P * most]: the column of each gathered slot, -1 none
+        filled = torch.nonzero(cols >= 0).flatten()
+        real = torch.zeros(bsz, layer.columns, dtype=torch.bool, device=dev)
+        real[:, cols[filled]] = every[:, :bsz].permute(1, 0, 2).reshape(bsz, -1)[:, filled] >= 0
+        step.dsa_columns = (cols[filled], filled, real)
+    return step.dsa_columns
+
+
+def _global_row(state, mine: Tensor, layer) -> Tensor:
+    """CP=1's index-score rows [B, T, C + T] from each rank's fp32 scores ``mine`` [B, T, S_r] of its slots: one
+    all-gather of [B, T, max S_r] (exact), placed by the slots' columns (:func:`_columns`), the pads -inf."""
+    group, world, most = state.mesh.get_group(), state.mesh.size(), max(state.generating.cache.held)
     bsz, t, s_r = mine.shape
-    buf = torch.full((bsz, t + 1, most), -1.0, dtype=torch.float64, device=mine.device)
-    buf[:, :t] = float("-inf")
-    buf[:, :t, :s_r] = mine.double()
-    buf[:, t, :s_r] = slots.double()
-    every = funcol.wait_tensor(all_gather_single(buf, 0, group)).view(world, bsz, t + 1, most)
-    cols = every[:, :, t].long().permute(1, 0, 2).reshape(bsz, -1)  # [B, P * most]
-    vals = every[:, :, :t].permute(1, 2, 0, 3).reshape(bsz, t, -1).float()  # [B, T, P * most]
-    row = torch.full((bsz, t, columns + 1), float("-inf"), dtype=torch.float32, device=mine.device)
-    where = cols.masked_fill(cols < 0, columns)[:, None, :].expand(-1, t, -1)  # the empty ones to a spare column
-    row.scatter_(-1, where, vals)
-    return row[..., :columns]
+    cols, filled, real = _columns(state, layer, bsz, mine.device)
+    buf = torch.full((bsz, t, most), float("-inf"), dtype=torch.float32, device=mine.device)
+    buf[:, :, :s_r] = mine
+    every = funcol.wait_tensor(all_gather_single(buf, 0, group)).view(world, bsz, t, most)
+    row = torch.full((bsz, t, layer.columns), float("-inf"), dtype=torch.float32, device=mine.device)
+    row[:, :, cols] = every.permute(1, 2, 0, 3).reshape(bsz, t, -1)[:, :, filled]
+    return row.masked_fill(~real[:, None, :], float("-inf"))
