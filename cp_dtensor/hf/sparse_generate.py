@@ -30,10 +30,11 @@ as the "values"), and this module keeps each layer's index keys beside them, slo
   bytes a slot);
 
   ``topk`` on the rows then picks CP=1's columns, ties included (a chunk's rows are shorter than the
-  whole prompt's: a chunked prefill picks what CP=1's chunked prefill picks). Each rank expands the held slots some new query picked (at most T *
-  ``index_topk``), attends each query to its own picks among them (``select`` of core/decode.py's
-  ``attend``), and the partials merge by their log-sum-exp in the one all-gather of [out | lse]
-  ((P - 1) * B * H * T * (Dv + 1) * 4 bytes a rank receives, as every pass-Q turn).
+  whole prompt's: a chunked prefill picks what CP=1's chunked prefill picks). Each rank expands the held
+  slots some new query picked (at most T * ``index_topk``), attends each query to its own picks among
+  them (``select`` of core/decode.py's ``attend``), and the partials merge by their log-sum-exp in the
+  one all-gather of [out | lse] ((P - 1) * B * H * T * (Dv + 1) * 4 bytes a rank receives, as every
+  pass-Q turn).
 
 A turn that fails puts the index keys back with the latents (Note [Transactional turns]). Served: greedy
 and sampled decoding, left-padded prompts and padding inside a conversation (the pads masked in every
