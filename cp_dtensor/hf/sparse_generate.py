@@ -8,9 +8,10 @@ the same on every rank, each new token's latent row kept by one rank. The ``Shar
 rank's MLA latent rows (``kv_lora_rank`` normed latent as the "keys", the rotated ``qk_rope_head_dim`` key
 as the "values"), and this module keeps each layer's index keys beside them, slot for slot.
 
-* prefill: the training forward of Note [DeepSeek Sparse Attention under CP] (hf/sparse.py), with the
-  layout's pad columns cut from the gathered index keys, so each query's indexer row is CP=1's row over
-  the N prompt columns; the kept columns' latents and index keys go to the cache.
+* prefill: the training forward of Note [DeepSeek Sparse Attention under CP] (hf/sparse.py) -- each index
+  key sent to the ranks with a query that sees it (causal, not the prompt's padding) -- with the layout's
+  pad columns cut from the rows, so each query's indexer row is CP=1's row over the N prompt columns; the
+  kept columns' latents and index keys go to the cache.
 * decode steps, later turns (``cache=`` from an earlier call) and prefill chunks after the first: the T
   new tokens run replicated (pass-Q, Note [Continuing a sharded cache] in hf/turns.py: the prefill marks
   the cache as holding latents, not what is attended, so no forward runs pass-KV), each new column kept
@@ -54,7 +55,7 @@ from .._compat import all_gather_single
 from ..core.decode import attend
 from ..core.plan.layout import global_order
 from .documents import ring_layout
-from .sparse import _SEE, attend_selected, project, real_mask
+from .sparse import _SEE, _Gathered, attend_selected, project, real_mask, seen_keys
 
 __all__ = ["gathers_keys", "generating_forward", "sparse_generate"]
 
@@ -80,19 +81,17 @@ def sparse_generate(model: nn.Module, *args, **kwargs):
         raise
 
 
-class _Prefill:
-    """The indexer's ``cache`` in a prefill: keeps this rank's kept index keys, hands back every rank's in
-    global order without the layout's pad columns."""
+class _Prefill(_Gathered):
+    """The indexer's ``cache`` in a prefill: keeps this rank's kept index keys, hands back the keys of the
+    prompt's columns (the layout's pad columns cut), each sent only to the ranks with a query that sees it."""
 
-    def __init__(self, group, order: Tensor, pad: int, store: dict, keep: Tensor):
-        self.group, self.order, self.pad, self.store, self.keep = group, order, pad, store, keep
+    def __init__(self, group, order: Tensor, rank: int, seen: Tensor, pad: int, store: dict, keep: Tensor):
+        super().__init__(group, order, rank, seen)
+        self.pad, self.store, self.keep = pad, store, keep
 
     def update_indexer(self, k: Tensor, layer_idx: int) -> Tensor:  # k: [B, S_local, D]
         self.store[layer_idx] = k.index_select(1, self.keep.to(k.device))
-        world = self.order.numel() // k.shape[1]
-        every = funcol.wait_tensor(all_gather_single(k.contiguous(), 0, self.group))  # [P*B, S_local, D]
-        every = every.view(world, k.shape[0], k.shape[1], -1).permute(1, 0, 2, 3).reshape(k.shape[0], -1, k.shape[2])
-        return every.index_select(1, torch.argsort(self.order).to(k.device))[:, self.pad:]
+        return super().update_indexer(k, layer_idx)[:, self.pad:]
 
 
 def generating_forward(module: nn.Module, state, hidden_states: Tensor, position_embeddings, attention_mask, cache,
@@ -131,9 +130,12 @@ def _prefill(module, state, h, position_embeddings, attention_mask, position_ids
     q_resid, query, k_pass, k_rot = project(module, h, position_embeddings)
     call.cache.update(k_pass, k_rot, module.layer_idx)  # the kept columns' latents (the pads' dropped)
     call.cache.attends_cached = False  # the cache holds latents, not what is attended: later turns run pass-Q
-    if module.indexer is not None:
+    if module.indexer is not None:  # the keys a query of each rank sees: real prompt columns, causally (a blind
+        # pad query's own column is its own token's, or a pad query's output no one reads)
+        real_full = torch.nn.functional.pad(store["prompt"], (pad, 0), value=False)  # [B, pad + n], global columns
+        seen = seen_keys(order, world, bsz, ("real", real_full))
         picks = module.indexer(h, q_resid, position_embeddings, scored, position_ids,
-                               cache=_Prefill(group, order, pad, store, call.step.keep))  # [B, S, K] prompt columns
+                               cache=_Prefill(group, order, rank, seen, pad, store, call.step.keep))  # [B, S, K]
     else:
         picks = prev
     valid = allowed.gather(-1, picks.long())
