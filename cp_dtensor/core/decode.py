@@ -126,8 +126,10 @@ _RULES = compiled_rules(Rules(
 ))
 
 
-def _partial(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, scale: float, window, dtype):
-    """This rank's attention and its lse over its own keys, masked by global position.
+def _partial(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, scale: float, window, dtype,
+             select: Tensor | None = None):
+    """This rank's attention and its lse over its own keys, masked by global position (and ``select`` [B, T, S_r],
+    where given: the keys each query may see at all, a sparse selection).
     q: [B, Hq, T, D]; k: [B, Hkv, S_r, D]; v: [B, Hkv, S_r, Dv] -> out [B, Hq, T, Dv], lse [B, Hq, T] (-inf:
     no visible key here)."""
     b, hq, t, _ = q.shape
@@ -145,6 +147,8 @@ def _partial(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, scal
             keep &= kp >= qp - left
         if right >= 0:
             keep &= kp <= qp + right
+    if select is not None:
+        keep = keep & select.to(keep.device)
     step = max(1, _CHUNK // max(1, b * hq * t))
     outs, lses = [], []
     for j in range(0, s, step):  # chunks of keys, merged below like ranks
@@ -219,17 +223,18 @@ def sharded_cache_attention(
 
 
 def attend(q, k, v, *, q_positions, k_positions, group, world: int, scale, window_size, sinks,
-           padding: Tensor | None = None, ready: Tensor | None = None) -> Tensor:
+           padding: Tensor | None = None, ready: Tensor | None = None, select: Tensor | None = None) -> Tensor:
     """:func:`sharded_cache_attention` after its checks: for callers whose replicated inputs agree by
     construction (generate() under CP, where every rank computes the new tokens' q alike). ``padding`` [B, T]
     bool: queries of padding columns, which may see no key (their output is then 0) instead of raising;
+    ``select`` [B, T, S_r] bool: the keys each query may see beyond the positions' rule (a sparse selection);
     ``ready``: the compiled agreement's result, which the all-gather's payload waits for."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     b, hq, t, dv = q.shape[0], q.shape[1], q.shape[2], v.shape[3]
     with torch.no_grad():
         out, lse = _partial(q, k, v, q_positions.to(q.device), k_positions.to(q.device), scale,
-                            None if window_size is None else tuple(window_size), dtype)
+                            None if window_size is None else tuple(window_size), dtype, select)
         if world > 1:
             mine = tie(torch.cat([out, lse[..., None]], -1).reshape(-1), ready)  # [B*Hq*T*(Dv+1)]: [out | lse]
             every = wait(all_gather(mine, group), group).view(world, b, hq, t, dv + 1)

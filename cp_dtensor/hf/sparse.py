@@ -8,12 +8,17 @@ picks from the whole causal prefix: index score ``sum_h w_h relu(q_h . k)`` of a
 A ring would move every rank's expanded K/V through every rank to use ``index_topk`` of them. Under CP
 each layer's forward is replaced (the family's own modules do the arithmetic, in its order):
 
-1. **The indexer, exactly as at CP=1.** Each rank computes its tokens' index keys; one all-gather puts
-   all N of them in global order on every rank (``index_head_dim`` numbers a token -- the indexer runs
-   under ``no_grad`` in transformers, so no gradient flows back through them). The family's own indexer
-   then scores this rank's queries against that global key sequence with the causal mask of the global
-   positions: the same rows of the same length N as CP=1 scores, so ``topk`` picks the same global
-   indices, ties and all (tests/hf/test_hf_dsa.py compares the index sets with CP=1's).
+1. **The indexer, exactly as at CP=1.** Each rank computes its tokens' index keys; one all_to_all sends
+   each key to the ranks with a query that can see it (``seen_keys``: causal in the global order, not
+   padding, in the query's document -- from the global masks every rank holds, so no counts travel;
+   ``index_head_dim`` numbers a key -- the indexer runs under ``no_grad`` in transformers, so no
+   gradient flows back through them), and each rank lays them out as the global key sequence of length
+   N, zeros where no query of its sees the key. The family's own indexer then scores this rank's queries
+   against it with the mask of the global positions: the same rows of the same length N as CP=1 scores
+   -- a key the rank was not sent is masked in each of its rows, -inf (sdpa) or the eager mask's minimum
+   whatever the key -- so ``topk`` picks the same global indices, ties and all (tests/hf/test_hf_dsa.py
+   compares the index sets with CP=1's). With one sequence a row the rank holding the last tokens needs
+   every other key; packed documents need only their own (scripts/benchmarks/bench_dsa.py).
 2. **Only the selected latent rows move.** MLA's latent row of a token (``kv_lora_rank`` normed latent +
    ``qk_rope_head_dim`` rotated key, 576 numbers in DeepSeek-V3.2) is what ``kv_b_proj`` expands into every
    head's key and value. A rank needs the rows its queries selected (within the causal prefix); those it
@@ -52,7 +57,7 @@ from .._compat import all_gather_single
 from ..core.agreement import agree_on_call
 from ..core.plan.layout import global_order
 
-__all__ = ["FAMILIES", "dsa_layers", "door_error", "enable_sparse", "exchange_plan"]
+__all__ = ["FAMILIES", "dsa_layers", "door_error", "enable_sparse", "exchange_plan", "seen_keys"]
 
 FAMILIES = frozenset({"deepseek_v32", "glm_moe_dsa"})
 _KERNELS = ("eager", "sdpa")  # the implementations whose masked path is the dense twin of the selection
@@ -79,16 +84,43 @@ def door_error(model: nn.Module, layout: str, before: dict) -> str | None:
 
 
 class _Gathered:
-    """The indexer's ``cache`` under CP: ``update_indexer`` hands back every rank's index keys in global order."""
+    """The indexer's ``cache`` under CP: ``update_indexer`` hands back the index keys of the global sequence,
+    [B, N, D] in global order, each rank's from an all_to_all that sends a key only to the ranks with a query
+    that can see it (``seen`` [P, B, N], :func:`seen_keys`); the others stay 0, masked in every row."""
 
-    def __init__(self, group, order: Tensor):
-        self.group, self.order = group, order
+    def __init__(self, group, order: Tensor, rank: int, seen: Tensor):
+        self.group, self.order, self.rank, self.seen = group, order, rank, seen
 
     def update_indexer(self, k: Tensor, layer_idx: int) -> Tensor:  # k: [B, S_local, D]
-        world = self.order.numel() // k.shape[1]
-        every = funcol.wait_tensor(all_gather_single(k.contiguous(), 0, self.group))  # [P*B, S_local, D]
-        every = every.view(world, k.shape[0], k.shape[1], -1).permute(1, 0, 2, 3).reshape(k.shape[0], -1, k.shape[2])
+        world, (b, s, d) = self.seen.shape[0], k.shape
+        at = self.order.view(world, s).to(k.device)  # [P, S]: each rank's global positions
+        send = self.seen[:, :, at[self.rank]].clone()  # [P, B, S]: which of this rank's keys each rank sees
+        take = self.seen[self.rank][:, at].transpose(0, 1).clone()  # [P, B, S]: which of each rank's keys it sees
+        send[self.rank], take[self.rank] = False, False
+        got = k.new_empty(int(take.sum()), d)
+        dist.all_to_all_single(got, k[None].expand(world, -1, -1, -1)[send].contiguous(),
+                               take.sum((1, 2)).tolist(), send.sum((1, 2)).tolist(), group=self.group)
+        every = k.new_zeros(world, b, s, d)
+        every[take] = got
+        every[self.rank] = k
+        every = every.permute(1, 0, 2, 3).reshape(b, world * s, d)  # rank-major
         return every.index_select(1, torch.argsort(self.order).to(k.device))  # [B, N, D], global order
+
+
+def seen_keys(order: Tensor, world: int, bsz: int, rows) -> Tensor:
+    """[P, B, N] bool: the keys (global positions) a query of rank r can see -- causal, and within ``rows``'
+    restriction (``_rows_of``: not padding, or the query's own document). Every other key is masked in each of
+    the rank's index rows (-inf, or the eager mask's minimum, whatever its value), so it need not travel."""
+    n = order.numel()
+    q = order.view(world, n // world)  # [P, S]
+    keys = torch.arange(n, device=order.device)
+    if rows is None or rows[0] == "real":
+        seen = (keys[None, :] <= q.amax(1)[:, None])[:, None, :].expand(-1, bsz, -1)  # [P, B, N]
+        return seen if rows is None else seen & rows[1][None].to(seen.device)
+    doc = torch.unique(rows[1], return_inverse=True)[1].to(order.device)  # [B, N]: documents numbered 0..
+    last = torch.full((bsz, world, int(doc.max()) + 1), -1, dtype=torch.long, device=order.device)
+    last = last.scatter_reduce(2, doc[:, q], q[None].expand(bsz, -1, -1), "amax")  # [B, P, docs]: last query
+    return (keys <= last.gather(2, doc[:, None, :].expand(-1, world, -1))).transpose(0, 1)  # [P, B, N]
 
 
 class _Rows(torch.autograd.Function):
@@ -220,8 +252,9 @@ def _forward(module: nn.Module, state, derive, generating, hidden_states: Tensor
             ~allowed, torch.finfo(hidden_states.dtype).min)
     q_resid, query, k_pass, k_rot = project(module, hidden_states, position_embeddings)
     if module.indexer is not None:  # 1. the global top-k (GLM's "shared" layers reuse the previous one's)
+        seen = seen_keys(order, world, bsz, rows)
         picks = module.indexer(hidden_states, q_resid, position_embeddings, scored, position_ids,
-                               cache=_Gathered(group, order))  # [B, S, K] global positions
+                               cache=_Gathered(group, order, rank, seen))  # [B, S, K] global positions
     else:
         if prev_topk_indices is None:
             raise ValueError("Shared DSA layers require top-k indices from a previous full indexer layer.")

@@ -8,15 +8,18 @@ likely, the worst case for how many distinct rows a rank needs (a trained indexe
 so fewer rows move, and the index keys' share grows). For each rank (simulated in one process, every rank's
 plan being a function of the selection only): the bytes it receives in one forward --
 
-* ``index keys``: the all-gather of every other rank's index keys ((P - 1) S_local x 256);
+* ``index keys``: the keys of the other ranks' tokens one of its queries can see (causal, in its document:
+  ``--doc L`` packs documents of L tokens), which the all_to_all sends it (``all-gathered keys``: every
+  key, what an all-gather would bring);
 * ``requests``: the row numbers other ranks ask of it (8 bytes a row) and the counts (8 P);
 * ``rows``: the selected latent rows it does not hold (what it must receive in any exact scheme);
-* ``ring``: the ring's K/V through it ((P - 1) S_local x 81920); ``latent ring``: every other rank's latent rows.
+* ``ring``: the ring's K/V through it ((P - 1) S_local x 81920).
 
 Backward sends the received rows' gradients back (the rows' bytes again); the ring's backward passes K/V and
-dK/dV (twice its forward). The rank that receives the most is reported.
+dK/dV (twice its forward): ``fwd+bwd`` counts the rows twice, the keys and requests once. The rank that
+receives the most is reported.
 
-    python scripts/benchmarks/bench_dsa.py --n 8192 16384 32768 --world 4 [--device cuda]
+    python scripts/benchmarks/bench_dsa.py --n 8192 16384 32768 --world 4 [--doc 0 3000] [--device cuda]
 """
 
 from __future__ import annotations
@@ -35,8 +38,10 @@ from cp_dtensor.hf.sparse import exchange_plan  # noqa: E402
 LATENT, INDEX_KEY, RING_KV, ROW_ID = (512 + 64) * 2, 128 * 2, 128 * (192 + 128) * 2, 8
 
 
-def rows_needed(n: int, world: int, rank: int, topk: int, layout: str, chunk: int, device: str, seed: int) -> int:
-    """How many selected latent rows rank ``rank`` does not hold, each query picking at random in its prefix."""
+def rows_needed(n: int, world: int, rank: int, topk: int, layout: str, chunk: int, device: str, seed: int,
+                doc: int = 0) -> int:
+    """How many selected latent rows rank ``rank`` does not hold, each query picking at random in its prefix (of
+    its document: packed documents of ``doc`` tokens, 0 for one sequence a row)."""
     g = torch.Generator(device=device).manual_seed(seed + rank)
     order = global_order(layout, world, n).to(device)
     s = n // world
@@ -44,15 +49,32 @@ def rows_needed(n: int, world: int, rank: int, topk: int, layout: str, chunk: in
     need = []
     for lo in range(0, s, chunk):
         q = mine[lo:lo + chunk]
+        start = (q // doc) * doc if doc else torch.zeros_like(q)  # the first key the query can see
         # a query's picks: its whole prefix when it has at most index_topk keys, else index_topk draws uniform over
         # the prefix (with replacement: within a few rows of topk's subsets, at O(N k) instead of O(N^2) work)
-        drawn = (torch.rand(q.numel(), topk, generator=g, device=device) * (q[:, None] + 1)).long()
-        short = q[:, None] < topk
-        picks = torch.where(short, torch.arange(topk, device=device)[None, :], drawn)
+        drawn = start[:, None] + (torch.rand(q.numel(), topk, generator=g, device=device)
+                                  * (q - start + 1)[:, None]).long()
+        short = (q - start)[:, None] < topk
+        picks = torch.where(short, start[:, None] + torch.arange(topk, device=device)[None, :], drawn)
         valid = picks <= q[:, None]
+        picks = torch.where(valid, picks, q[:, None])  # the invalid ones in range (they are masked)
         rows, _ = exchange_plan(picks[None], valid[None], order, rank, world)
         need.append(rows)
     return int(torch.cat(need).unique().numel())
+
+
+def keys_needed(n: int, world: int, rank: int, layout: str, doc: int = 0) -> int:
+    """The index keys rank ``rank`` must receive in any exact scheme where it scores its own queries: those of the
+    tokens held elsewhere that one of its queries can see (causal, in its document). A key no query of the rank
+    sees is masked in every row (-inf, whatever its value), so a scheme could send only these."""
+    order = global_order(layout, world, n)
+    s = n // world
+    mine = order[rank * s:(rank + 1) * s]
+    docs = torch.arange(n) // doc if doc else torch.zeros(n, dtype=torch.long)
+    last = torch.full((int(docs.max()) + 1,), -1, dtype=torch.long).scatter_reduce(0, docs[mine], mine, "amax")
+    seen = torch.arange(n) <= last[docs]  # [N]: some query of this rank sees the key
+    seen[mine] = False  # held here
+    return int(seen.sum())
 
 
 def main() -> None:
@@ -63,28 +85,36 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=2048, help="queries scored at a time")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--doc", type=int, nargs="+", default=[0], help="packed documents of this many tokens (0: one "
+                        "sequence a row)")
     args = parser.parse_args()
-    print("| N | P | index_topk | rows not held (max rank) | rows MB | index keys MB | requests MB | ours MB | "
-          "ours / rows | ours / ring | ring MB | latent ring MB | s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| N | P | doc | index_topk | rows not held (max rank) | rows MB | index keys MB | requests MB | ours MB | "
+          "ours / rows | fwd+bwd ours / rows | all-gathered keys: ours / rows | ours / ring | ring MB | s |")
+    print("|" + "---|" * 15)
     for world in args.world:
         for n in args.n:
-            t0 = time.perf_counter()
-            s, topk = n // world, n // 16
-            need = [rows_needed(n, world, r, topk, args.layout, args.chunk, args.device, args.seed) for r in range(world)]
-            worst = max(range(world), key=lambda r: need[r])
-            # what the worst rank receives: the rows, the others' requests of it (a rank answers every other's:
-            # in total the others need sum(need) - need[worst] rows, spread over the ranks: their mean), index keys
-            rows = need[worst] * LATENT
-            requests = (sum(need) - need[worst]) / (world - 1) * ROW_ID + 8 * world
-            index = (world - 1) * s * INDEX_KEY
-            ours = rows + requests + index
-            ring, latent_ring = (world - 1) * s * RING_KV, (world - 1) * s * LATENT
-            mb = 1 / 2**20
-            print(f"| {n} | {world} | {topk} | {need[worst]} of {(world - 1) * s} | {rows * mb:.2f} | {index * mb:.2f} | "
-                  f"{requests * mb:.3f} | {ours * mb:.2f} | {ours / rows:.3f} | {ours / ring:.4f} | {ring * mb:.1f} | "
-                  f"{latent_ring * mb:.2f} | {time.perf_counter() - t0:.1f} |", flush=True)
-
+            for doc in args.doc:
+                t0 = time.perf_counter()
+                s, topk = n // world, n // 16
+                need = [rows_needed(n, world, r, topk, args.layout, args.chunk, args.device, args.seed, doc)
+                        for r in range(world)]
+                worst = max(range(world), key=lambda r: need[r])
+                # what the worst rank receives: the rows, the others' requests of it (a rank answers every other's:
+                # in total the others need sum(need) - need[worst] rows, spread over the ranks: their mean), the
+                # index keys its queries can see; backward: the rows' gradients go back (the rows' bytes again), no
+                # index key moves
+                rows = need[worst] * LATENT
+                requests = (sum(need) - need[worst]) / (world - 1) * ROW_ID + 8 * world
+                index = keys_needed(n, world, worst, args.layout, doc) * INDEX_KEY
+                gathered = (world - 1) * s * INDEX_KEY  # an all-gather of every key
+                ours = rows + requests + index
+                ring = (world - 1) * s * RING_KV
+                mb = 1 / 2**20
+                per = lambda x, y: f"{x / y:.3f}" if y else "inf"  # noqa: E731
+                print(f"| {n} | {world} | {doc or n} | {topk} | {need[worst]} of {(world - 1) * s} | {rows * mb:.2f} | "
+                      f"{index * mb:.2f} | {requests * mb:.3f} | {ours * mb:.2f} | {per(ours, rows)} | "
+                      f"{per(ours + rows, 2 * rows)} | {per(rows + requests + gathered, rows)} | {ours / ring:.4f} | "
+                      f"{ring * mb:.1f} | {time.perf_counter() - t0:.1f} |", flush=True)
 
 if __name__ == "__main__":
     main()

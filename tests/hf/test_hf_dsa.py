@@ -1,8 +1,8 @@
 """DeepSeek Sparse Attention under CP (cp_dtensor/hf/sparse.py, sparse_generate.py): tiny random DeepSeek-V3.2 and
 GLM-MoE-DSA models (index_topk < N, so the selection matters) at CP = 2 and 3, every layout, against the same
 model at CP=1 (transformers' own sdpa / eager path): the indexer's selected index sets identical, logits and
-every gradient within 1e-5, the loss equal; generate() from the sharded cache: greedy tokens identical; what
-the scheme does not serve raises on every rank."""
+every gradient within 1e-5, the loss equal; generate() from the sharded cache (one call, three turns, a chunked
+prefill): greedy tokens identical; what the scheme does not serve raises on every rank."""
 
 from __future__ import annotations
 
@@ -217,20 +217,103 @@ def _generate_ranks(rank, world):
                 cp = hf.apply_context_parallel(copy.deepcopy(plain), mesh, layout=layout)
                 got, scores = _generate(cp, prompt, mask)
                 out[kind, ties, mask is None, layout] = (torch.equal(got, want), rel_err(scores, want_scores))
-        cache = cp.generate(input_ids=ids, max_new_tokens=1, do_sample=False, return_dict_in_generate=True).cache
-        out[kind, ties, "second turn"] = _raises(lambda: cp.generate(input_ids=ids, cache=cache, max_new_tokens=1),
-                                                 "no cache= from an earlier call")
+    out["turns"] = _turns(mesh, world)
     return out
+
+
+def _follow(ids, mask, seed: int, lens):
+    """The conversation so far [B, M] and follow-ups of ``lens`` tokens (one a row), each padded on the left to the
+    longest (padding inside the conversation)."""
+    g, t = torch.Generator().manual_seed(seed), max(lens)
+    new, real = torch.zeros(ids.shape[0], t, dtype=torch.long), torch.zeros(ids.shape[0], t, dtype=mask.dtype)
+    for row, n in enumerate(lens):
+        new[row, t - n:], real[row, t - n:] = torch.randint(3, V, (n,), generator=g), 1
+    ones = torch.ones(ids.shape[0], ids.shape[1] - mask.shape[1], dtype=mask.dtype)
+    return torch.cat([ids, new], 1), torch.cat([mask, ones, real], 1)
+
+
+_TURN_CASES = [(k, "") for k in FAMILIES] + [("deepseek_v32", "ties"), ("glm_moe_dsa", "eager")]  # P > 2: all
+
+
+class _Fail:
+    """A stopping criterion that raises at its ``at``-th call: a turn that fails midway (Note [Transactional turns])."""
+
+    def __init__(self, at: int):
+        self.at, self.calls = at, 0
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.calls += 1
+        if self.calls == self.at:
+            raise RuntimeError("stopped")
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+def _turns(mesh, world: int) -> dict:
+    """Three turns of a conversation (batch 2, a left-padded row; follow-ups of 3 tokens (one row's 1, padded:
+    the index scores gathered) and 2N (the index keys gathered), so the cache outgrows index_topk) from the sharded cache, a turn that fails midway then retried, and a prefill in chunks of
+    8 (both families; at P > 2 also a model whose index scores all tie and the eager implementation): greedy tokens identical to CP=1's (transformers continuing its own cache, prefilling in the same chunks: a
+    chunk's index rows are shorter than the whole prompt's, and topk breaks the index scores' ties over the row) and
+    every step's logits within 1e-5; every forward after the prefill pass-Q."""
+    from test_hf_generate import _generate as _gen
+    from test_hf_generate import _prompt
+    from transformers import StoppingCriteriaList
+
+    def compare(got, ref, where):  # tokens identical; every step's logits, the largest relative error
+        out[where] = (torch.equal(got.sequences, ref.sequences),
+                      max(rel_err(a, b) for a, b in zip(got.logits, ref.logits)) if len(got.logits) == len(
+                          ref.logits) else float("inf"))
+
+    out = {}
+    for i, (kind, variant) in enumerate(_TURN_CASES[:len(_TURN_CASES) if world > 2 else 2]):
+        layout = ("striped", "headtail", "contiguous")[i % (2 if world == 2 else 3)]
+        plain = _model(kind, "eager" if variant == "eager" else "sdpa", ties=variant == "ties").eval()
+        kind = f"{kind} {variant}".strip()
+        ref_model = copy.deepcopy(plain)
+        cp = hf.apply_context_parallel(copy.deepcopy(plain), mesh, layout=layout)
+        ids, mask = _prompt(1, B, 11, [2, 0], low=3, vocab=V)
+        ref, got = _gen(ref_model, ids, mask, max_new_tokens=3), _gen(cp, ids, mask, max_new_tokens=3)
+        compare(got, ref, (kind, "turn 1"))
+        for turn, lens in enumerate(((3, 1), (2 * N, 2 * N)), 2):
+            ids, mask = _follow(got.sequences, mask, turn, lens)
+            if turn == 3:  # a turn that fails after its first token: the cache (index keys too) as it was
+                fail = StoppingCriteriaList([_Fail(2)])
+                out[kind, "failed turn"] = _raises_any(lambda: _gen(cp, ids, mask, cache=got.cache, max_new_tokens=3,
+                                                                    stopping_criteria=fail))
+            ref = _gen(ref_model, ids, mask, cache=ref.cache, max_new_tokens=3)
+            got = _gen(cp, ids, mask, cache=got.cache, max_new_tokens=3)
+            compare(got, ref, (kind, f"turn {turn}"))
+        out[kind, "runs"] = dict(got.cache.runs)  # and how many layer forwards gathered the index keys (the long turn)
+        out[kind, "gathered"] = vars(got.cache)["_cp_dtensor_index_keys"].get("gathered", 0)
+        ids, mask = _prompt(2, B, 29, [3, 0], low=3, vocab=V)
+        compare(_gen(cp, ids, mask, prefill_chunk_size=8, max_new_tokens=3),
+                _gen(copy.deepcopy(plain), ids, mask, prefill_chunk_size=8, max_new_tokens=3), (kind, "chunked prefill"))
+    return out
+
+
+def _raises_any(fn) -> str:
+    try:
+        fn()
+    except RuntimeError:
+        return "raised"
+    return "ran"
 
 
 def _check_generate(world):
     results = run_ranks(world, _generate_ranks, timeout=600)
     assert all(r == results[0] for r in results)
+    turns = results[0].pop("turns")
     for key, got in results[0].items():
-        if isinstance(got, str):
-            assert got == "raised", key
-        else:
-            assert got[0] and got[1] <= TOL, (key, got)
+        assert got[0] and got[1] <= TOL, (key, got)
+    kinds = [f"{k} {v}".strip() for k, v in _TURN_CASES[:len(_TURN_CASES) if world > 2 else 2]]
+    for kind in kinds:
+        assert turns.pop((kind, "failed turn")) == "raised"
+        runs = turns.pop((kind, "runs"))
+        assert set(runs) == {"prefill", "decode"}, runs  # pass-Q: no pass-KV forward
+        assert turns.pop((kind, "gathered")) == (1 if "glm" in kind else 2)  # the 48-token turn: its first forward
+        # (the failed try's count is restored with its keys); the 3-token turn (4 columns) gathers scores
+    assert len(turns) == 4 * len(kinds)
+    for key, (same, err) in turns.items():
+        assert same and err <= TOL, (key, same, err)
 
 
 def _check(world):
@@ -325,3 +408,33 @@ def test_dsa_trainer_cp2():
         assert len(want[key]) == 3
         for r in got:
             assert max(abs(a - b) for a, b in zip(r[key], want[key])) <= 1e-4, (key, r[key], want[key])
+
+
+@pytest.mark.parametrize("case", ["causal", "padded", "packed"])
+def test_seen_keys_are_the_keys_a_rank_can_see(case):
+    """The index keys sent to a rank: those one of its queries sees in CP=1's mask (brute force over every query),
+    in every layout at P = 2 and 3; with packed documents fewer than every other rank's."""
+    from cp_dtensor.core.plan.layout import global_order
+
+    _, positions, _ = _batch()
+    mask = torch.ones(B, N, dtype=torch.long)
+    if case == "padded":
+        mask[0, :5] = 0
+        mask[1, -3:] = 0
+    if case == "packed":
+        positions = torch.stack([torch.cat([torch.arange(10), torch.arange(N - 10)]),
+                                 torch.cat([torch.arange(7), torch.arange(9), torch.arange(N - 16)])])
+    allowed = torch.ones(N, N, dtype=torch.bool).tril()[None].expand(B, -1, -1) if case == "causal" else \
+        _allowed(positions, mask, case)  # [B, N, N]
+    docs = (torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+    rows = None if case == "causal" else ("real", mask.bool()) if case == "padded" else ("documents", docs * 7 + 3)
+    for world in (2, 3):
+        for layout in LAYOUTS:
+            order = global_order(layout, world, N)
+            got = sparse.seen_keys(order, world, B, rows)
+            want = torch.stack([allowed[:, order.view(world, -1)[r]].any(1) for r in range(world)])  # [P, B, N]
+            assert torch.equal(got, want), (case, world, layout)
+            held = torch.zeros(world, N, dtype=torch.bool)
+            held[torch.arange(world)[:, None], order.view(world, -1)] = True
+            sent = int((got & ~held[:, None, :]).sum())  # keys that travel; the all-gather sends (P - 1) B N
+            assert sent < (world - 1) * B * N if case != "causal" or layout == "contiguous" else sent <= (world - 1) * B * N
