@@ -180,18 +180,20 @@ def _check_pipeline(job_config: Any) -> None:
 
 def _check_dynamic(job_config: Any, cp: int, tp: int) -> None:
     # [cp_dtensor] dynamic = true: the compositions it is tested with (FSDP, compile, activation checkpointing,
-    # sequence tiling, validation, gradient accumulation; Note [Dynamic CP in torchtitan]), the rest refused
+    # sequence tiling, validation, gradient accumulation, float8 linears; Note [Dynamic CP in torchtitan]), the rest
+    # refused
     section = getattr(job_config, "cp_dtensor", None)
     if section is None or not section.dynamic:
         return
     par = job_config.parallelism
+    other = [c for c in getattr(job_config.model, "converters", None) or [] if c != "quantize.linear.float8"]
     refused = [what for what, on in (
         ("context_parallel_degree = 1 (set it > 1: the plan spans dp_shard x cp)", cp == 1),
         (f'[model] name = "{job_config.model.name}" (dynamic serves llama3 flex flavors)', job_config.model.name != "llama3"),
         ("tensor_parallel_degree > 1", tp > 1),
         ("pipeline_parallel_degree > 1", par.pipeline_parallel_degree > 1),
         ("data_parallel_replicate_degree > 1 (use data_parallel_shard_degree)", par.data_parallel_replicate_degree > 1),
-        ("[model] converters (float8 / MX)", bool(getattr(job_config.model, "converters", None))),
+        (f"[model] converters {other} (of the converters, dynamic serves quantize.linear.float8)", bool(other)),
         ("[validation] enable beside [compile] enable (the compiled blocks hit the recompile limit there)",
          getattr(getattr(job_config, "validation", None), "enable", False) and getattr(job_config.compile, "enable", False)),
     ) if on]

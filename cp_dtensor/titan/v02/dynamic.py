@@ -16,6 +16,9 @@ Nothing else changes, and nothing needs to: the trainer counts the global batch'
 this hook (over the dp ranks), each rank's loss is its tokens' sum over that count, the logged loss is the
 sum over the "loss" mesh, FSDP (over dp_shard x cp) sums the gradients with divide factor 1, and the token
 counts are taken from the rows as loaded. So the losses and gradients equal the static documents run's.
+float8 linears (torchao) see [1, B * N / cp] tokens instead of [B, N / cp]: a per-token or per-weight scale
+is the same, a scale over a rank's tokens (tensorwise activations, rowwise's weight-gradient operands) is
+taken over other tokens, so those recipes differ by float8 rounding noise (as CP does from CP = 1).
 One log line a step (rank 0) reports the plan: work max/mean over ranks (kept causal pairs + 64 a token
 for the linear layers), the dp ranks' own rows' max/mean (what the static grid is at least), the K/V rows
 the busiest rank receives a layer, and the tokens a rank.
