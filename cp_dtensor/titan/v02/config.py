@@ -194,8 +194,6 @@ def _check_dynamic(job_config: Any, cp: int, tp: int) -> None:
         ("pipeline_parallel_degree > 1", par.pipeline_parallel_degree > 1),
         ("data_parallel_replicate_degree > 1 (use data_parallel_shard_degree)", par.data_parallel_replicate_degree > 1),
         (f"[model] converters {other} (of the converters, dynamic serves quantize.linear.float8)", bool(other)),
-        ("[validation] enable beside [compile] enable (the compiled blocks hit the recompile limit there)",
-         getattr(getattr(job_config, "validation", None), "enable", False) and getattr(job_config.compile, "enable", False)),
     ) if on]
     if refused:
         raise ValueError("[cp_dtensor] dynamic = true is not served with: " + "; ".join(refused) + ". Turn these off, "

@@ -3,11 +3,11 @@ dp_shard x cp rank, against the static documents layout.
 
 The slow tier runs llama3 debugmodel_flex_attn at dp_shard 2 x cp 2 (4 ranks, fp32, 3 steps from one seed
 checkpoint), static documents, dynamic, and dynamic with full activation checkpointing, compiled blocks and
-sequence tiling,
-and checks from the jobs: the losses and grad norms equal (rel 2e-5), the validation losses (validation at
-step 2, the same batch sharding) equal, the ring runs over all 4 ranks, one balance line a step (rank 0) with the plan's work
-max/mean, the K/V rows received and the tokens a rank (B * N / cp). The default tier checks the start-up
-refusals of compositions dynamic does not serve (config parsing only, no job)."""
+sequence tiling, and checks from the jobs: the losses and grad norms equal (rel 2e-5), the validation losses
+(validation at steps 1 and 2, the same batch sharding; compiled too) equal, the ring runs over all 4 ranks, one
+balance line a step (rank 0) with the plan's work max/mean, the K/V rows received and the tokens a rank
+(B * N / cp); and the same two first jobs with float8 linears. The default tier checks the start-up refusals of
+compositions dynamic does not serve (config parsing only, no job)."""
 
 from __future__ import annotations
 
@@ -50,9 +50,8 @@ def test_dynamic_equals_static_documents():
     dynamic = torchrun(4, Path(tempfile.mkdtemp(prefix="titan-dynamic-")), *common, "--cp_dtensor.dynamic", "true")
     want, got = step_losses_and_norms(static), step_losses_and_norms(dynamic)
     # dynamic with full activation checkpointing, every block compiled (Inductor) and the LM head + loss and the
-    # MLPs in 64-token tiles: the same numbers
-    no_validation = common[: common.index("--validation.enable")]  # refused beside compile
-    both = torchrun(4, Path(tempfile.mkdtemp(prefix="titan-dynamic-ac-compile-")), *no_validation,
+    # MLPs in 64-token tiles: the same numbers, validation (no_grad: the blocks' second graph) included
+    both = torchrun(4, Path(tempfile.mkdtemp(prefix="titan-dynamic-ac-compile-")), *common,
                     "--cp_dtensor.dynamic", "true", "--activation_checkpoint.mode", "full", "--compile.enable",
                     "--cp_dtensor.sequence_tiling", "64")
     for line in ("Applied full activation checkpointing", "Compiling each TransformerBlock",
@@ -63,6 +62,10 @@ def test_dynamic_equals_static_documents():
         for step in want:
             assert run[step] == pytest.approx(want[step], rel=2e-5), (step, run[step], want[step])
     assert _validation(dynamic) == _validation(static) and len(_validation(static)) >= 1, _validation(dynamic)
+    compiled = dict(_validation(both))
+    assert sorted(compiled) == sorted(dict(_validation(static))), (compiled, _validation(static))
+    for step, loss in _validation(static):  # 4 logged decimals: equal to their rounding
+        assert compiled[step] == pytest.approx(loss, abs=1.5e-4), (step, compiled[step], loss)
     assert "Applied cp_dtensor ring attention (layout=documents, dynamic over dp x cp = 4 ranks)" in dynamic
     assert "cp_dtensor dynamic:" not in static
     lines = _BALANCE.findall(dynamic)
@@ -116,10 +119,9 @@ def test_dynamic_without_documents_is_refused():
     (["--parallelism.pipeline_parallel_degree", "2"], 8, r"pipeline_parallel_degree > 1"),
     (["--parallelism.context_parallel_degree", "1"], 2, r"context_parallel_degree = 1"),
     (["--parallelism.data_parallel_replicate_degree", "2"], 8, r"data_parallel_replicate_degree > 1"),
-    (["--validation.enable", "--compile.enable"], 4, r"\[validation\] enable beside \[compile\] enable"),
     (["--model.converters", "quantize.linear.mx"], 4,
      r"converters \['quantize.linear.mx'\] \(of the converters, dynamic serves quantize.linear.float8\)"),
-], ids=["tp", "pp", "cp1", "hsdp", "validation_compile", "mx"])
+], ids=["tp", "pp", "cp1", "hsdp", "mx"])
 def test_unserved_compositions_are_refused_at_start(overrides, world, message):
     from cp_dtensor.titan import check_config
 
@@ -127,5 +129,5 @@ def test_unserved_compositions_are_refused_at_start(overrides, world, message):
     with pytest.raises(ValueError, match=r"dynamic = true is not served with: .*" + message + r".*remove dynamic"):
         check_config(cfg, world_size=world)
     check_config(_parse(*FLEX, *GRID, "--cp_dtensor.dynamic", "true"), world_size=4)  # the served jobs pass
-    check_config(_parse(*FLEX, *GRID, "--cp_dtensor.dynamic", "true", "--model.converters", "quantize.linear.float8"),
-                 world_size=4)
+    for served in (["--model.converters", "quantize.linear.float8"], ["--validation.enable", "--compile.enable"]):
+        check_config(_parse(*FLEX, *GRID, "--cp_dtensor.dynamic", "true", *served), world_size=4)
