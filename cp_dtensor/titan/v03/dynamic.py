@@ -53,7 +53,7 @@ def shard_dynamic_batch(inputs: torch.Tensor, labels: torch.Tensor, extra: dict[
 def dynamic_unsupported(config: Any) -> list[str]:
     """What a ``--cp_dtensor.dynamic true`` job sets that dynamic does not serve (empty: served). Tested:
     llama3 with flex masks over FSDP (dp_shard x cp), torchtitan's default selective activation checkpointing,
-    validation, sequence tiling, gradient accumulation (a varlen config gets the same ``RingDocs`` masks); the
+    compile, validation, sequence tiling, gradient accumulation (a varlen config gets the same ``RingDocs`` masks); the
     rest is refused at start, as 0.2.2 refuses it (Note [Dynamic CP in torchtitan 0.3])."""
     par = config.parallelism
     quantized = re.search(r"Float8|MX\w*Linear|NVFP4", repr(config.model_spec.model)) is not None
@@ -66,5 +66,4 @@ def dynamic_unsupported(config: Any) -> list[str]:
         ("--parallelism.data_parallel_replicate_degree > 1 (use data_parallel_shard_degree)",
          par.data_parallel_replicate_degree > 1),
         ("float8 / MX / NVFP4 linears (a quantized --config)", quantized),
-        ("--compile.enable", config.compile.enable),
     ) if on]
