@@ -179,7 +179,7 @@ def _check_pipeline(job_config: Any) -> None:
 
 
 def _check_dynamic(job_config: Any, cp: int, tp: int) -> None:
-    # [cp_dtensor] dynamic = true: the compositions it is tested with (FSDP, compile, activation checkpointing,
+    # [cp_dtensor] dynamic = true: the compositions it is tested with (FSDP, HSDP, compile, activation checkpointing,
     # sequence tiling, validation, gradient accumulation, float8 linears; Note [Dynamic CP in torchtitan]), the rest
     # refused
     section = getattr(job_config, "cp_dtensor", None)
@@ -192,7 +192,6 @@ def _check_dynamic(job_config: Any, cp: int, tp: int) -> None:
         (f'[model] name = "{job_config.model.name}" (dynamic serves llama3 flex flavors)', job_config.model.name != "llama3"),
         ("tensor_parallel_degree > 1", tp > 1),
         ("pipeline_parallel_degree > 1", par.pipeline_parallel_degree > 1),
-        ("data_parallel_replicate_degree > 1 (use data_parallel_shard_degree)", par.data_parallel_replicate_degree > 1),
         (f"[model] converters {other} (of the converters, dynamic serves quantize.linear.float8)", bool(other)),
     ) if on]
     if refused:
