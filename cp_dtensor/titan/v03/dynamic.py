@@ -52,7 +52,7 @@ def shard_dynamic_batch(inputs: torch.Tensor, labels: torch.Tensor, extra: dict[
 
 def dynamic_unsupported(config: Any) -> list[str]:
     """What a ``--cp_dtensor.dynamic true`` job sets that dynamic does not serve (empty: served). Tested:
-    llama3 with flex masks over FSDP (dp_shard x cp), torchtitan's default selective activation checkpointing,
+    llama3 with flex masks over FSDP (dp_shard x cp) or HSDP, torchtitan's default selective activation checkpointing,
     compile, validation, sequence tiling, gradient accumulation (a varlen config gets the same ``RingDocs`` masks); the
     rest is refused at start, as 0.2.2 refuses it (Note [Dynamic CP in torchtitan 0.3])."""
     par = config.parallelism
@@ -63,7 +63,5 @@ def dynamic_unsupported(config: Any) -> list[str]:
         (f"--module {config.model_spec.name} (dynamic serves llama3)", config.model_spec.name != "llama3"),
         ("--parallelism.tensor_parallel_degree > 1", par.tensor_parallel_degree > 1),
         ("--parallelism.pipeline_parallel_degree > 1", par.pipeline_parallel_degree > 1),
-        ("--parallelism.data_parallel_replicate_degree > 1 (use data_parallel_shard_degree)",
-         par.data_parallel_replicate_degree > 1),
         ("float8 / MX / NVFP4 linears (a quantized --config)", quantized),
     ) if on]
