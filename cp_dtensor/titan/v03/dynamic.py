@@ -53,15 +53,15 @@ def shard_dynamic_batch(inputs: torch.Tensor, labels: torch.Tensor, extra: dict[
 def dynamic_unsupported(config: Any) -> list[str]:
     """What a ``--cp_dtensor.dynamic true`` job sets that dynamic does not serve (empty: served). Tested:
     llama3 with flex masks over FSDP (dp_shard x cp) or HSDP, torchtitan's default selective activation checkpointing,
-    compile, validation, sequence tiling, gradient accumulation (a varlen config gets the same ``RingDocs`` masks); the
+    compile, validation, sequence tiling, gradient accumulation, float8 linears (a varlen config gets the same ``RingDocs`` masks); the
     rest is refused at start, as 0.2.2 refuses it (Note [Dynamic CP in torchtitan 0.3])."""
     par = config.parallelism
-    quantized = re.search(r"Float8|MX\w*Linear|NVFP4", repr(config.model_spec.model)) is not None
+    quantized = re.search(r"MX\w*Linear|NVFP4", repr(config.model_spec.model)) is not None
     return [what for what, on in (
         ("--parallelism.context_parallel_degree 1 (set it > 1: the plan spans dp_shard x cp)",
          par.context_parallel_degree == 1),
         (f"--module {config.model_spec.name} (dynamic serves llama3)", config.model_spec.name != "llama3"),
         ("--parallelism.tensor_parallel_degree > 1", par.tensor_parallel_degree > 1),
         ("--parallelism.pipeline_parallel_degree > 1", par.pipeline_parallel_degree > 1),
-        ("float8 / MX / NVFP4 linears (a quantized --config)", quantized),
+        ("MX / NVFP4 linears (a quantized --config; float8 is served)", quantized),
     ) if on]

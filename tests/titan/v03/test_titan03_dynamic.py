@@ -7,7 +7,8 @@ rank, validation at step 2; the plugin fixes the seed and initialises the weight
 the jobs start from the same weights) with the static documents layout, with dynamic, and with dynamic, every
 block compiled and sequence tiling (32-token tiles), and checks: the losses and grad norms equal (rel 2e-5), the
 validation losses equal (the compiled job's too), the ring runs over all 4 ranks, and the balance line (rank 0)
-once a batch sharded; and static against dynamic under HSDP (dp_replicate 2 x dp_shard 2 x cp 2, 8 ranks).
+once a batch sharded; and static against dynamic under HSDP (dp_replicate 2 x dp_shard 2 x cp 2, 8 ranks)
+with float8 linears.
 Measured: every logged digit equal (8.13183 / 8.00381 / 7.48712; validation 7.9219 / 7.3855); with the moved
 positions reversed (a mutation) step 3 is 7.48740 (rel 3.7e-5). The default tier checks the start-up refusals
 (config parsing only, no job; Ulysses is refused by the documents layout itself)."""
@@ -27,6 +28,7 @@ ARGS = ["--module", "llama3", "--config", "llama3_debugmodel", "--parallelism.co
         "--parallelism.data_parallel_shard_degree", "2", "--cp_dtensor.layout", "documents", "--training.steps", "3",
         "--training.seq_len", "128", "--training.local_batch_size", "2", "--training.mixed_precision_param", "float32",
         "--validator.enable", "--validator.freq", "2", "--validator.steps", "2"]
+F8_STEP1_RTOL, F8_LATER_RTOL = 1e-5, 5e-4 / 4  # test_titan03.py's float8 bars, argued there
 _VALIDATE = re.compile(r"validate step:\s*(\d+)\s+loss:\s*([0-9.]+)")
 _BALANCE = re.compile(r"cp_dtensor dynamic: work max/mean ([0-9.]+) over (\d+) ranks \(the dp ranks' rows alone "
                       r"([0-9.]+)\), K/V rows received (\d+) \(busiest rank, a layer\), tokens a rank (\d+)")
@@ -63,20 +65,28 @@ def test_dynamic_equals_static_documents(tmp_path):
         assert 1.0 <= float(work) < 1.1, lines
 
 
-@slow("two 8-rank torchtitan 0.3 jobs (53 s on the 2-core machine)")
-def test_dynamic_hsdp_equals_static_documents(tmp_path):
+@slow("two 8-rank torchtitan 0.3 jobs with float8 linears (81 s on the 2-core machine)")
+def test_dynamic_hsdp_float8_equals_static_documents(tmp_path):
     # HSDP, dp_replicate 2 x dp_shard 2 x cp 2: the plan spans torchtitan's "loss" mesh, all 8 ranks; FSDP shards
-    # over dp_shard x cp and the replicas all-reduce. Measured: every logged digit equal (8.15937 / 7.99392 /
-    # 7.50946; validation 7.9387 / 7.3942), work max/mean 1.001 against the dp rows' 1.017
+    # over dp_shard x cp and the replicas all-reduce (fp32, by hand: every logged digit equal, 8.15937 / 7.99392 /
+    # 7.50946, validation 7.9387 / 7.3942; work max/mean 1.001 against the dp rows' 1.017). With 0.3's float8
+    # config (torchao rowwise, emulated gemm on CPU): the weight gradient's float8 operands are scaled per feature
+    # over the tokens a rank holds, which dynamic changes, so the bars are test_titan03.py's float8 ones (CP
+    # against CP = 1): step 1 to rel 1e-5, then a quarter of float8's own effect on the loss
     hsdp = [*ARGS, "--parallelism.data_parallel_replicate_degree", "2"]
+    hsdp[hsdp.index("llama3_debugmodel")] = "llama3_debugmodel_float8"
     static = torchrun_03(8, tmp_path / "static", *hsdp)
     dynamic = torchrun_03(8, tmp_path / "dynamic", *hsdp, "--cp_dtensor.dynamic", "true")
+    assert dynamic.count("Float8 training active with recipe rowwise") >= 8, dynamic[-3000:]
     want, got = step_losses_and_norms(static), step_losses_and_norms(dynamic)
+    print(f"HSDP float8 dynamic vs static: {got} vs {want}")  # shown with -s
     assert sorted(got) == sorted(want) == [1, 2, 3], (got, want, dynamic[-3000:])
     for step in want:
-        assert got[step] == pytest.approx(want[step], rel=2e-5), (step, got[step], want[step])
-    validation = [set(_VALIDATE.findall(out)) for out in (static, dynamic)]
-    assert validation[0] and validation[1] == validation[0], validation
+        assert got[step][0] == pytest.approx(want[step][0], rel=F8_STEP1_RTOL if step == 1 else F8_LATER_RTOL), step
+    validation = [dict(_VALIDATE.findall(out)) for out in (static, dynamic)]
+    assert validation[0] and sorted(validation[1]) == sorted(validation[0]), validation
+    for step, loss in validation[0].items():
+        assert float(validation[1][step]) == pytest.approx(float(loss), rel=F8_LATER_RTOL), validation
     lines = _BALANCE.findall(dynamic)
     assert lines and all(int(ranks) == 8 and int(tokens) == 128 for _, ranks, _, _, tokens in lines), lines
 
