@@ -6,8 +6,8 @@ checkpoint), static documents, dynamic, and dynamic with full activation checkpo
 sequence tiling, and checks from the jobs: the losses and grad norms equal (rel 2e-5), the validation losses
 (validation at steps 1 and 2, the same batch sharding; compiled too) equal, the ring runs over all 4 ranks, one
 balance line a step (rank 0) with the plan's work max/mean, the K/V rows received and the tokens a rank
-(B * N / cp); static against dynamic under HSDP (dp_replicate 2 x dp_shard 2 x cp 2) with float8 linears, and
-for deepseek_v3 debugmodel_flex_attn. The default tier checks the start-up refusals of compositions dynamic does not serve (config parsing only, no
+(B * N / cp); and static against dynamic under HSDP (dp_replicate 2 x dp_shard 2 x cp 2) with float8 linears
+(the exhaustive tier: for deepseek_v3 debugmodel_flex_attn). The default tier checks the start-up refusals of compositions dynamic does not serve (config parsing only, no
 job)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from _tiers import slow
+from _tiers import exhaustive, slow
 
 if importlib.util.find_spec("torchtitan") is None:
     pytest.skip("torchtitan is not installed", allow_module_level=True)
@@ -108,7 +108,7 @@ def test_dynamic_hsdp_float8_equals_static_documents_float8():
         assert got[step] == pytest.approx(want[step], rel=2e-5), (step, got[step], want[step])
 
 
-@slow("two 4-rank deepseek_v3 jobs (57 s on the 2-core machine)")
+@exhaustive("two 4-rank deepseek_v3 jobs (57 s on the 2-core machine)")
 def test_dynamic_deepseek_v3_equals_static_documents():
     # deepseek_v3 debugmodel_flex_attn (MLA: q/k and v of other head dims; MoE with the auxiliary-loss-free expert
     # bias, updated from the tokens per expert summed over the "loss" mesh). Measured: every logged digit equal

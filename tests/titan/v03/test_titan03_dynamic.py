@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from _tiers import slow
+from _tiers import exhaustive, slow
 
 from _titan_run import skip_unless_titan, step_losses_and_norms, torchrun_03
 
@@ -91,6 +91,25 @@ def test_dynamic_hsdp_float8_equals_static_documents(tmp_path):
     assert lines and all(int(ranks) == 8 and int(tokens) == 128 for _, ranks, _, _, tokens in lines), lines
 
 
+@pytest.mark.parametrize("family", ["qwen3", "deepseek_v3"])
+@exhaustive("two 4-rank torchtitan 0.3 jobs (70-80 s)")
+def test_dynamic_family_equals_static_documents(family, tmp_path):
+    # qwen3 (q/k norms) and deepseek_v3 (MLA, MoE with the expert bias from the tokens per expert summed over the
+    # "loss" mesh) debug models, flex masks. Measured: every logged digit equal, validation too (qwen3 7.65132 /
+    # 7.19538 / 6.80300; deepseek_v3 8.14581 / 6.97621 / 7.64767)
+    args = [*ARGS]
+    args[args.index("llama3")], args[args.index("llama3_debugmodel")] = family, f"{family}_debugmodel"
+    static = torchrun_03(4, tmp_path / "static", *args)
+    dynamic = torchrun_03(4, tmp_path / "dynamic", *args, "--cp_dtensor.dynamic", "true")
+    want, got = step_losses_and_norms(static), step_losses_and_norms(dynamic)
+    assert sorted(got) == sorted(want) == [1, 2, 3], (got, want, dynamic[-3000:])
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=2e-5), (step, got[step], want[step])
+    validation = [set(_VALIDATE.findall(out)) for out in (static, dynamic)]
+    assert validation[0] and validation[1] == validation[0], validation
+    assert len(_BALANCE.findall(dynamic)) >= 3, dynamic[-3000:]
+
+
 def _config(*flags: str):
     from cp_dtensor.titan.v03.main import PluginConfigManager
 
@@ -105,10 +124,12 @@ CP2 = ["--parallelism.context_parallel_degree", "2"]
 @pytest.mark.parametrize("flags, world, message", [
     (["llama3"], 2, r"--parallelism.context_parallel_degree 1 \(set it > 1: the plan spans dp_shard x cp\) with "
      r"--cp_dtensor.dynamic true"),
-    (["qwen3", *CP2], 2, r"--module qwen3 \(dynamic serves llama3\) with --cp_dtensor.dynamic true"),
+    (["gpt_oss", *CP2], 2, r"--module gpt_oss \(dynamic serves llama3, qwen3 and deepseek_v3\) with "
+                            r"--cp_dtensor.dynamic true"),
+    (["deepseek_v3", *CP2, "--parallelism.expert_parallel_degree", "2"], 2, r"expert_parallel_degree > 1 with"),
     (["llama3", *CP2, "--parallelism.tensor_parallel_degree", "2"], 4, r"tensor_parallel_degree > 1 with --cp_dtensor"),
     (["llama3", *CP2, "--parallelism.pipeline_parallel_degree", "2"], 4, r"pipeline_parallel_degree > 1 with"),
-], ids=["cp1", "qwen3", "tp", "pp"])
+], ids=["cp1", "gpt_oss", "ep", "tp", "pp"])
 def test_unserved_compositions_are_refused_at_start(flags, world, message):
     from cp_dtensor.titan.v03 import check_config
 
