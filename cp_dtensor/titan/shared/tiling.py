@@ -43,6 +43,19 @@ in core/tiling.py), so no [S_local, V] tensor exists in forward or in backward:
 The loss equals the untiled one (fp32: to rounding; tests/titan/v02/test_titan_tiling.py). It applies at
 every CP degree, CP = 1 included (the plugin's parallelize runs for every job of a served family).
 
+Note [Tiled blocks under compile]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+torchtitan compiles each block on its own (``fullgraph=True``), all of them one code object, so Dynamo keeps
+one cache entry a guard set and refuses the ninth (``recompile_limit`` 8: ``FailOnRecompileLimitHit``).
+A tiled MLP must therefore look the same to every block's guards. A per-module ``forward`` (an instance
+attribute, e.g. a ``functools.partial``) does not: Dynamo guards on its identity, so each block compiled a
+graph of its own -- 6 graphs for a 6-layer model, twice that once validation runs under ``no_grad``, and
+more than 8 layers failed at the first step. So a tiled module's class is swapped instead, to
+``Tiled<Class>`` (made once per class: ``_Tiled`` before the module's own class, FSDP2's way of wrapping)
+whose ``forward`` tiles the class's own, the tile size an int attribute equal on every block: every block
+passes one guard set, so the blocks share one graph (and one more under ``no_grad``). State dict keys and
+the module tree are unchanged.
+
 Note [float8 and the tiled LM head]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 torchtitan's float8 (and MX) linear converters swap every ``nn.Linear`` their filter admits for torchao's
@@ -149,18 +162,47 @@ def apply_sequence_tiling(model: nn.Module, tile: int, *, head_name: str = "outp
             if not (tile_mlps and tile_moe) or layer is None:
                 moe += 1
                 continue
-            counted = isinstance(getattr(layer, "tokens_per_expert", None), torch.Tensor)
-            layer.forward = functools.partial(tiled_forward, functools.partial(_contiguous, layer.forward),
-                                              tile_size=tile, what=type(layer).__name__,
-                                              recompute_context=functools.partial(_uncounted, layer) if counted else None)
+            _tile_module(layer, tile, moe=True)
             tiled += 1
             continue
         if ffn is None or not tile_mlps:
             moe += 1
             continue
-        ffn.forward = functools.partial(tiled_forward, ffn.forward, tile_size=tile, what=f"{type(ffn).__name__}")
+        _tile_module(ffn, tile, moe=False)
         tiled += 1
     return tiled, moe
+
+
+class _Tiled:
+    """Put before a module's class (``_tile_module``): the class's own ``forward`` in tiles of
+    ``_cp_dtensor_tile`` tokens. See Note [Tiled blocks under compile]."""
+
+    _cp_dtensor_tile: int
+    _cp_dtensor_moe: bool  # torchtitan's MoE: each tile contiguous, its token counts kept out of recomputation
+    _cp_dtensor_what: str  # the module's own class name, for errors (a class attribute)
+
+    def forward(self, x: torch.Tensor, *args, **kwargs):
+        forward, context = super().forward, None
+        if self._cp_dtensor_moe:
+            forward = functools.partial(_contiguous, forward)
+            if isinstance(getattr(self, "tokens_per_expert", None), torch.Tensor):
+                context = functools.partial(_uncounted, self)
+        return tiled_forward(forward, x, *args, tile_size=self._cp_dtensor_tile, what=self._cp_dtensor_what,
+                             recompute_context=context, **kwargs)
+
+
+_TILED_CLASSES: dict[type, type] = {}
+
+
+def _tile_module(module: nn.Module, tile: int, *, moe: bool) -> None:
+    # Note [Tiled blocks under compile]: a class swap, one class for every block's module, not a per-module forward
+    cls = type(module)
+    if not issubclass(cls, _Tiled):
+        if cls not in _TILED_CLASSES:
+            _TILED_CLASSES[cls] = type(f"Tiled{cls.__name__}", (_Tiled, cls),
+                                       {"__module__": cls.__module__, "_cp_dtensor_what": cls.__name__})
+        module.__class__ = _TILED_CLASSES[cls]
+    module._cp_dtensor_tile, module._cp_dtensor_moe = tile, moe
 
 
 def tiled_loss(loss_fn, tile: int):

@@ -179,20 +179,21 @@ def _check_pipeline(job_config: Any) -> None:
 
 
 def _check_dynamic(job_config: Any, cp: int) -> None:
-    # [cp_dtensor] dynamic = true: the compositions it is tested with (FSDP, TP, compile, activation checkpointing,
-    # sequence tiling, validation, gradient accumulation; Note [Dynamic CP in torchtitan]), the rest refused
+    # [cp_dtensor] dynamic = true: the compositions it is tested with (llama3 and deepseek_v3; FSDP, HSDP, TP, compile,
+    # activation checkpointing, sequence tiling, validation, gradient accumulation, float8 linears; Note [Dynamic CP in
+    # torchtitan]), the rest refused
     section = getattr(job_config, "cp_dtensor", None)
     if section is None or not section.dynamic:
         return
     par = job_config.parallelism
+    other = [c for c in getattr(job_config.model, "converters", None) or [] if c != "quantize.linear.float8"]
     refused = [what for what, on in (
         ("context_parallel_degree = 1 (set it > 1: the plan spans dp_shard x cp)", cp == 1),
-        (f'[model] name = "{job_config.model.name}" (dynamic serves llama3 flex flavors)', job_config.model.name != "llama3"),
+        (f'[model] name = "{job_config.model.name}" (dynamic serves the llama3 and deepseek_v3 flex flavors)',
+         job_config.model.name not in ("llama3", "deepseek_v3")),
+        ("expert_parallel_degree > 1", getattr(par, "expert_parallel_degree", 1) > 1),
         ("pipeline_parallel_degree > 1", par.pipeline_parallel_degree > 1),
-        ("data_parallel_replicate_degree > 1 (use data_parallel_shard_degree)", par.data_parallel_replicate_degree > 1),
-        ("[model] converters (float8 / MX)", bool(getattr(job_config.model, "converters", None))),
-        ("[validation] enable beside [compile] enable (the compiled blocks hit the recompile limit there)",
-         getattr(getattr(job_config, "validation", None), "enable", False) and getattr(job_config.compile, "enable", False)),
+        (f"[model] converters {other} (of the converters, dynamic serves quantize.linear.float8)", bool(other)),
     ) if on]
     if refused:
         raise ValueError("[cp_dtensor] dynamic = true is not served with: " + "; ".join(refused) + ". Turn these off, "

@@ -16,6 +16,11 @@ Nothing else changes, and nothing needs to: the trainer counts the global batch'
 this hook (over the dp ranks), each rank's loss is its tokens' sum over that count, the logged loss is the
 sum over the "loss" mesh, FSDP (over dp_shard x cp) sums the gradients with divide factor 1, and the token
 counts are taken from the rows as loaded. So the losses and gradients equal the static documents run's.
+float8 linears (torchao) see [1, B * N / cp] tokens instead of [B, N / cp]: a per-token or per-weight scale
+is the same, a scale over a rank's tokens (tensorwise activations, rowwise's weight-gradient operands) is
+taken over other tokens, so those recipes differ by float8 rounding noise (as CP does from CP = 1).
+deepseek_v3's MoE layers are token-wise and its auxiliary-loss-free expert bias is updated from the tokens
+per expert summed over the same "loss" mesh: the same tokens, the same update.
 One log line a step (rank 0) reports the plan: work max/mean over ranks (kept causal pairs + 64 a token
 for the linear layers), the dp ranks' own rows' max/mean (what the static grid is at least), the K/V rows
 the busiest rank receives a layer, and the tokens a rank.
@@ -40,8 +45,8 @@ def shard_dynamic_batch(inputs: torch.Tensor, labels: torch.Tensor, extra_kwargs
     [1, B * N / cp]; extra_kwargs["positions"]: [1, B * N / cp]; the mask: the plan and this rank's ids."""
     mask = extra_kwargs.get("attention_masks")
     if not isinstance(mask, RingMask) or mask.ids is None:
-        raise ValueError('[cp_dtensor] dynamic = true needs the batch\'s documents in one block_causal mask (a llama3 '
-                         'flex flavor with attn_mask_type = "block_causal", e.g. "debugmodel_flex_attn").')
+        raise ValueError('[cp_dtensor] dynamic = true needs the batch\'s documents in one block_causal mask (a llama3 or '
+                         'deepseek_v3 flex flavor with attn_mask_type = "block_causal", e.g. "debugmodel_flex_attn").')
     b, n = inputs.shape
     positions = torch.arange(n, device=inputs.device).expand(b, n)  # the token's index in its row, as RoPE reads it
     (x, y, pos), plan, ids = shard_on_loss_mesh((inputs, labels, positions), grid, cp, mask.ids, [mask.window_size])

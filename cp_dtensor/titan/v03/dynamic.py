@@ -42,7 +42,7 @@ def shard_dynamic_batch(inputs: torch.Tensor, labels: torch.Tensor, extra: dict[
     mask, positions = extra.get("attention_masks"), extra.get("positions")
     if not isinstance(mask, RingDocs) or positions is None:
         raise ValueError("--cp_dtensor.dynamic true needs the batch's documents: the data's positions and one "
-                         "flex or varlen mask (llama3, e.g. --config llama3_debugmodel); got "
+                         "flex or varlen mask (llama3, qwen3 or deepseek_v3, e.g. --config llama3_debugmodel); got "
                          f"attention_masks={type(mask).__name__}, positions={'None' if positions is None else 'given'}.")
     (x, y, pos), plan, ids = shard_on_loss_mesh((inputs, labels, positions), grid, cp, mask.ids, [mask.window_size])
     extra["attention_masks"] = dataclasses.replace(mask, ids=ids, plan=plan)
@@ -51,20 +51,19 @@ def shard_dynamic_batch(inputs: torch.Tensor, labels: torch.Tensor, extra: dict[
 
 
 def dynamic_unsupported(config: Any) -> list[str]:
-    """What a ``--cp_dtensor.dynamic true`` job sets that dynamic does not serve (empty: served). Tested:
-    llama3 with flex masks over FSDP (dp_shard x cp), TP (Note [Documents under tensor parallelism]), torchtitan's
-    default selective activation checkpointing, validation, sequence tiling, gradient accumulation (a varlen config
-    gets the same ``RingDocs`` masks); the rest is refused at start, as 0.2.2 refuses it (Note [Dynamic CP in
-    torchtitan 0.3])."""
+    """What a ``--cp_dtensor.dynamic true`` job sets that dynamic does not serve (empty: served). Tested: llama3,
+    qwen3 and deepseek_v3 with flex masks over FSDP (dp_shard x cp) or HSDP, TP (Note [Documents under tensor
+    parallelism]), torchtitan's default selective activation checkpointing, compile, validation, sequence
+    tiling, gradient accumulation, float8 linears (a varlen config gets the same ``RingDocs`` masks); the rest
+    is refused at start, as 0.2.2 refuses it (Note [Dynamic CP in torchtitan 0.3])."""
     par = config.parallelism
-    quantized = re.search(r"Float8|MX\w*Linear|NVFP4", repr(config.model_spec.model)) is not None
+    quantized = re.search(r"MX\w*Linear|NVFP4", repr(config.model_spec.model)) is not None
     return [what for what, on in (
         ("--parallelism.context_parallel_degree 1 (set it > 1: the plan spans dp_shard x cp)",
          par.context_parallel_degree == 1),
-        (f"--module {config.model_spec.name} (dynamic serves llama3)", config.model_spec.name != "llama3"),
+        (f"--module {config.model_spec.name} (dynamic serves llama3, qwen3 and deepseek_v3)",
+         config.model_spec.name not in ("llama3", "qwen3", "deepseek_v3")),
+        ("--parallelism.expert_parallel_degree > 1", par.expert_parallel_degree > 1),
         ("--parallelism.pipeline_parallel_degree > 1", par.pipeline_parallel_degree > 1),
-        ("--parallelism.data_parallel_replicate_degree > 1 (use data_parallel_shard_degree)",
-         par.data_parallel_replicate_degree > 1),
-        ("float8 / MX / NVFP4 linears (a quantized --config)", quantized),
-        ("--compile.enable", config.compile.enable),
+        ("MX / NVFP4 linears (a quantized --config; float8 is served)", quantized),
     ) if on]

@@ -211,6 +211,47 @@ def test_tiled_moe_equals_whole_and_counts_tokens_once():
     assert want_counts.sum() == 2 * 26 and torch.equal(got_counts, want_counts)
 
 
+def test_compiled_tiled_blocks_share_one_graph():
+    """Note [Tiled blocks under compile]: torchtitan compiles each block alone (fullgraph). With 3 tiled blocks
+    under a recompile limit of 2 the blocks must share one graph in training and one under ``no_grad``
+    (validation), where a per-block forward compiled one a block and failed at the third; the compiled blocks'
+    output = the untiled eager model's (float64)."""
+    from torch._dynamo import config as dynamo_config
+    from torchtitan.models.llama3 import Transformer, llama3_args
+
+    from cp_dtensor.titan.shared.tiling import apply_sequence_tiling
+
+    args = copy.deepcopy(llama3_args["debugmodel"])  # SDPA (causal), no masks to pass: the blocks compile alone
+    args.n_layers, args.vocab_size = 3, 512
+    torch.manual_seed(0)
+    ref = Transformer(args)
+    with torch.no_grad():
+        ref.init_weights(buffer_device=torch.device("cpu"))
+    ref = ref.double()
+    model = copy.deepcopy(ref)
+    ref.output = torch.nn.Identity()  # the tiled head passes its input on: compare the hidden states
+    assert apply_sequence_tiling(model, TILE) == (3, 0)
+    assert type(model.layers["0"].feed_forward).__name__ == "TiledFeedForward"
+    assert model.state_dict().keys() == ref.state_dict().keys() | {"output.weight"}  # the module tree unchanged
+    graphs = []
+
+    def count(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    for name, block in model.layers.named_children():
+        model.layers.register_module(name, torch.compile(block, backend=count, fullgraph=True))
+    tokens, _ = _batch()
+    with dynamo_config.patch(recompile_limit=2):
+        for grad in (True, False, True):
+            with torch.set_grad_enabled(grad):
+                got, want = model(tokens), ref(tokens)
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    assert len(graphs) == 2, f"{len(graphs)} graphs for 3 blocks in 2 grad modes"
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("value", [0, -3, 2.5, "yes"])
 def test_bad_tile_size_is_rejected(value):
     from cp_dtensor.titan import CPDTensor

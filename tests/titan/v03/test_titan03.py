@@ -429,8 +429,6 @@ def test_plugin_config_defaults_and_flags(capsys):
     (["--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "2",
       "--parallelism.expert_parallel_degree", "8"], 4, r"expert_parallel_degree \(8\) does not divide the ranks "
      r"torchtitan gives it: .* x tensor_parallel_degree \(2\) = 4 ranks"),
-    (["--parallelism.context_parallel_degree", "2", "--cp_dtensor.layout", "documents", "--cp_dtensor.dynamic", "true",
-      "--compile.enable"], 2, r"does not support: --compile.enable with --cp_dtensor.dynamic true"),
     (["--parallelism.context_parallel_degree", "4", "--cp_dtensor.layout", "documents", "--training.seq_len", "132"], 4,
      r"the documents layout on 4 CP ranks needs a multiple of 4 and torchtitan a multiple of 2 \* CP = 8"),
 ])
