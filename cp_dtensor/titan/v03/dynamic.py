@@ -61,7 +61,8 @@ def dynamic_unsupported(config: Any) -> list[str]:
     return [what for what, on in (
         ("--parallelism.context_parallel_degree 1 (set it > 1: the plan spans dp_shard x cp)",
          par.context_parallel_degree == 1),
-        (f"--module {config.model_spec.name} (dynamic serves llama3, qwen3 and deepseek_v3)",
+        (f"--module {config.model_spec.name} (dynamic serves llama3, qwen3 and deepseek_v3: gpt_oss's sliding-window "
+         "and full masks and qwen3_5's Gated DeltaNet layers are not planned by it)",
          config.model_spec.name not in ("llama3", "qwen3", "deepseek_v3")),
         ("--parallelism.expert_parallel_degree > 1", par.expert_parallel_degree > 1),
         ("--parallelism.pipeline_parallel_degree > 1", par.pipeline_parallel_degree > 1),
