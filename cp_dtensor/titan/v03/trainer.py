@@ -118,6 +118,10 @@ def check_config(config: Any, world_size: int) -> None:
         unsupported.append(f'--module {name} (cp_dtensor serves {", ".join(FAMILIES)} on torchtitan 0.3)')
     else:
         kind = _inner_attention_kind(config.model_spec.model)
+        if getattr(config.model_spec.model, "mtp_layers", None):  # deepseek_v3's multi-token prediction blocks
+            unsupported.append(f"{name} {config.model_spec.flavor} with multi-token prediction layers (their attention "
+                               "is torchtitan's own, not the ring, and their shifted targets cross the CP ranks' "
+                               "shards; use a config without MTP, e.g. deepseek_v3_debugmodel)")
         if kind not in ("flex", "varlen"):
             unsupported.append(f'{name} {config.model_spec.flavor} with inner attention "{kind}" (the ring '
                                'replaces "flex" and "varlen")')

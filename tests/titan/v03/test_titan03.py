@@ -439,6 +439,20 @@ def test_start_up_checks(flags, world, message):
         check_config(_config("llama3", *flags), world_size=world)
 
 
+def test_multi_token_prediction_is_refused_at_start():
+    # deepseek_v3's MTP blocks run torchtitan's FlexAttention on the plugin's masks: refused before any rank
+    # builds the model (it crashed at CP = 1 before), at every CP size
+    from cp_dtensor.titan.v03 import check_config
+    from cp_dtensor.titan.v03.main import PluginConfigManager
+
+    for cp in ("1", "2"):
+        cfg = PluginConfigManager().parse_args(["--module", "deepseek_v3", "--config", "deepseek_v3_debugmodel_mtp",
+                                                "--parallelism.context_parallel_degree", cp])
+        with pytest.raises(ValueError, match=r"with multi-token prediction layers .* use a config without MTP"):
+            check_config(cfg, world_size=int(cp))
+    check_config(_config("deepseek_v3"), world_size=1)  # the same family without MTP passes
+
+
 # ---- qwen3_5: Gated DeltaNet layers beside full-attention layers (Note [qwen3_5 under the 0.3 plugin]) ----
 # torchtitan's qwen3_5 model module imports fla (flash-linear-attention) at its top; its own config registry
 # imports torchvision (multimodal data). The plugin's text config needs fla only (installed or on PYTHONPATH).
