@@ -28,9 +28,19 @@ each layer's forward is replaced (the family's own modules do the arithmetic, in
    expands it once, and each query's softmax runs over its ``index_topk`` gathered keys, the picks outside
    the causal prefix (only when fewer than ``index_topk`` keys exist) masked, as CP=1's mask does.
 
+Steps 1-3 read one thing of the layout: each row's global position at each rank's slots (``row_orders``,
+[B, N]) -- a named layout's ``global_order`` for every row, or under ``layout="documents"`` the batch's
+plan's own order for each row (``cp_layout=``, Note [One plan per batch in transformers] in hf/documents.py:
+short documents whole on one rank, long ones cut). Which keys a rank's queries see, who holds a key or a
+latent row and where it lands all follow from it, so the documents layout is served by the same code; its
+plan is checked against the batch (``plan_error``, Note [A plan fits its batch]) in the first layer's
+agreement, and the rows' masks come from the position ids and padding gathered in the plan's order by the
+same rule. A plan under a named layout is refused (its order is the layout's: drop ``cp_layout=``).
+
 GLM-MoE-DSA's ``"shared"`` layers reuse the previous full layer's indices: under CP those are the global
 indices step 1 returned, so they reuse them alike. generate() decodes from the sharded cache: Note [DSA
-generate() under CP] in hf/sparse_generate.py. The rows' masks are transformers' sdpa / eager rules on the global batch (hf/attention.py's
+generate() under CP] in hf/sparse_generate.py (under ``layout="documents"`` the prompt, one sequence a row,
+is prefilled striped, as for the ring's models). The rows' masks are transformers' sdpa / eager rules on the global batch (hf/attention.py's
 derive_documents, one gather of the positions a forward, and one of the padding mask or the document ids):
 padding (a 2-D ``attention_mask``, left or right) is masked as keys in every row -- a left-pad query that
 sees no key gets a zero attention output, as SDPA gives a fully masked row -- and packed sequences
@@ -56,8 +66,9 @@ from torch import Tensor, nn
 from .._compat import all_gather_single
 from ..core.agreement import agree_on_call
 from ..core.plan.layout import global_order
+from .documents import documents_of, plan_error
 
-__all__ = ["FAMILIES", "dsa_layers", "door_error", "enable_sparse", "exchange_plan", "seen_keys"]
+__all__ = ["FAMILIES", "dsa_layers", "door_error", "enable_sparse", "exchange_plan", "row_orders", "seen_keys"]
 
 FAMILIES = frozenset({"deepseek_v32", "glm_moe_dsa"})
 _KERNELS = ("eager", "sdpa")  # the implementations whose masked path is the dense twin of the selection
@@ -71,11 +82,9 @@ def dsa_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def door_error(model: nn.Module, layout: str, before: dict) -> str | None:
-    """Why the door cannot serve this DSA model as configured (None: it can); reads the model only."""
+    """Why the door cannot serve this DSA model as configured (None: it can); reads the model only. Every
+    ``layout`` is served: the named ones and "documents" (each row in its plan's order)."""
     name, impl = type(model).__name__, before.get("")
-    if layout == "documents":
-        return (f"{name}'s indexed_attention layers run the named layouts (headtail, striped, contiguous); "
-                f"layout='documents' is for the ring's models. Use layout='headtail'. {_SEE}")
     if impl not in _KERNELS:
         return (f"{name} uses attn_implementation={impl!r}: its sparse kernel (flash-mla's indices) has no context "
                 f"parallel path; under CP the selected keys are gathered and attended by cp_dtensor. Load the model "
@@ -93,9 +102,12 @@ class _Gathered:
 
     def update_indexer(self, k: Tensor, layer_idx: int) -> Tensor:  # k: [B, S_local, D]
         world, (b, s, d) = self.seen.shape[0], k.shape
-        at = self.order.view(world, s).to(k.device)  # [P, S]: each rank's global positions
-        send = self.seen[:, :, at[self.rank]].clone()  # [P, B, S]: which of this rank's keys each rank sees
-        take = self.seen[self.rank][:, at].transpose(0, 1).clone()  # [P, B, S]: which of each rank's keys it sees
+        order = row_orders(self.order, b).to(k.device)  # [B, N]
+        at = order.view(b, world, s)  # [B, P, S]: each rank's global positions, row by row
+        send = self.seen.gather(2, at[:, self.rank][None].expand(world, -1, -1))  # [P, B, S]: which of this
+        # rank's keys each rank sees
+        take = self.seen[self.rank].gather(1, order).view(b, world, s).transpose(0, 1).clone()  # [P, B, S]: which
+        # of each rank's keys it sees
         send[self.rank], take[self.rank] = False, False
         got = k.new_empty(int(take.sum()), d)
         dist.all_to_all_single(got, k[None].expand(world, -1, -1, -1)[send].contiguous(),
@@ -104,22 +116,29 @@ class _Gathered:
         every[take] = got
         every[self.rank] = k
         every = every.permute(1, 0, 2, 3).reshape(b, world * s, d)  # rank-major
-        return every.index_select(1, torch.argsort(self.order).to(k.device))  # [B, N, D], global order
+        return every.gather(1, torch.argsort(order, dim=1)[..., None].expand(-1, -1, d))  # [B, N, D], global order
+
+
+def row_orders(order: Tensor, bsz: int) -> Tensor:
+    """[B, N]: row b's global position at rank-major slot j (rank r holds slots r * S .. r * S + S - 1): a
+    plan's ``order`` as it is (layout="documents": each row its own), a named layout's [N] for every row."""
+    return order if order.dim() == 2 else order.expand(bsz, -1)
 
 
 def seen_keys(order: Tensor, world: int, bsz: int, rows) -> Tensor:
     """[P, B, N] bool: the keys (global positions) a query of rank r can see -- causal, and within ``rows``'
     restriction (``_rows_of``: not padding, or the query's own document). Every other key is masked in each of
     the rank's index rows (-inf, or the eager mask's minimum, whatever its value), so it need not travel."""
-    n = order.numel()
-    q = order.view(world, n // world)  # [P, S]
+    order = row_orders(order, bsz)  # [B, N]
+    n = order.shape[1]
+    q = order.view(bsz, world, n // world)  # [B, P, S]: each rank's queries' global positions
     keys = torch.arange(n, device=order.device)
     if rows is None or rows[0] == "real":
-        seen = (keys[None, :] <= q.amax(1)[:, None])[:, None, :].expand(-1, bsz, -1)  # [P, B, N]
+        seen = (keys <= q.amax(2)[:, :, None]).transpose(0, 1)  # [P, B, N]
         return seen if rows is None else seen & rows[1][None].to(seen.device)
     doc = torch.unique(rows[1], return_inverse=True)[1].to(order.device)  # [B, N]: documents numbered 0..
     last = torch.full((bsz, world, int(doc.max()) + 1), -1, dtype=torch.long, device=order.device)
-    last = last.scatter_reduce(2, doc[:, q], q[None].expand(bsz, -1, -1), "amax")  # [B, P, docs]: last query
+    last = last.scatter_reduce(2, doc.gather(1, order).view(bsz, world, -1), q, "amax")  # [B, P, docs]: last query
     return (keys <= last.gather(2, doc[:, None, :].expand(-1, world, -1))).transpose(0, 1)  # [P, B, N]
 
 
@@ -146,15 +165,19 @@ class _Rows(torch.autograd.Function):
 
 def exchange_plan(picks: Tensor, valid: Tensor, order: Tensor, rank: int, world: int) -> tuple[Tensor, Tensor]:
     """(the global rows ``b * N + t`` this rank requests, owner-major; their owners) for the selected keys
-    ``picks`` [B, S_local, K] (global positions) where ``valid``; ``order``: global_order(layout, P, N)."""
-    n = order.numel()
+    ``picks`` [B, S_local, K] (global positions) where ``valid``; ``order``: global_order(layout, P, N) [N],
+    or a plan's [B, N] (:func:`row_orders`)."""
+    bsz, dev = picks.shape[0], picks.device
+    order = row_orders(order, bsz).to(dev)
+    n = order.shape[1]
     s = n // world
-    owner = torch.empty(n, dtype=torch.long, device=picks.device)
-    owner[order.to(picks.device)] = torch.arange(world, device=picks.device).repeat_interleave(s)
-    b = torch.arange(picks.shape[0], device=picks.device).view(-1, 1, 1).expand_as(picks)
-    rows = (b * n + picks.long())[valid & (owner[picks.long()] != rank)].unique()
-    by = owner[rows % n]
-    ranked = torch.argsort(by * (picks.shape[0] * n) + rows)
+    ranks = torch.arange(world, device=dev).repeat_interleave(s).expand(bsz, -1)
+    owner = torch.empty(bsz, n, dtype=torch.long, device=dev).scatter_(1, order, ranks).view(-1)  # [B * N]
+    b = torch.arange(bsz, device=dev).view(-1, 1, 1).expand_as(picks)
+    rows = b * n + picks.long()
+    rows = rows[valid & (owner[rows] != rank)].unique()
+    by = owner[rows]
+    ranked = torch.argsort(by * (bsz * n) + rows)
     return rows[ranked], by[ranked]
 
 
@@ -175,8 +198,12 @@ def _call_error(module: nn.Module, state, attention_mask, cache, position_ids, k
         return ("DeepSeek Sparse Attention under CP takes a 2-D padding attention_mask [B, N] sharded like the tokens, "
                 "or none; got "
                 f"{type(attention_mask).__name__}. {_SEE}")
-    if kwargs.get("document_ids") is not None or state.plan is not None:
-        return f"DeepSeek Sparse Attention under CP takes no document_ids= or cp_layout=. {_SEE}"
+    if kwargs.get("document_ids") is not None:
+        return (f"DeepSeek Sparse Attention under CP takes no document_ids=: its documents are the position ids' "
+                f"(restarting at 0), as at CP=1. {_SEE}")
+    if state.plan is not None and state.layout != "documents":
+        return (f"DeepSeek Sparse Attention under CP takes cp_layout= (the batch's plan) under layout='documents' "
+                f"only; the model runs layout={state.layout!r}. Drop cp_layout=. {_SEE}")
     if position_ids is None or position_ids.dim() != 2:
         return ("context parallel attention needs position_ids [B, S_local] (the global positions, sharded like the "
                 "tokens by cp_dtensor.shard_batch).")
@@ -184,16 +211,18 @@ def _call_error(module: nn.Module, state, attention_mask, cache, position_ids, k
 
 
 def gather_rows(group, world: int, local: Tensor, order: Tensor) -> Tensor:
-    """Every rank's [B, S_local] shard as the global [B, N] in global order (one all-gather)."""
+    """Every rank's [B, S_local] shard as the global [B, N] in global order (one all-gather); ``order``: [N] or
+    [B, N] (:func:`row_orders`)."""
     bsz, s = local.shape
     every = funcol.wait_tensor(all_gather_single(local.to(torch.int64).contiguous(), 0, group)).view(world, bsz, s)
-    return every.permute(1, 0, 2).reshape(bsz, -1).index_select(1, torch.argsort(order).to(local.device))
+    inv = torch.argsort(row_orders(order, bsz).to(local.device), dim=1)  # [B, N]: global position -> slot
+    return every.permute(1, 0, 2).reshape(bsz, -1).gather(1, inv)
 
 
 def real_mask(group, world: int, attention_mask, order: Tensor, bsz: int, s: int, dev) -> Tensor:
     """[B, N] bool in global order: the tokens that are not padding, from every rank's shard of the 2-D mask."""
     if attention_mask is None:
-        return torch.ones(bsz, order.numel(), dtype=torch.bool, device=dev)
+        return torch.ones(bsz, order.shape[-1], dtype=torch.bool, device=dev)
     return gather_rows(group, world, attention_mask[:, -s:], order).bool()
 
 
@@ -201,18 +230,23 @@ def _rows_of(state, derive, position_ids, attention_mask, probe, order: Tensor) 
     """What restricts the keys beyond causality, by transformers' rules on the global batch (the same on every
     rank; a bad batch raises on every rank): ("real", [B, N] not padding) with padding in the 2-D mask,
     ("documents", [B, N] document ids) for packed sequences (position ids that restart, no mask, no cache),
-    None for one sequence a row."""
+    None for one sequence a row. ``order`` [B, N]: the named layout's, or the batch's plan's."""
     b, s = probe.shape[:2]
     mask = None if attention_mask is None else attention_mask[:, -s:]
-    ids, err = derive(state, position_ids, mask, False, b, probe=probe)
+    group, world = state.mesh.get_group(), state.mesh.size()
+    if state.layout == "documents":  # the positions and padding put in global order by the plan, the one rule
+        real = None if mask is None else gather_rows(group, world, mask, order).bool()
+        full, err = documents_of(gather_rows(group, world, position_ids.expand(b, -1), order), real)
+    else:  # a named layout: hf/attention.py's gather and rule
+        full, err = derive(state, position_ids, mask, False, b, probe=probe)
+        real = None
     if err is not None:
         raise ValueError(err)
-    if ids is None:
+    if full is None:
         return None
-    group, world = state.mesh.get_group(), state.mesh.size()
     if mask is not None:
-        return "real", real_mask(group, world, mask, order, b, s, probe.device)
-    return "documents", gather_rows(group, world, ids, order)
+        return "real", real if real is not None else real_mask(group, world, mask, order, b, s, probe.device)
+    return "documents", full if state.layout == "documents" else gather_rows(group, world, full, order)
 
 
 @torch.compiler.disable(reason="DeepSeek Sparse Attention under CP runs eagerly (Note [Compiled HF models] in "
@@ -229,23 +263,27 @@ def _forward(module: nn.Module, state, derive, generating, hidden_states: Tensor
     rank, world = mesh.get_local_rank(), mesh.size()
     bsz, s = hidden_states.shape[:2]
     n = s * world
+    planned = state.layout == "documents"  # each row in its plan's order (cp_layout=), checked below
     if state.last is None:  # the forward's first layer (a recomputation finds it set): every rank raises the same
         # error before anything moves, then the rows' masks from the global batch (gathers of positions and masks)
-        agree_on_call(err, {"batch": bsz, "tokens": s, "hidden": hidden_states.shape[-1]}, group,
+        if err is None and planned:  # the batch's plan, and that it fits the batch: Note [A plan fits its batch]
+            err = plan_error(state, state.plan, hidden_states[:, None], position_ids, attention_mask)
+        agree_on_call(err, {"batch": bsz, "tokens": s, "hidden": hidden_states.shape[-1],
+                            "plan key": state.plan.key if planned and err is None else 0}, group,
                       what="cp_dtensor.hf (DeepSeek Sparse Attention)")
-        order = global_order(state.layout, world, n).to(hidden_states.device)
+        order = _order(state, world, n, bsz, hidden_states.device)
         state.last = (("dsa",), _rows_of(state, derive, position_ids, attention_mask, hidden_states, order))
     elif err is not None:  # a later layer's: from the model and the call, the same on every rank
         raise ValueError(err)
-    order = global_order(state.layout, world, n).to(hidden_states.device)
-    mine = order[rank * s:(rank + 1) * s]  # this rank's global positions
+    order = _order(state, world, n, bsz, hidden_states.device)  # [B, N]
+    mine = order[:, rank * s:(rank + 1) * s]  # [B, S]: this rank's global positions
     keys = torch.arange(n, device=hidden_states.device)[None, None, :]
-    allowed = (keys <= mine[None, :, None]).expand(bsz, -1, -1)  # [B, S, N]: causal in the global order
+    allowed = keys <= mine[:, :, None]  # [B, S, N]: causal in the global order
     rows = state.last[1]
     if rows is not None and rows[0] == "real":  # padding: masked as keys in every row (CP=1's mask); a left-pad
         allowed = allowed & rows[1][:, None, :]  # query sees no key
     elif rows is not None:  # packed sequences: a query sees its own document's keys (CP=1's packed mask)
-        allowed = allowed & (rows[1][:, None, :] == rows[1].index_select(1, mine)[:, :, None])
+        allowed = allowed & (rows[1][:, None, :] == rows[1].gather(1, mine)[:, :, None])
     scored = allowed  # the indexer's mask as CP=1's implementation builds it: bool (sdpa), or additive (eager)
     if state.attn_implementation.get("") == "eager":
         scored = torch.zeros(allowed.shape, dtype=hidden_states.dtype, device=allowed.device).masked_fill(
@@ -262,6 +300,13 @@ def _forward(module: nn.Module, state, derive, generating, hidden_states: Tensor
     valid = allowed.gather(-1, picks.long())  # [B, S, K]: inside the causal prefix
     out = attend_selected(module, state, query, k_pass, k_rot, picks.long(), valid, order)
     return (out, None, picks) if hasattr(module, "skip_topk") else (out, None)
+
+
+def _order(state, world: int, n: int, bsz: int, dev) -> Tensor:
+    """[B, N] (:func:`row_orders`): the batch's plan's order under layout="documents", else the named layout's."""
+    if state.layout == "documents":
+        return state.plan.order.to(dev)
+    return global_order(state.layout, world, n).to(dev).expand(bsz, -1)
 
 
 def project(module: nn.Module, hidden_states: Tensor, position_embeddings) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -285,12 +330,14 @@ def attend_selected(module: nn.Module, state, query: Tensor, k_pass: Tensor, k_r
                     valid: Tensor, order: Tensor) -> Tensor:
     """Steps 2 and 3 of Note [DeepSeek Sparse Attention under CP]: this rank's queries [B, H, S, Dqk] over the
     keys ``picks`` [B, S, K] (int64 global columns, indices of ``order``) where ``valid``, its latents
-    ``k_pass`` / ``k_rot`` [B, 1, S, R / r] at columns ``order[rank * S:(rank + 1) * S]``. Returns the layer's
-    output [B, S, hidden] (o_proj applied)."""
+    ``k_pass`` / ``k_rot`` [B, 1, S, R / r] at columns ``order[:, rank * S:(rank + 1) * S]`` (``order``: [N]
+    or [B, N], :func:`row_orders`). Returns the layer's output [B, S, hidden] (o_proj applied)."""
     group, rank, world = state.mesh.get_group(), state.mesh.get_local_rank(), state.mesh.size()
-    bsz, s = query.shape[0], query.shape[2]
-    n, dev = order.numel(), query.device
-    mine = order[rank * s:(rank + 1) * s]
+    bsz, s, dev = query.shape[0], query.shape[2], query.device
+    order = row_orders(order, bsz).to(dev)
+    n = order.shape[1]
+    held = (torch.arange(bsz, device=dev)[:, None] * n + order[:, rank * s:(rank + 1) * s]).reshape(-1)  # [B*S]:
+    # the global rows b * N + t this rank holds, in its latent's order
     latent = torch.cat((k_pass[:, 0], k_rot[:, 0]), dim=-1).reshape(bsz * s, -1)  # [B*S, R + r], this rank's
     rows, owners = exchange_plan(picks, valid, order, rank, world)
     take = torch.bincount(owners, minlength=world)
@@ -298,14 +345,10 @@ def attend_selected(module: nn.Module, state, query: Tensor, k_pass: Tensor, k_r
     dist.all_to_all_single(give, take, group=group)
     asked = torch.empty(int(give.sum()), dtype=torch.long, device=dev)
     dist.all_to_all_single(asked, rows, give.tolist(), take.tolist(), group=group)  # global rows others want
-    local = torch.empty(n, dtype=torch.long, device=dev)
-    local[mine] = torch.arange(s, device=dev)
-    wanted = (asked // n) * s + local[asked % n]  # as rows of this rank's latent
-    got = _Rows.apply(latent, wanted, give.tolist(), take.tolist(), group)
-    table = torch.cat((latent, got))  # [T, R + r]
-    where = torch.zeros(bsz * n, dtype=torch.long, device=dev)
-    held = (torch.arange(bsz, device=dev)[:, None] * n + mine[None, :]).reshape(-1)
+    where = torch.zeros(bsz * n, dtype=torch.long, device=dev)  # global row -> row of the table below
     where[held] = torch.arange(bsz * s, device=dev)
+    got = _Rows.apply(latent, where[asked], give.tolist(), take.tolist(), group)  # asked: rows of this rank's latent
+    table = torch.cat((latent, got))  # [T, R + r]
     where[rows] = bsz * s + torch.arange(rows.numel(), device=dev)
     slot = where[torch.arange(bsz, device=dev).view(-1, 1, 1) * n + picks]  # [B, S, K] (0 where not valid: masked)
 

@@ -22,6 +22,7 @@ from cp_dtensor.core.batch import shard_batch, unshard_batch  # noqa: E402
 from cp_dtensor.doors import reduce_gradients  # noqa: E402
 from cp_dtensor.hf import attention as hf  # noqa: E402
 from cp_dtensor.hf import served, sparse  # noqa: E402
+from cp_dtensor.hf.documents import plan_batch  # noqa: E402
 from _conformance import build  # noqa: E402
 
 TOL = 1e-5
@@ -91,30 +92,40 @@ def _cp(model, mesh, layout):
 
 def _masked(plain, mesh, case: str) -> dict:
     """"padded": row 0 left-padded by 5, row 1 right-padded by 3 (labels -100 there), striped; "packed": row 0 two
-    documents, row 1 three (position ids that restart), headtail. The logits (pad rows too: a left-pad row sees no
-    key, as at CP=1), every gradient and the loss against CP=1 with the same mask or positions."""
+    documents, row 1 three (position ids that restart), headtail; "documents": documents of unequal lengths (3, 14,
+    7 and 10, 5, 9) under layout="documents" (each row in its plan's order, short documents whole on a rank);
+    "documents padded": the padded batch under layout="documents". The logits (pad rows too: a left-pad row sees
+    no key, as at CP=1), every gradient and the loss against CP=1 with the same mask or positions."""
     tokens, positions, labels = _batch()
     mask, layout = torch.ones(B, N, dtype=torch.long), "striped"
-    if case == "padded":
+    padded, planned = "padded" in case, case.startswith("documents")
+    if padded:
         mask[0, :5] = 0
         mask[1, -3:] = 0
         labels = labels.masked_fill(mask == 0, -100)
-    else:
+    elif case == "packed":
         positions = torch.stack([torch.cat([torch.arange(10), torch.arange(N - 10)]),
                                  torch.cat([torch.arange(7), torch.arange(9), torch.arange(N - 16)])])
         layout = "headtail"
-    kw = dict(attention_mask=mask) if case == "padded" else {}
+    else:
+        positions = torch.stack([torch.cat([torch.arange(3), torch.arange(14), torch.arange(N - 17)]),
+                                 torch.cat([torch.arange(10), torch.arange(5), torch.arange(N - 15)])])
+    kw = dict(attention_mask=mask) if padded else {}
     ref = copy.deepcopy(plain)
     picks = _record(ref)
     want = ref(input_ids=tokens, position_ids=positions, labels=labels, use_cache=False, **kw)
     want.loss.backward()
     model = copy.deepcopy(plain)
     got_picks = _record(model)
-    cp = hf.apply_context_parallel(model, mesh, layout=layout)
+    cp = hf.apply_context_parallel(model, mesh, layout="documents" if planned else layout)
+    if planned:  # the batch's plan, from the full batch: Note [One plan per batch in transformers]
+        layout = plan_batch(cp, position_ids=positions, **kw)
+        assert padded or not torch.equal(layout.order[0], layout.order[1])  # each row its own order
     shifted = hf.shift_labels(labels)
     tok, pos, lab, am = shard_batch((tokens, positions, shifted, mask), mesh, layout=layout)
     got = cp(input_ids=tok, position_ids=pos, labels=lab, shift_labels=lab,
-             num_items_in_batch=(shifted != -100).sum(), use_cache=False, **({"attention_mask": am} if kw else {}))
+             num_items_in_batch=(shifted != -100).sum(), use_cache=False, **({"attention_mask": am} if kw else {}),
+             **({"cp_layout": layout} if planned else {}))
     got.loss.backward()
     reduce_gradients(cp, mesh)
     loss = got.loss.detach().clone()
@@ -133,7 +144,7 @@ def _masked(plain, mesh, case: str) -> dict:
 def _allowed(positions, mask, case: str) -> torch.Tensor:
     """[B, N, N]: the keys each query sees at CP=1 (causal; the pads masked, or the own document only)."""
     causal = torch.ones(N, N, dtype=torch.bool).tril()[None].expand(B, -1, -1)
-    if case == "padded":
+    if "padded" in case:
         return causal & mask.bool()[:, None, :]
     docs = (torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1) != 1).cumsum(-1)
     return causal & (docs[:, None, :] == docs[:, :, None])
@@ -172,8 +183,8 @@ def _ranks(rank, world):
                 else "left"
         if impl != "sdpa":
             continue
-        out[kind, "padded"] = _masked(plain, mesh, "padded")
-        out[kind, "packed"] = _masked(plain, mesh, "packed")
+        for case in ("padded", "packed", "documents", "documents padded"):
+            out[kind, case] = _masked(plain, mesh, case)
         # what the scheme does not serve: refused on every rank, before any row moves
         tokens, positions, _ = _batch()
         tok, pos = shard_batch((tokens, positions), mesh, layout="headtail")
@@ -182,6 +193,11 @@ def _ranks(rank, world):
         kernel = copy.deepcopy(plain)
         kernel.config._attn_implementation_internal = "kernels-community/flash-mla"  # as loaded with that kernel
         out[kind, "flash-mla"] = _raises(lambda: hf.apply_context_parallel(kernel, mesh), "flash-mla")
+        plan = plan_batch(cp, position_ids=positions)  # a plan in a named layout (its order is the layout's)
+        out[kind, "named plan"] = _raises(lambda: cp(input_ids=tok, position_ids=pos, use_cache=False, cp_layout=plan),
+                                          "under layout='documents' only")
+        docs = hf.apply_context_parallel(copy.deepcopy(plain), mesh, layout="documents")  # and none in documents
+        out[kind, "no plan"] = _raises(lambda: docs(input_ids=tok, position_ids=pos, use_cache=False), "plan_batch")
         for m in sparse.dsa_layers(cp):  # what a config with attention_dropout=0.1 builds
             m.attention_dropout = 0.1
         out[kind, "dropout"] = _raises(lambda: cp(input_ids=tok, position_ids=pos, use_cache=False),
@@ -213,6 +229,8 @@ def _generate_ranks(rank, world):
             prompt = ids if mask is None else ids.masked_fill(mask == 0, 0)
             want, want_scores = _generate(copy.deepcopy(plain), prompt, mask)
             layouts = ("striped",) if ties else ("headtail", "striped") if world == 2 else LAYOUTS
+            if kind == "deepseek_v32" and not ties:  # layout="documents": the prompt prefilled striped
+                layouts = (*layouts, "documents")
             for layout in layouts:
                 cp = hf.apply_context_parallel(copy.deepcopy(plain), mesh, layout=layout)
                 got, scores = _generate(cp, prompt, mask)
@@ -347,14 +365,14 @@ def test_dsa_generate_cp3():
     _check_generate(3)
 
 
-def test_door_refuses_kernels_and_layouts():
-    """flash-mla's sparse path and layout='documents' raise at the door, before anything is changed; the served
+def test_door_refuses_kernels():
+    """flash-mla's sparse path raises at the door, before anything is changed; every layout is served; the served
     families are the same set in the door and the scheme."""
     assert served._DSA == sparse.FAMILIES
     model = _model("deepseek_v32")
     assert "flash-mla" in sparse.door_error(model, "headtail", {"": "kernels-community/flash-mla"})
-    assert "layout='documents'" in sparse.door_error(model, "documents", {"": "sdpa"})
-    assert sparse.door_error(model, "striped", {"": "sdpa"}) is None
+    for layout in (*LAYOUTS, "documents"):
+        assert sparse.door_error(model, layout, {"": "sdpa"}) is None
 
 
 def test_exchange_plan_requests_only_rows_held_elsewhere():
@@ -366,11 +384,16 @@ def test_exchange_plan_requests_only_rows_held_elsewhere():
     valid = torch.tensor([[[True, True, False], [True, True, False]]])
     rows, owners = sparse.exchange_plan(picks, valid, order, rank=0, world=2)
     assert rows.tolist() == [2, 3] and owners.tolist() == [1, 1]
+    # a plan's order, row by row (layout="documents"): row 1's rank 0 holds 2, 3, 4, 5
+    orders = torch.stack([order, torch.tensor([2, 3, 4, 5, 0, 1, 6, 7])])
+    picks = torch.tensor([[[2, 3], [7, 2]], [[0, 7], [2, 4]]])  # [B=2, S=2, K=2]
+    rows, owners = sparse.exchange_plan(picks, torch.ones_like(picks, dtype=torch.bool), orders, rank=0, world=2)
+    assert rows.tolist() == [2, 3, 8 + 0, 8 + 7] and owners.tolist() == [1, 1, 1, 1]
 
 
 def _trainer_ranks(rank, world, cp: bool) -> dict:
     """transformers' Trainer, 3 steps of fixed-length rows, or of packed documents (DataCollatorWithFlattening):
-    plain (one process) or with_context_parallel (headtail)."""
+    plain (one process) or with_context_parallel (headtail; the packed documents also under layout="documents")."""
     import os
     import tempfile
 
@@ -386,22 +409,23 @@ def _trainer_ranks(rank, world, cp: bool) -> dict:
     docs = [{"input_ids": torch.randint(3, V, (int(torch.randint(2, 10, (1,), generator=g)),), generator=g).tolist()}
             for _ in range(16)]  # packed by the collator into rows of 4 documents, often of odd length (CP pads)
     out = {}
-    for kind, packed in [(k, p) for k in FAMILIES for p in (False, True)]:
+    for kind, packed, layout in [(k, p, "headtail") for k in FAMILIES for p in (False, True)] + [
+            ("deepseek_v32", True, "documents")]:  # the collator plans each packed batch (layout="documents")
         args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=4, max_steps=3,
                                  logging_steps=1, report_to=[], save_strategy="no", learning_rate=1e-2, use_cpu=True,
                                  disable_tqdm=True, seed=0, data_seed=0)
-        cls = with_context_parallel(Trainer, cp_size=world, layout="headtail") if cp else Trainer
+        cls = with_context_parallel(Trainer, cp_size=world, layout=layout) if cp else Trainer
         data, collator = (docs, DataCollatorWithFlattening()) if packed else (rows, default_data_collator)
         trainer = cls(model=_model(kind), args=args, train_dataset=data, data_collator=collator)
         trainer.train()
-        out[kind, packed] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        out[kind, packed, layout] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return out
 
 
 @pytest.mark.skipif(not SLOW, reason="slow tier (CP_DTENSOR_SLOW=1): four Trainer runs a family, ~25 s")
 def test_dsa_trainer_cp2():
     """with_context_parallel(Trainer) at CP=2 logs the unchanged Trainer's losses within 1e-4 (both families, rows
-    and packed documents)."""
+    and packed documents; DeepSeek-V3.2's packed documents also under layout="documents")."""
     want = run_ranks(1, _trainer_ranks, False, timeout=600)[0]
     got = run_ranks(2, _trainer_ranks, True, timeout=600)
     for key in want:
@@ -413,7 +437,9 @@ def test_dsa_trainer_cp2():
 @pytest.mark.parametrize("case", ["causal", "padded", "packed"])
 def test_seen_keys_are_the_keys_a_rank_can_see(case):
     """The index keys sent to a rank: those one of its queries sees in CP=1's mask (brute force over every query),
-    in every layout at P = 2 and 3; with packed documents fewer than every other rank's."""
+    in every layout (the documents layout's plan too) at P = 2 and 3; with packed documents fewer than every other
+    rank's."""
+    from cp_dtensor.core.plan.documents import document_layout
     from cp_dtensor.core.plan.layout import global_order
 
     _, positions, _ = _batch()
@@ -438,3 +464,8 @@ def test_seen_keys_are_the_keys_a_rank_can_see(case):
             held[torch.arange(world)[:, None], order.view(world, -1)] = True
             sent = int((got & ~held[:, None, :]).sum())  # keys that travel; the all-gather sends (P - 1) B N
             assert sent < (world - 1) * B * N if case != "causal" or layout == "contiguous" else sent <= (world - 1) * B * N
+        lay = document_layout(docs, world)  # layout="documents": each row its own order
+        got = sparse.seen_keys(lay.order, world, B, rows)
+        want = torch.stack([torch.stack([allowed[b, lay.order[b].view(world, -1)[r]].any(0) for b in range(B)])
+                            for r in range(world)])  # [P, B, N]
+        assert torch.equal(got, want), (case, world, "documents")
