@@ -46,7 +46,9 @@ copied, so TRL's and other subclasses keep their behaviour.
    label. At a left pad (scored against the row's first token) both are zero.
 
 Gradient reduction needs nothing: DDP and FSDP2 already reduce over every rank, CP ranks included
-(FSDP2 over ``ParallelismConfig(dp_shard_size=world)`` is torchtitan's dp_shard_cp). Checkpoints
+(FSDP2 over ``ParallelismConfig(dp_shard_size=world)`` is torchtitan's dp_shard_cp). A training step whose model
+has neither raises on every rank (accelerate trains an unwrapped model after an ``evaluate()`` or ``predict()``
+that ran before ``train()``: each CP rank would step on its own tokens' gradient). Checkpoints
 hold the full model (DDP) and the optimizer as the Trainer saves them: nothing in them depends on P,
 so a run resumes at another CP size (same dp, same batches).
 
@@ -325,6 +327,13 @@ class _ContextParallel:
 
     # -- training ----------------------------------------------------------------------------------
     def training_step(self, model, inputs, num_items_in_batch=None):
+        if self.args.world_size > 1 and not _reduces_gradients(model):  # every rank alike, before the ring
+            raise ValueError(
+                "with_context_parallel: the model trains without DDP or FSDP, so the CP ranks' gradients would never "
+                "be summed and each rank would step on its own tokens' gradient. accelerate leaves the model "
+                "unwrapped for train() when evaluate() or predict() ran first on this trainer (it marks the model "
+                "prepared without wrapping it). Call train() first (eval_on_start=True evaluates inside it), or "
+                "evaluate with another trainer built on the same model.")
         inputs, self._cp_meta = self._cp_take(inputs)  # the meta's ``real``: for TRL's token count
         return super().training_step(model, inputs, num_items_in_batch)
 
@@ -520,6 +529,15 @@ def _unserved_trl(trainer_cls: type) -> bool:
     from trl import SFTTrainer
 
     return not issubclass(trainer_cls, SFTTrainer)
+
+
+def _reduces_gradients(model) -> bool:
+    """Whether the model the Trainer trains sums its gradients over the ranks (DDP, FSDP or FSDP2)."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    wrappers = (DistributedDataParallel, FullyShardedDataParallel, FSDPModule)
+    return isinstance(model, wrappers) or any(isinstance(m, wrappers) for m in model.modules())
 
 
 def with_context_parallel(trainer_cls: type, *, cp_size: int, layout: str = "striped", **options) -> type:

@@ -291,6 +291,13 @@ def _refusals(rank: int, world: int, out: str) -> list[str]:
 
     expect("not a causal language model", lambda: cp2(model=classifier(), args=_args(out), train_dataset=rows,
                                                       data_collator=default_data_collator))
+    def evaluate_first():  # accelerate would train the model unwrapped: no gradient sum over the CP ranks
+        trainer = cp2(model=_model("llama"), args=_args(out, max_steps=1), train_dataset=rows, eval_dataset=rows,
+                      data_collator=default_data_collator)
+        trainer.evaluate()
+        trainer.train()
+
+    expect("trains without DDP or FSDP", evaluate_first)
     dyn = lambda **kw: hf.with_context_parallel(Trainer, layout="documents", dynamic=True, **kw)  # noqa: E731
     expect("no data-parallel dimension", lambda: build(dyn(cp_size=2)))  # world 2 = cp_size: one replica
     with pytest.raises(ValueError, match="dynamic=True .* needs layout='documents'; got layout='striped'"):
@@ -473,7 +480,7 @@ def test_checkpoint_at_save_steps_resumes_at_another_cp_size(runs):
 
 def test_refusals_raise_on_every_rank(runs):
     cp, _ = runs
-    assert cp[0]["refused"] == cp[1]["refused"] and len(cp[0]["refused"]) == 9, cp[0]["refused"]
+    assert cp[0]["refused"] == cp[1]["refused"] and len(cp[0]["refused"]) == 10, cp[0]["refused"]
 
 
 class _HoleOnReplica1:
