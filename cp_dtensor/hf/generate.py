@@ -97,6 +97,7 @@ from .cache import ShardedCacheLayer as ShardedCacheLayer  # noqa: E402  (a name
 from .cache import cache_bytes as cache_bytes  # noqa: E402  (a name of the old path cp_dtensor.hf_generate)
 from .documents import ring_layout  # noqa: E402
 from .pass_kv import pass_kv_attention, pass_kv_step, turn_mode  # noqa: E402
+from .sparse_turn import sharded_step, sharded_turn  # noqa: E402
 from .state import ATTR, HFState  # noqa: E402
 from .turns import CallRules, cache_facts, continuation_error, inner_padding_error, model_shape  # noqa: E402
 
@@ -148,6 +149,9 @@ def _base_pre_hook(module, args, kwargs):
     if turn_mode(state, module, cache, b, n) == "pass-kv":  # a long turn or chunk: Note [Pass-KV turns] in pass_kv.py
         pass_kv_step(state, call, cache, ids, pos, col, real, kwargs)
         state.decoding = pass_kv_attention
+        return args, kwargs
+    if sharded_turn(state, module, cache, b, n):  # DeepSeek Sparse Attention: Note [Sharded DSA turns]
+        sharded_step(state, call, cache, ids, pos, col, real, kwargs)
         return args, kwargs
     # decode, a later turn or prefill chunk (pass-Q: Note [Continuing a sharded cache] in turns.py): each new
     # column goes to the rank holding the fewest tokens (the lowest on ties) -- for the striped layout exactly

@@ -327,13 +327,15 @@ def project(module: nn.Module, hidden_states: Tensor, position_embeddings) -> tu
 
 
 def attend_selected(module: nn.Module, state, query: Tensor, k_pass: Tensor, k_rot: Tensor, picks: Tensor,
-                    valid: Tensor, order: Tensor) -> Tensor:
-    """Steps 2 and 3 of Note [DeepSeek Sparse Attention under CP]: this rank's queries [B, H, S, Dqk] over the
-    keys ``picks`` [B, S, K] (int64 global columns, indices of ``order``) where ``valid``, its latents
+                    valid: Tensor, order: Tensor, *, compact: bool = False) -> Tensor:
+    """Steps 2 and 3 of Note [DeepSeek Sparse Attention under CP]: this rank's queries [B, H, T, Dqk] over the
+    keys ``picks`` [B, T, K] (int64 global columns, indices of ``order``) where ``valid``, its latents
     ``k_pass`` / ``k_rot`` [B, 1, S, R / r] at columns ``order[:, rank * S:(rank + 1) * S]`` (``order``: [N]
-    or [B, N], :func:`row_orders`). Returns the layer's output [B, S, hidden] (o_proj applied)."""
+    or [B, N], :func:`row_orders`; S = T but in a sharded DSA turn, where the cached share comes first).
+    ``compact``: expand only the table rows some valid pick reads (a turn's long cached share). Returns the
+    layer's output [B, T, hidden] (o_proj applied)."""
     group, rank, world = state.mesh.get_group(), state.mesh.get_local_rank(), state.mesh.size()
-    bsz, s, dev = query.shape[0], query.shape[2], query.device
+    bsz, s, t, dev = query.shape[0], k_pass.shape[2], query.shape[2], query.device
     order = row_orders(order, bsz).to(dev)
     n = order.shape[1]
     held = (torch.arange(bsz, device=dev)[:, None] * n + order[:, rank * s:(rank + 1) * s]).reshape(-1)  # [B*S]:
@@ -350,17 +352,22 @@ def attend_selected(module: nn.Module, state, query: Tensor, k_pass: Tensor, k_r
     got = _Rows.apply(latent, where[asked], give.tolist(), take.tolist(), group)  # asked: rows of this rank's latent
     table = torch.cat((latent, got))  # [T, R + r]
     where[rows] = bsz * s + torch.arange(rows.numel(), device=dev)
-    slot = where[torch.arange(bsz, device=dev).view(-1, 1, 1) * n + picks]  # [B, S, K] (0 where not valid: masked)
+    slot = where[torch.arange(bsz, device=dev).view(-1, 1, 1) * n + picks]  # [B, T, K] (0 where not valid: masked)
+    if compact:  # only the rows a valid pick reads (row 0 stays: the masked picks point there)
+        used = torch.zeros(table.shape[0], dtype=torch.bool, device=dev)
+        used[slot[valid]] = True
+        used[0] = True
+        table, slot = table[used], (torch.cumsum(used, 0) - 1)[slot]
 
     kp, kr = torch.split(table, [module.kv_lora_rank, module.qk_rope_head_dim], dim=-1)
     keys, values = module.expand_kv(kp[None, None], kr[None, None])  # [1, H, T, D]: the table expanded once
-    keys, values = keys[0][:, slot], values[0][:, slot]  # [H, B, S, K, D]
+    keys, values = keys[0][:, slot], values[0][:, slot]  # [H, B, T, K, D]
     scores = torch.einsum("bhsd,hbskd->bhsk", query, keys) * module.scaling
-    blind = ~valid.any(-1)[:, None, :, None]  # [B, 1, S, 1]: a query that sees no key (left padding) gets 0, as
+    blind = ~valid.any(-1)[:, None, :, None]  # [B, 1, T, 1]: a query that sees no key (left padding) gets 0, as
     scores = scores.masked_fill(~valid[:, None], float("-inf")).masked_fill(blind, 0.0)  # SDPA's fully masked row
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).masked_fill(blind, 0.0).to(query.dtype)
     out = torch.einsum("bhsk,hbskd->bshd", probs, values)
-    return module.o_proj(out.reshape(bsz, s, -1).contiguous())
+    return module.o_proj(out.reshape(bsz, t, -1).contiguous())
 
 
 class _Restore:

@@ -56,10 +56,11 @@ from ..core.decode import attend
 from ..core.plan.layout import global_order
 from .documents import ring_layout
 from .sparse import _SEE, _Gathered, attend_selected, project, real_mask, seen_keys
+from .sparse_turn import STORE as _STORE
+from .sparse_turn import gathers_keys, sharded_forward
 
 __all__ = ["gathers_keys", "generating_forward", "sparse_generate"]
 
-_STORE = "_cp_dtensor_index_keys"  # the index keys' attribute on the ShardedCache, slot for slot with the latents
 _STEPS = ("generate() of a DeepSeek Sparse Attention model under CP runs the sharded cache's prefill and pass-Q "
           "forwards (decode steps, later turns, prefill chunks). " + _SEE)
 
@@ -99,10 +100,13 @@ def generating_forward(module: nn.Module, state, hidden_states: Tensor, position
     """A DSA layer's forward inside generate() under CP (Note [DSA generate() under CP])."""
     call = state.generating
     step = call.step
-    if step is None or step.kind not in ("prefill", "decode") or cache is not call.cache:
+    if step is None or step.kind not in ("prefill", "decode", "pass-kv") or cache is not call.cache:
         raise ValueError(_STEPS)
     store = cache.__dict__.setdefault(_STORE, {})
-    if step.kind == "prefill":
+    if step.kind == "pass-kv":  # a long turn, sharded: Note [Sharded DSA turns] in hf/sparse_turn.py
+        picks, out = sharded_forward(module, state, hidden_states, position_embeddings, position_ids,
+                                     prev_topk_indices, store)
+    elif step.kind == "prefill":
         picks, out = _prefill(module, state, hidden_states, position_embeddings, attention_mask, position_ids,
                               prev_topk_indices, store)
     else:
@@ -200,12 +204,6 @@ def _decode(module, state, h, position_embeddings, position_ids, prev, store):
                  select=seen.gather(2, take[:, None, :].expand(-1, t, -1)))  # [B, H, T, Dv]: each query its own
     # picks among the slots of every rank, merged
     return picks, module.o_proj(out.transpose(1, 2).reshape(bsz, t, -1))
-
-
-def gathers_keys(t: int, head_dim: int, esize: int) -> bool:
-    """Whether a forward of ``t`` new tokens gathers every rank's index keys (``esize * head_dim`` bytes a cached
-    slot) rather than its fp32 index scores (``4 * t``): Note [DSA generate() under CP]. Global facts only."""
-    return 4 * t > esize * head_dim
 
 
 class _Row:

@@ -267,11 +267,14 @@ class _Fail:
 
 
 def _turns(mesh, world: int) -> dict:
-    """Three turns of a conversation (batch 2, a left-padded row; follow-ups of 3 tokens (one row's 1, padded:
-    the index scores gathered) and 2N (the index keys gathered), so the cache outgrows index_topk) from the sharded cache, a turn that fails midway then retried, and a prefill in chunks of
-    8 (both families; at P > 2 also a model whose index scores all tie and the eager implementation): greedy tokens identical to CP=1's (transformers continuing its own cache, prefilling in the same chunks: a
-    chunk's index rows are shorter than the whole prompt's, and topk breaks the index scores' ties over the row) and
-    every step's logits within 1e-5; every forward after the prefill pass-Q."""
+    """Four turns of a conversation (batch 2, a left-padded row) from the sharded cache -- follow-ups of 3 tokens
+    (one row's 1, padded: pass-Q, the index scores gathered), 2N + 1 (one row's 2N - 2: a sharded turn, Note
+    [Sharded DSA turns], with the layout's pad columns and padding inside the conversation; the cache outgrows
+    index_topk) and 9 (P = 2: pass-Q, the index keys gathered) -- a turn that fails midway then retried, and a
+    prefill in chunks of 8 (both families; at P > 2 also a model whose index scores all tie and the eager
+    implementation): greedy tokens identical to CP=1's (transformers continuing its own cache, prefilling in the
+    same chunks: a chunk's index rows are shorter than the whole prompt's, and topk breaks the index scores' ties
+    over the row) and every step's logits within 1e-5."""
     from test_hf_generate import _generate as _gen
     from test_hf_generate import _prompt
     from transformers import StoppingCriteriaList
@@ -291,7 +294,7 @@ def _turns(mesh, world: int) -> dict:
         ids, mask = _prompt(1, B, 11, [2, 0], low=3, vocab=V)
         ref, got = _gen(ref_model, ids, mask, max_new_tokens=3), _gen(cp, ids, mask, max_new_tokens=3)
         compare(got, ref, (kind, "turn 1"))
-        for turn, lens in enumerate(((3, 1), (2 * N, 2 * N)), 2):
+        for turn, lens in enumerate(((3, 1), (2 * N + 1, 2 * N - 2), (9, 9)), 2):
             ids, mask = _follow(got.sequences, mask, turn, lens)
             if turn == 3:  # a turn that fails after its first token: the cache (index keys too) as it was
                 fail = StoppingCriteriaList([_Fail(2)])
@@ -326,10 +329,12 @@ def _check_generate(world):
     for kind in kinds:
         assert turns.pop((kind, "failed turn")) == "raised"
         runs = turns.pop((kind, "runs"))
-        assert set(runs) == {"prefill", "decode"}, runs  # pass-Q: no pass-KV forward
-        assert turns.pop((kind, "gathered")) == (1 if "glm" in kind else 2)  # the 48-token turn: its first forward
-        # (the failed try's count is restored with its keys); the 3-token turn (4 columns) gathers scores
-    assert len(turns) == 4 * len(kinds)
+        # the 49-token turn's first forward sharded (Note [Sharded DSA turns]; the failed try's count restored),
+        # at P = 3 the 9-token turn's too (the rule of dsa_turn_plan: 4 heads make pass-Q cheap); the rest pass-Q
+        assert runs.pop("pass-kv") == (1 if world == 2 else 2) and set(runs) == {"prefill", "decode"}, runs
+        assert turns.pop((kind, "gathered")) == ((1 if "glm" in kind else 2) if world == 2 else 0)  # P = 2: the
+        # 9-token turn's first forward gathers the index keys (pass-Q); the 3-token turn gathers scores
+    assert len(turns) == 5 * len(kinds)
     for key, (same, err) in turns.items():
         assert same and err <= TOL, (key, same, err)
 
