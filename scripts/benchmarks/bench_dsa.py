@@ -20,6 +20,15 @@ dK/dV (twice its forward): ``fwd+bwd`` counts the rows twice, the keys and reque
 receives the most is reported.
 
     python scripts/benchmarks/bench_dsa.py --n 8192 16384 32768 --world 4 [--doc 0 3000] [--device cuda]
+
+``--turn C T [C T ...]``: a generate() turn of T new tokens on a cache of C (Note [Sharded DSA turns] in
+cp_dtensor/hf/sparse_turn.py), batch 1, ``--topk`` picks a query (DeepSeek-V3.2's 2048), uniform over its
+prefix: what a rank receives a layer in pass-Q ((P - 1) T x 128 heads x (128 + 1) x 4 of [out | lse], and the
+index scores or keys), in a sharded turn (the cached and new index keys it sees, the rows' numbers, the
+selected latent rows it does not hold: measured on the simulated picks, the busiest rank), the rule's bound
+on the sharded turn, and the selected rows alone.
+
+    python scripts/benchmarks/bench_dsa.py --turn 32768 4096 131072 4096 131072 512 --world 4
 """
 
 from __future__ import annotations
@@ -33,7 +42,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from cp_dtensor.core.plan.layout import global_order  # noqa: E402
-from cp_dtensor.hf.sparse import exchange_plan  # noqa: E402
+from cp_dtensor.hf.sparse import exchange_plan, seen_keys  # noqa: E402
+from cp_dtensor.hf.sparse_turn import dsa_turn_plan  # noqa: E402
 
 LATENT, INDEX_KEY, RING_KV, ROW_ID = (512 + 64) * 2, 128 * 2, 128 * (192 + 128) * 2, 8
 
@@ -77,6 +87,58 @@ def keys_needed(n: int, world: int, rank: int, layout: str, doc: int = 0) -> int
     return int(seen.sum())
 
 
+def turn_bytes(c: int, t: int, world: int, topk: int, layout: str, chunk: int, device: str, seed: int) -> dict:
+    """Bytes the busiest rank receives a layer in a T-token turn on a C-token cache (batch 1, bf16): pass-Q, a
+    sharded turn (simulated picks), its bound, the selected rows not held. The cache holds the prefill's layout."""
+    from cp_dtensor.core.plan.layout import layout_unit
+
+    u = layout_unit(layout, world)
+    pad = -t % u
+    cached = global_order(layout, world, c).view(world, -1)  # [P, C / P]: the prefill's shares
+    new = global_order(layout, world, t + pad).view(world, -1).to(torch.long) - pad + c  # [P, T_local]
+    spare = c + t + torch.arange(world * (t + pad) // world)  # the layout's pad slots: never a key
+    new = torch.where(new < c, spare.view(world, -1)[:, :new.shape[1]], new)
+    order = torch.cat([cached, new], 1).reshape(-1).to(device)  # [N'] rank-major, as sparse_turn's _layout
+    real_new = torch.arange(t + pad) >= pad
+    seen = seen_keys(global_order(layout, world, t + pad), world, 1, ("real", real_new[None]))  # [P, 1, pad + T]
+    out = {"rows": 0, "sharded": 0}
+    for rank in range(world):
+        g = torch.Generator(device=device).manual_seed(seed + rank)
+        q = new[rank][new[rank] < c + t].to(device)  # this rank's real new columns
+        need = []
+        for lo in range(0, q.numel(), chunk):
+            qq = q[lo:lo + chunk]
+            drawn = (torch.rand(qq.numel(), topk, generator=g, device=device) * (qq + 1)[:, None]).long()
+            rows, _ = exchange_plan(drawn[None], torch.ones_like(drawn, dtype=torch.bool)[None], order, rank, world)
+            need.append(rows)
+        rows = int(torch.cat(need).unique().numel())
+        mine = global_order(layout, world, t + pad).view(world, -1)[rank]
+        keys = (world - 1) * cached.shape[1] + int(seen[rank, 0].sum()) - int((mine >= pad).sum())  # others' keys
+        sharded = rows * (LATENT + ROW_ID) + keys * INDEX_KEY + 8 * world
+        if sharded > out["sharded"]:
+            out.update(rows=rows * LATENT, sharded=sharded, keys=keys * INDEX_KEY)
+    plan = dsa_turn_plan(new=t, cached=c, cp=world, batch=1, heads=128, value_dim=128, latent_dim=576, index_dim=128,
+                         index_topk=topk, esize=2, unit=u)
+    out.update(pass_q=plan.pass_q, bound=plan.sharded, mode=plan.mode)
+    return out
+
+
+def _turns(args) -> None:
+    print("| C | T | P | index_topk | pass-Q MB | sharded MB (bound) | selected rows MB | index keys MB | "
+          "pass-Q / sharded | sharded / rows | rule picks | s |")
+    print("|" + "---|" * 12)
+    pairs = list(zip(args.turn[::2], args.turn[1::2]))
+    for world in args.world:
+        for c, t in pairs:
+            t0 = time.perf_counter()
+            b = turn_bytes(c, t, world, args.topk, args.layout, args.chunk, args.device, args.seed)
+            mb = 1 / 2**20
+            print(f"| {c} | {t} | {world} | {args.topk} | {b['pass_q'] * mb:.1f} | {b['sharded'] * mb:.1f} "
+                  f"({b['bound'] * mb:.1f}) | {b['rows'] * mb:.1f} | {b['keys'] * mb:.1f} | "
+                  f"{b['pass_q'] / b['sharded']:.1f} | {b['sharded'] / b['rows']:.3f} | {b['mode']} | "
+                  f"{time.perf_counter() - t0:.1f} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, nargs="+", default=[8192, 16384, 32768])
@@ -87,7 +149,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--doc", type=int, nargs="+", default=[0], help="packed documents of this many tokens (0: one "
                         "sequence a row)")
+    parser.add_argument("--turn", type=int, nargs="+", default=None, help="C T pairs: a T-token turn on a C-token "
+                        "cache (Note [Sharded DSA turns])")
+    parser.add_argument("--topk", type=int, default=2048, help="index_topk of --turn (DeepSeek-V3.2's)")
     args = parser.parse_args()
+    if args.turn:
+        return _turns(args)
     print("| N | P | doc | index_topk | rows not held (max rank) | rows MB | index keys MB | requests MB | ours MB | "
           "ours / rows | fwd+bwd ours / rows | all-gathered keys: ours / rows | ours / ring | ring MB | s |")
     print("|" + "---|" * 15)
