@@ -266,6 +266,66 @@ class _Fail:
         return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
 
+class _SentBytes:
+    """Counts what this rank receives in each layer of a sharded DSA turn (the collectives of hf/sparse_turn.py and
+    hf/sparse.py, but the positions' once-a-forward gather), beside the bound of the rule that chose the turn."""
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        from cp_dtensor.hf import sparse_generate, sparse_turn
+
+        self.layers, self.plans, self.on, self.saved = [], [], False, []
+
+        def patch(owner, name, new):
+            self.saved.append((owner, name, getattr(owner, name)))
+            setattr(owner, name, new)
+
+        forward, plan, a2a, gather = (sparse_generate.sharded_forward, sparse_turn.dsa_turn_plan,
+                                      dist.all_to_all_single, sparse_turn.all_gather_single)
+
+        def counted(*args, **kwargs):
+            self.on = True
+            self.layers.append(0)
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                self.on = False
+
+        def planned(**kwargs):
+            self.plans.append(plan(**kwargs))
+            return self.plans[-1]
+
+        def all_to_all(out, inp, out_splits=None, in_splits=None, group=None, **kw):
+            if self.on:  # the own split stays here
+                own = (out_splits or [out.shape[0] // dist.get_world_size(group)] * dist.get_world_size(group))
+                row = out[0].numel() * out.element_size() if out.dim() > 1 else out.element_size()
+                self.layers[-1] += out.numel() * out.element_size() - own[dist.get_rank(group)] * row
+            return a2a(out, inp, out_splits, in_splits, group=group, **kw)
+
+        def all_gather(x, dim, group):
+            if self.on and x.is_floating_point():  # the index keys (the int64 positions: once a forward)
+                self.layers[-1] += x.numel() * x.element_size() * (dist.get_world_size(group) - 1)
+            return gather(x, dim, group)
+
+        patch(sparse_generate, "sharded_forward", counted)
+        patch(sparse_turn, "dsa_turn_plan", planned)
+        patch(dist, "all_to_all_single", all_to_all)
+        patch(sparse_turn, "all_gather_single", all_gather)
+        return self
+
+    def __exit__(self, *exc):
+        for owner, name, old in reversed(self.saved):
+            setattr(owner, name, old)
+
+    def verdict(self):
+        """None without a sharded forward; else whether every layer received something, at most the bound."""
+        bound = [p.sharded for p in self.plans if p.mode == "sharded"]
+        if not self.layers:
+            return None
+        return len(bound) == 1 and all(0 < x <= bound[0] for x in self.layers)
+
+
 def _turns(mesh, world: int) -> dict:
     """Four turns of a conversation (batch 2, a left-padded row) from the sharded cache -- follow-ups of 3 tokens
     (one row's 1, padded: pass-Q, the index scores gathered), 2N + 1 (one row's 2N - 2: a sharded turn, Note
@@ -301,7 +361,9 @@ def _turns(mesh, world: int) -> dict:
                 out[kind, "failed turn"] = _raises_any(lambda: _gen(cp, ids, mask, cache=got.cache, max_new_tokens=3,
                                                                     stopping_criteria=fail))
             ref = _gen(ref_model, ids, mask, cache=ref.cache, max_new_tokens=3)
-            got = _gen(cp, ids, mask, cache=got.cache, max_new_tokens=3)
+            with _SentBytes() as sent:  # a sharded forward's layers receive at most the rule's bound
+                got = _gen(cp, ids, mask, cache=got.cache, max_new_tokens=3)
+            out[kind, f"turn {turn} bytes"] = sent.verdict()
             compare(got, ref, (kind, f"turn {turn}"))
         out[kind, "runs"] = dict(got.cache.runs)  # and how many layer forwards gathered the index keys (the long turn)
         out[kind, "gathered"] = vars(got.cache)["_cp_dtensor_index_keys"].get("gathered", 0)
@@ -334,6 +396,9 @@ def _check_generate(world):
         assert runs.pop("pass-kv") == (1 if world == 2 else 2) and set(runs) == {"prefill", "decode"}, runs
         assert turns.pop((kind, "gathered")) == ((1 if "glm" in kind else 2) if world == 2 else 0)  # P = 2: the
         # 9-token turn's first forward gathers the index keys (pass-Q); the 3-token turn gathers scores
+        for turn in (2, 3, 4):  # the sharded forwards' bytes: at most the rule's bound, in every layer
+            assert turns.pop((kind, f"turn {turn} bytes")) == (None if turn == 2 or (turn == 4 and world == 2)
+                                                               else True), (kind, turn)
     assert len(turns) == 5 * len(kinds)
     for key, (same, err) in turns.items():
         assert same and err <= TOL, (key, same, err)
