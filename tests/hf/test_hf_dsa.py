@@ -299,7 +299,7 @@ class _SentBytes:
         def all_to_all(out, inp, out_splits=None, in_splits=None, group=None, **kw):
             if self.on:  # the own split stays here
                 own = (out_splits or [out.shape[0] // dist.get_world_size(group)] * dist.get_world_size(group))
-                row = out[0].numel() * out.element_size() if out.dim() > 1 else out.element_size()
+                row = out.element_size() * (out[0].numel() if out.shape[0] else 0)  # 0 rows: nothing came
                 self.layers[-1] += out.numel() * out.element_size() - own[dist.get_rank(group)] * row
             return a2a(out, inp, out_splits, in_splits, group=group, **kw)
 
