@@ -14,7 +14,8 @@ as the "values"), and this module keeps each layer's index keys beside them, slo
   kept columns' latents and index keys go to the cache.
 * decode steps, later turns (``cache=`` from an earlier call) and prefill chunks after the first: the T
   new tokens run replicated (pass-Q, Note [Continuing a sharded cache] in hf/turns.py: the prefill marks
-  the cache as holding latents, not what is attended, so no forward runs pass-KV), each new column kept
+  the cache as holding latents, not what is attended, so no forward runs the plain pass-KV; a long turn
+  or chunk runs sharded where that sends fewer bytes, Note [Sharded DSA turns] in hf/sparse_turn.py), each new column kept
   by one rank (the balance rule) with its latent and index key. CP=1's index rows of the T new queries
   -- C + T columns long, as transformers scores a cached forward -- are rebuilt in one of two ways, by
   the bytes a cached slot costs (``gathers_keys``, global facts only):
