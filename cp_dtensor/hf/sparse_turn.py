@@ -33,9 +33,10 @@ hf/sparse.py) already moves only those. A sharded turn does the same on the cach
 
 The rule (:func:`dsa_turn_plan`, global facts only, the same on every rank): pass-Q's bytes as sent --
 [out | lse] plus its index scores or keys (``gathers_keys``) -- against the most a sharded turn can send:
-the cached and new index keys, and the rows not held, at most ``min(T_local * index_topk, C + T - the
-smallest share)`` rows a row of the batch at (``kv_lora_rank`` + ``qk_rope_head_dim``) numbers and an
-8-byte row number each. The bound holds whatever the indexer picks, so a sharded turn never sends more
+the cached and new index keys, the rows not held -- at most ``min(T_local * index_topk, C + T - the
+smallest share)`` a row of the batch, (``kv_lora_rank`` + ``qk_rope_head_dim``) numbers each -- and the
+8-byte row numbers the other ranks ask of it (at most ``min(T_local * index_topk, S_max + T_local)`` from
+each). The bound holds whatever the indexer picks, so a sharded turn never sends more
 than pass-Q would; a trained indexer's picks cluster and send fewer rows than the bound. Decode steps
 (T = 1) stay pass-Q. A failed turn restores the cache and the index keys (Note [Transactional turns]).
 """
@@ -86,8 +87,10 @@ def dsa_turn_plan(*, new: int, cached: int, cp: int, batch: int, heads: int, val
     after = s_max + -(-new // cp)  # the largest share once the new tokens are kept (pass-Q's balance rule)
     index = index_dim * esize if gathers_keys(new, index_dim, esize) else 4 * new  # pass-Q, a slot
     pq = (cp - 1) * batch * (heads * new * (value_dim + 1) * 4 + after * index)
-    rows = min(local * index_topk, cached + new - min(shares))
-    sh = (cp - 1) * batch * (s_max + local) * index_dim * esize + batch * rows * (latent_dim * esize + 8) + 8 * cp
+    rows = min(local * index_topk, cached + new - min(shares))  # the rows a rank asks for, a row of the batch
+    asked = (cp - 1) * min(local * index_topk, s_max + local)  # the row numbers the others ask of it
+    sh = (cp - 1) * batch * (s_max + local) * index_dim * esize + batch * (rows * latent_dim * esize + asked * 8) \
+        + 8 * cp
     return DsaTurnPlan(pq, sh, "sharded" if cp > 1 and new > 1 and sh < pq else "pass-q")
 
 

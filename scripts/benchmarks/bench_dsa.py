@@ -101,22 +101,28 @@ def turn_bytes(c: int, t: int, world: int, topk: int, layout: str, chunk: int, d
     order = torch.cat([cached, new], 1).reshape(-1).to(device)  # [N'] rank-major, as sparse_turn's _layout
     real_new = torch.arange(t + pad) >= pad
     seen = seen_keys(global_order(layout, world, t + pad), world, 1, ("real", real_new[None]))  # [P, 1, pad + T]
-    out = {"rows": 0, "sharded": 0}
+    need, asked = [], torch.zeros(world, dtype=torch.long)  # rows each rank asks for; row numbers asked of each
     for rank in range(world):
         g = torch.Generator(device=device).manual_seed(seed + rank)
         q = new[rank][new[rank] < c + t].to(device)  # this rank's real new columns
-        need = []
+        got = []
         for lo in range(0, q.numel(), chunk):
             qq = q[lo:lo + chunk]
             drawn = (torch.rand(qq.numel(), topk, generator=g, device=device) * (qq + 1)[:, None]).long()
-            rows, _ = exchange_plan(drawn[None], torch.ones_like(drawn, dtype=torch.bool)[None], order, rank, world)
-            need.append(rows)
-        rows = int(torch.cat(need).unique().numel())
+            got.append(exchange_plan(drawn[None], torch.ones_like(drawn, dtype=torch.bool)[None], order, rank,
+                                     world)[0])
+        rows = torch.cat(got).unique()
+        owners = torch.empty_like(order).scatter_(0, order, torch.arange(world, device=device).repeat_interleave(
+            order.numel() // world))[rows]
+        need.append(rows.numel())
+        asked += torch.bincount(owners, minlength=world).cpu()
+    out = {"rows": 0, "sharded": 0}
+    for rank in range(world):
         mine = global_order(layout, world, t + pad).view(world, -1)[rank]
         keys = (world - 1) * cached.shape[1] + int(seen[rank, 0].sum()) - int((mine >= pad).sum())  # others' keys
-        sharded = rows * (LATENT + ROW_ID) + keys * INDEX_KEY + 8 * world
+        sharded = need[rank] * LATENT + int(asked[rank]) * ROW_ID + keys * INDEX_KEY + 8 * world
         if sharded > out["sharded"]:
-            out.update(rows=rows * LATENT, sharded=sharded, keys=keys * INDEX_KEY)
+            out.update(rows=need[rank] * LATENT, sharded=sharded, keys=keys * INDEX_KEY)
     plan = dsa_turn_plan(new=t, cached=c, cp=world, batch=1, heads=128, value_dim=128, latent_dim=576, index_dim=128,
                          index_topk=topk, esize=2, unit=u)
     out.update(pass_q=plan.pass_q, bound=plan.sharded, mode=plan.mode)

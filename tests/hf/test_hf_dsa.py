@@ -330,8 +330,8 @@ def _turns(mesh, world: int) -> dict:
     """Four turns of a conversation (batch 2, a left-padded row) from the sharded cache -- follow-ups of 3 tokens
     (one row's 1, padded: pass-Q, the index scores gathered), 2N + 1 (one row's 2N - 2: a sharded turn, Note
     [Sharded DSA turns], with the layout's pad columns and padding inside the conversation; the cache outgrows
-    index_topk) and 9 (P = 2: pass-Q, the index keys gathered) -- a turn that fails midway then retried, and a
-    prefill in chunks of 8 (both families; at P > 2 also a model whose index scores all tie and the eager
+    index_topk) and 9 (pass-Q, the index keys gathered) -- a turn that fails midway then retried, and a
+    prefill in chunks of 8 (at P = 3 sharded) (both families; at P > 2 also a model whose index scores all tie and the eager
     implementation): greedy tokens identical to CP=1's (transformers continuing its own cache, prefilling in the
     same chunks: a chunk's index rows are shorter than the whole prompt's, and topk breaks the index scores' ties
     over the row) and every step's logits within 1e-5."""
@@ -392,13 +392,12 @@ def _check_generate(world):
         assert turns.pop((kind, "failed turn")) == "raised"
         runs = turns.pop((kind, "runs"))
         # the 49-token turn's first forward sharded (Note [Sharded DSA turns]; the failed try's count restored),
-        # at P = 3 the 9-token turn's too (the rule of dsa_turn_plan: 4 heads make pass-Q cheap); the rest pass-Q
-        assert runs.pop("pass-kv") == (1 if world == 2 else 2) and set(runs) == {"prefill", "decode"}, runs
-        assert turns.pop((kind, "gathered")) == ((1 if "glm" in kind else 2) if world == 2 else 0)  # P = 2: the
-        # 9-token turn's first forward gathers the index keys (pass-Q); the 3-token turn gathers scores
-        for turn in (2, 3, 4):  # the sharded forwards' bytes: at most the rule's bound, in every layer
-            assert turns.pop((kind, f"turn {turn} bytes")) == (None if turn == 2 or (turn == 4 and world == 2)
-                                                               else True), (kind, turn)
+        # every other one pass-Q (the rule of dsa_turn_plan)
+        assert runs.pop("pass-kv") == 1 and set(runs) == {"prefill", "decode"}, runs
+        assert turns.pop((kind, "gathered")) == (1 if "glm" in kind else 2)  # the 9-token turn's first forward
+        # gathers the index keys (pass-Q); the 3-token turn gathers scores
+        for turn in (2, 3, 4):  # the sharded forward's bytes: at most the rule's bound, in every layer
+            assert turns.pop((kind, f"turn {turn} bytes")) == (True if turn == 3 else None), (kind, turn)
     assert len(turns) == 5 * len(kinds)
     for key, (same, err) in turns.items():
         assert same and err <= TOL, (key, same, err)
