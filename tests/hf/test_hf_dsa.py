@@ -345,6 +345,7 @@ def _turns(mesh, world: int) -> dict:
                           ref.logits) else float("inf"))
 
     out = {}
+    sparse._GATHERED = 4096  # a sharded turn attends in query chunks of 2 (4 heads x 8 picks x 24 x batch 2 a query)
     for i, (kind, variant) in enumerate(_TURN_CASES[:len(_TURN_CASES) if world > 2 else 2]):
         layout = ("striped", "headtail", "contiguous")[i % (2 if world == 2 else 3)]
         plain = _model(kind, "eager" if variant == "eager" else "sdpa", ties=variant == "ties").eval()
