@@ -332,7 +332,7 @@ def _turns(mesh, world: int) -> dict:
     [Sharded DSA turns], with the layout's pad columns and padding inside the conversation; the cache outgrows
     index_topk) and 9 (pass-Q, the index keys gathered) -- a turn that fails midway then retried, and a
     prefill in chunks of 8 (at P = 3 sharded) (both families; at P > 2 also a model whose index scores all tie and the eager
-    implementation): greedy tokens identical to CP=1's (transformers continuing its own cache, prefilling in the
+    implementation under layout='documents'): greedy tokens identical to CP=1's (transformers continuing its own cache, prefilling in the
     same chunks: a chunk's index rows are shorter than the whole prompt's, and topk breaks the index scores' ties
     over the row) and every step's logits within 1e-5."""
     from test_hf_generate import _generate as _gen
@@ -347,7 +347,8 @@ def _turns(mesh, world: int) -> dict:
     out = {}
     sparse._GATHERED = 4096  # a sharded turn attends in query chunks of 2 (4 heads x 8 picks x 24 x batch 2 a query)
     for i, (kind, variant) in enumerate(_TURN_CASES[:len(_TURN_CASES) if world > 2 else 2]):
-        layout = ("striped", "headtail", "contiguous")[i % (2 if world == 2 else 3)]
+        layout = ("striped", "headtail", "contiguous", "documents")[i if world > 2 else i % 2]  # documents: the
+        # prompt striped, the turns as for every layout
         plain = _model(kind, "eager" if variant == "eager" else "sdpa", ties=variant == "ties").eval()
         kind = f"{kind} {variant}".strip()
         ref_model = copy.deepcopy(plain)
