@@ -47,20 +47,6 @@ batch: grad norms 1.33 vs 1.25 at step 3). So the ring's output is zeroed at eve
 a fully masked row, and no gradient flows through it. A right pad sees the row's tokens at CP=1 and carries no
 label (its label is another pad): its output (zero here) is not CP=1's, and changes nothing else.
 
-Note [Scored pads]
-~~~~~~~~~~~~~~~~~~
-Zero at a pad query is CP=1's answer only where CP=1 gives zero, and it matters only where the loss reads
-the pad's logits (its shifted label is not -100). Two cases are not zero at CP=1: a right pad (it sees the
-row's tokens) and, when the model's attention ran transformers' ``"eager"`` function without sinks, a left
-pad (every key masked by adding the dtype's minimum: all scores equal, so the softmax is uniform over every
-key of the row, later tokens included, and its gradient reaches them). A left-padded Gemma 2 batch (eager:
-no SDPA) with a padding collator's labels had its loss 8.5e-4 and its gradients 19 % off CP=1's, silently.
-Neither can be reproduced from a rank's shard, so a forward whose ``shift_labels`` score such a pad raises
-on every rank: the pads' flags ride the documents' gather (3: a pad with a label), the verdict is global.
-With ``layout="documents"`` (no gather) a scored pad of an eager model without sinks is refused by the
-plan's agreement; a scored right pad there is not detected. Labels of -100 on pads (every padding
-collator) and right padding for the eager families avoid both.
-
 Note [Unsharded inputs]
 ~~~~~~~~~~~~~~~~~~~~~~~
 A forward of a CP model takes each rank's shard of the batch. The generate() habit -- every rank
@@ -109,6 +95,7 @@ from ..core.checks import check_call, check_cp_mesh, options_error  # noqa: E402
 from ..core.plan.layout import in_global_order, shard_tensor  # noqa: E402
 from .documents import KWARG, check_model_layout, documents_of, plan_error, ring_layout  # noqa: E402
 from .generate import enable_generate, generate  # noqa: E402
+from .pads import planned_pad_error, scored_pad_error, scored_pads, uniform_pads  # noqa: E402
 from .router import enable_router_loss, router_loss_error  # noqa: E402
 from .served import cp_error, layer_types  # noqa: E402
 from .state import ATTR, CPGenerate, HFState, attach, implementations, remove_context_parallel  # noqa: E402
@@ -280,14 +267,14 @@ def derive_documents(state: HFState, positions: Tensor, mask: Tensor | None, use
     flag = torch.full_like(pos, 2) if mask is None else mask.long()  # 1 real, 0 pad, 2 no mask on this rank
     labels = state.labels
     if mask is not None and isinstance(labels, Tensor) and labels.shape == flag.shape:  # 3: a pad the loss scores
-        flag = flag.masked_fill((flag == 0) & (labels.to(flag.device) != -100), 3)  # Note [Scored pads]
+        flag = flag.masked_fill((flag == 0) & (labels.to(flag.device) != -100), 3)  # Note [Scored pads] in hf/pads.py
     every = _gather(torch.cat([pos, flag]), state)  # [P, 2B, S_local]
     layout = ring_layout(state)  # a named layout (generate()'s prefill under layout="documents": striped)
     if _unsharded(state, every, probe):
         return None, _UNSHARDED.format(p=state.mesh.size(), s=pos.shape[1], layout=layout)
     full = in_global_order(every, layout)
     pos, flag = full[:b], full[b:]
-    state.scored_pads = _scored_pads(flag)
+    state.scored_pads = scored_pads(flag)
     flag = flag.masked_fill(flag == 3, 0)
     given = flag != 2
     if bool(given.any()) and not bool(given.all()):
@@ -300,49 +287,6 @@ def derive_documents(state: HFState, positions: Tensor, mask: Tensor | None, use
     rank, cp = state.mesh.get_local_rank(), state.mesh.size()
     state.id_range = (int(ids.min()), int(ids.max()))  # global: every rank derived the same ids
     return shard_tensor(ids, seq_dim=1, layout=layout, rank=rank, cp_size=cp).contiguous(), None
-
-
-def _scored_pads(flag: Tensor):
-    """(the first left pad, the first right pad) the loss scores, each a global (row, column) or None; None when
-    no pad is scored. ``flag``: the global [B, N] flags (1 real, 3 a pad with a label)."""
-    scored = flag == 3
-    if not bool(scored.any()):
-        return None
-    after = (flag == 1).long().cumsum(1) > 0  # a real token at or before the column
-
-    def first(m: Tensor):
-        return tuple(int(i) for i in m.nonzero()[0]) if bool(m.any()) else None
-
-    return first(scored & ~after), first(scored & after)
-
-
-_SCORED = ("shift_labels scores {which} pad token (row {row}, column {col}: attention_mask 0, label != -100), {why} "
-           "Under context parallelism a pad token's attention output is zero (Note [Scored pads] in "
-           "cp_dtensor/hf/attention.py), so the loss and gradients would differ from CP=1's. {fix}")
-_RIGHT = ("a right", "which at CP=1 attends to its row's tokens.",
-          "Give padding the label -100 (as DataCollatorForLanguageModeling does) before cp_dtensor.hf.shift_labels.")
-_LEFT = ("a left", "and the model's attention ran 'eager' before context parallelism: transformers' eager attention "
-         "gives a pad that sees no key a uniform average over every key of its row, later tokens included.",
-         "Pad on the right (tokenizer.padding_side = 'right'), give the row's first token the label -100, or load the "
-         "model with attn_implementation='sdpa' (or 'flash_attention_2'), which gives such a pad zero, where the family "
-         "offers it.")
-
-
-def scored_pad_error(state: HFState) -> str | None:
-    """The forward's refusal for a pad whose loss term CP cannot reproduce (Note [Scored pads]); global facts
-    only: the same on every rank."""
-    left, right = state.scored_pads or (None, None)
-    which, where = (_RIGHT, right) if right is not None else (_LEFT, left) if state.uniform_pads else (None, None)
-    if where is None:
-        return None
-    return _SCORED.format(which=which[0], row=where[0], col=where[1], why=which[1], fix=which[2])
-
-
-def uniform_pads(model: nn.Module, before: dict) -> bool:
-    """Whether CP=1's attention gives a fully masked query a uniform average (Note [Scored pads]): transformers'
-    eager function, and an attention layer without sinks (a sink takes the whole weight: zero, as CP gives)."""
-    layers = [m for m in model.modules() if all(hasattr(m, a) for a in ("layer_idx", "is_causal", "scaling"))]
-    return before.get("") == "eager" and any(getattr(m, "sinks", None) is None for m in layers)
 
 
 @torch.compiler.disable(reason=_EAGER)  # See Note [Compiled HF models]
@@ -396,7 +340,7 @@ def cp_dtensor_attention(module: nn.Module, query: Tensor, key: Tensor, value: T
             ids, err = derive_documents(state, pos, attention_mask, use_cache, query.shape[0], probe=query)
             state.last = (key_, (ids, err))
             agreed = None if compiling else state.id_range or (0, 0)
-    err = err or scored_pad_error(state)  # global facts: every rank alike (Note [Scored pads])
+    err = err or scored_pad_error(state)  # global facts: every rank alike (Note [Scored pads] in hf/pads.py)
     out = run_ring_attention(query, key, value, spec, document_ids=ids if err is None else None, sinks=sinks,
                              error=err, agreed=agreed)
     return _zero_pads(out.transpose(1, 2).contiguous(), attention_mask), None
@@ -417,7 +361,7 @@ def _planned(state: HFState, query, key, value, attention_mask, err, causal, sca
     key_ = ("plan", plan, pos, -2 if pos is None else _version(pos), attention_mask)
     first = state.last is None or not _same(state.last[0], key_)
     if first:  # the forward's first layer: the plan's checks; a recomputation or the next layer reuses them
-        err = err or plan_error(state, plan, query, pos, attention_mask) or _planned_pad_error(state, attention_mask)
+        err = err or plan_error(state, plan, query, pos, attention_mask) or planned_pad_error(state, attention_mask)
         state.last = (key_, None)
     if plan is not None and not isinstance(plan, str) and getattr(plan, "placement", None) != "documents":
         # a named layout's plan: the ring in that layout with the plan's ids, agreed by the ring itself
@@ -434,17 +378,6 @@ def _planned(state: HFState, query, key, value, attention_mask, err, causal, sca
                          window_size=window, sinks=sinks, document_ids=kwargs.get("document_ids"),
                          comm_dtype=state.comm_dtype)
     return out.transpose(1, 2).contiguous()
-
-
-def _planned_pad_error(state: HFState, attention_mask) -> str | None:
-    """This rank's refusal of a scored pad under a plan (agreed by the plan's agreement): an eager model
-    without sinks only (Note [Scored pads])."""
-    labels = state.labels
-    if not (state.uniform_pads and isinstance(labels, Tensor) and isinstance(attention_mask, Tensor)
-            and attention_mask.dim() == 2 and labels.shape == attention_mask.shape):
-        return None
-    scored = (attention_mask == 0) & (labels.to(attention_mask.device) != -100)
-    return _SCORED.format(which="a", row="?", col="?", why=_LEFT[1], fix=_LEFT[2]) if bool(scored.any()) else None
 
 
 def _top_level_error(model: nn.Module, args, kwargs) -> str | None:
@@ -556,7 +489,7 @@ def apply_context_parallel(
                          "AttentionInterface, so it cannot run context parallel attention.")
     state = attach(model, mesh, layout, documents, before)
     state.comm_dtype, state.kv_exchange = comm_dtype, kv_exchange  # Note [CP state on a model] in hf/state.py
-    state.uniform_pads = uniform_pads(model, before)  # Note [Scored pads]
+    state.uniform_pads = uniform_pads(model, before)  # Note [Scored pads] in hf/pads.py
     state.handles += [model.register_forward_pre_hook(_call_starts, with_kwargs=True),
                       model.register_forward_hook(_call_ends, always_call=True),
                       model.base_model.register_forward_pre_hook(_forward_starts)]
@@ -584,7 +517,7 @@ def _call_starts(model: nn.Module, args, kwargs):
     state.plan = kwargs.pop(KWARG, None)  # the batch's plan: Note [One plan per batch in transformers]
     state.pending = _top_level_error(model, args, kwargs)
     state.keep_logits = kwargs.get("logits_to_keep", 0)
-    state.labels = kwargs.get("shift_labels")  # Note [Scored pads]
+    state.labels = kwargs.get("shift_labels")  # Note [Scored pads] in hf/pads.py
     return args, kwargs
 
 
