@@ -72,7 +72,7 @@ def scored_pad_error(state) -> str | None:
     """The ring path's refusal, from :func:`scored_pads`' global facts: the same on every rank."""
     left, right = state.scored_pads or (None, None)
     kind, where = (_RIGHT, right) if right is not None else (_LEFT, left) if state.uniform_pads else (None, None)
-    return None if where is None else _message(kind, f" (row {where[0]}, column {where[1]})")
+    return None if where is None else _message(kind, f" at row {where[0]}, column {where[1]}")
 
 
 def planned_pad_error(state, attention_mask) -> str | None:

@@ -243,9 +243,9 @@ def _check_scored_pads(world, mesh, tokens, mask) -> None:
         torch.distributed.all_reduce(loss)
         return model, loss
 
-    _expect_error(lambda: run(eager, labels), "left pad token .row 0, column 6.*uniform average")
+    _expect_error(lambda: run(eager, labels), "left pad token at row 0, column 6 .*uniform average")
     _expect_error(lambda: run(eager, labels, "documents"), "uniform average")
-    _expect_error(lambda: run(_model("llama", world), labels.masked_fill(mask == 0, 5)), "right pad token .row 2, column 27")
+    _expect_error(lambda: run(_model("llama", world), labels.masked_fill(mask == 0, 5)), "right pad token at row 2, column 27")
     first = labels.clone()
     first[0, 7] = -100  # no pad scored: the eager model is served, and equals CP=1's eager run
     want = eager(input_ids=tokens, attention_mask=mask, position_ids=positions, labels=first, use_cache=False)
