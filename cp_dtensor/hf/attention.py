@@ -95,6 +95,7 @@ from ..core.checks import check_call, check_cp_mesh, options_error  # noqa: E402
 from ..core.plan.layout import in_global_order, shard_tensor  # noqa: E402
 from .documents import KWARG, check_model_layout, documents_of, plan_error, ring_layout  # noqa: E402
 from .generate import enable_generate, generate  # noqa: E402
+from .pads import planned_pad_error, scored_pad_error, scored_pads, uniform_pads  # noqa: E402
 from .router import enable_router_loss, router_loss_error  # noqa: E402
 from .served import cp_error, layer_types  # noqa: E402
 from .state import ATTR, CPGenerate, HFState, attach, implementations, remove_context_parallel  # noqa: E402
@@ -264,12 +265,17 @@ def derive_documents(state: HFState, positions: Tensor, mask: Tensor | None, use
     only to tell unsharded inputs from packed documents (Note [Unsharded inputs])."""
     pos = positions.expand(b, -1).long()
     flag = torch.full_like(pos, 2) if mask is None else mask.long()  # 1 real, 0 pad, 2 no mask on this rank
+    labels = state.labels
+    if mask is not None and isinstance(labels, Tensor) and labels.shape == flag.shape:  # 3: a pad the loss scores
+        flag = flag.masked_fill((flag == 0) & (labels.to(flag.device) != -100), 3)  # Note [Scored pads] in hf/pads.py
     every = _gather(torch.cat([pos, flag]), state)  # [P, 2B, S_local]
     layout = ring_layout(state)  # a named layout (generate()'s prefill under layout="documents": striped)
     if _unsharded(state, every, probe):
         return None, _UNSHARDED.format(p=state.mesh.size(), s=pos.shape[1], layout=layout)
     full = in_global_order(every, layout)
     pos, flag = full[:b], full[b:]
+    state.scored_pads = scored_pads(flag)
+    flag = flag.masked_fill(flag == 3, 0)
     given = flag != 2
     if bool(given.any()) and not bool(given.all()):
         return None, "attention_mask was passed on some CP ranks only; pass it (or None) on every rank."
@@ -334,6 +340,7 @@ def cp_dtensor_attention(module: nn.Module, query: Tensor, key: Tensor, value: T
             ids, err = derive_documents(state, pos, attention_mask, use_cache, query.shape[0], probe=query)
             state.last = (key_, (ids, err))
             agreed = None if compiling else state.id_range or (0, 0)
+    err = err or scored_pad_error(state)  # global facts: every rank alike (Note [Scored pads] in hf/pads.py)
     out = run_ring_attention(query, key, value, spec, document_ids=ids if err is None else None, sinks=sinks,
                              error=err, agreed=agreed)
     return _zero_pads(out.transpose(1, 2).contiguous(), attention_mask), None
@@ -354,7 +361,7 @@ def _planned(state: HFState, query, key, value, attention_mask, err, causal, sca
     key_ = ("plan", plan, pos, -2 if pos is None else _version(pos), attention_mask)
     first = state.last is None or not _same(state.last[0], key_)
     if first:  # the forward's first layer: the plan's checks; a recomputation or the next layer reuses them
-        err = err or plan_error(state, plan, query, pos, attention_mask)
+        err = err or plan_error(state, plan, query, pos, attention_mask) or planned_pad_error(state, attention_mask)
         state.last = (key_, None)
     if plan is not None and not isinstance(plan, str) and getattr(plan, "placement", None) != "documents":
         # a named layout's plan: the ring in that layout with the plan's ids, agreed by the ring itself
@@ -482,6 +489,7 @@ def apply_context_parallel(
                          "AttentionInterface, so it cannot run context parallel attention.")
     state = attach(model, mesh, layout, documents, before)
     state.comm_dtype, state.kv_exchange = comm_dtype, kv_exchange  # Note [CP state on a model] in hf/state.py
+    state.uniform_pads = uniform_pads(model, before)  # Note [Scored pads] in hf/pads.py
     state.handles += [model.register_forward_pre_hook(_call_starts, with_kwargs=True),
                       model.register_forward_hook(_call_ends, always_call=True),
                       model.base_model.register_forward_pre_hook(_forward_starts)]
@@ -509,17 +517,19 @@ def _call_starts(model: nn.Module, args, kwargs):
     state.plan = kwargs.pop(KWARG, None)  # the batch's plan: Note [One plan per batch in transformers]
     state.pending = _top_level_error(model, args, kwargs)
     state.keep_logits = kwargs.get("logits_to_keep", 0)
+    state.labels = kwargs.get("shift_labels")  # Note [Scored pads] in hf/pads.py
     return args, kwargs
 
 
 def _call_ends(model: nn.Module, args, output):
     state = getattr(model, ATTR)
-    state.pending = state.real = None  # the refusal and the Trainer's padding were this call's only
+    state.pending = state.real = state.labels = None  # the refusal, the Trainer's padding, the labels: this call's
     return output
 
 
 def _forward_starts(base: nn.Module, args):
-    getattr(base, ATTR).last = None  # a new forward derives its documents afresh
+    state = getattr(base, ATTR)
+    state.last = state.scored_pads = None  # a new forward derives its documents afresh
     register()  # idempotent: a model unpickled in a fresh process finds "cp_dtensor" registered
 
 

@@ -67,6 +67,7 @@ from .._compat import all_gather_single
 from ..core.agreement import agree_on_call
 from ..core.plan.layout import global_order
 from .documents import documents_of, plan_error
+from .pads import sparse_pad_error
 
 __all__ = ["FAMILIES", "dsa_layers", "door_error", "enable_sparse", "exchange_plan", "row_orders", "seen_keys"]
 
@@ -273,6 +274,10 @@ def _forward(module: nn.Module, state, derive, generating, hidden_states: Tensor
                       what="cp_dtensor.hf (DeepSeek Sparse Attention)")
         order = _order(state, world, n, bsz, hidden_states.device)
         state.last = (("dsa",), _rows_of(state, derive, position_ids, attention_mask, hidden_states, order))
+        if state.uniform_pads and state.last[1] is not None and state.last[1][0] == "real":  # Note [Scored pads]
+            err = sparse_pad_error(state, state.last[1][1], order[:, rank * s:(rank + 1) * s], group)
+            if err is not None:  # the same on every rank
+                raise ValueError(err)
     elif err is not None:  # a later layer's: from the model and the call, the same on every rank
         raise ValueError(err)
     order = _order(state, world, n, bsz, hidden_states.device)  # [B, N]

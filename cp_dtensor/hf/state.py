@@ -54,7 +54,8 @@ __all__ = ["ATTR", "CPGenerate", "HFState", "attach", "implementations", "remove
 
 ATTR = "_cp_dtensor_hf"  # the attribute holding the HFState on the model and every submodule
 
-_PER_CALL = ("pending", "plan", "last", "id_range", "keep_logits", "generating", "decoding", "real")
+_PER_CALL = ("pending", "plan", "last", "id_range", "keep_logits", "generating", "decoding", "real", "labels",
+             "scored_pads")
 
 
 @dataclass(eq=False)
@@ -79,6 +80,9 @@ class HFState:
     #: the Trainer's next call: this rank's tokens of the user's rows ([S_local] or [B, S_local] bool; None: no CP
     #: padding), which the router loss counts (Note [Router loss under CP] in router.py); cleared after the call
     real: Any = None
+    labels: Any = None  #: the top-level call's ``shift_labels`` (this rank's shard), for Note [Scored pads]
+    scored_pads: Any = None  #: the forward's (left, right) pad tokens the loss scores: global (row, column) or None
+    uniform_pads: bool = False  #: the attention ran "eager" without sinks at CP=1 (Note [Scored pads])
 
     def _fresh(self, copied: dict) -> None:
         for f in fields(self):

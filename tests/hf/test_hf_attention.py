@@ -31,6 +31,7 @@ from transformers import (  # noqa: E402
 from cp_dtensor.core.batch import shard_batch, unshard_batch  # noqa: E402
 from cp_dtensor.doors import apply_context_parallel, reduce_gradients  # noqa: E402
 from cp_dtensor.hf import attention as hf  # noqa: E402
+from cp_dtensor.hf.documents import plan_batch  # noqa: E402
 
 TOL = 1e-5  # fp32, relative to the largest magnitude
 LAYOUTS = ("striped", "headtail", "contiguous")
@@ -216,6 +217,43 @@ def _check_padding(rank: int, world: int, slow: bool) -> None:
             _check(name, world, mesh, LAYOUTS, batch, weights, keep=mask.float(), use_cache=False)
         _check(name, world, mesh, ["headtail"], batch, weights, keep=mask.float())
     _check_left_padded_loss(world, mesh, tokens, mask)
+    _check_scored_pads(world, mesh, tokens, mask)
+
+
+def _check_scored_pads(world, mesh, tokens, mask) -> None:
+    """A loss that scores a pad CP cannot reproduce raises on every rank (Note [Scored pads]): a left pad (the row's
+    first token as its label) of a model that ran transformers' eager attention (no sinks), a labelled right pad of
+    any model; with layout="documents" too. The eager model with that label off equals CP=1's eager run."""
+    eager = _model("llama", world)
+    eager.set_attn_implementation("eager")
+    labels = tokens.masked_fill(mask == 0, -100)
+    positions = (mask.cumsum(1) - 1).clamp_min(0)
+
+    def run(base, labels, layout="striped"):
+        model = apply_context_parallel(copy.deepcopy(base), mesh, layout=layout)
+        plan = plan_batch(model, position_ids=positions, attention_mask=mask) if layout == "documents" else layout
+        shifted = hf.shift_labels(labels)
+        tok, m, pos, lab = shard_batch((tokens, mask, positions, shifted), mesh, layout=plan)
+        extra = {"cp_layout": plan} if layout == "documents" else {}
+        out = model(input_ids=tok, attention_mask=m, position_ids=pos, labels=lab, shift_labels=lab,
+                    num_items_in_batch=(shifted != -100).sum(), use_cache=False, **extra)
+        out.loss.backward()
+        reduce_gradients(model, mesh)
+        loss = out.loss.detach().clone()
+        torch.distributed.all_reduce(loss)
+        return model, loss
+
+    _expect_error(lambda: run(eager, labels), "left pad token at row 0, column 6 .*uniform average")
+    _expect_error(lambda: run(eager, labels, "documents"), "uniform average")
+    _expect_error(lambda: run(_model("llama", world), labels.masked_fill(mask == 0, 5)), "right pad token at row 2, column 27")
+    first = labels.clone()
+    first[0, 7] = -100  # no pad scored: the eager model is served, and equals CP=1's eager run
+    want = eager(input_ids=tokens, attention_mask=mask, position_ids=positions, labels=first, use_cache=False)
+    want.loss.backward()
+    model, loss = run(eager, first)
+    assert rel_err(loss, want.loss.detach()) <= TOL, (loss, want.loss)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert rel_err(p.grad, q.grad) <= TOL, (name, rel_err(p.grad, q.grad))
 
 
 def _check_left_padded_loss(world, mesh, tokens, mask) -> None:

@@ -181,6 +181,8 @@ def _ranks(rank, world):
             hf.remove_context_parallel(cp)  # the layers' own forward back
             out[kind, impl, layout, "removed"] = "ran" if all("forward" not in vars(m) for m in sparse.dsa_layers(cp)) \
                 else "left"
+        if impl == "eager":  # its loss scores a left pad, which CP=1's eager path averages over the row: refused
+            out[kind, "eager padded"] = _raises(lambda: _masked(plain, mesh, "padded"), "uniform average")
         if impl != "sdpa":
             continue
         for case in ("padded", "packed", "documents", "documents padded"):
