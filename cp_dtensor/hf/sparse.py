@@ -35,7 +35,24 @@ short documents whole on one rank, long ones cut). Which keys a rank's queries s
 latent row and where it lands all follow from it, so the documents layout is served by the same code; its
 plan is checked against the batch (``plan_error``, Note [A plan fits its batch]) in the first layer's
 agreement, and the rows' masks come from the position ids and padding gathered in the plan's order by the
-same rule. A plan under a named layout is refused (its order is the layout's: drop ``cp_layout=``).
+same rule.
+
+Note [DSA over a dynamic plan]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A dynamic plan (``shard_batch(..., dynamic=True)``, the Trainer's ``dynamic=True``: Note [One plan over the
+grid] in core/dynamic.py) lays every dp rank's rows end to end as one row and places it over the dp x cp grid;
+the model runs over the flattened mesh with it, and steps 1-3 above serve it as any plan. One thing differs
+from CP=1: CP=1 scores a query against its own row of ``L`` keys, the plan's row is ``dp * B * L`` long, and
+``topk`` breaks ties (index scores ReLU makes exactly 0: frequent with few index heads) by its own rule over
+the whole row, so a longer row of the same documents can pick other keys among the tied ones (measured: 7e-2
+in the logits of a tiny model at CP=1 alone, the same rows scored as [4, 24] and as [1, 96]). So the plan
+carries the rows' length (``DocumentLayout.row_len``) and ``_by_rows`` groups this rank's queries by the row
+they came from, hands the family's indexer one row of ``L`` keys per group (the keys exchanged as in step 1,
+each row cut from the global one), and maps the picks back to global positions: each query's index row is
+CP=1's, value for value, so ``topk`` picks CP=1's keys, ties included.
+
+A plan under a named layout (``plan_batch`` of a model in a named layout: the layout's order, the batch's
+documents) is served the same way: its order is the layout's, its documents checked against the batch alike.
 
 GLM-MoE-DSA's ``"shared"`` layers reuse the previous full layer's indices: under CP those are the global
 indices step 1 returned, so they reuse them alike. generate() decodes from the sharded cache: Note [DSA
@@ -117,6 +134,46 @@ class _Gathered:
         every[self.rank] = k
         every = every.permute(1, 0, 2, 3).reshape(b, world * s, d)  # rank-major
         return every.gather(1, torch.argsort(order, dim=1)[..., None].expand(-1, -1, d))  # [B, N, D], global order
+
+
+class _RowKeys:
+    """The indexer's ``cache`` in :func:`_by_rows`: ``update_indexer`` takes the keys of this rank's queries
+    grouped by row ([R, M, D], ``grid`` / ``filled`` as there), exchanges them as :class:`_Gathered` does, and
+    hands back each group's whole row of keys [R, L, D]."""
+
+    def __init__(self, cache: _Gathered, grid: Tensor, filled: Tensor, rows: Tensor, seg: int, s: int):
+        self.cache, self.grid, self.filled, self.rows, self.seg, self.s = cache, grid, filled, rows, seg, s
+
+    def update_indexer(self, k: Tensor, layer_idx: int) -> Tensor:  # k: [R, M, D]
+        mine = k.new_zeros(1, self.s, k.shape[-1])
+        mine[0, self.grid[self.filled]] = k[self.filled]
+        every = self.cache.update_indexer(mine, layer_idx)  # [1, N, D] in global order
+        return every[0].view(-1, self.seg, k.shape[-1])[self.rows]
+
+
+def _by_rows(indexer: nn.Module, seg: int, mine: Tensor, hidden: Tensor, q_resid: Tensor, position_embeddings,
+             scored: Tensor, position_ids: Tensor, cache: _Gathered) -> Tensor:
+    """The indexer's picks [1, S, K] (global positions) for this rank's queries ``mine`` [1, S] of a plan whose
+    one row lays rows of ``seg`` tokens end to end: each query scored over its own row only, as CP=1 scores
+    it. See Note [DSA over a dynamic plan]."""
+    s, dev = mine.shape[1], mine.device
+    row = mine[0] // seg  # [S]: the row each query came from
+    rows, inv, counts = torch.unique(row, return_inverse=True, return_counts=True)  # R rows, counts [R]
+    by = torch.argsort(inv, stable=True)  # [S]: the queries grouped by row
+    col = torch.arange(s, device=dev) - (torch.cumsum(counts, 0) - counts)[inv[by]]
+    grid = torch.zeros(rows.numel(), int(counts.max()), dtype=torch.long, device=dev)  # [R, M]: local slots
+    filled = torch.zeros(grid.shape, dtype=torch.bool, device=dev)
+    grid[inv[by], col], filled[inv[by], col] = by, True
+    cols = rows[:, None, None] * seg + torch.arange(seg, device=dev)  # [R, 1, L]: each row's global keys
+    mask = scored[0][grid].gather(-1, cols.expand(-1, grid.shape[1], -1))  # [R, M, L]
+    if mask.dtype == torch.bool:  # the groups' padding slots see nothing (their picks are dropped)
+        mask = mask & filled[..., None]
+    cos, sin = position_embeddings
+    picks = indexer(hidden[0][grid], q_resid[0][grid], (cos[0][grid], sin[0][grid]), mask, position_ids[0][grid],
+                    cache=_RowKeys(cache, grid, filled, rows, seg, s))  # [R, M, K]: positions in the row
+    out = picks.new_zeros(1, s, picks.shape[-1])
+    out[0, grid[filled]] = (picks + (rows[:, None, None] * seg).to(picks.dtype))[filled]
+    return out
 
 
 def row_orders(order: Tensor, bsz: int) -> Tensor:
@@ -201,9 +258,6 @@ def _call_error(module: nn.Module, state, attention_mask, cache, position_ids, k
     if kwargs.get("document_ids") is not None:
         return (f"DeepSeek Sparse Attention under CP takes no document_ids=: its documents are the position ids' "
                 f"(restarting at 0), as at CP=1. {_SEE}")
-    if state.plan is not None and state.layout != "documents":
-        return (f"DeepSeek Sparse Attention under CP takes cp_layout= (the batch's plan) under layout='documents' "
-                f"only; the model runs layout={state.layout!r}. Drop cp_layout=. {_SEE}")
     if position_ids is None or position_ids.dim() != 2:
         return ("context parallel attention needs position_ids [B, S_local] (the global positions, sharded like the "
                 "tokens by cp_dtensor.shard_batch).")
@@ -234,7 +288,8 @@ def _rows_of(state, derive, position_ids, attention_mask, probe, order: Tensor) 
     b, s = probe.shape[:2]
     mask = None if attention_mask is None else attention_mask[:, -s:]
     group, world = state.mesh.get_group(), state.mesh.size()
-    if state.layout == "documents":  # the positions and padding put in global order by the plan, the one rule
+    planned = state.plan is not None or state.layout == "documents"
+    if planned:  # the positions and padding put in global order by the plan, the one rule
         real = None if mask is None else gather_rows(group, world, mask, order).bool()
         full, err = documents_of(gather_rows(group, world, position_ids.expand(b, -1), order), real)
     else:  # a named layout: hf/attention.py's gather and rule
@@ -246,7 +301,7 @@ def _rows_of(state, derive, position_ids, attention_mask, probe, order: Tensor) 
         return None
     if mask is not None:
         return "real", real if real is not None else real_mask(group, world, mask, order, b, s, probe.device)
-    return "documents", full if state.layout == "documents" else gather_rows(group, world, full, order)
+    return "documents", full if planned else gather_rows(group, world, full, order)
 
 
 @torch.compiler.disable(reason="DeepSeek Sparse Attention under CP runs eagerly (Note [Compiled HF models] in "
@@ -263,7 +318,7 @@ def _forward(module: nn.Module, state, derive, generating, hidden_states: Tensor
     rank, world = mesh.get_local_rank(), mesh.size()
     bsz, s = hidden_states.shape[:2]
     n = s * world
-    planned = state.layout == "documents"  # each row in its plan's order (cp_layout=), checked below
+    planned = state.layout == "documents" or state.plan is not None  # the batch's plan (cp_layout=), checked below
     if state.last is None:  # the forward's first layer (a recomputation finds it set): every rank raises the same
         # error before anything moves, then the rows' masks from the global batch (gathers of positions and masks)
         if err is None and planned:  # the batch's plan, and that it fits the batch: Note [A plan fits its batch]
@@ -290,9 +345,14 @@ def _forward(module: nn.Module, state, derive, generating, hidden_states: Tensor
             ~allowed, torch.finfo(hidden_states.dtype).min)
     q_resid, query, k_pass, k_rot = project(module, hidden_states, position_embeddings)
     if module.indexer is not None:  # 1. the global top-k (GLM's "shared" layers reuse the previous one's)
-        seen = seen_keys(order, world, bsz, rows)
-        picks = module.indexer(hidden_states, q_resid, position_embeddings, scored, position_ids,
-                               cache=_Gathered(group, order, rank, seen))  # [B, S, K] global positions
+        cache = _Gathered(group, order, rank, seen_keys(order, world, bsz, rows))
+        seg = getattr(state.plan, "row_len", 0) if planned else 0
+        if 0 < seg < n:  # a dynamic plan lays the batch's rows end to end: Note [DSA over a dynamic plan]
+            picks = _by_rows(module.indexer, seg, mine, hidden_states, q_resid, position_embeddings, scored,
+                             position_ids, cache)
+        else:
+            picks = module.indexer(hidden_states, q_resid, position_embeddings, scored, position_ids,
+                                   cache=cache)  # [B, S, K] global positions
     else:
         if prev_topk_indices is None:
             raise ValueError("Shared DSA layers require top-k indices from a previous full indexer layer.")
@@ -303,8 +363,9 @@ def _forward(module: nn.Module, state, derive, generating, hidden_states: Tensor
 
 
 def _order(state, world: int, n: int, bsz: int, dev) -> Tensor:
-    """[B, N] (:func:`row_orders`): the batch's plan's order under layout="documents", else the named layout's."""
-    if state.layout == "documents":
+    """[B, N] (:func:`row_orders`): the batch's plan's order (layout="documents", or a named layout's plan: that
+    layout's order), else the named layout's."""
+    if state.plan is not None or state.layout == "documents":
         return state.plan.order.to(dev)
     return global_order(state.layout, world, n).to(dev).expand(bsz, -1)
 

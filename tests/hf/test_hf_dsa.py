@@ -94,16 +94,17 @@ def _masked(plain, mesh, case: str) -> dict:
     """"padded": row 0 left-padded by 5, row 1 right-padded by 3 (labels -100 there), striped; "packed": row 0 two
     documents, row 1 three (position ids that restart), headtail; "documents": documents of unequal lengths (3, 14,
     7 and 10, 5, 9) under layout="documents" (each row in its plan's order, short documents whole on a rank);
-    "documents padded": the padded batch under layout="documents". The logits (pad rows too: a left-pad row sees
+    "documents padded": the padded batch under layout="documents"; "packed plan" / "padded plan": those batches
+    with their plan under the named layout (plan_batch of a headtail / striped model, cp_layout=). The logits (pad rows too: a left-pad row sees
     no key, as at CP=1), every gradient and the loss against CP=1 with the same mask or positions."""
     tokens, positions, labels = _batch()
     mask, layout = torch.ones(B, N, dtype=torch.long), "striped"
-    padded, planned = "padded" in case, case.startswith("documents")
+    padded, planned, named_plan = "padded" in case, case.startswith("documents"), case.endswith("plan")
     if padded:
         mask[0, :5] = 0
         mask[1, -3:] = 0
         labels = labels.masked_fill(mask == 0, -100)
-    elif case == "packed":
+    elif case.startswith("packed"):
         positions = torch.stack([torch.cat([torch.arange(10), torch.arange(N - 10)]),
                                  torch.cat([torch.arange(7), torch.arange(9), torch.arange(N - 16)])])
         layout = "headtail"
@@ -118,14 +119,15 @@ def _masked(plain, mesh, case: str) -> dict:
     model = copy.deepcopy(plain)
     got_picks = _record(model)
     cp = hf.apply_context_parallel(model, mesh, layout="documents" if planned else layout)
-    if planned:  # the batch's plan, from the full batch: Note [One plan per batch in transformers]
+    if planned or named_plan:  # the batch's plan, from the full batch: Note [One plan per batch in transformers]
         layout = plan_batch(cp, position_ids=positions, **kw)
-        assert padded or not torch.equal(layout.order[0], layout.order[1])  # each row its own order
+        assert padded or named_plan or not torch.equal(layout.order[0], layout.order[1])  # each row its own order
+        assert layout.placement == ("documents" if planned else "striped" if padded else "headtail")
     shifted = hf.shift_labels(labels)
     tok, pos, lab, am = shard_batch((tokens, positions, shifted, mask), mesh, layout=layout)
     got = cp(input_ids=tok, position_ids=pos, labels=lab, shift_labels=lab,
              num_items_in_batch=(shifted != -100).sum(), use_cache=False, **({"attention_mask": am} if kw else {}),
-             **({"cp_layout": layout} if planned else {}))
+             **({"cp_layout": layout} if planned or named_plan else {}))
     got.loss.backward()
     reduce_gradients(cp, mesh)
     loss = got.loss.detach().clone()
@@ -141,9 +143,77 @@ def _masked(plain, mesh, case: str) -> dict:
                 grads=sorted(grads) == sorted(ref_grads) and max(rel_err(grads[n], ref_grads[n]) for n in ref_grads))
 
 
+def _dynamic_batch(dp: int):
+    """dp ranks' rows of packed documents [dp * B, N] (tokens, positions, shifted labels), some ignored labels."""
+    lengths = [[24], [3, 14, 7], [2, 3, 19], [10, 5, 9], [20, 4], [1, 1, 22], [12, 12], [6, 18]]
+    g = torch.Generator().manual_seed(11)
+    tokens = torch.randint(3, V, (dp * B, N), generator=g)
+    positions = torch.stack([torch.cat([torch.arange(x) for x in row]) for row in lengths[:dp * B]])
+    labels = tokens.clone()
+    labels[1, :4] = -100
+    return tokens, positions, hf.shift_labels(labels)
+
+
+def _dynamic(plain, world: int, cp: int) -> dict:
+    """shard_batch(..., dynamic=True): one plan of the global batch (every dp rank's rows end to end) over the
+    dp x cp grid (cp 1: a 1-D mesh, every rank its own rows), the model over the flattened mesh with it; against
+    CP=1 on the global batch's rows (Note [DSA over a dynamic plan]: each query's index row CP=1's): the index sets,
+    the loss (summed over the global count), the logits, every gradient (summed over the grid)."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from cp_dtensor._compat import mesh_flatten
+
+    dp, rank = world // cp, torch.distributed.get_rank()
+    grid = init_device_mesh("cpu", (world,)) if cp == 1 else init_device_mesh("cpu", (dp, cp), mesh_dim_names=(
+        "dp", "cp"))
+    flat = grid if cp == 1 else mesh_flatten(grid)
+    tokens, positions, shifted = _dynamic_batch(dp)
+    count = (shifted != -100).sum()
+
+    def loss_of(logits, labels):
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum", ignore_index=-100) / count
+
+    ref = copy.deepcopy(plain)
+    ref_picks = _record(ref)
+    want = ref(input_ids=tokens, position_ids=positions, use_cache=False).logits
+    want_loss = loss_of(want, shifted)
+    want_loss.backward()
+    mine = slice(rank // cp * B, rank // cp * B + B)  # this dp rank's rows
+    (tok, pos, lab), plan, mesh = shard_batch((tokens[mine], positions[mine], shifted[mine]), grid, layout="documents",
+                                              dynamic=True, position_ids=positions[mine])
+    cp_model = hf.apply_context_parallel(copy.deepcopy(plain), flat, layout="documents")
+    picks, by_rows = [], sparse._by_rows
+
+    def record(*args, **kwargs):  # the grouped indexer's picks [1, S, K], global positions
+        picks.append(by_rows(*args, **kwargs))
+        return picks[-1]
+
+    sparse._by_rows = record
+    try:
+        got = cp_model(input_ids=tok, position_ids=pos, use_cache=False, cp_layout=plan).logits
+    finally:
+        sparse._by_rows = by_rows
+    loss = loss_of(got, lab)
+    loss.backward()
+    reduce_gradients(cp_model, flat)
+    loss = loss.detach().clone()
+    torch.distributed.all_reduce(loss, group=flat.get_group())
+    logits = unshard_batch(got.detach().contiguous(), mesh, layout=plan).view(dp * B, N, -1)
+    start = (torch.arange(dp * B) * N)[:, None, None]  # each row's first global position
+    picks = [unshard_batch(p.contiguous(), mesh, layout=plan).view(dp * B, N, -1).long() - start for p in picks]
+    valid = [torch.gather(_allowed(positions, None, "packed"), -1, p.long()) for p in ref_picks]
+    grads = {n: p.grad for n, p in cp_model.named_parameters() if p.grad is not None}
+    ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    return dict(picks=len(picks) == len(ref_picks) and plan.cp_size == world and all(
+                    torch.equal(a[v], b.long()[v]) for a, b, v in zip(picks, ref_picks, valid)),
+                loss=abs(loss.item() - want_loss.item()) / abs(want_loss.item()), logits=rel_err(logits, want.detach()),
+                grads=sorted(grads) == sorted(ref_grads) and max(rel_err(grads[n], ref_grads[n]) for n in ref_grads))
+
+
 def _allowed(positions, mask, case: str) -> torch.Tensor:
     """[B, N, N]: the keys each query sees at CP=1 (causal; the pads masked, or the own document only)."""
-    causal = torch.ones(N, N, dtype=torch.bool).tril()[None].expand(B, -1, -1)
+    causal = torch.ones(N, N, dtype=torch.bool).tril()[None].expand(positions.shape[0], -1, -1)
     if "padded" in case:
         return causal & mask.bool()[:, None, :]
     docs = (torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1) != 1).cumsum(-1)
@@ -183,8 +253,9 @@ def _ranks(rank, world):
                 else "left"
         if impl != "sdpa":
             continue
-        for case in ("padded", "packed", "documents", "documents padded"):
+        for case in ("padded", "packed", "documents", "documents padded", "packed plan", "padded plan"):
             out[kind, case] = _masked(plain, mesh, case)
+        out[kind, "dynamic"] = _dynamic(plain, world, 1)  # the 1-D mesh: every rank brings its own rows
         # what the scheme does not serve: refused on every rank, before any row moves
         tokens, positions, _ = _batch()
         tok, pos = shard_batch((tokens, positions), mesh, layout="headtail")
@@ -193,9 +264,9 @@ def _ranks(rank, world):
         kernel = copy.deepcopy(plain)
         kernel.config._attn_implementation_internal = "kernels-community/flash-mla"  # as loaded with that kernel
         out[kind, "flash-mla"] = _raises(lambda: hf.apply_context_parallel(kernel, mesh), "flash-mla")
-        plan = plan_batch(cp, position_ids=positions)  # a plan in a named layout (its order is the layout's)
+        plan = plan_batch(cp, position_ids=_dynamic_batch(1)[1])  # a named layout's plan of another batch
         out[kind, "named plan"] = _raises(lambda: cp(input_ids=tok, position_ids=pos, use_cache=False, cp_layout=plan),
-                                          "under layout='documents' only")
+                                          "built for another batch")
         docs = hf.apply_context_parallel(copy.deepcopy(plain), mesh, layout="documents")  # and none in documents
         out[kind, "no plan"] = _raises(lambda: docs(input_ids=tok, position_ids=pos, use_cache=False), "plan_batch")
         for m in sparse.dsa_layers(cp):  # what a config with attention_dropout=0.1 builds
@@ -425,6 +496,24 @@ def test_dsa_cp2():
 @pytest.mark.skipif(not SLOW, reason="slow tier (CP_DTENSOR_SLOW=1)")
 def test_dsa_cp3():
     _check(3)
+
+
+def _dynamic_ranks(rank, world):
+    out = {kind: _dynamic(_model(kind), world, 2) for kind in FAMILIES}
+    out["deepseek_v32 ties"] = _dynamic(_model("deepseek_v32", ties=True), world, 2)  # every index score tied
+    return out
+
+
+@pytest.mark.skipif(not SLOW, reason="slow tier (CP_DTENSOR_SLOW=1)")
+def test_dsa_dynamic_dp2_cp2():
+    """shard_batch(..., dynamic=True) on a dp 2 x cp 2 grid (4 ranks): both families and the all-ties model against
+    CP=1 on the global batch (the default tier runs the 1-D grid of 2 and, slow, 3 ranks inside test_dsa_cp2 / cp3)."""
+    results = run_ranks(4, _dynamic_ranks, timeout=600)
+    assert all(r == results[0] for r in results)
+    for kind, got in results[0].items():
+        assert got["picks"], (kind, "the selected index sets differ from CP=1's")
+        assert got["loss"] <= TOL and got["logits"] <= TOL and got["grads"] is not False and got["grads"] <= TOL, \
+            (kind, got)
 
 
 def test_dsa_generate_cp2():
