@@ -35,24 +35,9 @@ short documents whole on one rank, long ones cut). Which keys a rank's queries s
 latent row and where it lands all follow from it, so the documents layout is served by the same code; its
 plan is checked against the batch (``plan_error``, Note [A plan fits its batch]) in the first layer's
 agreement, and the rows' masks come from the position ids and padding gathered in the plan's order by the
-same rule.
-
-Note [DSA over a dynamic plan]
-~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-A dynamic plan (``shard_batch(..., dynamic=True)``, the Trainer's ``dynamic=True``: Note [One plan over the
-grid] in core/dynamic.py) lays every dp rank's rows end to end as one row and places it over the dp x cp grid;
-the model runs over the flattened mesh with it, and steps 1-3 above serve it as any plan. One thing differs
-from CP=1: CP=1 scores a query against its own row of ``L`` keys, the plan's row is ``dp * B * L`` long, and
-``topk`` breaks ties (index scores ReLU makes exactly 0: frequent with few index heads) by its own rule over
-the whole row, so a longer row of the same documents can pick other keys among the tied ones (measured: 7e-2
-in the logits of a tiny model at CP=1 alone, the same rows scored as [4, 24] and as [1, 96]). So the plan
-carries the rows' length (``DocumentLayout.row_len``) and ``_by_rows`` groups this rank's queries by the row
-they came from, hands the family's indexer one row of ``L`` keys per group (the keys exchanged as in step 1,
-each row cut from the global one), and maps the picks back to global positions: each query's index row is
-CP=1's, value for value, so ``topk`` picks CP=1's keys, ties included.
-
-A plan under a named layout (``plan_batch`` of a model in a named layout: the layout's order, the batch's
-documents) is served the same way: its order is the layout's, its documents checked against the batch alike.
+same rule. A plan under a named layout (``plan_batch`` of a model in a named layout: the layout's order, the
+batch's documents) is served the same way. Each query's index row has CP=1's length:
+Note [DSA rows of CP=1's length].
 
 GLM-MoE-DSA's ``"shared"`` layers reuse the previous full layer's indices: under CP those are the global
 indices step 1 returned, so they reuse them alike. generate() decodes from the sharded cache: Note [DSA
@@ -84,6 +69,7 @@ from .._compat import all_gather_single
 from ..core.agreement import agree_on_call
 from ..core.plan.layout import global_order
 from .documents import documents_of, plan_error
+from .sparse_rows import by_rows, row_lengths
 
 __all__ = ["FAMILIES", "dsa_layers", "door_error", "enable_sparse", "exchange_plan", "row_orders", "seen_keys"]
 
@@ -134,46 +120,6 @@ class _Gathered:
         every[self.rank] = k
         every = every.permute(1, 0, 2, 3).reshape(b, world * s, d)  # rank-major
         return every.gather(1, torch.argsort(order, dim=1)[..., None].expand(-1, -1, d))  # [B, N, D], global order
-
-
-class _RowKeys:
-    """The indexer's ``cache`` in :func:`_by_rows`: ``update_indexer`` takes the keys of this rank's queries
-    grouped by row ([R, M, D], ``grid`` / ``filled`` as there), exchanges them as :class:`_Gathered` does, and
-    hands back each group's whole row of keys [R, L, D]."""
-
-    def __init__(self, cache: _Gathered, grid: Tensor, filled: Tensor, rows: Tensor, seg: int, s: int):
-        self.cache, self.grid, self.filled, self.rows, self.seg, self.s = cache, grid, filled, rows, seg, s
-
-    def update_indexer(self, k: Tensor, layer_idx: int) -> Tensor:  # k: [R, M, D]
-        mine = k.new_zeros(1, self.s, k.shape[-1])
-        mine[0, self.grid[self.filled]] = k[self.filled]
-        every = self.cache.update_indexer(mine, layer_idx)  # [1, N, D] in global order
-        return every[0].view(-1, self.seg, k.shape[-1])[self.rows]
-
-
-def _by_rows(indexer: nn.Module, seg: int, mine: Tensor, hidden: Tensor, q_resid: Tensor, position_embeddings,
-             scored: Tensor, position_ids: Tensor, cache: _Gathered) -> Tensor:
-    """The indexer's picks [1, S, K] (global positions) for this rank's queries ``mine`` [1, S] of a plan whose
-    one row lays rows of ``seg`` tokens end to end: each query scored over its own row only, as CP=1 scores
-    it. See Note [DSA over a dynamic plan]."""
-    s, dev = mine.shape[1], mine.device
-    row = mine[0] // seg  # [S]: the row each query came from
-    rows, inv, counts = torch.unique(row, return_inverse=True, return_counts=True)  # R rows, counts [R]
-    by = torch.argsort(inv, stable=True)  # [S]: the queries grouped by row
-    col = torch.arange(s, device=dev) - (torch.cumsum(counts, 0) - counts)[inv[by]]
-    grid = torch.zeros(rows.numel(), int(counts.max()), dtype=torch.long, device=dev)  # [R, M]: local slots
-    filled = torch.zeros(grid.shape, dtype=torch.bool, device=dev)
-    grid[inv[by], col], filled[inv[by], col] = by, True
-    cols = rows[:, None, None] * seg + torch.arange(seg, device=dev)  # [R, 1, L]: each row's global keys
-    mask = scored[0][grid].gather(-1, cols.expand(-1, grid.shape[1], -1))  # [R, M, L]
-    if mask.dtype == torch.bool:  # the groups' padding slots see nothing (their picks are dropped)
-        mask = mask & filled[..., None]
-    cos, sin = position_embeddings
-    picks = indexer(hidden[0][grid], q_resid[0][grid], (cos[0][grid], sin[0][grid]), mask, position_ids[0][grid],
-                    cache=_RowKeys(cache, grid, filled, rows, seg, s))  # [R, M, K]: positions in the row
-    out = picks.new_zeros(1, s, picks.shape[-1])
-    out[0, grid[filled]] = (picks + (rows[:, None, None] * seg).to(picks.dtype))[filled]
-    return out
 
 
 def row_orders(order: Tensor, bsz: int) -> Tensor:
@@ -327,7 +273,8 @@ def _forward(module: nn.Module, state, derive, generating, hidden_states: Tensor
                             "plan key": state.plan.key if planned and err is None else 0}, group,
                       what="cp_dtensor.hf (DeepSeek Sparse Attention)")
         order = _order(state, world, n, bsz, hidden_states.device)
-        state.last = (("dsa",), _rows_of(state, derive, position_ids, attention_mask, hidden_states, order))
+        state.last = (("dsa",), _rows_of(state, derive, position_ids, attention_mask, hidden_states, order),
+                      row_lengths(state, order, planned, bsz, s, gather_rows))
     elif err is not None:  # a later layer's: from the model and the call, the same on every rank
         raise ValueError(err)
     order = _order(state, world, n, bsz, hidden_states.device)  # [B, N]
@@ -346,10 +293,10 @@ def _forward(module: nn.Module, state, derive, generating, hidden_states: Tensor
     q_resid, query, k_pass, k_rot = project(module, hidden_states, position_embeddings)
     if module.indexer is not None:  # 1. the global top-k (GLM's "shared" layers reuse the previous one's)
         cache = _Gathered(group, order, rank, seen_keys(order, world, bsz, rows))
-        seg = getattr(state.plan, "row_len", 0) if planned else 0
-        if 0 < seg < n:  # a dynamic plan lays the batch's rows end to end: Note [DSA over a dynamic plan]
-            picks = _by_rows(module.indexer, seg, mine, hidden_states, q_resid, position_embeddings, scored,
-                             position_ids, cache)
+        seg, lens = state.last[2]
+        if seg < n or bool((lens < seg).any()):  # rows end to end, or CP's padding: Note [DSA rows of CP=1's length]
+            picks = by_rows(module.indexer, seg, lens, mine, hidden_states, q_resid, position_embeddings, scored,
+                            position_ids, cache)
         else:
             picks = module.indexer(hidden_states, q_resid, position_embeddings, scored, position_ids,
                                    cache=cache)  # [B, S, K] global positions

@@ -157,7 +157,7 @@ def _dynamic_batch(dp: int):
 def _dynamic(plain, world: int, cp: int) -> dict:
     """shard_batch(..., dynamic=True): one plan of the global batch (every dp rank's rows end to end) over the
     dp x cp grid (cp 1: a 1-D mesh, every rank its own rows), the model over the flattened mesh with it; against
-    CP=1 on the global batch's rows (Note [DSA over a dynamic plan]: each query's index row CP=1's): the index sets,
+    CP=1 on the global batch's rows (Note [DSA rows of CP=1's length]: each query's index row CP=1's): the index sets,
     the loss (summed over the global count), the logits, every gradient (summed over the grid)."""
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
@@ -183,17 +183,17 @@ def _dynamic(plain, world: int, cp: int) -> dict:
     (tok, pos, lab), plan, mesh = shard_batch((tokens[mine], positions[mine], shifted[mine]), grid, layout="documents",
                                               dynamic=True, position_ids=positions[mine])
     cp_model = hf.apply_context_parallel(copy.deepcopy(plain), flat, layout="documents")
-    picks, by_rows = [], sparse._by_rows
+    picks, by_rows = [], sparse.by_rows
 
     def record(*args, **kwargs):  # the grouped indexer's picks [1, S, K], global positions
         picks.append(by_rows(*args, **kwargs))
         return picks[-1]
 
-    sparse._by_rows = record
+    sparse.by_rows = record
     try:
         got = cp_model(input_ids=tok, position_ids=pos, use_cache=False, cp_layout=plan).logits
     finally:
-        sparse._by_rows = by_rows
+        sparse.by_rows = by_rows
     loss = loss_of(got, lab)
     loss.backward()
     reduce_gradients(cp_model, flat)
@@ -498,17 +498,49 @@ def test_dsa_cp3():
     _check(3)
 
 
-def _dynamic_ranks(rank, world):
-    out = {kind: _dynamic(_model(kind), world, 2) for kind in FAMILIES}
-    out["deepseek_v32 ties"] = _dynamic(_model("deepseek_v32", ties=True), world, 2)  # every index score tied
+def _dynamic_ranks(rank, world, cp: int):
+    """cp 2 (dp 2 x cp 2): shard_batch(dynamic=True) against CP=1 (both families, the all-ties model), then
+    with_context_parallel(Trainer, layout="documents", dynamic=True); cp 1: the plain Trainer on the 2 replicas."""
+    import tempfile
+
+    from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
+
+    from cp_dtensor.hf import with_context_parallel
+
+    out = {}
+    if cp > 1:
+        out = {kind: _dynamic(_model(kind), world, cp) for kind in FAMILIES}
+        out["deepseek_v32 ties"] = _dynamic(_model("deepseek_v32", ties=True), world, cp)  # every index score tied
+    _env(rank, world)
+    g = torch.Generator().manual_seed(2)
+    docs = [{"input_ids": torch.randint(3, V, (int(torch.randint(2, 21, (1,), generator=g)),), generator=g).tolist()}
+            for _ in range(18)]  # 3 a row: each replica's rows of another length (padded to the longest over the grid)
+    for kind in FAMILIES:
+        args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=3, max_steps=3,
+                                 logging_steps=1, report_to=[], save_strategy="no", learning_rate=1e-2, use_cpu=True,
+                                 disable_tqdm=True, seed=0, data_seed=0)
+        cls = with_context_parallel(Trainer, cp_size=cp, layout="documents", dynamic=True) if cp > 1 else Trainer
+        trainer = cls(model=_model(kind), args=args, train_dataset=docs, data_collator=DataCollatorWithFlattening())
+        trainer.train()
+        out[kind, "trainer"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        out[kind, "planned over"] = getattr(getattr(trainer, "_cp_meta", None), "plan", None) is not None and \
+            trainer._cp_meta.plan.cp_size
     return out
 
 
-@pytest.mark.skipif(not SLOW, reason="slow tier (CP_DTENSOR_SLOW=1)")
+@pytest.mark.skipif(not SLOW, reason="slow tier (CP_DTENSOR_SLOW=1): 4 + 2 ranks, ~20 s")
 def test_dsa_dynamic_dp2_cp2():
-    """shard_batch(..., dynamic=True) on a dp 2 x cp 2 grid (4 ranks): both families and the all-ties model against
-    CP=1 on the global batch (the default tier runs the 1-D grid of 2 and, slow, 3 ranks inside test_dsa_cp2 / cp3)."""
-    results = run_ranks(4, _dynamic_ranks, timeout=600)
+    """dynamic CP on a dp 2 x cp 2 grid (4 ranks): shard_batch(..., dynamic=True) with both families and the
+    all-ties model against CP=1 on the global batch (the default tier runs the 1-D grid of 2 ranks inside
+    test_dsa_cp2, the slow one of 3 in test_dsa_cp3); with_context_parallel(Trainer, layout="documents",
+    dynamic=True) on packed documents logs the plain Trainer's losses on the 2 replicas (within 1e-4)."""
+    results = run_ranks(4, _dynamic_ranks, 2, timeout=600)
+    want = run_ranks(2, _dynamic_ranks, 1, timeout=600)[0]
+    for kind in FAMILIES:
+        for r in results:
+            got, ref = r.pop((kind, "trainer")), want[kind, "trainer"]
+            assert len(got) == len(ref) == 3 and max(abs(a - b) for a, b in zip(got, ref)) <= 1e-4, (kind, got, ref)
+            assert r.pop((kind, "planned over")) == 4
     assert all(r == results[0] for r in results)
     for kind, got in results[0].items():
         assert got["picks"], (kind, "the selected index sets differ from CP=1's")
@@ -551,31 +583,53 @@ def test_exchange_plan_requests_only_rows_held_elsewhere():
     assert rows.tolist() == [2, 3, 8 + 0, 8 + 7] and owners.tolist() == [1, 1, 1, 1]
 
 
-def _trainer_ranks(rank, world, cp: bool) -> dict:
-    """transformers' Trainer, 3 steps of fixed-length rows, or of packed documents (DataCollatorWithFlattening):
-    plain (one process) or with_context_parallel (headtail; the packed documents also under layout="documents")."""
+def _env(rank: int, world: int) -> None:
     import os
-    import tempfile
-
-    from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments, default_data_collator
-
-    from cp_dtensor.hf import with_context_parallel
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")  # what torchrun sets; accelerate reads it
+
+
+def _trainer_ranks(rank, world, cp: bool) -> dict:
+    """transformers' Trainer, 3 steps of fixed-length rows, of packed documents (DataCollatorWithFlattening), or of
+    padded rows (DataCollatorForLanguageModeling, right or left padding, CP's own padding after it): plain (one
+    process) or with_context_parallel (headtail / striped; packed documents and left padding also under
+    layout="documents")."""
+    import tempfile
+
+    from test_hf_trainer import _tokenizer
+    from transformers import (
+        DataCollatorForLanguageModeling,
+        DataCollatorWithFlattening,
+        Trainer,
+        TrainingArguments,
+        default_data_collator,
+    )
+
+    from cp_dtensor.hf import with_context_parallel
+
+    _env(rank, world)
     g = torch.Generator().manual_seed(1)
     rows = [{"input_ids": ids, "labels": list(ids)} for ids in (torch.randint(3, V, (N,), generator=g).tolist()
                                                                 for _ in range(12))]
     docs = [{"input_ids": torch.randint(3, V, (int(torch.randint(2, 10, (1,), generator=g)),), generator=g).tolist()}
             for _ in range(16)]  # packed by the collator into rows of 4 documents, often of odd length (CP pads)
+    texts = [{"input_ids": torch.randint(3, V, (int(torch.randint(6, 21, (1,), generator=g)),), generator=g).tolist()}
+             for _ in range(12)]  # rows of 6..20 tokens, padded to each batch's longest, then by CP to its layout's unit
     out = {}
     for kind, packed, layout in [(k, p, "headtail") for k in FAMILIES for p in (False, True)] + [
-            ("deepseek_v32", True, "documents")]:  # the collator plans each packed batch (layout="documents")
+            ("deepseek_v32", True, "documents"),  # the collator plans each packed batch (layout="documents")
+            ("deepseek_v32", "right", "headtail"), ("glm_moe_dsa", "left", "striped"),
+            ("deepseek_v32", "left", "documents")]:  # padded rows (DataCollatorForLanguageModeling)
         args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=4, max_steps=3,
                                  logging_steps=1, report_to=[], save_strategy="no", learning_rate=1e-2, use_cpu=True,
                                  disable_tqdm=True, seed=0, data_seed=0)
         cls = with_context_parallel(Trainer, cp_size=world, layout=layout) if cp else Trainer
-        data, collator = (docs, DataCollatorWithFlattening()) if packed else (rows, default_data_collator)
+        data, collator = (docs, DataCollatorWithFlattening()) if packed is True else (rows, default_data_collator)
+        if isinstance(packed, str):
+            tokenizer = _tokenizer()
+            tokenizer.padding_side = packed
+            data, collator = texts, DataCollatorForLanguageModeling(tokenizer, mlm=False)
         trainer = cls(model=_model(kind), args=args, train_dataset=data, data_collator=collator)
         trainer.train()
         out[kind, packed, layout] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
