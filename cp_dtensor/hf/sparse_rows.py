@@ -17,9 +17,10 @@ scored as [4, 24] and as [1, 96] differ by 7e-2 in the logits). Two things give 
   (``state.real``); one all-gather puts it in global order and gives each row's length before it.
 
 So when either applies, ``by_rows`` scores each query over its own row only, cut to that row's length: the
-family's indexer first computes this rank's index keys (a one-column call; the keys exchanged once, step 1),
-then runs once per row length on this rank's queries grouped by row ([rows, queries, length]: no collective
-inside, the groups differ by rank), and the picks go back to global positions. Each query's index row is then
+family's indexer runs once per row length on this rank's queries grouped by row ([rows, queries, length]),
+the index keys exchanged once (step 1) -- inside that call when the rank's rows have one length (the static
+Trainer's padding), else before, from a first call that only computes them (rows of several lengths: a
+dynamic batch, whose replicas' rows differ) -- and the picks go back to global positions. Each query's index row is then
 CP=1's, value for value, so ``topk`` picks CP=1's keys, ties included. A CP padding token's own picks come
 from the cut row (nothing attends to it and its labels are ignored).
 """
@@ -44,17 +45,26 @@ def row_lengths(state, order: Tensor, planned: bool, bsz: int, s: int, gather_ro
     # a dynamic batch's real mask is None on a rank without CP padding: gather on every rank alike
     real = torch.ones(bsz, s, dtype=torch.bool) if state.real is None else state.real.to(order.device).bool()
     real = gather_rows(state.mesh.get_group(), world, (real if real.dim() == 2 else real[None]).expand(bsz, s), order)
-    return seg, real.view(-1, seg).sum(1)  # [B * N / L]
+    return seg, real.view(-1, seg).sum(1).clamp_(min=1)  # [B * N / L]
 
 
 class _Keys:
-    """An indexer ``cache`` that hands back fixed keys (:func:`by_rows`), or with ``keys=None`` keeps the keys
-    the indexer computed (``got``) and hands back their first column (a one-column call that only computes them)."""
+    """The indexer's ``cache`` in :func:`by_rows`: with ``keys`` [R', L', D], hands them back; with ``keys=None``
+    keeps the keys the indexer computed (``got``) and hands back their first column (a call that only computes
+    them); with ``exchange`` = (cache, slots, filled, rows, seg, length, B, S), puts the computed keys
+    [R', M, D] back in this rank's order, exchanges them (``cache``: hf/sparse.py's) and hands back the
+    group's rows cut to ``length``."""
 
-    def __init__(self, keys: Tensor | None = None):
-        self.keys, self.got = keys, None
+    def __init__(self, keys: Tensor | None = None, exchange: tuple | None = None):
+        self.keys, self.exchange, self.got = keys, exchange, None
 
     def update_indexer(self, k: Tensor, layer_idx: int) -> Tensor:
+        if self.exchange is not None:
+            cache, slots, filled, rows, seg, length, bsz, s = self.exchange
+            mine = k.new_zeros(bsz * s, k.shape[-1])
+            mine[slots[filled]] = k[filled]
+            every = cache.update_indexer(mine.view(bsz, s, -1), layer_idx)  # [B, N, D] in global order
+            return every.reshape(-1, seg, k.shape[-1])[rows, :length]
         if self.keys is None:
             self.got = k
             return k[:, :1]
@@ -62,24 +72,27 @@ class _Keys:
 
 
 def by_rows(indexer: nn.Module, seg: int, lens: Tensor, mine: Tensor, hidden: Tensor, q_resid: Tensor,
-             position_embeddings, scored: Tensor, position_ids: Tensor, cache) -> Tensor:
+            position_embeddings, scored: Tensor, position_ids: Tensor, cache) -> Tensor:
     """The indexer's picks [B, S, K] (global positions) for this rank's queries ``mine`` [B, S], each query scored
     over its own row of keys only, cut to that row's length (``lens``): the rows of ``seg`` tokens a plan's row
     lays end to end (``seg`` = N: the batch's rows), ``lens`` [B * N / seg] each row's tokens before CP's padding.
     ``scored`` [B, S, N]: the mask. See Note [DSA rows of CP=1's length]."""
     bsz, s = mine.shape
     n, dev = scored.shape[-1], mine.device
-    grab = _Keys()  # the rank's index keys [B, S, D], computed by the family's indexer, exchanged once
-    indexer(hidden, q_resid, position_embeddings, scored[..., :1], position_ids, cache=grab)
-    every = cache.update_indexer(grab.got, indexer.layer_idx)  # [B, N, D] in global order
-    every = every.reshape(-1, seg, every.shape[-1])  # [R, L, D]: row r = b * N / seg + g // seg
     row = (torch.arange(bsz, device=dev)[:, None] * (n // seg) + mine // seg).reshape(-1)  # [B * S]: each query's row
     base = (mine // seg * seg).reshape(-1)  # [B * S]: where its row starts in its mask row
+    lengths = torch.unique(lens[row]).tolist()
+    every = None  # one length on this rank: the one call exchanges the keys; several: a call that computes them first
+    if len(lengths) > 1:  # (either way one exchange a rank, the collective every rank calls once)
+        grab = _Keys()
+        indexer(hidden, q_resid, position_embeddings, scored[..., :1], position_ids, cache=grab)
+        every = cache.update_indexer(grab.got, indexer.layer_idx)  # [B, N, D] in global order
+        every = every.reshape(-1, seg, every.shape[-1])  # [R, L, D]: row r = b * N / seg + g // seg
     cos, sin = position_embeddings
     flat = [x.expand(bsz, s, *x.shape[2:]).reshape(bsz * s, *x.shape[2:])
             for x in (hidden, q_resid, cos, sin, position_ids, scored)]
     out = None
-    for length in torch.unique(lens[row]).tolist():  # one call a row length (no collective inside: ranks differ)
+    for length in lengths:  # one call a row length (no collective inside: the groups differ by rank)
         sel = torch.nonzero(lens[row] == length)[:, 0]  # [Q]: this group's queries
         rows, inv, counts = torch.unique(row[sel], return_inverse=True, return_counts=True)  # its rows
         by = torch.argsort(inv, stable=True)
@@ -91,7 +104,9 @@ def by_rows(indexer: nn.Module, seg: int, lens: Tensor, mine: Tensor, hidden: Te
         mask = mask.gather(-1, base[grid][..., None] + torch.arange(length, device=dev))  # [R', M, length]
         if mask.dtype == torch.bool:  # a group's padding slots see nothing (their picks are dropped)
             mask = mask & filled[..., None]
-        picks = indexer(h, qr, (c, sn), mask, pos, cache=_Keys(every[rows, :length]))  # [R', M, K] in the row
+        keys = _Keys(exchange=(cache, grid, filled, rows, seg, length, bsz, s)) if every is None else _Keys(
+            every[rows, :length])
+        picks = indexer(h, qr, (c, sn), mask, pos, cache=keys)  # [R', M, K]: positions in the row
         if out is None:
             out = picks.new_zeros(bsz * s, picks.shape[-1])
         out[grid[filled]] = (picks + base[grid][..., None].to(picks.dtype))[filled]
