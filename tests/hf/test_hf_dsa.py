@@ -211,15 +211,15 @@ def _dynamic(plain, world: int, cp: int) -> dict:
                 grads=sorted(grads) == sorted(ref_grads) and max(rel_err(grads[n], ref_grads[n]) for n in ref_grads))
 
 
-def _bf16(plain, mesh) -> dict:
-    """bf16 weights, and fp32 weights under bf16 autocast: CP (headtail) and CP=1 alike against the fp32 CP=1 run.
+def _bf16(plain, mesh, ref_loss, ref_logits) -> dict:
+    """bf16 weights, and fp32 weights under bf16 autocast: CP (headtail) and CP=1 alike against the fp32 CP=1 run
+    (``ref_loss``, ``ref_logits``).
     The first layer's picks (scored in fp32 from the embeddings) are CP=1's; later layers' index scores come from
     hidden states rounded in another order (the selected keys' attention), so a near-tie may flip there, as bf16
     CP=1 flips against fp32 (docs/transformers.md: 0.7 % of query rows vs 3 %); the loss and logits stay in CP=1's
     rounding class."""
     import contextlib
 
-    ref_loss, ref_logits, _, _ = _plain(copy.deepcopy(plain))
     out = {}
     for mode in ("weights", "autocast"):
         ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if mode == "autocast" else contextlib.nullcontext
@@ -275,11 +275,12 @@ def _ranks(rank, world):
                 else "left"
         if impl != "sdpa":
             continue
-        for case in ("padded", "packed", "documents", "documents padded", "packed plan", "padded plan"):
+        plan = "packed plan" if kind == "deepseek_v32" else "padded plan"  # a named layout's plan: one each
+        for case in ("padded", "packed", "documents", "documents padded", plan):
             out[kind, case] = _masked(plain, mesh, case)
         out[kind, "dynamic"] = _dynamic(plain, world, 1)  # the 1-D mesh: every rank brings its own rows
         if kind == "deepseek_v32":
-            out[kind, "bf16"] = _bf16(plain, mesh)
+            out[kind, "bf16"] = _bf16(plain, mesh, ref_loss, ref_logits)  # against the fp32 CP=1 run above
         # what the scheme does not serve: refused on every rank, before any row moves
         tokens, positions, _ = _batch()
         tok, pos = shard_batch((tokens, positions), mesh, layout="headtail")
