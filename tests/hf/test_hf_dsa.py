@@ -541,6 +541,7 @@ def _dynamic_ranks(rank, world, cp: int):
     if cp > 1:
         out = {kind: _dynamic(_model(kind), world, cp) for kind in FAMILIES}
         out["deepseek_v32 ties"] = _dynamic(_model("deepseek_v32", ties=True), world, cp)  # every index score tied
+        out["deepseek_v32 eager"] = _dynamic(_model("deepseek_v32", "eager"), world, cp)  # the additive mask
     _env(rank, world)
     g = torch.Generator().manual_seed(2)
     docs = [{"input_ids": torch.randint(3, V, (int(torch.randint(2, 21, (1,), generator=g)),), generator=g).tolist()}
@@ -560,8 +561,8 @@ def _dynamic_ranks(rank, world, cp: int):
 
 @pytest.mark.skipif(not SLOW, reason="slow tier (CP_DTENSOR_SLOW=1): 4 + 2 ranks, ~20 s")
 def test_dsa_dynamic_dp2_cp2():
-    """dynamic CP on a dp 2 x cp 2 grid (4 ranks): shard_batch(..., dynamic=True) with both families and the
-    all-ties model against CP=1 on the global batch (the default tier runs the 1-D grid of 2 ranks inside
+    """dynamic CP on a dp 2 x cp 2 grid (4 ranks): shard_batch(..., dynamic=True) with both families, the
+    all-ties model and the eager implementation against CP=1 on the global batch (the default tier runs the 1-D grid of 2 ranks inside
     test_dsa_cp2, the slow one of 3 in test_dsa_cp3); with_context_parallel(Trainer, layout="documents",
     dynamic=True) on packed documents logs the plain Trainer's losses on the 2 replicas (within 1e-4)."""
     results = run_ranks(4, _dynamic_ranks, 2, timeout=600)
