@@ -30,6 +30,7 @@ dp x cp, or ``reduce_gradients(model, dyn.mesh)``): both sum every token's loss 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 import torch
@@ -154,7 +155,7 @@ def shard_on_grid(batch, flat: DeviceMesh, cp: int, *, leaves: list[tuple[str, T
     b, n = ids.shape
     glob = torch.tensor([x for d in range(0, world, cp) for row in every[d] for x in row], dtype=torch.int64)
     gids = torch.repeat_interleave(torch.arange(glob.numel()), glob)[None]  # [1, dp * B * N]
-    plan = document_layout(gids, world, windows=windows)
+    plan = replace(document_layout(gids, world, windows=windows), row_len=n)  # n: the rows' length (DSA reads it)
     return DynamicBatch(rebuild(batch, _mover(plan, flat, rank, world, cp, b * n)), plan, flat)
 
 

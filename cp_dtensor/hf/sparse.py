@@ -35,7 +35,9 @@ short documents whole on one rank, long ones cut). Which keys a rank's queries s
 latent row and where it lands all follow from it, so the documents layout is served by the same code; its
 plan is checked against the batch (``plan_error``, Note [A plan fits its batch]) in the first layer's
 agreement, and the rows' masks come from the position ids and padding gathered in the plan's order by the
-same rule. A plan under a named layout is refused (its order is the layout's: drop ``cp_layout=``).
+same rule. A plan under a named layout (``plan_batch`` of a model in a named layout: the layout's order, the
+batch's documents) is served the same way. Each query's index row has CP=1's length:
+Note [DSA rows of CP=1's length].
 
 GLM-MoE-DSA's ``"shared"`` layers reuse the previous full layer's indices: under CP those are the global
 indices step 1 returned, so they reuse them alike. generate() decodes from the sharded cache: Note [DSA
@@ -68,6 +70,7 @@ from ..core.agreement import agree_on_call
 from ..core.plan.layout import global_order
 from .documents import documents_of, plan_error
 from .pads import sparse_pad_error
+from .sparse_rows import by_rows, row_lengths
 
 __all__ = ["FAMILIES", "dsa_layers", "door_error", "enable_sparse", "exchange_plan", "row_orders", "seen_keys"]
 
@@ -202,9 +205,6 @@ def _call_error(module: nn.Module, state, attention_mask, cache, position_ids, k
     if kwargs.get("document_ids") is not None:
         return (f"DeepSeek Sparse Attention under CP takes no document_ids=: its documents are the position ids' "
                 f"(restarting at 0), as at CP=1. {_SEE}")
-    if state.plan is not None and state.layout != "documents":
-        return (f"DeepSeek Sparse Attention under CP takes cp_layout= (the batch's plan) under layout='documents' "
-                f"only; the model runs layout={state.layout!r}. Drop cp_layout=. {_SEE}")
     if position_ids is None or position_ids.dim() != 2:
         return ("context parallel attention needs position_ids [B, S_local] (the global positions, sharded like the "
                 "tokens by cp_dtensor.shard_batch).")
@@ -235,7 +235,8 @@ def _rows_of(state, derive, position_ids, attention_mask, probe, order: Tensor) 
     b, s = probe.shape[:2]
     mask = None if attention_mask is None else attention_mask[:, -s:]
     group, world = state.mesh.get_group(), state.mesh.size()
-    if state.layout == "documents":  # the positions and padding put in global order by the plan, the one rule
+    planned = state.plan is not None or state.layout == "documents"
+    if planned:  # the positions and padding put in global order by the plan, the one rule
         real = None if mask is None else gather_rows(group, world, mask, order).bool()
         full, err = documents_of(gather_rows(group, world, position_ids.expand(b, -1), order), real)
     else:  # a named layout: hf/attention.py's gather and rule
@@ -247,7 +248,7 @@ def _rows_of(state, derive, position_ids, attention_mask, probe, order: Tensor) 
         return None
     if mask is not None:
         return "real", real if real is not None else real_mask(group, world, mask, order, b, s, probe.device)
-    return "documents", full if state.layout == "documents" else gather_rows(group, world, full, order)
+    return "documents", full if planned else gather_rows(group, world, full, order)
 
 
 @torch.compiler.disable(reason="DeepSeek Sparse Attention under CP runs eagerly (Note [Compiled HF models] in "
@@ -264,7 +265,7 @@ def _forward(module: nn.Module, state, derive, generating, hidden_states: Tensor
     rank, world = mesh.get_local_rank(), mesh.size()
     bsz, s = hidden_states.shape[:2]
     n = s * world
-    planned = state.layout == "documents"  # each row in its plan's order (cp_layout=), checked below
+    planned = state.layout == "documents" or state.plan is not None  # the batch's plan (cp_layout=), checked below
     if state.last is None:  # the forward's first layer (a recomputation finds it set): every rank raises the same
         # error before anything moves, then the rows' masks from the global batch (gathers of positions and masks)
         if err is None and planned:  # the batch's plan, and that it fits the batch: Note [A plan fits its batch]
@@ -273,7 +274,8 @@ def _forward(module: nn.Module, state, derive, generating, hidden_states: Tensor
                             "plan key": state.plan.key if planned and err is None else 0}, group,
                       what="cp_dtensor.hf (DeepSeek Sparse Attention)")
         order = _order(state, world, n, bsz, hidden_states.device)
-        state.last = (("dsa",), _rows_of(state, derive, position_ids, attention_mask, hidden_states, order))
+        state.last = (("dsa",), _rows_of(state, derive, position_ids, attention_mask, hidden_states, order),
+                      row_lengths(state, order, planned, bsz, s, gather_rows))
         if state.uniform_pads and state.last[1] is not None and state.last[1][0] == "real":  # Note [Scored pads]
             err = sparse_pad_error(state, state.last[1][1], order[:, rank * s:(rank + 1) * s], group)
             if err is not None:  # the same on every rank
@@ -295,9 +297,14 @@ def _forward(module: nn.Module, state, derive, generating, hidden_states: Tensor
             ~allowed, torch.finfo(hidden_states.dtype).min)
     q_resid, query, k_pass, k_rot = project(module, hidden_states, position_embeddings)
     if module.indexer is not None:  # 1. the global top-k (GLM's "shared" layers reuse the previous one's)
-        seen = seen_keys(order, world, bsz, rows)
-        picks = module.indexer(hidden_states, q_resid, position_embeddings, scored, position_ids,
-                               cache=_Gathered(group, order, rank, seen))  # [B, S, K] global positions
+        cache = _Gathered(group, order, rank, seen_keys(order, world, bsz, rows))
+        seg, lens = state.last[2]
+        if seg < n or bool((lens < seg).any()):  # rows end to end, or CP's padding: Note [DSA rows of CP=1's length]
+            picks = by_rows(module.indexer, seg, lens, mine, hidden_states, q_resid, position_embeddings, scored,
+                            position_ids, cache)
+        else:
+            picks = module.indexer(hidden_states, q_resid, position_embeddings, scored, position_ids,
+                                   cache=cache)  # [B, S, K] global positions
     else:
         if prev_topk_indices is None:
             raise ValueError("Shared DSA layers require top-k indices from a previous full indexer layer.")
@@ -308,8 +315,9 @@ def _forward(module: nn.Module, state, derive, generating, hidden_states: Tensor
 
 
 def _order(state, world: int, n: int, bsz: int, dev) -> Tensor:
-    """[B, N] (:func:`row_orders`): the batch's plan's order under layout="documents", else the named layout's."""
-    if state.layout == "documents":
+    """[B, N] (:func:`row_orders`): the batch's plan's order (layout="documents", or a named layout's plan: that
+    layout's order), else the named layout's."""
+    if state.plan is not None or state.layout == "documents":
         return state.plan.order.to(dev)
     return global_order(state.layout, world, n).to(dev).expand(bsz, -1)
 

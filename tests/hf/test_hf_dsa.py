@@ -94,16 +94,17 @@ def _masked(plain, mesh, case: str) -> dict:
     """"padded": row 0 left-padded by 5, row 1 right-padded by 3 (labels -100 there), striped; "packed": row 0 two
     documents, row 1 three (position ids that restart), headtail; "documents": documents of unequal lengths (3, 14,
     7 and 10, 5, 9) under layout="documents" (each row in its plan's order, short documents whole on a rank);
-    "documents padded": the padded batch under layout="documents". The logits (pad rows too: a left-pad row sees
+    "documents padded": the padded batch under layout="documents"; "packed plan" / "padded plan": those batches
+    with their plan under the named layout (plan_batch of a headtail / striped model, cp_layout=). The logits (pad rows too: a left-pad row sees
     no key, as at CP=1), every gradient and the loss against CP=1 with the same mask or positions."""
     tokens, positions, labels = _batch()
     mask, layout = torch.ones(B, N, dtype=torch.long), "striped"
-    padded, planned = "padded" in case, case.startswith("documents")
+    padded, planned, named_plan = "padded" in case, case.startswith("documents"), case.endswith("plan")
     if padded:
         mask[0, :5] = 0
         mask[1, -3:] = 0
         labels = labels.masked_fill(mask == 0, -100)
-    elif case == "packed":
+    elif case.startswith("packed"):
         positions = torch.stack([torch.cat([torch.arange(10), torch.arange(N - 10)]),
                                  torch.cat([torch.arange(7), torch.arange(9), torch.arange(N - 16)])])
         layout = "headtail"
@@ -118,14 +119,15 @@ def _masked(plain, mesh, case: str) -> dict:
     model = copy.deepcopy(plain)
     got_picks = _record(model)
     cp = hf.apply_context_parallel(model, mesh, layout="documents" if planned else layout)
-    if planned:  # the batch's plan, from the full batch: Note [One plan per batch in transformers]
+    if planned or named_plan:  # the batch's plan, from the full batch: Note [One plan per batch in transformers]
         layout = plan_batch(cp, position_ids=positions, **kw)
-        assert padded or not torch.equal(layout.order[0], layout.order[1])  # each row its own order
+        assert padded or named_plan or not torch.equal(layout.order[0], layout.order[1])  # each row its own order
+        assert layout.placement == ("documents" if planned else "striped" if padded else "headtail")
     shifted = hf.shift_labels(labels)
     tok, pos, lab, am = shard_batch((tokens, positions, shifted, mask), mesh, layout=layout)
     got = cp(input_ids=tok, position_ids=pos, labels=lab, shift_labels=lab,
              num_items_in_batch=(shifted != -100).sum(), use_cache=False, **({"attention_mask": am} if kw else {}),
-             **({"cp_layout": layout} if planned else {}))
+             **({"cp_layout": layout} if planned or named_plan else {}))
     got.loss.backward()
     reduce_gradients(cp, mesh)
     loss = got.loss.detach().clone()
@@ -141,9 +143,99 @@ def _masked(plain, mesh, case: str) -> dict:
                 grads=sorted(grads) == sorted(ref_grads) and max(rel_err(grads[n], ref_grads[n]) for n in ref_grads))
 
 
+def _dynamic_batch(dp: int):
+    """dp ranks' rows of packed documents [dp * B, N] (tokens, positions, shifted labels), some ignored labels."""
+    lengths = [[24], [3, 14, 7], [2, 3, 19], [10, 5, 9], [20, 4], [1, 1, 22], [12, 12], [6, 18]]
+    g = torch.Generator().manual_seed(11)
+    tokens = torch.randint(3, V, (dp * B, N), generator=g)
+    positions = torch.stack([torch.cat([torch.arange(x) for x in row]) for row in lengths[:dp * B]])
+    labels = tokens.clone()
+    labels[1, :4] = -100
+    return tokens, positions, hf.shift_labels(labels)
+
+
+def _dynamic(plain, world: int, cp: int) -> dict:
+    """shard_batch(..., dynamic=True): one plan of the global batch (every dp rank's rows end to end) over the
+    dp x cp grid (cp 1: a 1-D mesh, every rank its own rows), the model over the flattened mesh with it; against
+    CP=1 on the global batch's rows (Note [DSA rows of CP=1's length]: each query's index row CP=1's): the index sets,
+    the loss (summed over the global count), the logits, every gradient (summed over the grid)."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from cp_dtensor._compat import mesh_flatten
+
+    dp, rank = world // cp, torch.distributed.get_rank()
+    grid = init_device_mesh("cpu", (world,)) if cp == 1 else init_device_mesh("cpu", (dp, cp), mesh_dim_names=(
+        "dp", "cp"))
+    flat = grid if cp == 1 else mesh_flatten(grid)
+    tokens, positions, shifted = _dynamic_batch(dp)
+    count = (shifted != -100).sum()
+
+    def loss_of(logits, labels):
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum", ignore_index=-100) / count
+
+    ref = copy.deepcopy(plain)
+    ref_picks = _record(ref)
+    want = ref(input_ids=tokens, position_ids=positions, use_cache=False).logits
+    want_loss = loss_of(want, shifted)
+    want_loss.backward()
+    mine = slice(rank // cp * B, rank // cp * B + B)  # this dp rank's rows
+    (tok, pos, lab), plan, mesh = shard_batch((tokens[mine], positions[mine], shifted[mine]), grid, layout="documents",
+                                              dynamic=True, position_ids=positions[mine])
+    cp_model = hf.apply_context_parallel(copy.deepcopy(plain), flat, layout="documents")
+    picks, by_rows = [], sparse.by_rows
+
+    def record(*args, **kwargs):  # the grouped indexer's picks [1, S, K], global positions
+        picks.append(by_rows(*args, **kwargs))
+        return picks[-1]
+
+    sparse.by_rows = record
+    try:
+        got = cp_model(input_ids=tok, position_ids=pos, use_cache=False, cp_layout=plan).logits
+    finally:
+        sparse.by_rows = by_rows
+    loss = loss_of(got, lab)
+    loss.backward()
+    reduce_gradients(cp_model, flat)
+    loss = loss.detach().clone()
+    torch.distributed.all_reduce(loss, group=flat.get_group())
+    logits = unshard_batch(got.detach().contiguous(), mesh, layout=plan).view(dp * B, N, -1)
+    start = (torch.arange(dp * B) * N)[:, None, None]  # each row's first global position
+    picks = [unshard_batch(p.contiguous(), mesh, layout=plan).view(dp * B, N, -1).long() - start for p in picks]
+    valid = [torch.gather(_allowed(positions, None, "packed"), -1, p.long()) for p in ref_picks]
+    grads = {n: p.grad for n, p in cp_model.named_parameters() if p.grad is not None}
+    ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    return dict(picks=len(picks) == len(ref_picks) and plan.cp_size == world and all(
+                    torch.equal(a[v], b.long()[v]) for a, b, v in zip(picks, ref_picks, valid)),
+                loss=abs(loss.item() - want_loss.item()) / abs(want_loss.item()), logits=rel_err(logits, want.detach()),
+                grads=sorted(grads) == sorted(ref_grads) and max(rel_err(grads[n], ref_grads[n]) for n in ref_grads))
+
+
+def _bf16(plain, mesh, ref_loss, ref_logits) -> dict:
+    """bf16 weights, and fp32 weights under bf16 autocast: CP (headtail) and CP=1 alike against the fp32 CP=1 run
+    (``ref_loss``, ``ref_logits``).
+    The first layer's picks (scored in fp32 from the embeddings) are CP=1's; later layers' index scores come from
+    hidden states rounded in another order (the selected keys' attention), so a near-tie may flip there, as bf16
+    CP=1 flips against fp32 (docs/transformers.md: 0.7 % of query rows vs 3 %); the loss and logits stay in CP=1's
+    rounding class."""
+    import contextlib
+
+    out = {}
+    for mode in ("weights", "autocast"):
+        ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if mode == "autocast" else contextlib.nullcontext
+        model = copy.deepcopy(plain).to(torch.bfloat16) if mode == "weights" else copy.deepcopy(plain)
+        with ctx():
+            loss1, logits1, _, picks1 = _plain(copy.deepcopy(model))
+            _, loss2, logits2, _, picks2 = _cp(copy.deepcopy(model), mesh, "headtail")
+        err = lambda loss: abs(loss.float().item() - ref_loss.item()) / abs(ref_loss.item())  # noqa: E731
+        out[mode] = dict(picks=torch.equal(picks1[0].long(), picks2[0].long()), loss=(err(loss1), err(loss2)),
+                         logits=(rel_err(logits1.float(), ref_logits), rel_err(logits2.float(), ref_logits)))
+    return out
+
+
 def _allowed(positions, mask, case: str) -> torch.Tensor:
     """[B, N, N]: the keys each query sees at CP=1 (causal; the pads masked, or the own document only)."""
-    causal = torch.ones(N, N, dtype=torch.bool).tril()[None].expand(B, -1, -1)
+    causal = torch.ones(N, N, dtype=torch.bool).tril()[None].expand(positions.shape[0], -1, -1)
     if "padded" in case:
         return causal & mask.bool()[:, None, :]
     docs = (torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1) != 1).cumsum(-1)
@@ -185,8 +277,13 @@ def _ranks(rank, world):
             out[kind, "eager padded"] = _raises(lambda: _masked(plain, mesh, "padded"), "uniform average")
         if impl != "sdpa":
             continue
-        for case in ("padded", "packed", "documents", "documents padded"):
+        plan = "packed plan" if kind == "deepseek_v32" else "padded plan"  # a named layout's plan: one each
+        for case in ("padded", "packed", "documents", "documents padded", plan):
             out[kind, case] = _masked(plain, mesh, case)
+        if kind == "deepseek_v32" or world > 2:  # the 1-D mesh: every rank brings its own rows (GLM: slow tier)
+            out[kind, "dynamic"] = _dynamic(plain, world, 1)
+        if kind == "deepseek_v32" and world == 2:
+            out[kind, "bf16"] = _bf16(plain, mesh, ref_loss, ref_logits)  # against the fp32 CP=1 run above
         # what the scheme does not serve: refused on every rank, before any row moves
         tokens, positions, _ = _batch()
         tok, pos = shard_batch((tokens, positions), mesh, layout="headtail")
@@ -195,9 +292,9 @@ def _ranks(rank, world):
         kernel = copy.deepcopy(plain)
         kernel.config._attn_implementation_internal = "kernels-community/flash-mla"  # as loaded with that kernel
         out[kind, "flash-mla"] = _raises(lambda: hf.apply_context_parallel(kernel, mesh), "flash-mla")
-        plan = plan_batch(cp, position_ids=positions)  # a plan in a named layout (its order is the layout's)
+        plan = plan_batch(cp, position_ids=_dynamic_batch(1)[1])  # a named layout's plan of another batch
         out[kind, "named plan"] = _raises(lambda: cp(input_ids=tok, position_ids=pos, use_cache=False, cp_layout=plan),
-                                          "under layout='documents' only")
+                                          "built for another batch")
         docs = hf.apply_context_parallel(copy.deepcopy(plain), mesh, layout="documents")  # and none in documents
         out[kind, "no plan"] = _raises(lambda: docs(input_ids=tok, position_ids=pos, use_cache=False), "plan_batch")
         for m in sparse.dsa_layers(cp):  # what a config with attention_dropout=0.1 builds
@@ -415,6 +512,10 @@ def _check(world):
         if isinstance(got, str):
             assert got == ("ran" if "removed" in key else "raised"), key
             continue
+        if "bf16" in key:  # bf16 (weights, autocast) vs fp32: CP in CP=1's rounding class (measured 2e-5 / 7e-2)
+            for mode, (picks, (_, loss2), (logits1, logits2)) in ((m, tuple(g.values())) for m, g in got.items()):
+                assert picks and loss2 <= 1e-3 and logits2 <= 1.5 * logits1 + 1e-2, (key, mode, got[mode])
+            continue
         assert got["picks"], (key, "the selected index sets differ from CP=1's")
         assert got["loss"] <= TOL and got["logits"] <= TOL and got["grads"] is not False and got["grads"] <= TOL, \
             (key, got)
@@ -427,6 +528,57 @@ def test_dsa_cp2():
 @pytest.mark.skipif(not SLOW, reason="slow tier (CP_DTENSOR_SLOW=1)")
 def test_dsa_cp3():
     _check(3)
+
+
+def _dynamic_ranks(rank, world, cp: int):
+    """cp 2 (dp 2 x cp 2): shard_batch(dynamic=True) against CP=1 (both families, the all-ties model), then
+    with_context_parallel(Trainer, layout="documents", dynamic=True); cp 1: the plain Trainer on the 2 replicas."""
+    import tempfile
+
+    from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
+
+    from cp_dtensor.hf import with_context_parallel
+
+    out = {}
+    if cp > 1:
+        out = {kind: _dynamic(_model(kind), world, cp) for kind in FAMILIES}
+        out["deepseek_v32 ties"] = _dynamic(_model("deepseek_v32", ties=True), world, cp)  # every index score tied
+        out["deepseek_v32 eager"] = _dynamic(_model("deepseek_v32", "eager"), world, cp)  # the additive mask
+    _env(rank, world)
+    g = torch.Generator().manual_seed(2)
+    docs = [{"input_ids": torch.randint(3, V, (int(torch.randint(2, 21, (1,), generator=g)),), generator=g).tolist()}
+            for _ in range(18)]  # 3 a row: each replica's rows of another length (padded to the longest over the grid)
+    for kind in FAMILIES:
+        args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=3, max_steps=3,
+                                 logging_steps=1, report_to=[], save_strategy="no", learning_rate=1e-2, use_cpu=True,
+                                 disable_tqdm=True, seed=0, data_seed=0)
+        cls = with_context_parallel(Trainer, cp_size=cp, layout="documents", dynamic=True) if cp > 1 else Trainer
+        trainer = cls(model=_model(kind), args=args, train_dataset=docs, data_collator=DataCollatorWithFlattening())
+        trainer.train()
+        out[kind, "trainer"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        out[kind, "planned over"] = getattr(getattr(trainer, "_cp_meta", None), "plan", None) is not None and \
+            trainer._cp_meta.plan.cp_size
+    return out
+
+
+@pytest.mark.skipif(not SLOW, reason="slow tier (CP_DTENSOR_SLOW=1): 4 + 2 ranks, ~20 s")
+def test_dsa_dynamic_dp2_cp2():
+    """dynamic CP on a dp 2 x cp 2 grid (4 ranks): shard_batch(..., dynamic=True) with both families, the
+    all-ties model and the eager implementation against CP=1 on the global batch (the default tier runs the 1-D grid of 2 ranks inside
+    test_dsa_cp2, the slow one of 3 in test_dsa_cp3); with_context_parallel(Trainer, layout="documents",
+    dynamic=True) on packed documents logs the plain Trainer's losses on the 2 replicas (within 1e-4)."""
+    results = run_ranks(4, _dynamic_ranks, 2, timeout=600)
+    want = run_ranks(2, _dynamic_ranks, 1, timeout=600)[0]
+    for kind in FAMILIES:
+        for r in results:
+            got, ref = r.pop((kind, "trainer")), want[kind, "trainer"]
+            assert len(got) == len(ref) == 3 and max(abs(a - b) for a, b in zip(got, ref)) <= 1e-4, (kind, got, ref)
+            assert r.pop((kind, "planned over")) == 4
+    assert all(r == results[0] for r in results)
+    for kind, got in results[0].items():
+        assert got["picks"], (kind, "the selected index sets differ from CP=1's")
+        assert got["loss"] <= TOL and got["logits"] <= TOL and got["grads"] is not False and got["grads"] <= TOL, \
+            (kind, got)
 
 
 def test_dsa_generate_cp2():
@@ -464,31 +616,53 @@ def test_exchange_plan_requests_only_rows_held_elsewhere():
     assert rows.tolist() == [2, 3, 8 + 0, 8 + 7] and owners.tolist() == [1, 1, 1, 1]
 
 
-def _trainer_ranks(rank, world, cp: bool) -> dict:
-    """transformers' Trainer, 3 steps of fixed-length rows, or of packed documents (DataCollatorWithFlattening):
-    plain (one process) or with_context_parallel (headtail; the packed documents also under layout="documents")."""
+def _env(rank: int, world: int) -> None:
     import os
-    import tempfile
-
-    from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments, default_data_collator
-
-    from cp_dtensor.hf import with_context_parallel
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")  # what torchrun sets; accelerate reads it
+
+
+def _trainer_ranks(rank, world, cp: bool) -> dict:
+    """transformers' Trainer, 3 steps of fixed-length rows, of packed documents (DataCollatorWithFlattening), or of
+    padded rows (DataCollatorForLanguageModeling, right or left padding, CP's own padding after it): plain (one
+    process) or with_context_parallel (headtail / striped; packed documents and left padding also under
+    layout="documents")."""
+    import tempfile
+
+    from test_hf_trainer import _tokenizer
+    from transformers import (
+        DataCollatorForLanguageModeling,
+        DataCollatorWithFlattening,
+        Trainer,
+        TrainingArguments,
+        default_data_collator,
+    )
+
+    from cp_dtensor.hf import with_context_parallel
+
+    _env(rank, world)
     g = torch.Generator().manual_seed(1)
     rows = [{"input_ids": ids, "labels": list(ids)} for ids in (torch.randint(3, V, (N,), generator=g).tolist()
                                                                 for _ in range(12))]
     docs = [{"input_ids": torch.randint(3, V, (int(torch.randint(2, 10, (1,), generator=g)),), generator=g).tolist()}
             for _ in range(16)]  # packed by the collator into rows of 4 documents, often of odd length (CP pads)
+    texts = [{"input_ids": torch.randint(3, V, (int(torch.randint(6, 21, (1,), generator=g)),), generator=g).tolist()}
+             for _ in range(12)]  # rows of 6..20 tokens, padded to each batch's longest, then by CP to its layout's unit
     out = {}
     for kind, packed, layout in [(k, p, "headtail") for k in FAMILIES for p in (False, True)] + [
-            ("deepseek_v32", True, "documents")]:  # the collator plans each packed batch (layout="documents")
+            ("deepseek_v32", True, "documents"),  # the collator plans each packed batch (layout="documents")
+            ("deepseek_v32", "right", "headtail"), ("glm_moe_dsa", "left", "striped"),
+            ("deepseek_v32", "left", "documents")]:  # padded rows (DataCollatorForLanguageModeling)
         args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=4, max_steps=3,
                                  logging_steps=1, report_to=[], save_strategy="no", learning_rate=1e-2, use_cpu=True,
                                  disable_tqdm=True, seed=0, data_seed=0)
         cls = with_context_parallel(Trainer, cp_size=world, layout=layout) if cp else Trainer
-        data, collator = (docs, DataCollatorWithFlattening()) if packed else (rows, default_data_collator)
+        data, collator = (docs, DataCollatorWithFlattening()) if packed is True else (rows, default_data_collator)
+        if isinstance(packed, str):
+            tokenizer = _tokenizer()
+            tokenizer.padding_side = packed
+            data, collator = texts, DataCollatorForLanguageModeling(tokenizer, mlm=False)
         trainer = cls(model=_model(kind), args=args, train_dataset=data, data_collator=collator)
         trainer.train()
         out[kind, packed, layout] = [h["loss"] for h in trainer.state.log_history if "loss" in h]

@@ -63,6 +63,7 @@ class DocumentLayout:
     windows: tuple[int | None, ...] = (None,)  #: the layers' left reaches its balance counts
     key: int = 0  #: a fingerprint of (order, ids): equal layouts on every rank agree on it
     placement: str = "documents"  #: "documents" (this module's plan) or a layout name kept with the ids
+    row_len: int = 0  #: a dynamic plan's (core/dynamic.py): the length of the rows it lays end to end; 0 otherwise
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
     #: ``key`` as an int64 [1] tensor, what a compiled graph reads instead of the int (a graph input, so a
     #: new batch does not recompile): see Note [Compiled document exchange] in doc_op.py. Always made from
