@@ -244,6 +244,25 @@ def _sft(out: str, cp: int | None, bf16: bool = False, packing: bool = True, lay
     return result
 
 
+def _sft_ragged(out: str, cp: int | None, layout: str = "striped") -> dict:
+    """TRL's SFTTrainer unpacked on rows of 6..20 tokens, 4 a batch (right-padded to the batch's longest, then by CP
+    to the layout's multiple), fp32: ``bf16=False`` explicitly, since SFTConfig defaults to bf16 autocast (CPU too),
+    whose rounding differs between CP and CP=1 by ~1e-5 in the first loss (docs/trainer.md, "Precision")."""
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(21)
+    rows = [{"input_ids": torch.randint(3, V, (int(torch.randint(6, 21, (1,), generator=g)),), generator=g).tolist()}
+            for _ in range(24)]
+    args = SFTConfig(output_dir=out, per_device_train_batch_size=4, max_steps=3, logging_steps=1, report_to=[],
+                     save_strategy="no", learning_rate=1e-2, use_cpu=True, disable_tqdm=True, seed=0, data_seed=0,
+                     packing=False, max_length=24, bf16=False)
+    cls = SFTTrainer if cp is None else hf.with_context_parallel(SFTTrainer, cp_size=cp, layout=layout)
+    trainer = cls(model=_model("llama"), args=args, train_dataset=Dataset.from_list(rows), processing_class=_tokenizer())
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    return {key: [h[key] for h in logged] for key in ("loss", "grad_norm", "mean_token_accuracy", "num_tokens")}
+
+
 def _env(rank: int, world: int) -> None:
     """What torchrun sets; accelerate reads it (the process group is up already)."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
@@ -567,6 +586,8 @@ def _dp_cp(rank: int, world: int, tmp: str, cp: int) -> dict:
     out = {name: _train(name, tempfile.mkdtemp(dir=tmp), cp if cp > 1 else None)
            for name in ("llama-packed", "llama-accumulate", "llama-own-loss", "llama-own-loss-plain")}
     out["sft-padded"] = _sft(tempfile.mkdtemp(dir=tmp), cp if cp > 1 else None, packing=False)
+    for layout in ("striped", "headtail") if cp > 1 else ("striped",):  # CP=1: one reference for both
+        out[f"sft-ragged-{layout}"] = _sft_ragged(tempfile.mkdtemp(dir=tmp), cp if cp > 1 else None, layout)
     if cp > 1:  # every rank raises, none waits in the gradient all-reduce (the harness's timeout bounds a hang)
         trainer = hf.with_context_parallel(Trainer, cp_size=cp)(
             model=_model("llama"), args=_args(tempfile.mkdtemp(dir=tmp), max_steps=1), train_dataset=_rows(17, 8),
@@ -593,8 +614,9 @@ def test_data_parallel_replicas_of_cp_ranks():
     too; its evaluation (eval_strategy, evaluate(), predict()) gives the static documents trainer's eval_loss,
     metrics and predictions in each replica's row order, and CP=1's (dp = 2), predict_with_generate's tokens
     too; TRL's packed SFTTrainer logs the
-    static documents run's losses, token accuracy, num_tokens and eval metrics, and CP=1's; a replica's padding
-    hole raises on every rank before any token moves."""
+    static documents run's losses, token accuracy, num_tokens and eval metrics, and CP=1's; TRL unpacked on ragged
+    rows, 4 a batch, fp32 (striped, headtail): the first loss to 1e-6; a replica's padding hole raises on every
+    rank before any token moves."""
     with tempfile.TemporaryDirectory() as tmp:
         got = run_ranks(4, _dp_cp, tmp, 2, timeout=900)
         want = run_ranks(2, _dp_cp, tmp, 1, timeout=900)
@@ -635,6 +657,14 @@ def test_data_parallel_replicas_of_cp_ranks():
         else:
             assert kind == "RuntimeError" and "data-parallel replica 1" in message and "padding inside" in message, (
                 rank, message)
+    ragged = want[0].pop("sft-ragged-striped")
+    for rank in range(4):  # TRL unpacked, ragged rows 4 a batch, fp32: the first loss to rounding, then TOL
+        for layout in ("striped", "headtail"):
+            run, what = got[rank].pop(f"sft-ragged-{layout}"), f"SFTTrainer ragged rows {layout} rank {rank}"
+            assert abs(run["loss"][0] - ragged["loss"][0]) <= 1e-6 * ragged["loss"][0], (what, run, ragged)
+            for key in ("loss", "grad_norm", "mean_token_accuracy"):
+                _close(run[key], ragged[key], f"{what} {key}")
+            assert run["num_tokens"] == ragged["num_tokens"], (what, run, ragged)
     sft = [r.pop("sft-padded") for r in got], want[0].pop("sft-padded")
     for rank in range(4):  # TRL's metrics of partial last batches: replica 0's rows (and accelerate's repeats)
         for evals in ("eval", "eval-5", "eval-5-completion"):
