@@ -93,6 +93,7 @@ from ..core.agreement import agree_on_call  # noqa: E402
 from ..core.attention import ring_attention, ring_spec, run_ring_attention  # noqa: E402
 from ..core.checks import check_call, check_cp_mesh, options_error  # noqa: E402
 from ..core.plan.layout import in_global_order, shard_tensor  # noqa: E402
+from . import latent  # noqa: E402
 from .documents import KWARG, check_model_layout, documents_of, plan_error, ring_layout  # noqa: E402
 from .generate import enable_generate, generate  # noqa: E402
 from .router import enable_router_loss, router_loss_error  # noqa: E402
@@ -294,12 +295,13 @@ def cp_dtensor_attention(module: nn.Module, query: Tensor, key: Tensor, value: T
         raise ValueError("attn_implementation='cp_dtensor' needs the CP mesh: call "
                          "cp_dtensor.hf.apply_context_parallel(model, cp_mesh, layout=...) instead of setting it.")
     device = query.device.type
+    latents = latent.take_latents(module)  # MLA's latent rows, kept by its expand_kv: Note [MLA latents on the wire]
     if state.generating is not None and state.generating.cache is not None and state.decoding is None:  # a prefill
         state.generating.cache.note_inputs(module.layer_idx, key, value)  # Note [Pass-KV turns] in hf/pass_kv.py
     if torch.is_autocast_enabled(device) and query.dtype != torch.float64:  # as SDPA under autocast: q, k, v in the
         # autocast dtype (bf16 Trainer runs); float64 is not autocast-eligible and stays (as SDPA keeps it)
         dtype = torch.get_autocast_dtype(device)
-        query, key, value = (x.to(dtype) for x in (query, key, value))
+        query, key, value = (x.to(dtype) if latents is None or x is query else x for x in (query, key, value))
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     window, err = _window(module, sliding_window, causal)
     sinks = s_aux if s_aux is not None else getattr(module, "sinks", None)
@@ -312,6 +314,10 @@ def cp_dtensor_attention(module: nn.Module, query: Tensor, key: Tensor, value: T
             raise ValueError(err)
         return state.decoding(state, module, query, key, value, scaling, window, sinks), None
     err = err or _local_error(state, query, key, attention_mask, dropout, softcap, kwargs)
+    if latents is not None:  # in hf/latent.py (see Note [MLA latents on the wire] there)
+        kw = dict(kwargs, sliding_window=None if window is None else window)
+        out = latent.attend(module, state, query, latents, attention_mask, err, scaling, kw, derive_documents, _version)
+        return out, None
     if state.generating is None and (state.layout == "documents" or state.plan is not None):  # the batch's plan
         out = _planned(state, query, key, value, attention_mask, err, causal, scaling, window, sinks, kwargs)
         return _zero_pads(out, attention_mask), None
@@ -473,6 +479,7 @@ def apply_context_parallel(
         sparse, error = dsa_layers(model), error or door_error(model, layout, implementations(model.config))
     if error is not None:  # the same model on every rank: every rank raises here, before any communication
         raise ValueError(error)
+    mla = latent.mla_path(model, implementations(model.config), comm_dtype, kv_exchange)
     register()
     before = implementations(model.config)
     model.set_attn_implementation(NAME)
@@ -492,6 +499,9 @@ def apply_context_parallel(
         from .linear import enable_linear  # after enable_generate, whose base-model hook hands them the shards
 
         enable_linear(model, state, linear, derive_documents)
+    if mla == "latent":  # Note [MLA latents on the wire] in hf/latent.py
+        latent.enable_latent(model, state)
+    state.mla = mla
     if sparse is not None:  # the indexed_attention layers' own forward: the global indexer, the selected rows
         from .sparse import enable_sparse
         from .sparse_generate import generating_forward, sparse_generate

@@ -1,0 +1,176 @@
+"""Multi-head latent attention (DeepSeek-V2 / V3 and the families built on them) under CP with the latents on the wire.
+
+Note [MLA latents on the wire]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+An MLA layer's state a token is its latent row: the normed latent (``kv_lora_rank``, 512 in DeepSeek-V3)
+and the rotated rope key (``qk_rope_head_dim``, 64): 576 numbers. transformers expands it with
+``kv_b_proj`` into every head's key and value before calling the attention function -- 128 heads x (192 +
+128) numbers a token at DeepSeek-V3 sizes, 71x more -- so a ring over transformers' K/V moves the
+expanded rows. Under CP the door swaps the layer's ``expand_kv`` (the family's own method, called by its
+forward after the rotary embedding) for one that keeps the latent rows for the attention function and
+hands transformers stride-0 zero K/V of the right shape, which the attention function ignores. The
+attention function then:
+
+1. all-gathers the latent rows of the sequence (``all_gather_single_autograd``: its backward
+   reduce-scatters the rows' gradients back to their holders) and puts them in global order (each row
+   its own order under ``layout="documents"``);
+2. attends this rank's queries to them in key chunks, each expanded by the layer's own ``expand_kv`` and
+   folded into an online softmax, recomputed in backward: Note [Latent attention in chunks] in
+   hf/latent_attend.py;
+3. masks by transformers' sdpa / eager rules on the global batch, as DeepSeek Sparse Attention does
+   (hf/sparse.py's rows): causal in global order, padding keys masked in every row (a left pad sees no
+   key: a zero output, SDPA's fully masked row; a right pad sees the row's tokens, as at CP=1), packed
+   documents (position ids that restart, without a mask or a cache) each their own.
+
+Bytes a layer (bf16, P ranks, N tokens): the all-gather brings (P - 1) / P x N x 1152 bytes to a rank in
+forward and the reduce-scatter as many back; the ring moves (P - 1) / P x N x 81920 (K and V) forward and
+twice that backward (K/V and their gradients). Chosen at the door for the families whose latent path is
+proven against CP=1 (``PROVEN``) loaded with the sdpa or eager kernel, without ``comm_dtype`` or another
+``kv_exchange`` (the ring's options); every other MLA model runs the ring on the expanded K/V and the
+door says why (:func:`mla_path`). generate() keeps its own paths (a ring prefill, pass-Q turns over the
+latent cache: Note [Pass-KV turns] in hf/pass_kv.py), as does a forward with a plan in a named layout.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import Tensor, nn
+
+from .._compat import all_gather_single_autograd
+from ..core.agreement import agree_on_call
+from .documents import documents_of, plan_error
+from .latent_attend import Masks, latent_attention
+from .sparse import _order, gather_rows, real_mask
+
+__all__ = ["PROVEN", "enable_latent", "mla_layers", "mla_path"]
+
+#: the families whose latent path is checked against CP=1 (tests/hf/test_hf_dsa.py's MLA cases)
+PROVEN = frozenset({"deepseek_v2", "deepseek_v3"})
+_KERNELS = ("eager", "sdpa")
+_KEPT = "_cp_dtensor_latents"  # the layer's latent rows, from its expand_kv to its attention call
+_SEE = "See Note [MLA latents on the wire] in cp_dtensor/hf/latent.py."
+
+
+def mla_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's dense MLA layers (``expand_kv`` and ``kv_b_proj``; DeepSeek Sparse Attention's have an indexer)."""
+    return [m for m in model.modules() if hasattr(m, "expand_kv") and hasattr(m, "kv_b_proj")
+            and hasattr(m, "kv_lora_rank") and not hasattr(m, "indexer")]
+
+
+def mla_path(model: nn.Module, before: dict, comm_dtype=None, kv_exchange: str = "ring") -> str | None:
+    """Why this model's MLA layers run the ring on the expanded K/V ("latent": they send latents; None: no
+    dense MLA layer). Reads the model only: the same on every rank."""
+    if not mla_layers(model):
+        return None
+    kind, impl = getattr(model.config, "model_type", "?"), before.get("")
+    if kind not in PROVEN:
+        return f"the latent path is proven for {sorted(PROVEN)}, not model_type={kind!r}"
+    if impl not in _KERNELS:
+        return f"attn_implementation={impl!r} (the latent path serves 'sdpa' and 'eager')"
+    if comm_dtype is not None or kv_exchange != "ring":
+        return "comm_dtype / kv_exchange are the ring's options"
+    return "latent"
+
+
+def _latent_call(state) -> bool:
+    """Whether this forward's MLA layers take the latent path (the same on every rank: the call's kind)."""
+    return state.generating is None and (state.plan is None or state.layout == "documents")
+
+
+def _keep_latents(module: nn.Module, state, kv_nope: Tensor, k_rot: Tensor) -> tuple[Tensor, Tensor]:
+    """The layer's ``expand_kv`` under CP: see Note [MLA latents on the wire]."""
+    if not _latent_call(state):
+        return type(module).expand_kv(module, kv_nope, k_rot)
+    module.__dict__[_KEPT] = (kv_nope, k_rot)
+    with torch.no_grad():  # the shapes of one token's expansion
+        k1, v1 = type(module).expand_kv(module, kv_nope[:, :, :1], k_rot[:, :, :1])
+    b, s = kv_nope.shape[0], kv_nope.shape[2]
+    return (k1.new_zeros(()).expand(b, k1.shape[1], s, k1.shape[-1]),
+            v1.new_zeros(()).expand(b, v1.shape[1], s, v1.shape[-1]))
+
+
+def take_latents(module: nn.Module):
+    """The latent rows the layer's ``expand_kv`` kept for this attention call (None: the ring's K/V)."""
+    return module.__dict__.pop(_KEPT, None)
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(x is y if isinstance(x, Tensor) or isinstance(y, Tensor) else x == y
+                                    for x, y in zip(a, b))
+
+
+def _rows(state, derive, pos: Tensor, mask, use_cache: bool, probe: Tensor, order: Tensor):
+    """("real", [B, N]) / ("documents", [B, N] ids) / None in global order, by transformers' rules (hf/sparse.py's
+    rows, with the call's ``use_cache``); a bad batch raises on every rank."""
+    b, s = probe.shape[0], probe.shape[2]
+    mask = None if mask is None else mask[:, -s:]
+    group, world = state.mesh.get_group(), state.mesh.size()
+    packed = not (use_cache and state.documents is None)
+    if state.layout == "documents":  # the positions and padding in global order by the plan
+        real = None if mask is None else gather_rows(group, world, mask, order).bool()
+        full, err = documents_of(gather_rows(group, world, pos.expand(b, -1), order), real, packed=packed)
+    else:
+        full, err = derive(state, pos, mask, use_cache, b, probe=probe)
+        real = None
+    if err is not None:
+        raise ValueError(err)
+    if full is None:
+        return None
+    if mask is not None:
+        return "real", real if real is not None else real_mask(group, world, mask, order, b, s, probe.device)
+    return "documents", full if state.layout == "documents" else gather_rows(group, world, full, order)
+
+
+def attend(module: nn.Module, state, query: Tensor, latents, attention_mask, err, scaling: float, kwargs,
+           derive, version) -> Tensor:
+    """The attention function's latent path: query [B, H, S, Dqk] -> [B, S, H, Dv] (Note [MLA latents on the
+    wire]). ``err``: this rank's error for the call (raised on every rank before anything moves)."""
+    group, rank, world = state.mesh.get_group(), state.mesh.get_local_rank(), state.mesh.size()
+    kv_nope, k_rot = latents
+    bsz, s = query.shape[0], query.shape[2]
+    n = s * world
+    pos, use_cache = kwargs.get("position_ids"), bool(kwargs.get("use_cache"))
+    if err is None and not (getattr(module, "is_causal", True) and kwargs.get("sliding_window") is None):
+        err = f"the latent path runs causal MLA without a window; {type(module).__name__} is not. {_SEE}"
+    key = ("mla", pos, -2 if pos is None else version(pos), attention_mask, use_cache, bsz)
+    if state.last is None or not _same(state.last[0], key):  # the forward's first layer (or a new call)
+        planned = state.layout == "documents"
+        if err is None and planned:  # Note [A plan fits its batch] in hf/documents.py
+            err = plan_error(state, state.plan, query, pos, attention_mask)
+        agree_on_call(err, {"batch": bsz, "tokens": s, "heads": query.shape[1], "latent": kv_nope.shape[-1],
+                            "plan key": state.plan.key if planned and err is None else 0}, group,
+                      what="cp_dtensor.hf (multi-head latent attention)")
+        order = _order(state, world, n, bsz, query.device)  # [B, N]
+        state.last = (key, (order, _rows(state, derive, pos, attention_mask, use_cache, query, order)))
+    elif err is not None:  # a later layer's own error: from the model and the call, the same on every rank
+        raise ValueError(err)
+    order, rows = state.last[1]
+    local = torch.cat((kv_nope[:, 0], k_rot[:, 0].to(kv_nope.dtype)), dim=-1)  # [B, S, R + r]
+    every = all_gather_single_autograd(local.contiguous(), 0, group)  # [P * B, S, R + r]
+    f = local.shape[-1]
+    every = every.view(world, bsz, s, f).transpose(0, 1).reshape(bsz, n, f)  # rank-major slots
+    glob = every.gather(1, torch.argsort(order, dim=1)[..., None].expand(-1, -1, f))  # [B, N, R + r] global order
+    masks = Masks(order[:, rank * s:(rank + 1) * s], rows)
+    out = latent_attention(module, masks, scaling, query, glob)  # [B, H, S, Dv]
+    return out.transpose(1, 2).contiguous()
+
+
+class _Restore:
+    """Puts a layer's own ``expand_kv`` back (remove_context_parallel)."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def remove(self) -> None:
+        self.module.__dict__.pop("expand_kv", None)
+        self.module.__dict__.pop(_KEPT, None)
+
+
+def enable_latent(model: nn.Module, state) -> None:
+    """Swap each dense MLA layer's ``expand_kv`` (Note [MLA latents on the wire]); call after :func:`mla_path`
+    said "latent"."""
+    for m in mla_layers(model):
+        m.expand_kv = partial(_keep_latents, m, state)
+        state.handles.append(_Restore(m))
