@@ -28,6 +28,7 @@ from _conformance import build  # noqa: E402
 TOL = 1e-5
 N, B, V, K = 24, 2, 64, 8  # K: the tiny configs' index_topk, a third of N
 FAMILIES = {"deepseek_v32": "DeepseekV32ForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM"}
+MLA = {"deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM"}  # dense MLA: hf/latent.py
 LAYOUTS = ("headtail", "striped", "contiguous")
 
 
@@ -202,7 +203,40 @@ def _ranks(rank, world):
             m.attention_dropout = 0.1
         out[kind, "dropout"] = _raises(lambda: cp(input_ids=tok, position_ids=pos, use_cache=False),
                                        "config.attention_dropout = 0")
+    _mla_cases(mesh, out)
     return out
+
+
+def _mla_cases(mesh, out: dict) -> None:
+    """Dense MLA with the latents on the wire (Note [MLA latents on the wire] in cp_dtensor/hf/latent.py), in key
+    chunks of 5 tokens (the recomputed expansion runs several chunks a rank): every layout, left and right padding,
+    packed documents, layout="documents" (padded too), eager and activation checkpointing, against CP=1; the
+    latent path is the one taken (``mla``), and a kernel or option it does not serve falls back to the ring."""
+    from cp_dtensor.hf import latent_attend
+
+    latent_attend.key_chunk = lambda *shape: 5  # this rank process only
+    for kind, impl in [(k, "sdpa") for k in MLA] + [("deepseek_v3", "eager"), ("deepseek_v3", "checkpointing")]:
+        plain, _ = build(kind, MLA[kind])
+        plain.set_attn_implementation("eager" if impl == "eager" else "sdpa")
+        if impl == "checkpointing":  # the backward recomputes each layer: its gather runs again
+            plain.gradient_checkpointing_enable()
+        ref_loss, ref_logits, ref_grads, _ = _plain(copy.deepcopy(plain))
+        for layout in LAYOUTS if impl == "sdpa" else ("headtail",):
+            cp, loss, logits, grads, _ = _cp(copy.deepcopy(plain), mesh, layout)
+            assert cp._cp_dtensor_hf.mla == "latent", cp._cp_dtensor_hf.mla
+            out[kind, impl, layout] = dict(
+                picks=True, loss=abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()),
+                logits=rel_err(logits, ref_logits),
+                grads=sorted(grads) == sorted(ref_grads) and max(rel_err(grads[n], ref_grads[n]) for n in ref_grads))
+            hf.remove_context_parallel(cp)
+            out[kind, impl, layout, "removed"] = "ran" if all("expand_kv" not in vars(m) for m in cp.modules()) \
+                else "left"
+        if impl != "sdpa":
+            continue
+        for case in ("padded", "packed", "documents", "documents padded"):
+            out[kind, case] = _masked(plain, mesh, case)
+    ring = hf.apply_context_parallel(copy.deepcopy(plain), mesh, comm_dtype=torch.bfloat16)  # the ring's option
+    out["mla comm_dtype", "removed"] = "ran" if "kv_exchange" in ring._cp_dtensor_hf.mla else "left"
 
 
 def _generate(model, ids, mask=None):
