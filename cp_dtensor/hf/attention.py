@@ -502,6 +502,7 @@ def apply_context_parallel(
     if mla == "latent":  # Note [MLA latents on the wire] in hf/latent.py
         latent.enable_latent(model, state)
     state.mla = mla
+    latent.report(model, mla)
     if sparse is not None:  # the indexed_attention layers' own forward: the global indexer, the selected rows
         from .sparse import enable_sparse
         from .sparse_generate import generating_forward, sparse_generate

@@ -33,6 +33,7 @@ latent cache: Note [Pass-KV turns] in hf/pass_kv.py), as does a forward with a p
 
 from __future__ import annotations
 
+import logging
 from functools import partial
 
 import torch
@@ -44,11 +45,14 @@ from .documents import documents_of, plan_error
 from .latent_attend import Masks, latent_attention
 from .sparse import _order, gather_rows, real_mask
 
-__all__ = ["PROVEN", "enable_latent", "mla_layers", "mla_path"]
+__all__ = ["PROVEN", "enable_latent", "mla_layers", "mla_path", "report"]
 
-#: the families whose latent path is checked against CP=1 (tests/hf/test_hf_dsa.py's MLA cases)
-PROVEN = frozenset({"deepseek_v2", "deepseek_v3"})
+#: the families whose latent path is checked against CP=1 (tests/hf/test_hf_dsa.py's MLA cases; the conformance
+#: sweep runs them too)
+PROVEN = frozenset({"deepseek_v2", "deepseek_v3", "axk1", "bailing_hybrid", "glm4_moe_lite", "kimi_linear",
+                    "longcat_flash", "minicpm3", "sarvam_mla", "youtu"})
 _KERNELS = ("eager", "sdpa")
+logger = logging.getLogger(__name__)
 _KEPT = "_cp_dtensor_latents"  # the layer's latent rows, from its expand_kv to its attention call
 _SEE = "See Note [MLA latents on the wire] in cp_dtensor/hf/latent.py."
 
@@ -72,6 +76,15 @@ def mla_path(model: nn.Module, before: dict, comm_dtype=None, kv_exchange: str =
     if comm_dtype is not None or kv_exchange != "ring":
         return "comm_dtype / kv_exchange are the ring's options"
     return "latent"
+
+
+def report(model: nn.Module, path: str | None) -> None:
+    """The door says which path the model's MLA layers take (logging, INFO), and why not the latent one."""
+    if path == "latent":
+        logger.info("cp_dtensor: %s's multi-head latent attention sends latent rows under CP", type(model).__name__)
+    elif path is not None:
+        logger.info("cp_dtensor: %s's multi-head latent attention runs the ring on the expanded K/V: %s. %s",
+                    type(model).__name__, path, _SEE)
 
 
 def _latent_call(state) -> bool:

@@ -212,7 +212,8 @@ def _mla_cases(mesh, out: dict) -> None:
     chunks of 5 tokens (the recomputed expansion runs several chunks a rank): every layout, left and right padding,
     packed documents, layout="documents" (padded too), eager and activation checkpointing, against CP=1; the
     latent path is the one taken (``mla``), and a kernel or option it does not serve falls back to the ring."""
-    from cp_dtensor.hf import latent_attend
+    from cp_dtensor.hf import latent, latent_attend
+    import _conformance as conformance
 
     latent_attend.key_chunk = lambda *shape: 5  # this rank process only
     for kind, impl in [(k, "sdpa") for k in MLA] + [("deepseek_v3", "eager"), ("deepseek_v3", "checkpointing")]:
@@ -237,6 +238,20 @@ def _mla_cases(mesh, out: dict) -> None:
             out[kind, case] = _masked(plain, mesh, case)
     ring = hf.apply_context_parallel(copy.deepcopy(plain), mesh, comm_dtype=torch.bfloat16)  # the ring's option
     out["mla comm_dtype", "removed"] = "ran" if "kv_exchange" in ring._cp_dtensor_hf.mla else "left"
+    world = mesh.size()
+    for kind in sorted(latent.PROVEN - set(MLA)):  # the other proven families: P = 2 headtail (LongCat, slow: 4 s
+        if kind == "longcat_flash" and world == 2:  # a run), P = 3 every layout they take
+            continue
+        plain, _ = build(kind, conformance.families()[kind])
+        ref_loss, ref_logits, ref_grads, _ = _plain(copy.deepcopy(plain))
+        hybrid = "linear_attention" in (getattr(plain.config, "layer_types", None) or ())
+        for layout in ("headtail",) if world == 2 else ("headtail", "contiguous") if hybrid else LAYOUTS:
+            cp, loss, logits, grads, _ = _cp(copy.deepcopy(plain), mesh, layout)
+            assert cp._cp_dtensor_hf.mla == "latent", (kind, cp._cp_dtensor_hf.mla)
+            out[kind, "sdpa", layout] = dict(
+                picks=True, loss=abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()),
+                logits=rel_err(logits, ref_logits),
+                grads=sorted(grads) == sorted(ref_grads) and max(rel_err(grads[n], ref_grads[n]) for n in ref_grads))
 
 
 def _generate(model, ids, mask=None):
@@ -574,3 +589,23 @@ def test_seen_keys_are_the_keys_a_rank_can_see(case):
         want = torch.stack([torch.stack([allowed[b, lay.order[b].view(world, -1)[r]].any(0) for b in range(B)])
                             for r in range(world)])  # [P, B, N]
         assert torch.equal(got, want), (case, world, "documents")
+
+
+def test_mla_path_names_the_ring_fallback(caplog):
+    """The door picks the latent path for a proven MLA family on sdpa / eager, and says why not otherwise: another
+    kernel, the ring's options, a family not proven (each then runs the ring on the expanded K/V)."""
+    import logging
+
+    from cp_dtensor.hf import latent
+
+    model, _ = build("deepseek_v3", MLA["deepseek_v3"])
+    assert latent.mla_path(model, {"": "sdpa"}) == latent.mla_path(model, {"": "eager"}) == "latent"
+    assert "flash_attention_2" in latent.mla_path(model, {"": "flash_attention_2"})
+    assert "the ring's options" in latent.mla_path(model, {"": "sdpa"}, comm_dtype=torch.bfloat16)
+    assert "the ring's options" in latent.mla_path(model, {"": "sdpa"}, kv_exchange="allgather")
+    model.config.model_type = "an_mla_family"
+    assert "model_type='an_mla_family'" in latent.mla_path(model, {"": "sdpa"})
+    assert latent.mla_path(_model("deepseek_v32"), {"": "sdpa"}) is None  # DSA layers: hf/sparse.py's own path
+    with caplog.at_level(logging.INFO, logger="cp_dtensor.hf.latent"):
+        latent.report(model, latent.mla_path(model, {"": "sdpa"}))
+    assert "runs the ring on the expanded K/V" in caplog.text
