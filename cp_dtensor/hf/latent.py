@@ -11,9 +11,11 @@ forward after the rotary embedding) for one that keeps the latent rows for the a
 hands transformers stride-0 zero K/V of the right shape, which the attention function ignores. The
 attention function then:
 
-1. all-gathers the latent rows of the sequence (``all_gather_single_autograd``: its backward
-   reduce-scatters the rows' gradients back to their holders) and puts them in global order (each row
-   its own order under ``layout="documents"``);
+1. sends each latent row to the ranks with a query that can see it (one all_to_all, :class:`SeenRows`;
+   which rows, from the global masks every rank holds: hf/sparse.py's ``seen_keys``, as DeepSeek Sparse
+   Attention sends its index keys) and lays them out in global order, zeros where none of its queries
+   looks (each row its own order under ``layout="documents"``); backward sends the rows' gradients back
+   to their holders, which add them up;
 2. attends this rank's queries to them in key chunks, each expanded by the layer's own ``expand_kv`` and
    folded into an online softmax, recomputed in backward: Note [Latent attention in chunks] in
    hf/latent_attend.py;
@@ -22,9 +24,11 @@ attention function then:
    key: a zero output, SDPA's fully masked row; a right pad sees the row's tokens, as at CP=1), packed
    documents (position ids that restart, without a mask or a cache) each their own.
 
-Bytes a layer (bf16, P ranks, N tokens): the all-gather brings (P - 1) / P x N x 1152 bytes to a rank in
-forward and the reduce-scatter as many back; the ring moves (P - 1) / P x N x 81920 (K and V) forward and
-twice that backward (K/V and their gradients). Chosen at the door for the families whose latent path is
+Bytes a layer (bf16, P ranks, N tokens): a rank receives 1152 bytes for each row it sees and does not
+hold -- at most (P - 1) / P x N rows (the rank holding the sequence's last tokens sees them all; packed
+documents far fewer) -- and sends as many gradient rows back; the ring moves (P - 1) / P x N x 81920 (K and
+V) through every rank forward and twice that backward (K/V and their gradients):
+scripts/benchmarks/bench_mla.py. Chosen at the door for the families whose latent path is
 proven against CP=1 (``PROVEN``) loaded with the sdpa or eager kernel, without ``comm_dtype`` or another
 ``kv_exchange`` (the ring's options); every other MLA model runs the ring on the expanded K/V and the
 door says why (:func:`mla_path`). generate() keeps its own paths (a ring prefill, pass-Q turns over the
@@ -37,13 +41,13 @@ import logging
 from functools import partial
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
-from .._compat import all_gather_single_autograd
 from ..core.agreement import agree_on_call
 from .documents import documents_of, plan_error
 from .latent_attend import Masks, latent_attention
-from .sparse import _order, gather_rows, real_mask
+from .sparse import _order, gather_rows, real_mask, seen_keys
 
 __all__ = ["PROVEN", "enable_latent", "mla_layers", "mla_path", "report"]
 
@@ -161,13 +165,49 @@ def attend(module: nn.Module, state, query: Tensor, latents, attention_mask, err
         raise ValueError(err)
     order, rows = state.last[1]
     local = torch.cat((kv_nope[:, 0], k_rot[:, 0].to(kv_nope.dtype)), dim=-1)  # [B, S, R + r]
-    every = all_gather_single_autograd(local.contiguous(), 0, group)  # [P * B, S, R + r]
     f = local.shape[-1]
-    every = every.view(world, bsz, s, f).transpose(0, 1).reshape(bsz, n, f)  # rank-major slots
+    seen = seen_keys(order, world, bsz, rows)  # [P, B, N]: the rows each rank's queries can see
+    every = SeenRows.apply(local.contiguous(), seen, order, rank, group)  # [P, B, S, R + r], unseen rows 0
+    every = every.transpose(0, 1).reshape(bsz, n, f)  # rank-major slots
     glob = every.gather(1, torch.argsort(order, dim=1)[..., None].expand(-1, -1, f))  # [B, N, R + r] global order
     masks = Masks(order[:, rank * s:(rank + 1) * s], rows)
     out = latent_attention(module, masks, scaling, query, glob)  # [B, H, S, Dv]
     return out.transpose(1, 2).contiguous()
+
+
+class SeenRows(torch.autograd.Function):
+    """Every rank's latent rows [B, S, F] -> [P, B, S, F] (rank-major), holding the rows of the other ranks that
+    ``seen`` [P, B, N] says this rank's queries can see (hf/sparse.py's seen_keys), zeros elsewhere: one
+    all_to_all sends each row only to the ranks that see it. Backward sends the rows' gradients back to their
+    holders (one all_to_all) and adds them up there."""
+
+    @staticmethod
+    def forward(ctx, local: Tensor, seen: Tensor, order: Tensor, rank: int, group) -> Tensor:
+        world, (b, s, f) = seen.shape[0], local.shape
+        at = order.view(b, world, s)  # [B, P, S]: each rank's global positions, row by row
+        send = seen.gather(2, at[:, rank][None].expand(world, -1, -1))  # [P, B, S]: which of mine rank p sees
+        take = seen[rank].gather(1, order).view(b, world, s).transpose(0, 1).clone()  # [P, B, S]: which of
+        # rank q's rows this rank sees
+        send[rank], take[rank] = False, False
+        sends, takes = send.sum((1, 2)).tolist(), take.sum((1, 2)).tolist()
+        got = local.new_empty(sum(takes), f)
+        dist.all_to_all_single(got, local[None].expand(world, -1, -1, -1)[send].contiguous(), takes, sends,
+                               group=group)
+        every = local.new_zeros(world, b, s, f)
+        every[take] = got
+        every[rank] = local
+        ctx.save_for_backward(send, take)
+        ctx.rank, ctx.group, ctx.sends, ctx.takes = rank, group, sends, takes
+        return every
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # grad: [P, B, S, F]
+        send, take = ctx.saved_tensors
+        back = grad.new_empty(sum(ctx.sends), grad.shape[-1])
+        dist.all_to_all_single(back, grad[take].contiguous(), ctx.sends, ctx.takes, group=ctx.group)
+        spread = grad.new_zeros(grad.shape)
+        spread[send] = back
+        return spread.sum(0) + grad[ctx.rank], None, None, None, None
 
 
 class _Restore:
