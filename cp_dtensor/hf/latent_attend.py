@@ -5,20 +5,23 @@ Note [Latent attention in chunks]
 Multi-head latent attention keeps one row a token -- the normed latent (``kv_lora_rank``) and the rotated
 rope key (``qk_rope_head_dim``) -- that the layer's own ``expand_kv`` (``kv_b_proj``) turns into every
 head's key and value. With the latent rows of the sequence in global order, a rank attends its queries
-to them a key chunk at a time: ``expand_kv`` on the chunk's rows, the scores ``q . k * scaling`` with the
-chunk's mask (causal by global position, and the padding or document rule of the batch), and the
-chunk folded into an online softmax (running max ``m``, sum ``l``, ``acc``; out = acc / l, lse = m +
-log l) -- the numerics of SDPA's math kernel up to fp32 rounding. Chunks that start after the rank's
-last query are never expanded. A query that sees no key (a left pad) gets a zero output, as SDPA's
-fully masked row.
+to them a key chunk at a time: ``expand_kv`` on the chunk's rows (C tokens, :func:`key_chunk`), then for
+each tile of T queries (:func:`query_tile`) the scores ``q . k * scaling`` with the tile's mask (causal by
+global position, and the padding or document rule of the batch), folded into an online softmax (running
+max ``m``, sum ``l``, ``acc``; out = acc / l, lse = m + log l) -- the numerics of SDPA's math kernel up to
+fp32 rounding. Chunks that start after the rank's last query are never expanded, and a tile is skipped
+for a chunk none of its queries reaches. A query that sees no key (a left pad) gets a zero output, as
+SDPA's fully masked row.
 
 Backward recomputes each chunk's expansion (FlashAttention's recomputation, per key chunk): with
 ``p = exp(s - lse)`` and ``D = rowsum(dO * out)``, ``dv = p^T dO``, ``ds = p * (dO v^T - D) * scaling``,
 ``dq += ds k``, ``dk = ds^T q``, then ``autograd.grad`` of the chunk's ``expand_kv`` hands back the
 gradient of the chunk's latent rows and of the layer's parameters (``kv_b_proj``'s weight), summed over
 the chunks and returned through this Function. So no rank ever holds more than one chunk's expanded K/V
-and scores: peak = [B, N, R + r] latents (+ their gradient in backward) + one chunk's [B, H, C, Dqk + Dv]
-keys and values and [B, H, S_local, C] scores (C = :func:`key_chunk`).
+and one tile's scores: the attention's peak is the [B, N, R + r] latent rows (saved for backward; their
+gradient too in backward), one chunk's [B, H, C, Dqk + Dv] keys and values (at most ``_EXPANDED`` numbers;
+fp32 gradients of them in backward) and a few [B, H, T, C] fp32 score tiles (at most ``_SCORES`` numbers
+each). The attention runs as matmuls and a softmax in tiles (SDPA's math kernel, tiled), not a fused kernel.
 """
 
 from __future__ import annotations
@@ -26,30 +29,43 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-_SCORES = 2**26  # the most score numbers a key chunk's [B, H, S_local, C] holds (256 MiB in fp32)
+_EXPANDED = 2**25  # the most numbers a key chunk's expanded [B, H, C, Dqk + Dv] holds (64 MiB in bf16)
+_SCORES = 2**26  # the most numbers a query tile's scores [B, H, T, C] hold (256 MiB in fp32) on an accelerator
+_SCORES_CPU = 2**20  # on CPU: tiles that stay in cache run ~2x faster there (scripts/benchmarks/bench_mla.py --time)
 
 
-def key_chunk(bsz: int, heads: int, s: int, n: int) -> int:
-    """C: the key tokens expanded at a time, so that one chunk's scores hold at most ``_SCORES`` numbers."""
-    return max(1, min(n, _SCORES // max(1, bsz * heads * s)))
+def key_chunk(bsz: int, width: int, n: int) -> int:
+    """C: the key tokens expanded at a time (``width``: H x (Dqk + Dv) numbers a token), at most ``_EXPANDED``."""
+    return max(1, min(n, _EXPANDED // max(1, bsz * width)))
+
+
+def query_tile(bsz: int, heads: int, s: int, c: int, device: str = "cuda") -> int:
+    """T: the queries scored against a key chunk at a time, at most ``_SCORES`` score numbers (``_SCORES_CPU``)."""
+    return max(1, min(s, (_SCORES_CPU if device == "cpu" else _SCORES) // max(1, bsz * heads * c)))
 
 
 class Masks:
     """Which global key positions each of this rank's queries sees (causal in global order, and ``rows``:
-    ("real", [B, N] not padding) or ("documents", [B, N] document ids) or None), chunk by chunk."""
+    ("real", [B, N] not padding) or ("documents", [B, N] document ids) or None), tile by chunk."""
 
     def __init__(self, mine: Tensor, rows):
         self.mine, self.rows = mine, rows  # mine: [B, S] this rank's queries' global positions
         self.doc = None if rows is None or rows[0] == "real" else rows[1].gather(1, mine)  # [B, S]
         self.end = int(mine.max()) + 1  # keys at or after this position no query of the rank sees
 
-    def chunk(self, lo: int, hi: int) -> Tensor:  # [B, S, C] bool
+    def tiles(self, t: int) -> list[tuple[slice, int]]:
+        """The query tiles of ``t`` queries: (slice, the last global position a query of it sees + 1)."""
+        s = self.mine.shape[1]
+        return [(slice(a, min(s, a + t)), int(self.mine[:, a:a + t].max()) + 1) for a in range(0, s, t)]
+
+    def chunk(self, rows: slice, lo: int, hi: int) -> Tensor:  # [B, T, C] bool
         keys = torch.arange(lo, hi, device=self.mine.device)
-        allowed = keys[None, None, :] <= self.mine[:, :, None]
+        mine = self.mine[:, rows]
+        allowed = keys[None, None, :] <= mine[:, :, None]
         if self.rows is not None and self.rows[0] == "real":
             allowed = allowed & self.rows[1][:, None, lo:hi]
         elif self.rows is not None:
-            allowed = allowed & (self.rows[1][:, None, lo:hi] == self.doc[:, :, None])
+            allowed = allowed & (self.rows[1][:, None, lo:hi] == self.doc[:, rows, None])
         return allowed
 
 
@@ -60,8 +76,15 @@ def _expand(module: nn.Module, rows: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _scores(query: Tensor, keys: Tensor, scaling: float, allowed: Tensor) -> Tensor:
-    s = torch.matmul(query, keys.transpose(-1, -2)).float() * scaling  # [B, H, S, C]
+    s = torch.matmul(query, keys.transpose(-1, -2)).float() * scaling  # [B, H, T, C]
     return s.masked_fill(~allowed[:, None], float("-inf"))
+
+
+def _plan(module: nn.Module, query: Tensor, masks: Masks, n: int) -> tuple[int, list[tuple[slice, int]]]:
+    bsz, heads, s, _ = query.shape
+    rope = module.qk_rope_head_dim
+    c = key_chunk(bsz, module.kv_b_proj.out_features + heads * rope, n)  # k_nope + v from kv_b_proj, k_rot per head
+    return c, masks.tiles(query_tile(bsz, heads, s, c, query.device.type))
 
 
 class LatentAttention(torch.autograd.Function):
@@ -71,28 +94,33 @@ class LatentAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, module: nn.Module, masks: Masks, scaling: float, query: Tensor, latents: Tensor, *params):
         bsz, heads, s, _ = query.shape
-        step = key_chunk(bsz, heads, s, latents.shape[1])
+        step, tiles = _plan(module, query, masks, latents.shape[1])
         m = query.new_full((bsz, heads, s), float("-inf"), dtype=torch.float32)
         l = torch.zeros_like(m)  # noqa: E741
-        acc = None
+        acc = None  # [B, H, S, Dv] fp32
         for lo in range(0, masks.end, step):
             hi = min(lo + step, masks.end)
             keys, values = _expand(module, latents[:, lo:hi])
-            sc = _scores(query, keys, scaling, masks.chunk(lo, hi))
-            new = torch.maximum(m, sc.amax(-1))
-            base = new.masked_fill(new == float("-inf"), 0.0)  # a row with no key yet: exp(-inf) = 0 below
-            p = torch.exp(sc - base[..., None])
-            fix = torch.exp(m - base)
-            pv = torch.matmul(p.to(values.dtype), values).float()
-            acc = pv if acc is None else acc * fix[..., None] + pv
-            l = l * fix + p.sum(-1)  # noqa: E741
-            m = new
+            if acc is None:
+                acc = query.new_zeros(bsz, heads, s, values.shape[-1], dtype=torch.float32)
+            for rows, end in tiles:
+                if end <= lo:  # no query of the tile sees a key of the chunk
+                    continue
+                sc = _scores(query[:, :, rows], keys, scaling, masks.chunk(rows, lo, hi))
+                new = torch.maximum(m[:, :, rows], sc.amax(-1))
+                base = new.masked_fill(new == float("-inf"), 0.0)  # a row with no key yet: exp(-inf) = 0 below
+                p = torch.exp(sc - base[..., None])
+                fix = torch.exp(m[:, :, rows] - base)
+                # stable merge: acc * exp(m - m') + p v, l * exp(m - m') + sum p
+                acc[:, :, rows] = acc[:, :, rows] * fix[..., None] + torch.matmul(p.to(values.dtype), values).float()
+                l[:, :, rows] = l[:, :, rows] * fix + p.sum(-1)
+                m[:, :, rows] = new
         seen = l > 0
         out = (acc / torch.where(seen, l, 1.0)[..., None]).masked_fill(~seen[..., None], 0.0)
         lse = torch.where(seen, m + torch.log(torch.where(seen, l, 1.0)), float("-inf"))
         out = out.to(query.dtype)
         ctx.save_for_backward(query, latents, out, lse)
-        ctx.module, ctx.masks, ctx.scaling, ctx.step, ctx.params = module, masks, scaling, step, params
+        ctx.module, ctx.masks, ctx.scaling, ctx.params = module, masks, scaling, params
         dev = query.device.type
         ctx.autocast = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev), dev)
         return out
@@ -100,27 +128,32 @@ class LatentAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         query, latents, out, lse = ctx.saved_tensors
-        module, masks, scaling, step = ctx.module, ctx.masks, ctx.scaling, ctx.step
+        module, masks, scaling = ctx.module, ctx.masks, ctx.scaling
+        step, tiles = _plan(module, query, masks, latents.shape[1])
         do = grad_out.float()
         delta = (do * out.float()).sum(-1)  # [B, H, S]: D = rowsum(dO * out)
         base = torch.where(torch.isfinite(lse), lse, 0.0)[..., None]
         dq = torch.zeros_like(query, dtype=torch.float32)
         dlat = torch.zeros_like(latents)
-        wanted = ctx.params
-        sums: list[Tensor | None] = [None] * len(wanted)
+        sums: list[Tensor | None] = [None] * len(ctx.params)
         enabled, dtype, dev = ctx.autocast
         for lo in range(0, masks.end, step):
             hi = min(lo + step, masks.end)
             with torch.enable_grad(), torch.autocast(dev, dtype=dtype, enabled=enabled):
-                rows = latents[:, lo:hi].detach().requires_grad_()
-                keys, values = _expand(module, rows)
+                rows_ = latents[:, lo:hi].detach().requires_grad_()
+                keys, values = _expand(module, rows_)
             k, v = keys.detach(), values.detach()
-            p = torch.exp(_scores(query, k, scaling, masks.chunk(lo, hi)) - base)  # [B, H, S, C]
-            dv = torch.matmul(p.transpose(-1, -2), do)
-            ds = p * (torch.matmul(do, v.float().transpose(-1, -2)) - delta[..., None]) * scaling
-            dq += torch.matmul(ds, k.float())
-            dk = torch.matmul(ds.transpose(-1, -2), query.float())
-            got = torch.autograd.grad((keys, values), (rows, *wanted), (dk.to(keys.dtype), dv.to(values.dtype)),
+            dk, dv = torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
+            for rows, end in tiles:
+                if end <= lo:
+                    continue
+                q = query[:, :, rows]
+                p = torch.exp(_scores(q, k, scaling, masks.chunk(rows, lo, hi)) - base[:, :, rows])  # [B, H, T, C]
+                dv += torch.matmul(p.transpose(-1, -2), do[:, :, rows])
+                ds = p * (torch.matmul(do[:, :, rows], v.float().transpose(-1, -2)) - delta[:, :, rows, None]) * scaling
+                dq[:, :, rows] += torch.matmul(ds, k.float())
+                dk += torch.matmul(ds.transpose(-1, -2), q.float())
+            got = torch.autograd.grad((keys, values), (rows_, *ctx.params), (dk.to(keys.dtype), dv.to(values.dtype)),
                                       allow_unused=True)
             dlat[:, lo:hi] += got[0]
             sums = [g if a is None else a if g is None else a + g for a, g in zip(sums, got[1:])]

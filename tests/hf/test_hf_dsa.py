@@ -209,13 +209,14 @@ def _ranks(rank, world):
 
 def _mla_cases(mesh, out: dict) -> None:
     """Dense MLA with the latents on the wire (Note [MLA latents on the wire] in cp_dtensor/hf/latent.py), in key
-    chunks of 5 tokens (the recomputed expansion runs several chunks a rank): every layout, left and right padding,
+    chunks of 5 tokens and query tiles of 4 (the recomputed expansion runs several chunks a rank): every layout, left and right padding,
     packed documents, layout="documents" (padded too), eager and activation checkpointing, against CP=1; the
     latent path is the one taken (``mla``), and a kernel or option it does not serve falls back to the ring."""
     from cp_dtensor.hf import latent, latent_attend
     import _conformance as conformance
 
-    latent_attend.key_chunk = lambda *shape: 5  # this rank process only
+    latent_attend.key_chunk = lambda *shape: 5  # this rank process only: several key chunks and query tiles
+    latent_attend.query_tile = lambda *shape: 4
     for kind, impl in [(k, "sdpa") for k in MLA] + [("deepseek_v3", "eager"), ("deepseek_v3", "checkpointing")]:
         plain, _ = build(kind, MLA[kind])
         plain.set_attn_implementation("eager" if impl == "eager" else "sdpa")
