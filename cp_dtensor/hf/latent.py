@@ -96,6 +96,8 @@ def _latent_call(state) -> bool:
     return state.generating is None and (state.plan is None or state.layout == "documents")
 
 
+@torch.compiler.disable(reason="the MLA layer's latent rows are kept for cp_dtensor's attention function, which runs "
+                                "eagerly (Note [Compiled HF models] in cp_dtensor/hf/attention.py)")
 def _keep_latents(module: nn.Module, state, kv_nope: Tensor, k_rot: Tensor) -> tuple[Tensor, Tensor]:
     """The layer's ``expand_kv`` under CP: see Note [MLA latents on the wire]."""
     if not _latent_call(state):

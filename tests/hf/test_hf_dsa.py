@@ -73,14 +73,14 @@ def _plain(model):
     return out.loss.detach(), out.logits.detach(), grads, picks
 
 
-def _cp(model, mesh, layout):
+def _cp(model, mesh, layout, use_cache: bool = False):
     picks = _record(model)
     cp = hf.apply_context_parallel(model, mesh, layout=layout)
     tokens, positions, labels = _batch()
     shifted = hf.shift_labels(labels)
     tok, pos, lab = shard_batch((tokens, positions, shifted), mesh, layout=layout)
     out = cp(input_ids=tok, position_ids=pos, labels=lab, shift_labels=lab,
-             num_items_in_batch=(shifted != -100).sum(), use_cache=False)
+             num_items_in_batch=(shifted != -100).sum(), use_cache=use_cache)
     out.loss.backward()
     reduce_gradients(cp, mesh)
     loss = out.loss.detach().clone()
@@ -223,8 +223,9 @@ def _mla_cases(mesh, out: dict) -> None:
         if impl == "checkpointing":  # the backward recomputes each layer: its gather runs again
             plain.gradient_checkpointing_enable()
         ref_loss, ref_logits, ref_grads, _ = _plain(copy.deepcopy(plain))
-        for layout in LAYOUTS if impl == "sdpa" else ("headtail",):
-            cp, loss, logits, grads, _ = _cp(copy.deepcopy(plain), mesh, layout)
+        for layout in LAYOUTS + ("use_cache",) if impl == "sdpa" else ("headtail",):  # use_cache=True: one forward
+            cached = layout == "use_cache"  # with a fresh cache (its latents handed on), striped
+            cp, loss, logits, grads, _ = _cp(copy.deepcopy(plain), mesh, "striped" if cached else layout, cached)
             assert cp._cp_dtensor_hf.mla == "latent", cp._cp_dtensor_hf.mla
             out[kind, impl, layout] = dict(
                 picks=True, loss=abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()),
