@@ -611,3 +611,38 @@ def test_mla_path_names_the_ring_fallback(caplog):
     with caplog.at_level(logging.INFO, logger="cp_dtensor.hf.latent"):
         latent.report(model, latent.mla_path(model, {"": "sdpa"}))
     assert "runs the ring on the expanded K/V" in caplog.text
+
+
+def _mla_dynamic_ranks(rank, world, tmp):
+    """dp = 2 x cp = 2: DeepSeek-V3's Trainer on skewed packed rows, layout="documents", on the latent path
+    (static, and dynamic=True: each step planned over the 4 ranks) and on the ring (the family unproven)."""
+    import test_hf_trainer as trainer_tests
+
+    def model(name):
+        m, _ = build("deepseek_v3", MLA["deepseek_v3"])
+        m.config.use_cache = False
+        return m
+
+    trainer_tests._env(rank, world)
+    trainer_tests._model = model  # this rank process only
+    out = {}
+    for name, dynamic, proven in (("latent", False, latent.PROVEN), ("latent dynamic", True, latent.PROVEN),
+                                  ("ring", False, frozenset())):
+        latent.PROVEN = proven
+        run = trainer_tests._skewed_run(tmp, 2, dynamic)
+        out[name] = run["losses"] + run["grad_norm"]
+    return out
+
+
+@pytest.mark.skipif(not SLOW, reason="slow tier (CP_DTENSOR_SLOW=1): 4 ranks, three Trainer runs, ~8 s")
+def test_mla_trainer_dynamic_dp2_cp2():
+    """The latent path under the Trainer's layout="documents", static and dynamic=True (the plan over the dp x cp
+    grid, the latent rows exchanged over the flattened mesh): the losses and grad norms the ring logs, within 1e-6."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        got = run_ranks(4, _mla_dynamic_ranks, tmp, timeout=600)
+    for r in got:
+        assert len(r["ring"]) == 6
+        for name in ("latent", "latent dynamic"):
+            assert max(abs(a - b) / abs(b) for a, b in zip(r[name], r["ring"])) <= 1e-6, (name, r)
