@@ -296,8 +296,9 @@ def cp_dtensor_attention(module: nn.Module, query: Tensor, key: Tensor, value: T
                          "cp_dtensor.hf.apply_context_parallel(model, cp_mesh, layout=...) instead of setting it.")
     device = query.device.type
     latents = latent.take_latents(module)  # MLA's latent rows, kept by its expand_kv: Note [MLA latents on the wire]
+    handed = latent.take_handed(module)  # a prefill's MLA rows, expanded into key and value
     if state.generating is not None and state.generating.cache is not None and state.decoding is None:  # a prefill
-        state.generating.cache.note_inputs(module.layer_idx, key, value)  # Note [Pass-KV turns] in hf/pass_kv.py
+        state.generating.cache.note_inputs(module.layer_idx, *(handed or (key, value)))  # Note [Pass-KV turns]
     if torch.is_autocast_enabled(device) and query.dtype != torch.float64:  # as SDPA under autocast: q, k, v in the
         # autocast dtype (bf16 Trainer runs); float64 is not autocast-eligible and stays (as SDPA keeps it)
         dtype = torch.get_autocast_dtype(device)
@@ -312,6 +313,8 @@ def cp_dtensor_attention(module: nn.Module, query: Tensor, key: Tensor, value: T
         err = err or refused or _local_error(state, query, query, None, dropout, softcap, kwargs)
         if err is not None:  # the decode step's inputs are replicated: every rank raises alike
             raise ValueError(err)
+        if latents is not None:  # a pass-KV turn of an MLA model: the latent blocks travel (Note [MLA turns])
+            key, value = latents
         return state.decoding(state, module, query, key, value, scaling, window, sinks), None
     err = err or _local_error(state, query, key, attention_mask, dropout, softcap, kwargs)
     if latents is not None:  # in hf/latent.py (see Note [MLA latents on the wire] there)

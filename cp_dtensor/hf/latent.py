@@ -31,8 +31,23 @@ V) through every rank forward and twice that backward (K/V and their gradients):
 scripts/benchmarks/bench_mla.py. Chosen at the door for the families whose latent path is
 proven against CP=1 (``PROVEN``) loaded with the sdpa or eager kernel, without ``comm_dtype`` or another
 ``kv_exchange`` (the ring's options); every other MLA model runs the ring on the expanded K/V and the
-door says why (:func:`mla_path`). generate() keeps its own paths (a ring prefill, pass-Q turns over the
-latent cache: Note [Pass-KV turns] in hf/pass_kv.py), as does a forward with a plan in a named layout.
+door says why (:func:`mla_path`). A forward with a plan in a named layout runs the ring.
+
+Note [MLA turns]
+~~~~~~~~~~~~~~~~
+generate() prefills with the ring on the expanded K/V (``expand_kv`` as the family's), into a sharded cache
+of the latent rows the family's cache update keeps. Pass-KV (Note [Pass-KV turns] in hf/pass_kv.py) is
+served only where the attention takes the very tensors the cache handed back; an MLA layer expands them
+first, so the prefill notes the latent rows its ``expand_kv`` was given instead of the expansion
+(:func:`take_handed`): those are the cache's tensors. In a pass-KV forward ``expand_kv`` keeps the new
+shard's latent rows for the attention call (as in training); pass-KV then sends each rank's block of latent
+rows -- cache share and new shard, [B, 1, S', R] and [B, 1, S', r] -- round the ring, expands each block on
+arrival with the layer's ``expand_kv`` (:func:`expand_blocks`; one block's K/V at a time) and keeps its new
+columns as latent rows. The bytes rule (hf/pass_kv.py's ``turn_mode``) counts (R + r) x e bytes a cached
+token (1152 in bf16 at DeepSeek-V3 sizes, each sent to P - 1 ranks) against pass-Q's [out | lse] of
+H x (Dv + 1) x 4 bytes a new token (66048, from P - 1 ranks), so pass-KV wins once a turn is more than about
+1 / (57 P) of the conversation (with the expanded K/V: 1.24 / P of it). Decode steps and short
+turns run pass-Q over the cached latent rows, expanded per step, as before; a hybrid's turns run pass-Q.
 """
 
 from __future__ import annotations
@@ -49,7 +64,7 @@ from .documents import documents_of, plan_error
 from .latent_attend import Masks, latent_attention
 from .sparse import _order, gather_rows, real_mask, seen_keys
 
-__all__ = ["PROVEN", "enable_latent", "mla_layers", "mla_path", "report"]
+__all__ = ["PROVEN", "enable_latent", "expand_blocks", "mla_layers", "mla_path", "report", "take_handed", "take_latents"]
 
 #: the families whose latent path is checked against CP=1 (tests/hf/test_hf_dsa.py's MLA cases; the conformance
 #: sweep runs them too)
@@ -58,6 +73,7 @@ PROVEN = frozenset({"deepseek_v2", "deepseek_v3", "axk1", "bailing_hybrid", "glm
 _KERNELS = ("eager", "sdpa")
 logger = logging.getLogger(__name__)
 _KEPT = "_cp_dtensor_latents"  # the layer's latent rows, from its expand_kv to its attention call
+_HANDED = "_cp_dtensor_handed"  # a prefill's: the latent rows its expand_kv expanded (ShardedCache.note_inputs)
 _SEE = "See Note [MLA latents on the wire] in cp_dtensor/hf/latent.py."
 
 
@@ -96,11 +112,20 @@ def _latent_call(state) -> bool:
     return state.generating is None and (state.plan is None or state.layout == "documents")
 
 
+def _turn(state) -> bool:
+    """Whether this forward is a pass-KV turn of generate(): the cache's latent blocks travel (Note [MLA turns])."""
+    step = getattr(state.generating, "step", None)
+    return step is not None and step.kind == "pass-kv"
+
+
 @torch.compiler.disable(reason="the MLA layer's latent rows are kept for cp_dtensor's attention function, which runs "
                                 "eagerly (Note [Compiled HF models] in cp_dtensor/hf/attention.py)")
 def _keep_latents(module: nn.Module, state, kv_nope: Tensor, k_rot: Tensor) -> tuple[Tensor, Tensor]:
     """The layer's ``expand_kv`` under CP: see Note [MLA latents on the wire]."""
-    if not _latent_call(state):
+    if state.generating is not None and not _turn(state):  # a prefill (or pass-Q): the ring on the expansion;
+        module.__dict__[_HANDED] = (kv_nope, k_rot)  # the attention takes the expansion of what the cache handed
+        return type(module).expand_kv(module, kv_nope, k_rot)  # back (ShardedCache.note_inputs)
+    if state.generating is None and not _latent_call(state):
         return type(module).expand_kv(module, kv_nope, k_rot)
     module.__dict__[_KEPT] = (kv_nope, k_rot)
     with torch.no_grad():  # the shapes of one token's expansion
@@ -113,6 +138,17 @@ def _keep_latents(module: nn.Module, state, kv_nope: Tensor, k_rot: Tensor) -> t
 def take_latents(module: nn.Module):
     """The latent rows the layer's ``expand_kv`` kept for this attention call (None: the ring's K/V)."""
     return module.__dict__.pop(_KEPT, None)
+
+
+def take_handed(module: nn.Module):
+    """In a prefill: the latent rows the layer expanded for this attention call (None: not an MLA layer here)."""
+    return module.__dict__.pop(_HANDED, None)
+
+
+def expand_blocks(module: nn.Module, kv_nope: Tensor, k_rot: Tensor) -> tuple[Tensor, Tensor]:
+    """A pass-KV turn's block of latent rows ([B, 1, S', R], [B, 1, S', r]) expanded by the layer's own
+    ``expand_kv``: keys [B, H, S', Dqk], values [B, H, S', Dv] (Note [MLA turns])."""
+    return type(module).expand_kv(module, kv_nope, k_rot.to(kv_nope.dtype))
 
 
 def _same(a: tuple, b: tuple) -> bool:
@@ -219,8 +255,8 @@ class _Restore:
         self.module = module
 
     def remove(self) -> None:
-        self.module.__dict__.pop("expand_kv", None)
-        self.module.__dict__.pop(_KEPT, None)
+        for name in ("expand_kv", _KEPT, _HANDED):
+            self.module.__dict__.pop(name, None)
 
 
 def enable_latent(model: nn.Module, state) -> None:

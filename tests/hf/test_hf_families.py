@@ -194,11 +194,11 @@ def _check(world: int, trainer: list[str], turns: bool) -> None:
     for kind in NAMED:
         for rank in range(world):
             if turns:  # a short turn and decode steps run pass-Q ("decode"), the long turn pass-KV; multi-head
-                # latent attention caches latents and runs every turn pass-Q (Note [Pass-KV turns] in hf/pass_kv.py)
+                # latent attention's pass-KV sends its cached latent rows (Note [MLA turns] in hf/latent.py), so
+                # few bytes that at P = 3 the bytes rule picks it for the 4-token turn too
                 runs = got[rank][f"{kind} turns"]
-                latent = kind in ("deepseek_v2", "deepseek_v3")
-                assert runs["decode"] > 0 and (runs.get("pass-kv", 0) == 0 if latent else runs["pass-kv"] == 1), (
-                    kind, runs)
+                mla = kind in ("deepseek_v2", "deepseek_v3")
+                assert runs["decode"] > 0 and (runs["pass-kv"] >= 1 if mla else runs["pass-kv"] == 1), (kind, runs)
     assert [r["unproven router loss"] for r in got] == ["refused, then True"] * world
 
 
