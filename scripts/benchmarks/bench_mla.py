@@ -16,6 +16,13 @@ its [S_local] expanded K/V) and the attention call's working set (latent: one ke
 
     python scripts/benchmarks/bench_mla.py --n 8192 32768 131072 --world 4 8 [--doc 0 4096]
     python scripts/benchmarks/bench_mla.py --time   # CP=2 ring vs latent, a tiny DeepSeek-V3 on CPU (~20 s)
+
+``--turn C T [C T ...]``: a generate() turn of T new tokens on a cache of C (batch 1, bf16), bytes a rank sends a
+layer by hf/turns.py's rule: pass-Q ([out | lse] of the replicated queries), pass-KV of the cached latent rows
+(Note [MLA turns] in cp_dtensor/hf/latent.py) and pass-KV of the expanded K/V (what it would send), and the mode
+the rule picks.
+
+    python scripts/benchmarks/bench_mla.py --turn 32768 512 131072 4096 131072 512 --world 4 8
 """
 
 from __future__ import annotations
@@ -83,6 +90,22 @@ def _bytes(args) -> None:
                       f"{m['latent_work'] / mb:.0f} ({m['chunk']}) / {m['ring_work'] / mb:.0f} |")
 
 
+def _turns(args) -> None:
+    from cp_dtensor.hf.turns import turn_plan
+
+    print("| C | T | P | pass-Q MB | pass-KV latent MB | pass-KV expanded MB | picked |")
+    print("|---|---|---|---|---|---|---|")
+    pairs = list(zip(args.turn[::2], args.turn[1::2]))
+    for world in args.world:
+        for c, t in pairs:
+            common = dict(new=t, cached=c, cp=world, batch=1, q_heads=HEADS, kv_bytes=2, unit=2 * world)
+            lat = turn_plan(**common, kv_heads=1, head_dim=V_DIM, kv_width=LATENT_DIM)
+            full = turn_plan(**common, kv_heads=HEADS, head_dim=QK, value_dim=V_DIM)
+            mb = 2**20
+            print(f"| {c} | {t} | {world} | {lat.pass_q / mb:.1f} | {lat.pass_kv / mb:.1f} | {full.pass_kv / mb:.0f} | "
+                  f"{lat.mode} |")
+
+
 def _timing_ranks(rank: int, world: int, n: int, repeat: int) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "hf"))
     import transformers
@@ -144,8 +167,9 @@ def main() -> None:
     p.add_argument("--time", action="store_true", help="the CPU timing of CP=2 ring vs latent instead")
     p.add_argument("--time-n", type=int, nargs="+", default=[512, 2048])
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--turn", type=int, nargs="+", help="C T pairs: generate() turns' bytes instead")
     args = p.parse_args()
-    _timing(args) if args.time else _bytes(args)
+    _timing(args) if args.time else _turns(args) if args.turn else _bytes(args)
 
 
 if __name__ == "__main__":
