@@ -35,8 +35,9 @@ door says why (:func:`mla_path`). A forward with a plan in a named layout runs t
 
 Note [MLA turns]
 ~~~~~~~~~~~~~~~~
-generate() prefills with the ring on the expanded K/V (``expand_kv`` as the family's), into a sharded cache
-of the latent rows the family's cache update keeps. Pass-KV (Note [Pass-KV turns] in hf/pass_kv.py) is
+generate()'s prefill runs the latent path (each rank's shard of the prompt, striped under
+``layout="documents"``, as the ring's prefill), into a sharded cache of the latent rows the family's cache
+update keeps. Pass-KV (Note [Pass-KV turns] in hf/pass_kv.py) is
 served only where the attention takes the very tensors the cache handed back; an MLA layer expands them
 first, so the prefill notes the latent rows its ``expand_kv`` was given instead of the expansion
 (:func:`take_handed`): those are the cache's tensors. In a pass-KV forward ``expand_kv`` keeps the new
@@ -60,7 +61,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..core.agreement import agree_on_call
-from .documents import documents_of, plan_error
+from ..core.plan.layout import global_order
+from .documents import documents_of, plan_error, ring_layout
 from .latent_attend import Masks, latent_attention
 from .sparse import _order, gather_rows, real_mask, seen_keys
 
@@ -112,19 +114,21 @@ def _latent_call(state) -> bool:
     return state.generating is None and (state.plan is None or state.layout == "documents")
 
 
-def _turn(state) -> bool:
-    """Whether this forward is a pass-KV turn of generate(): the cache's latent blocks travel (Note [MLA turns])."""
+def _step(state) -> str | None:
+    """generate()'s forward kind ("prefill", "pass-kv", "decode"), or None outside generate()."""
     step = getattr(state.generating, "step", None)
-    return step is not None and step.kind == "pass-kv"
+    return None if step is None else step.kind
 
 
 @torch.compiler.disable(reason="the MLA layer's latent rows are kept for cp_dtensor's attention function, which runs "
                                 "eagerly (Note [Compiled HF models] in cp_dtensor/hf/attention.py)")
 def _keep_latents(module: nn.Module, state, kv_nope: Tensor, k_rot: Tensor) -> tuple[Tensor, Tensor]:
     """The layer's ``expand_kv`` under CP: see Note [MLA latents on the wire]."""
-    if state.generating is not None and not _turn(state):  # a prefill (or pass-Q): the ring on the expansion;
-        module.__dict__[_HANDED] = (kv_nope, k_rot)  # the attention takes the expansion of what the cache handed
-        return type(module).expand_kv(module, kv_nope, k_rot)  # back (ShardedCache.note_inputs)
+    kind = _step(state)
+    if kind == "prefill":  # the attention takes what the cache handed back (ShardedCache.note_inputs)
+        module.__dict__[_HANDED] = (kv_nope, k_rot)
+    if state.generating is not None and kind not in ("prefill", "pass-kv"):  # pass-Q: the expansion of the share
+        return type(module).expand_kv(module, kv_nope, k_rot)
     if state.generating is None and not _latent_call(state):
         return type(module).expand_kv(module, kv_nope, k_rot)
     module.__dict__[_KEPT] = (kv_nope, k_rot)
@@ -163,7 +167,8 @@ def _rows(state, derive, pos: Tensor, mask, use_cache: bool, probe: Tensor, orde
     mask = None if mask is None else mask[:, -s:]
     group, world = state.mesh.get_group(), state.mesh.size()
     packed = not (use_cache and state.documents is None)
-    if state.layout == "documents":  # the positions and padding in global order by the plan
+    planned = state.layout == "documents" and state.generating is None  # a prefill runs striped (ring_layout)
+    if planned:  # the positions and padding in global order by the plan
         real = None if mask is None else gather_rows(group, world, mask, order).bool()
         full, err = documents_of(gather_rows(group, world, pos.expand(b, -1), order), real, packed=packed)
     else:
@@ -175,7 +180,7 @@ def _rows(state, derive, pos: Tensor, mask, use_cache: bool, probe: Tensor, orde
         return None
     if mask is not None:
         return "real", real if real is not None else real_mask(group, world, mask, order, b, s, probe.device)
-    return "documents", full if state.layout == "documents" else gather_rows(group, world, full, order)
+    return "documents", full if planned else gather_rows(group, world, full, order)
 
 
 def attend(module: nn.Module, state, query: Tensor, latents, attention_mask, err, scaling: float, kwargs,
@@ -191,13 +196,14 @@ def attend(module: nn.Module, state, query: Tensor, latents, attention_mask, err
         err = f"the latent path runs causal MLA without a window; {type(module).__name__} is not. {_SEE}"
     key = ("mla", pos, -2 if pos is None else version(pos), attention_mask, use_cache, bsz)
     if state.last is None or not _same(state.last[0], key):  # the forward's first layer (or a new call)
-        planned = state.layout == "documents"
+        planned = state.layout == "documents" and state.generating is None  # a prefill: striped (ring_layout)
         if err is None and planned:  # Note [A plan fits its batch] in hf/documents.py
             err = plan_error(state, state.plan, query, pos, attention_mask)
         agree_on_call(err, {"batch": bsz, "tokens": s, "heads": query.shape[1], "latent": kv_nope.shape[-1],
                             "plan key": state.plan.key if planned and err is None else 0}, group,
                       what="cp_dtensor.hf (multi-head latent attention)")
-        order = _order(state, world, n, bsz, query.device)  # [B, N]
+        order = (_order(state, world, n, bsz, query.device) if planned or state.layout != "documents"
+                 else global_order(ring_layout(state), world, n).to(query.device).expand(bsz, -1))  # [B, N]
         state.last = (key, (order, _rows(state, derive, pos, attention_mask, use_cache, query, order)))
     elif err is not None:  # a later layer's own error: from the model and the call, the same on every rank
         raise ValueError(err)

@@ -355,9 +355,10 @@ def _check_hybrid_windowed(rank: int, world: int) -> None:
 
 
 def _check_latent_cache(rank: int, world: int) -> None:
-    """DeepSeek-V3's MLA caches the compressed latent and expands it per forward: a long turn runs pass-KV on the
-    cached latent rows (Note [MLA turns] in hf/latent.py) and equals CP=1; on the ring (the latent path off) the
-    attention takes the expansion, not what it caches, and the turn runs pass-Q, equal to CP=1 too."""
+    """DeepSeek-V3's MLA caches the compressed latent and expands it per forward: the prefill's layers run the latent
+    path, a long turn runs pass-KV on the cached latent rows (Note [MLA turns] in hf/latent.py), and both equal
+    CP=1; on the ring (the latent path off) the attention takes the expansion, not what it caches, and the turn
+    runs pass-Q, equal to CP=1 too."""
     from cp_dtensor.hf import latent
 
     for proven in (latent.PROVEN, frozenset()):
@@ -379,7 +380,15 @@ def _latent_turn(world: int, rows: bool) -> None:
     base = transformers.DeepseekV3ForCausalLM(cfg).float().eval()
     ref_model, model = copy.deepcopy(base), hf.apply_context_parallel(copy.deepcopy(base), mesh)
     ids, mask = _prompt(8, 2, 6, [0, 2])
-    ref, out = _generate(ref_model, ids, mask, max_new_tokens=2), _generate(model, ids, mask, max_new_tokens=2)
+    from cp_dtensor.hf import latent
+
+    calls, attend = [], latent.attend
+    latent.attend = lambda *a, **k: calls.append(1) or attend(*a, **k)  # the prefill's layers on the latent path?
+    try:
+        ref, out = _generate(ref_model, ids, mask, max_new_tokens=2), _generate(model, ids, mask, max_new_tokens=2)
+    finally:
+        latent.attend = attend
+    assert len(calls) == (2 if rows else 0), (rows, calls)
     ids, mask = _follow(out.sequences, mask, 9, 60)  # 60 new after 7 cached: pass-KV by the bytes rule
     out = _generate(model, ids, mask, cache=out.cache, max_new_tokens=2)
     _compare(out, _generate(ref_model, ids, mask, cache=ref.cache, max_new_tokens=2), f"deepseek_v3 P={world} turn 2")
