@@ -431,7 +431,10 @@ def apply_context_parallel(
     ``documents="position_ids"`` applies them with use_cache on too.
 
     ``comm_dtype`` and ``kv_exchange`` are ``ring_attention``'s, for every ring call of the model
-    (training, evaluation and generate()'s prefill).
+    (training, evaluation and generate()'s prefill). ``kv_exchange="latent"`` (opt-in) sends a multi-head
+    latent attention model's latent rows instead of its expanded K/V (71x fewer bytes at DeepSeek-V3 sizes,
+    unfused attention): Note [MLA latents on the wire] in hf/latent.py; the model's other ring calls run
+    ``"ring"``, and a model it does not serve raises.
 
     ``model.generate(...)`` then runs under CP as well, every rank passing the same full, unsharded inputs:
     a ring prefill into a sequence-sharded KV cache, then decoding from it (Note [generate() under CP] in
@@ -451,10 +454,11 @@ def apply_context_parallel(
     before. See Note [Sequence tiling in transformers] in hf/tiling.py.
     """
     check_cp_mesh(mesh)
-    check_model_layout(layout, comm_dtype=comm_dtype, kv_exchange=kv_exchange)
+    ring = latent.ring_exchange(kv_exchange)  # "latent": the MLA layers' (Note [MLA latents on the wire]); the ring's calls
+    check_model_layout(layout, comm_dtype=comm_dtype, kv_exchange=ring)
     if documents not in (None, "position_ids"):
         raise ValueError(f"documents must be None or 'position_ids'; got {documents!r}.")
-    error = options_error("cp_dtensor.hf.apply_context_parallel", comm_dtype=comm_dtype, kv_exchange=kv_exchange)
+    error = options_error("cp_dtensor.hf.apply_context_parallel", comm_dtype=comm_dtype, kv_exchange=ring)
     if error is not None:  # the same arguments on every rank: every rank raises here, before any communication
         raise ValueError(error)
     tile = check_tileable(model, sequence_tiling)  # a head or loss that cannot be tiled raises before any change
@@ -480,6 +484,8 @@ def apply_context_parallel(
         from .sparse import door_error, dsa_layers
 
         sparse, error = dsa_layers(model), error or door_error(model, layout, implementations(model.config))
+    if error is None and kv_exchange == "latent":  # opt-in: refused for a model it does not serve
+        error = latent.latent_error(model, implementations(model.config), comm_dtype)
     if error is not None:  # the same model on every rank: every rank raises here, before any communication
         raise ValueError(error)
     mla = latent.mla_path(model, implementations(model.config), comm_dtype, kv_exchange)
@@ -491,7 +497,7 @@ def apply_context_parallel(
         raise ValueError(f"{type(model).__name__} does not route its attention through transformers' "
                          "AttentionInterface, so it cannot run context parallel attention.")
     state = attach(model, mesh, layout, documents, before)
-    state.comm_dtype, state.kv_exchange = comm_dtype, kv_exchange  # Note [CP state on a model] in hf/state.py
+    state.comm_dtype, state.kv_exchange = comm_dtype, ring  # Note [CP state on a model] in hf/state.py
     state.handles += [model.register_forward_pre_hook(_call_starts, with_kwargs=True),
                       model.register_forward_hook(_call_ends, always_call=True),
                       model.base_model.register_forward_pre_hook(_forward_starts)]

@@ -28,10 +28,14 @@ Bytes a layer (bf16, P ranks, N tokens): a rank receives 1152 bytes for each row
 hold -- at most (P - 1) / P x N rows (the rank holding the sequence's last tokens sees them all; packed
 documents far fewer) -- and sends as many gradient rows back; the ring moves (P - 1) / P x N x 81920 (K and
 V) through every rank forward and twice that backward (K/V and their gradients):
-scripts/benchmarks/bench_mla.py. Chosen at the door for the families whose latent path is
-proven against CP=1 (``PROVEN``) loaded with the sdpa or eager kernel, without ``comm_dtype`` or another
-``kv_exchange`` (the ring's options); every other MLA model runs the ring on the expanded K/V and the
-door says why (:func:`mla_path`). A forward with a plan in a named layout runs the ring.
+scripts/benchmarks/bench_mla.py. Opt-in, ``kv_exchange="latent"`` at the door: the attention is tiled
+matmul + softmax (Note [Latent attention in chunks]), not the ring's fused kernels, so it pays where the
+interconnect or memory is the bottleneck, not where the ring's K/V traffic hides behind its compute. Served
+for the families whose latent path is proven against CP=1 (``PROVEN``) loaded with the sdpa or eager kernel,
+without ``comm_dtype`` (the ring's option); any other model asked for it is refused at the door
+(:func:`latent_error`), and the default ``kv_exchange="ring"`` runs the ring on the expanded K/V (the door
+says so, :func:`mla_path`). A hybrid's other attention layers run the ring either way. A forward with a plan
+in a named layout runs the ring.
 
 Note [MLA turns]
 ~~~~~~~~~~~~~~~~
@@ -66,7 +70,8 @@ from .documents import documents_of, plan_error, ring_layout
 from .latent_attend import Masks, latent_attention
 from .sparse import _order, gather_rows, real_mask, seen_keys
 
-__all__ = ["PROVEN", "enable_latent", "expand_blocks", "mla_layers", "mla_path", "report", "take_handed", "take_latents"]
+__all__ = ["PROVEN", "enable_latent", "expand_blocks", "latent_error", "mla_layers", "mla_path", "report", "ring_exchange",
+           "take_handed", "take_latents"]
 
 #: the families whose latent path is checked against CP=1 (tests/hf/test_hf_dsa.py's MLA cases; the conformance
 #: sweep runs them too)
@@ -85,19 +90,41 @@ def mla_layers(model: nn.Module) -> list[nn.Module]:
             and hasattr(m, "kv_lora_rank") and not hasattr(m, "indexer")]
 
 
+def ring_exchange(kv_exchange: str) -> str:
+    """The ring's ``kv_exchange`` for a door's: "latent" is the door's own (the MLA layers'); the model's ring
+    calls then run the ring."""
+    return "ring" if kv_exchange == "latent" else kv_exchange
+
+
 def mla_path(model: nn.Module, before: dict, comm_dtype=None, kv_exchange: str = "ring") -> str | None:
     """Why this model's MLA layers run the ring on the expanded K/V ("latent": they send latents; None: no
-    dense MLA layer). Reads the model only: the same on every rank."""
+    dense MLA layer). Opt-in: ``kv_exchange="latent"``. Reads the model only: the same on every rank."""
     if not mla_layers(model):
         return None
+    if kv_exchange != "latent":
+        return f"kv_exchange={kv_exchange!r} (kv_exchange='latent' sends the latent rows)"
     kind, impl = getattr(model.config, "model_type", "?"), before.get("")
     if kind not in PROVEN:
         return f"the latent path is proven for {sorted(PROVEN)}, not model_type={kind!r}"
     if impl not in _KERNELS:
         return f"attn_implementation={impl!r} (the latent path serves 'sdpa' and 'eager')"
-    if comm_dtype is not None or kv_exchange != "ring":
-        return "comm_dtype / kv_exchange are the ring's options"
+    if comm_dtype is not None:
+        return f"comm_dtype={comm_dtype} (the ring's option: the latent rows travel in the model's dtype)"
     return "latent"
+
+
+def latent_error(model: nn.Module, before: dict, comm_dtype=None) -> str | None:
+    """``kv_exchange="latent"``'s refusal at the door (None: served): a model with no dense MLA layer, an
+    unproven family, another kernel, comm_dtype. Reads the model only: every rank raises alike, before any
+    communication."""
+    path = mla_path(model, before, comm_dtype, "latent")
+    if path == "latent":
+        return None
+    why = path or "it has no dense multi-head latent attention layer"
+    return (f"kv_exchange='latent' sends multi-head latent attention's latent rows instead of the expanded K/V; "
+            f"{type(model).__name__}: {why}. It serves the dense MLA layers of model_type in {sorted(PROVEN)} "
+            "loaded with attn_implementation='sdpa' or 'eager', without comm_dtype. Use kv_exchange='ring' (the "
+            f"default) for this model. {_SEE}")
 
 
 def report(model: nn.Module, path: str | None) -> None:

@@ -7,6 +7,7 @@ prefill): greedy tokens identical; what the scheme does not serve raises on ever
 from __future__ import annotations
 
 import copy
+from functools import partial
 
 import pytest
 import torch
@@ -74,9 +75,9 @@ def _plain(model):
     return out.loss.detach(), out.logits.detach(), grads, picks
 
 
-def _cp(model, mesh, layout, use_cache: bool = False):
+def _cp(model, mesh, layout, use_cache: bool = False, **options):
     picks = _record(model)
-    cp = hf.apply_context_parallel(model, mesh, layout=layout)
+    cp = hf.apply_context_parallel(model, mesh, layout=layout, **options)
     tokens, positions, labels = _batch()
     shifted = hf.shift_labels(labels)
     tok, pos, lab = shard_batch((tokens, positions, shifted), mesh, layout=layout)
@@ -92,7 +93,7 @@ def _cp(model, mesh, layout, use_cache: bool = False):
     return cp, loss, logits, grads, picks
 
 
-def _masked(plain, mesh, case: str) -> dict:
+def _masked(plain, mesh, case: str, **options) -> dict:
     """"padded": row 0 left-padded by 5, row 1 right-padded by 3 (labels -100 there), striped; "packed": row 0 two
     documents, row 1 three (position ids that restart), headtail; "documents": documents of unequal lengths (3, 14,
     7 and 10, 5, 9) under layout="documents" (each row in its plan's order, short documents whole on a rank);
@@ -119,7 +120,7 @@ def _masked(plain, mesh, case: str) -> dict:
     want.loss.backward()
     model = copy.deepcopy(plain)
     got_picks = _record(model)
-    cp = hf.apply_context_parallel(model, mesh, layout="documents" if planned else layout)
+    cp = hf.apply_context_parallel(model, mesh, layout="documents" if planned else layout, **options)
     if planned:  # the batch's plan, from the full batch: Note [One plan per batch in transformers]
         layout = plan_batch(cp, position_ids=positions, **kw)
         assert padded or not torch.equal(layout.order[0], layout.order[1])  # each row its own order
@@ -211,8 +212,9 @@ def _ranks(rank, world):
 def _mla_cases(mesh, out: dict) -> None:
     """Dense MLA with the latents on the wire (Note [MLA latents on the wire] in cp_dtensor/hf/latent.py), in key
     chunks of 5 tokens and query tiles of 4 (the recomputed expansion runs several chunks a rank): every layout, left and right padding,
-    packed documents, layout="documents" (padded too), eager and activation checkpointing, against CP=1; the
-    latent path is the one taken (``mla``), and a kernel or option it does not serve falls back to the ring."""
+    packed documents, layout="documents" (padded too), eager and activation checkpointing, against CP=1, with
+    kv_exchange="latent" (opt-in); the latent path is the one taken (``mla``); without it the ring; asked for a
+    model, kernel or option it does not serve, refused at the door on every rank."""
     from cp_dtensor.hf import latent_attend
     import _conformance as conformance
 
@@ -226,7 +228,8 @@ def _mla_cases(mesh, out: dict) -> None:
         ref_loss, ref_logits, ref_grads, _ = _plain(copy.deepcopy(plain))
         for layout in LAYOUTS + ("use_cache",) if impl == "sdpa" else ("headtail",):  # use_cache=True: one forward
             cached = layout == "use_cache"  # with a fresh cache (its latents handed on), striped
-            cp, loss, logits, grads, _ = _cp(copy.deepcopy(plain), mesh, "striped" if cached else layout, cached)
+            cp, loss, logits, grads, _ = _cp(copy.deepcopy(plain), mesh, "striped" if cached else layout, cached,
+                                             kv_exchange="latent")
             assert cp._cp_dtensor_hf.mla == "latent", cp._cp_dtensor_hf.mla
             out[kind, impl, layout] = dict(
                 picks=True, loss=abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()),
@@ -238,9 +241,19 @@ def _mla_cases(mesh, out: dict) -> None:
         if impl != "sdpa":
             continue
         for case in ("padded", "packed", "documents", "documents padded"):
-            out[kind, case] = _masked(plain, mesh, case)
-    ring = hf.apply_context_parallel(copy.deepcopy(plain), mesh, comm_dtype=torch.bfloat16)  # the ring's option
-    out["mla comm_dtype", "removed"] = "ran" if "kv_exchange" in ring._cp_dtensor_hf.mla else "left"
+            out[kind, case] = _masked(plain, mesh, case, kv_exchange="latent")
+    ring = hf.apply_context_parallel(copy.deepcopy(plain), mesh)  # the default: the ring on the expanded K/V
+    out["mla default", "removed"] = "ran" if "kv_exchange='ring'" in ring._cp_dtensor_hf.mla and all(
+        "expand_kv" not in vars(m) for m in ring.modules()) else "left"
+    latent_door = partial(hf.apply_context_parallel, mesh=mesh, kv_exchange="latent")
+    llama, _ = build("llama", conformance.families()["llama"])
+    out["mla latent", "llama"] = _raises(lambda: latent_door(llama), "has no dense multi-head latent attention")
+    out["mla latent", "dsa"] = _raises(lambda: latent_door(_model("deepseek_v32")), "model_type in ['axk1'")
+    kernel = copy.deepcopy(plain)
+    kernel.config._attn_implementation_internal = "flash_attention_2"  # as loaded with that kernel
+    out["mla latent", "kernel"] = _raises(lambda: latent_door(kernel), "attn_implementation='flash_attention_2'")
+    out["mla latent", "comm_dtype"] = _raises(lambda: latent_door(copy.deepcopy(plain), comm_dtype=torch.bfloat16),
+                                              "comm_dtype=torch.bfloat16")
     world = mesh.size()
     for kind in sorted(latent.PROVEN - set(MLA)):  # the other proven families: P = 2 headtail (LongCat, slow: 4 s
         if kind == "longcat_flash" and world == 2:  # a run), P = 3 every layout they take
@@ -249,7 +262,7 @@ def _mla_cases(mesh, out: dict) -> None:
         ref_loss, ref_logits, ref_grads, _ = _plain(copy.deepcopy(plain))
         hybrid = "linear_attention" in (getattr(plain.config, "layer_types", None) or ())
         for layout in ("headtail",) if world == 2 else ("headtail", "contiguous") if hybrid else LAYOUTS:
-            cp, loss, logits, grads, _ = _cp(copy.deepcopy(plain), mesh, layout)
+            cp, loss, logits, grads, _ = _cp(copy.deepcopy(plain), mesh, layout, kv_exchange="latent")
             assert cp._cp_dtensor_hf.mla == "latent", (kind, cp._cp_dtensor_hf.mla)
             out[kind, "sdpa", layout] = dict(
                 picks=True, loss=abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()),
@@ -596,26 +609,34 @@ def test_seen_keys_are_the_keys_a_rank_can_see(case):
 
 
 def test_mla_path_names_the_ring_fallback(caplog):
-    """The door picks the latent path for a proven MLA family on sdpa / eager, and says why not otherwise: another
-    kernel, the ring's options, a family not proven (each then runs the ring on the expanded K/V)."""
+    """The latent path is opt-in: kv_exchange="latent" takes it for a proven MLA family on sdpa / eager; the door
+    says why not otherwise (the default ring, another kernel, comm_dtype, a family not proven), and
+    kv_exchange="latent" there is refused with the families served."""
     import logging
 
     model, _ = build("deepseek_v3", MLA["deepseek_v3"])
-    assert latent.mla_path(model, {"": "sdpa"}) == latent.mla_path(model, {"": "eager"}) == "latent"
-    assert "flash_attention_2" in latent.mla_path(model, {"": "flash_attention_2"})
-    assert "the ring's options" in latent.mla_path(model, {"": "sdpa"}, comm_dtype=torch.bfloat16)
-    assert "the ring's options" in latent.mla_path(model, {"": "sdpa"}, kv_exchange="allgather")
-    model.config.model_type = "an_mla_family"
-    assert "model_type='an_mla_family'" in latent.mla_path(model, {"": "sdpa"})
-    assert latent.mla_path(_model("deepseek_v32"), {"": "sdpa"}) is None  # DSA layers: hf/sparse.py's own path
+    latent_ = partial(latent.mla_path, kv_exchange="latent")
+    assert latent_(model, {"": "sdpa"}) == latent_(model, {"": "eager"}) == "latent"
+    assert "kv_exchange='ring'" in latent.mla_path(model, {"": "sdpa"})  # the default
+    assert "kv_exchange='allgather'" in latent.mla_path(model, {"": "sdpa"}, kv_exchange="allgather")
+    assert latent.ring_exchange("latent") == "ring" and latent.ring_exchange("allgather") == "allgather"
+    assert "flash_attention_2" in latent_(model, {"": "flash_attention_2"})
+    assert "comm_dtype" in latent.latent_error(model, {"": "sdpa"}, comm_dtype=torch.bfloat16)
+    assert latent.latent_error(model, {"": "sdpa"}) is None
     with caplog.at_level(logging.INFO, logger="cp_dtensor.hf.latent"):
         latent.report(model, latent.mla_path(model, {"": "sdpa"}))
     assert "runs the ring on the expanded K/V" in caplog.text
+    model.config.model_type = "an_mla_family"
+    assert "model_type='an_mla_family'" in latent_(model, {"": "sdpa"})
+    assert "Use kv_exchange='ring'" in latent.latent_error(model, {"": "sdpa"})
+    assert latent_(_model("deepseek_v32"), {"": "sdpa"}) is None  # DSA layers: hf/sparse.py's own path
+    assert "no dense multi-head latent" in latent.latent_error(_model("deepseek_v32"), {"": "sdpa"})
 
 
 def _mla_dynamic_ranks(rank, world, tmp):
     """dp = 2 x cp = 2: DeepSeek-V3's Trainer on skewed packed rows, layout="documents", on the latent path
-    (static, and dynamic=True: each step planned over the 4 ranks) and on the ring (the family unproven)."""
+    (static, and dynamic=True: each step planned over the 4 ranks; kv_exchange="latent") and on the ring (the
+    default)."""
     import test_hf_trainer as trainer_tests
 
     def model(name):
@@ -626,10 +647,9 @@ def _mla_dynamic_ranks(rank, world, tmp):
     trainer_tests._env(rank, world)
     trainer_tests._model = model  # this rank process only
     out = {}
-    for name, dynamic, proven in (("latent", False, latent.PROVEN), ("latent dynamic", True, latent.PROVEN),
-                                  ("ring", False, frozenset())):
-        latent.PROVEN = proven
-        run = trainer_tests._skewed_run(tmp, 2, dynamic)
+    for name, dynamic, exchange in (("latent", False, "latent"), ("latent dynamic", True, "latent"),
+                                    ("ring", False, "ring")):
+        run = trainer_tests._skewed_run(tmp, 2, dynamic, kv_exchange=exchange)
         out[name] = run["losses"] + run["grad_norm"]
     return out
 
