@@ -82,6 +82,8 @@ def _train(case: str, out: str, cp: int | None) -> dict:
     cls = Trainer if cp is None else with_context_parallel(Trainer, cp_size=cp, layout=layout, **options)
     data, collator = (_documents(1), DataCollatorWithFlattening()) if packed else (_rows(1), default_data_collator)
     trainer = cls(model=_model(kind, True), args=args, train_dataset=data, data_collator=collator)
+    if options and cp is not None:  # the MLA layers took the latent path
+        assert trainer.model._cp_dtensor_hf.mla == "latent", trainer.model._cp_dtensor_hf.mla
     trainer.train()
     history = trainer.state.log_history
     return {"losses": [h["loss"] for h in history if "loss" in h],
