@@ -29,9 +29,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from ..core.compute.kernels import kernel_bwd, kernel_fwd
+
 _EXPANDED = 2**25  # the most numbers a key chunk's expanded [B, H, C, Dqk + Dv] holds (64 MiB in bf16)
 _SCORES = 2**26  # the most numbers a query tile's scores [B, H, T, C] hold (256 MiB in fp32) on an accelerator
 _SCORES_CPU = 2**20  # on CPU: tiles that stay in cache run ~2x faster there (scripts/benchmarks/bench_mla.py --time)
+FUSED = True  # each (query tile, key chunk) through the core's fused kernel (kernel_fwd / kernel_bwd); False: matmuls
 
 
 def key_chunk(bsz: int, width: int, n: int) -> int:
@@ -84,6 +87,8 @@ def _plan(module: nn.Module, query: Tensor, masks: Masks, n: int) -> tuple[int, 
     bsz, heads, s, _ = query.shape
     rope = module.qk_rope_head_dim
     c = key_chunk(bsz, module.kv_b_proj.out_features + heads * rope, n)  # k_nope + v from kv_b_proj, k_rot per head
+    if FUSED:  # the kernel tiles its scores itself: a tile bounds the [T, C] additive mask of one batch row
+        return c, masks.tiles(query_tile(1, 1, s, c))
     return c, masks.tiles(query_tile(bsz, heads, s, c, query.device.type))
 
 
@@ -106,6 +111,9 @@ class LatentAttention(torch.autograd.Function):
             for rows, end in tiles:
                 if end <= lo:  # no query of the tile sees a key of the chunk
                     continue
+                if FUSED:  # out in acc (normalised), lse in m: merged chunk by chunk
+                    _fused_fwd(query, keys, values, scaling, masks.chunk(rows, lo, hi), rows, acc, m)
+                    continue
                 sc = _scores(query[:, :, rows], keys, scaling, masks.chunk(rows, lo, hi))
                 new = torch.maximum(m[:, :, rows], sc.amax(-1))
                 base = new.masked_fill(new == float("-inf"), 0.0)  # a row with no key yet: exp(-inf) = 0 below
@@ -115,10 +123,12 @@ class LatentAttention(torch.autograd.Function):
                 acc[:, :, rows] = acc[:, :, rows] * fix[..., None] + torch.matmul(p.to(values.dtype), values).float()
                 l[:, :, rows] = l[:, :, rows] * fix + p.sum(-1)
                 m[:, :, rows] = new
-        seen = l > 0
-        out = (acc / torch.where(seen, l, 1.0)[..., None]).masked_fill(~seen[..., None], 0.0)
-        lse = torch.where(seen, m + torch.log(torch.where(seen, l, 1.0)), float("-inf"))
-        out = out.to(query.dtype)
+        if FUSED:
+            out, lse = acc.to(query.dtype), m
+        else:
+            seen = l > 0
+            out = (acc / torch.where(seen, l, 1.0)[..., None]).masked_fill(~seen[..., None], 0.0).to(query.dtype)
+            lse = torch.where(seen, m + torch.log(torch.where(seen, l, 1.0)), float("-inf"))
         ctx.save_for_backward(query, latents, out, lse)
         ctx.module, ctx.masks, ctx.scaling, ctx.params = module, masks, scaling, params
         dev = query.device.type
@@ -147,6 +157,10 @@ class LatentAttention(torch.autograd.Function):
             for rows, end in tiles:
                 if end <= lo:
                     continue
+                if FUSED:
+                    _fused_bwd(grad_out, query, k, v, out, base[..., 0], scaling, masks.chunk(rows, lo, hi), rows,
+                               dq, dk, dv)
+                    continue
                 q = query[:, :, rows]
                 p = torch.exp(_scores(q, k, scaling, masks.chunk(rows, lo, hi)) - base[:, :, rows])  # [B, H, T, C]
                 dv += torch.matmul(p.transpose(-1, -2), do[:, :, rows])
@@ -158,6 +172,46 @@ class LatentAttention(torch.autograd.Function):
             dlat[:, lo:hi] += got[0]
             sums = [g if a is None else a if g is None else a + g for a, g in zip(sums, got[1:])]
         return (None, None, None, dq.to(query.dtype), dlat, *sums)
+
+
+def _additive(allowed: Tensor, dtype: torch.dtype) -> Tensor:
+    """[T, C] bool -> the kernels' additive mask (0 where allowed, -inf elsewhere) in ``dtype``."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))
+
+
+def _fused_fwd(query, keys, values, scaling, allowed, rows, acc, lse) -> None:
+    """One (query tile, key chunk) through the core's fused kernel, a batch row at a time (each row its own
+    mask), merged into ``acc`` (the normalised out so far, fp32) and ``lse`` (fp32, -inf: no key yet) in place."""
+    for b in range(query.shape[0]):
+        a = allowed[b]  # [T, C]
+        hit = a.any(-1)  # [T]: the tile's queries with a key in the chunk
+        if not bool(hit.any()):
+            continue
+        o, ls = kernel_fwd(query[b:b + 1, :, rows], keys[b:b + 1], values[b:b + 1], False, scaling,
+                           _additive(a, query.dtype))
+        ls = ls.float().masked_fill(~hit, float("-inf"))  # a query with no key here: no part of its softmax
+        o = o.float().masked_fill(~hit[:, None], 0.0)
+        old = lse[b:b + 1, :, rows]
+        new = torch.logaddexp(old, ls)
+        base = new.masked_fill(new == float("-inf"), 0.0)
+        acc[b:b + 1, :, rows] = (acc[b:b + 1, :, rows] * torch.exp(old - base)[..., None]
+                                 + o * torch.exp(ls - base)[..., None])
+        lse[b:b + 1, :, rows] = new
+
+
+def _fused_bwd(grad_out, query, k, v, out, lse, scaling, allowed, rows, dq, dk, dv) -> None:
+    """The backward of :func:`_fused_fwd` for one (query tile, key chunk), from the final out and ``lse`` (a
+    row with no key: 0, every score masked): dq, dk, dv (fp32) accumulated in place."""
+    for b in range(query.shape[0]):
+        a = allowed[b]
+        if not bool(a.any()):
+            continue
+        got = kernel_bwd(grad_out[b:b + 1, :, rows], query[b:b + 1, :, rows], k[b:b + 1], v[b:b + 1],
+                         out[b:b + 1, :, rows], lse[b:b + 1, :, rows].contiguous(), False, scaling,
+                         _additive(a, query.dtype))
+        dq[b:b + 1, :, rows] += got[0].float()
+        dk[b:b + 1] += got[1].float()
+        dv[b:b + 1] += got[2].float()
 
 
 def _parameters(module: nn.Module) -> list[Tensor]:
