@@ -28,8 +28,9 @@ Bytes a layer (bf16, P ranks, N tokens): a rank receives 1152 bytes for each row
 hold -- at most (P - 1) / P x N rows (the rank holding the sequence's last tokens sees them all; packed
 documents far fewer) -- and sends as many gradient rows back; the ring moves (P - 1) / P x N x 81920 (K and
 V) through every rank forward and twice that backward (K/V and their gradients):
-scripts/benchmarks/bench_mla.py. Opt-in, ``kv_exchange="latent"`` at the door: the attention is tiled
-matmul + softmax (Note [Latent attention in chunks]), not the ring's fused kernels, so it pays where the
+scripts/benchmarks/bench_mla.py. Opt-in, ``kv_exchange="latent"`` at the door: the attention runs the fused
+kernels one masked (query tile, key chunk) rectangle and batch row at a time (Note [Latent attention in
+chunks]), slower than the ring's calls (on CUDA the efficient kernel in fp32, not flash), so it pays where the
 interconnect or memory is the bottleneck, not where the ring's K/V traffic hides behind its compute. Served
 for the families whose latent path is proven against CP=1 (``PROVEN``) loaded with the sdpa or eager kernel,
 without ``comm_dtype`` (the ring's option); any other model asked for it is refused at the door
