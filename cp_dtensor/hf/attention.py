@@ -93,6 +93,7 @@ from ..core.agreement import agree_on_call  # noqa: E402
 from ..core.attention import ring_attention, ring_spec, run_ring_attention  # noqa: E402
 from ..core.checks import check_call, check_cp_mesh, options_error  # noqa: E402
 from ..core.plan.layout import in_global_order, shard_tensor  # noqa: E402
+from . import latent  # noqa: E402
 from .documents import KWARG, check_model_layout, documents_of, plan_error, ring_layout  # noqa: E402
 from .generate import enable_generate, generate  # noqa: E402
 from .pads import planned_pad_error, scored_pad_error, scored_pads, uniform_pads  # noqa: E402
@@ -300,12 +301,14 @@ def cp_dtensor_attention(module: nn.Module, query: Tensor, key: Tensor, value: T
         raise ValueError("attn_implementation='cp_dtensor' needs the CP mesh: call "
                          "cp_dtensor.hf.apply_context_parallel(model, cp_mesh, layout=...) instead of setting it.")
     device = query.device.type
+    latents = latent.take_latents(module)  # MLA's latent rows, kept by its expand_kv: Note [MLA latents on the wire]
+    handed = latent.take_handed(module)  # a prefill's MLA rows, expanded into key and value
     if state.generating is not None and state.generating.cache is not None and state.decoding is None:  # a prefill
-        state.generating.cache.note_inputs(module.layer_idx, key, value)  # Note [Pass-KV turns] in hf/pass_kv.py
+        state.generating.cache.note_inputs(module.layer_idx, *(handed or (key, value)))  # Note [Pass-KV turns]
     if torch.is_autocast_enabled(device) and query.dtype != torch.float64:  # as SDPA under autocast: q, k, v in the
         # autocast dtype (bf16 Trainer runs); float64 is not autocast-eligible and stays (as SDPA keeps it)
         dtype = torch.get_autocast_dtype(device)
-        query, key, value = (x.to(dtype) for x in (query, key, value))
+        query, key, value = (x.to(dtype) if latents is None or x is query else x for x in (query, key, value))
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     window, err = _window(module, sliding_window, causal)
     sinks = s_aux if s_aux is not None else getattr(module, "sinks", None)
@@ -316,8 +319,14 @@ def cp_dtensor_attention(module: nn.Module, query: Tensor, key: Tensor, value: T
         err = err or refused or _local_error(state, query, query, None, dropout, softcap, kwargs)
         if err is not None:  # the decode step's inputs are replicated: every rank raises alike
             raise ValueError(err)
+        if latents is not None:  # a pass-KV turn of an MLA model: the latent blocks travel (Note [MLA turns])
+            key, value = latents
         return state.decoding(state, module, query, key, value, scaling, window, sinks), None
     err = err or _local_error(state, query, key, attention_mask, dropout, softcap, kwargs)
+    if latents is not None:  # in hf/latent.py (see Note [MLA latents on the wire] there)
+        kw = dict(kwargs, sliding_window=None if window is None else window)
+        out = latent.attend(module, state, query, latents, attention_mask, err, scaling, kw, derive_documents, _version)
+        return out, None
     if state.generating is None and (state.layout == "documents" or state.plan is not None):  # the batch's plan
         out = _planned(state, query, key, value, attention_mask, err, causal, scaling, window, sinks, kwargs)
         return _zero_pads(out, attention_mask), None
@@ -429,7 +438,10 @@ def apply_context_parallel(
     ``documents="position_ids"`` applies them with use_cache on too.
 
     ``comm_dtype`` and ``kv_exchange`` are ``ring_attention``'s, for every ring call of the model
-    (training, evaluation and generate()'s prefill).
+    (training, evaluation and generate()'s prefill). ``kv_exchange="latent"`` (opt-in) sends a multi-head
+    latent attention model's latent rows instead of its expanded K/V (71x fewer bytes at DeepSeek-V3 sizes,
+    unfused attention): Note [MLA latents on the wire] in hf/latent.py; the model's other ring calls run
+    ``"ring"``, and a model it does not serve raises.
 
     ``model.generate(...)`` then runs under CP as well, every rank passing the same full, unsharded inputs:
     a ring prefill into a sequence-sharded KV cache, then decoding from it (Note [generate() under CP] in
@@ -449,10 +461,11 @@ def apply_context_parallel(
     before. See Note [Sequence tiling in transformers] in hf/tiling.py.
     """
     check_cp_mesh(mesh)
-    check_model_layout(layout, comm_dtype=comm_dtype, kv_exchange=kv_exchange)
+    ring = latent.ring_exchange(kv_exchange)  # "latent": the MLA layers' (Note [MLA latents on the wire]); the ring's calls
+    check_model_layout(layout, comm_dtype=comm_dtype, kv_exchange=ring)
     if documents not in (None, "position_ids"):
         raise ValueError(f"documents must be None or 'position_ids'; got {documents!r}.")
-    error = options_error("cp_dtensor.hf.apply_context_parallel", comm_dtype=comm_dtype, kv_exchange=kv_exchange)
+    error = options_error("cp_dtensor.hf.apply_context_parallel", comm_dtype=comm_dtype, kv_exchange=ring)
     if error is not None:  # the same arguments on every rank: every rank raises here, before any communication
         raise ValueError(error)
     tile = check_tileable(model, sequence_tiling)  # a head or loss that cannot be tiled raises before any change
@@ -478,8 +491,11 @@ def apply_context_parallel(
         from .sparse import door_error, dsa_layers
 
         sparse, error = dsa_layers(model), error or door_error(model, layout, implementations(model.config))
+    if error is None and kv_exchange == "latent":  # opt-in: refused for a model it does not serve
+        error = latent.latent_error(model, implementations(model.config), comm_dtype)
     if error is not None:  # the same model on every rank: every rank raises here, before any communication
         raise ValueError(error)
+    mla = latent.mla_path(model, implementations(model.config), comm_dtype, kv_exchange)
     register()
     before = implementations(model.config)
     model.set_attn_implementation(NAME)
@@ -488,7 +504,7 @@ def apply_context_parallel(
         raise ValueError(f"{type(model).__name__} does not route its attention through transformers' "
                          "AttentionInterface, so it cannot run context parallel attention.")
     state = attach(model, mesh, layout, documents, before)
-    state.comm_dtype, state.kv_exchange = comm_dtype, kv_exchange  # Note [CP state on a model] in hf/state.py
+    state.comm_dtype, state.kv_exchange = comm_dtype, ring  # Note [CP state on a model] in hf/state.py
     state.uniform_pads = uniform_pads(model, before)  # Note [Scored pads] in hf/pads.py
     state.handles += [model.register_forward_pre_hook(_call_starts, with_kwargs=True),
                       model.register_forward_hook(_call_ends, always_call=True),
@@ -500,6 +516,10 @@ def apply_context_parallel(
         from .linear import enable_linear  # after enable_generate, whose base-model hook hands them the shards
 
         enable_linear(model, state, linear, derive_documents)
+    if mla == "latent":  # Note [MLA latents on the wire] in hf/latent.py
+        latent.enable_latent(model, state)
+    state.mla = mla
+    latent.report(model, mla)
     if sparse is not None:  # the indexed_attention layers' own forward: the global indexer, the selected rows
         from .sparse import enable_sparse
         from .sparse_generate import generating_forward, sparse_generate

@@ -25,9 +25,10 @@ A turn of T new tokens after C cached ones, in pass-KV (hf/generate.py's pre-hoo
 Served for models without linear-attention layers (a hybrid's linear layers would need their state passed
 across the shards from the cached state: its turns run pass-Q), and only where every layer's attention takes
 the very K/V its layer caches, once a forward: the blocks passed here are what the attention function is
-handed, and the columns kept are taken from them. Not so for multi-head latent attention (DeepSeek-V2 / V3,
-GLM-4.7-Flash, ...), whose cache holds the compressed latents ([B, 1, S, kv_lora_rank] and the shared
-rotary key) that the layer expands into per-head K/V after the cache; DiffLlama, which calls the attention
+handed, and the columns kept are taken from them. Multi-head latent attention on the latent path passes its
+cached latent rows and expands each block on arrival (Note [MLA turns] in hf/latent.py). Not so for an MLA
+family on the ring (not proven for the latent path), which expands the cache's latents into per-head K/V
+after the cache; DiffLlama, which calls the attention
 twice with the value's halves; JetMoE, which repeats the cached heads. The prefill checks it: each
 layer's attention call compares its K/V with the tensors the layer's cache update handed back
 (``ShardedCache.note_inputs``: the same answer on every rank, from the model's code), and a model where
@@ -49,6 +50,7 @@ from ..core.exchange.comm import RingComm, all_gather, pack, unpack, wait  # noq
 from ..core.plan.layout import global_order, layout_unit, shard_tensor  # noqa: E402
 from .cache import ShardedCache, _Step  # noqa: E402
 from .documents import ring_layout  # noqa: E402
+from .latent import expand_blocks  # noqa: E402
 from .state import HFState  # noqa: E402
 from .turns import kv_dims, turn_plan  # noqa: E402
 
@@ -62,7 +64,14 @@ def turn_mode(state: HFState, module: nn.Module, cache: ShardedCache, batch: int
     cp = state.mesh.size()
     if cp == 1 or new < 2 or cache.linear or not cache.attends_cached:
         return "pass-q"
-    dims = kv_dims(module.config.get_text_config(decoder=True))  # a tuple of the layers' values where they vary
+    config = module.config.get_text_config(decoder=True)
+    if state.mla == "latent":  # the cache holds MLA latent rows, which pass-KV sends: Note [MLA turns] in hf/latent.py
+        esize = torch.empty((), dtype=module.dtype).element_size()
+        return turn_plan(new=new, cached=cache.seen, cp=cp, batch=batch, q_heads=config.num_attention_heads,
+                         kv_heads=1, head_dim=config.v_head_dim, kv_width=config.kv_lora_rank + config.qk_rope_head_dim,
+                         kv_bytes=esize, largest_share=max(cache.held),
+                         unit=layout_unit(ring_layout(state), cp)).mode
+    dims = kv_dims(config)  # a tuple of the layers' values where they vary
     layers = max((len(x) for x in dims if isinstance(x, tuple)), default=1)
     at = lambda x, i: x[i] if isinstance(x, tuple) else x  # noqa: E731
     esize = torch.empty((), dtype=module.dtype).element_size()
@@ -148,6 +157,7 @@ def pass_kv_attention(state: HFState, module: nn.Module, query: Tensor, key: Ten
     kept_v = value.new_empty(*value.shape[:2], len(plan.src), value.shape[3])
     ring = RingComm(state.mesh.get_group())
     k_positions = plan.k_positions
+    latent_rows = state.mla == "latent" and "expand_kv" in vars(module)  # key, value: MLA latent rows
     if layer.reach is not None:  # Note [Windowed caches]: the model's window, the same on every rank (a collective)
         k_positions = _own_positions(state, layer.positions, plan.s_max, k_positions, s)
 
@@ -161,7 +171,10 @@ def pass_kv_attention(state: HFState, module: nn.Module, query: Tensor, key: Ten
             if len(at):
                 cols = plan.src.index_select(0, at) % s
                 kept_k[:, :, at], kept_v[:, :, at] = k_blk.index_select(2, cols), v_blk.index_select(2, cols)
-            yield k_blk.to(query.dtype), v_blk.to(query.dtype), k_positions[:, src * s:(src + 1) * s]
+            k_blk, v_blk = k_blk.to(query.dtype), v_blk.to(query.dtype)
+            if latent_rows:  # the block's latent rows, expanded on arrival: Note [MLA turns] in hf/latent.py
+                k_blk, v_blk = expand_blocks(module, k_blk, v_blk)
+            yield k_blk, v_blk, k_positions[:, src * s:(src + 1) * s]
             if nxt is not None:
                 buf = ring.wait(nxt)
 

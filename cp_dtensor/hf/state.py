@@ -77,6 +77,7 @@ class HFState:
     linear: Any = None  #: linear.LinearState for a hybrid linear-attention model
     comm_dtype: Any = None  #: ring_attention's comm_dtype for every ring call (None: K/V as they are)
     kv_exchange: str = "ring"  #: ring_attention's kv_exchange for every ring call
+    mla: str | None = None  #: "latent", or why the MLA layers run the ring (None: none): hf/latent.py's mla_path
     #: the Trainer's next call: this rank's tokens of the user's rows ([S_local] or [B, S_local] bool; None: no CP
     #: padding), which the router loss counts (Note [Router loss under CP] in router.py); cleared after the call
     real: Any = None

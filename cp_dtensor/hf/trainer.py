@@ -109,7 +109,8 @@ from .attention import apply_context_parallel  # noqa: E402
 from .collator import META, CollatedBatch, ShardingCollator  # noqa: E402
 from .documents import KWARG, check_model_layout, model_windows  # noqa: E402
 from .grid import dynamic_refusal, move_batches, replica_ring, static_collator  # noqa: E402
-from .state import state_of  # noqa: E402
+from .latent import latent_error, ring_exchange  # noqa: E402
+from .state import implementations, state_of  # noqa: E402
 
 __all__ = ["ShardingCollator", "with_context_parallel"]
 
@@ -122,17 +123,18 @@ class CPOptions:
     layout: str = "striped"  #: the sequence layout (striped / headtail / contiguous / documents); hybrids: headtail, contiguous
     documents: str | None = "position_ids"  #: apply_context_parallel's documents= (None: transformers' own rule)
     comm_dtype: Any = None  #: ring_attention's comm_dtype (K/V's dtype on the wire; None: as they are)
-    kv_exchange: str = "ring"  #: ring_attention's kv_exchange ("ring" or "allgather")
+    kv_exchange: str = "ring"  #: ring_attention's kv_exchange ("ring" or "allgather"), or "latent" (MLA: hf/latent.py)
     sequence_tiling: bool | int = False  #: apply_context_parallel's sequence_tiling= (True, or tokens per tile)
     dynamic: bool = False  #: layout="documents": each step's global batch planned over the dp x cp grid (hf/grid.py)
 
     def __post_init__(self):
         if isinstance(self.cp_size, bool) or not isinstance(self.cp_size, int) or self.cp_size < 1:
             raise ValueError(f"cp_size must be a positive int; got {self.cp_size!r}.")
-        check_model_layout(self.layout, comm_dtype=self.comm_dtype, kv_exchange=self.kv_exchange)
+        ring = ring_exchange(self.kv_exchange)  # "latent": the MLA layers' own, checked with the model
+        check_model_layout(self.layout, comm_dtype=self.comm_dtype, kv_exchange=ring)
         if self.documents not in (None, "position_ids"):
             raise ValueError(f"documents must be None or 'position_ids'; got {self.documents!r}.")
-        error = options_error("with_context_parallel", comm_dtype=self.comm_dtype, kv_exchange=self.kv_exchange)
+        error = options_error("with_context_parallel", comm_dtype=self.comm_dtype, kv_exchange=ring)
         if error is not None:
             raise ValueError(error)
         check_tile_size(self.sequence_tiling)
@@ -193,6 +195,10 @@ def _refusal(trainer, options: CPOptions) -> str | None:
         return "train_sampling_strategy='batch_rebalance' counts ranks, not replicas; use 'random' or 'group_by_length'."
     if "inputs" in (args.include_for_metrics or ()):
         return "include_for_metrics=['inputs'] would gather each rank's shard of the inputs; drop 'inputs'."
+    if options.kv_exchange == "latent":  # opt-in: Note [MLA latents on the wire] in hf/latent.py
+        error = latent_error(trainer.model, implementations(trainer.model.config), options.comm_dtype)
+        if error is not None:
+            return error
     return dynamic_refusal(args, options.cp_size) if options.dynamic else None
 
 
@@ -554,7 +560,8 @@ def with_context_parallel(trainer_cls: type, *, cp_size: int, layout: str = "str
     ``layout="documents"``: the collator plans each batch's packed documents from the full rows and the step
     passes the plan to the model (Note [One plan per batch in transformers] in hf/documents.py). ``options``:
     ``documents`` (``"position_ids"``, the default, or ``None``: transformers' own packed-sequence rule),
-    ``comm_dtype`` and ``kv_exchange`` (``ring_attention``'s, for every ring call of the model),
+    ``comm_dtype`` and ``kv_exchange`` (``ring_attention``'s, for every ring call of the model; ``"latent"``:
+    a multi-head latent attention model's latent rows on the wire, opt-in -- hf/latent.py),
     ``sequence_tiling`` (True or tokens per tile: the LM head + loss and the MLPs in sequence tiles, no
     [S_local, vocab] logits in training steps; evaluation still returns logits -- hf/tiling.py), ``dynamic``
     (with ``layout="documents"``: each training step's global batch planned over every dp x cp rank; evaluation

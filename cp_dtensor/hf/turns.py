@@ -205,7 +205,7 @@ class TurnPlan:
 
 def turn_plan(*, new: int, cached: int, cp: int, batch: int, q_heads: int, kv_heads: int, head_dim: int,
               value_dim: int | None = None, kv_bytes: int = 2, largest_share: int | None = None,
-              unit: int = 1) -> TurnPlan:
+              unit: int = 1, kv_width: int | None = None) -> TurnPlan:
     """The bytes rule of Note [Continuing a sharded cache] (docs/inference.md, "Multi-turn"): what one rank
     sends per attention layer for ``new`` = T tokens after ``cached`` = C, as the code sends it,
 
@@ -216,10 +216,12 @@ def turn_plan(*, new: int, cached: int, cp: int, batch: int, q_heads: int, kv_he
 
     With Dqk = Dv = D, pass-KV sends fewer bytes when T / (C + T) > kv_bytes * Hkv / (2 * P * Hq) (about):
     a first turn (C = 0; the ring prefill), a long document added to a short conversation; a follow-up of a
-    few hundred tokens after a long conversation is pass-Q and never sends the cached K/V."""
+    few hundred tokens after a long conversation is pass-Q and never sends the cached K/V. ``kv_width``: the
+    numbers a cached token holds when not Hkv * (Dqk + Dv) (MLA's latent row, R + r)."""
     dv = head_dim if value_dim is None else value_dim
     pq = (cp - 1) * batch * q_heads * new * (dv + 1) * 4
     share = -(-cached // cp) if largest_share is None else largest_share
     local = -(-new // unit) * unit // cp
-    pkv = (cp - 1) * batch * (share + local) * kv_heads * (head_dim + dv) * kv_bytes
+    width = kv_heads * (head_dim + dv) if kv_width is None else kv_width
+    pkv = (cp - 1) * batch * (share + local) * width * kv_bytes
     return TurnPlan(pq, pkv, "pass-kv" if cached == 0 or pkv < pq else "pass-q")

@@ -7,6 +7,7 @@ prefill): greedy tokens identical; what the scheme does not serve raises on ever
 from __future__ import annotations
 
 import copy
+from functools import partial
 
 import pytest
 import torch
@@ -21,13 +22,15 @@ transformers.logging.set_verbosity_error()
 from cp_dtensor.core.batch import shard_batch, unshard_batch  # noqa: E402
 from cp_dtensor.doors import reduce_gradients  # noqa: E402
 from cp_dtensor.hf import attention as hf  # noqa: E402
-from cp_dtensor.hf import served, sparse  # noqa: E402
+from cp_dtensor.hf import latent, served, sparse  # noqa: E402
 from cp_dtensor.hf.documents import plan_batch  # noqa: E402
 from _conformance import build  # noqa: E402
 
 TOL = 1e-5
 N, B, V, K = 24, 2, 64, 8  # K: the tiny configs' index_topk, a third of N
 FAMILIES = {"deepseek_v32": "DeepseekV32ForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM"}
+MLA = {"deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM"}  # dense MLA: hf/latent.py
+MLA_PROVEN = latent.PROVEN
 LAYOUTS = ("headtail", "striped", "contiguous")
 
 
@@ -72,14 +75,14 @@ def _plain(model):
     return out.loss.detach(), out.logits.detach(), grads, picks
 
 
-def _cp(model, mesh, layout):
+def _cp(model, mesh, layout, use_cache: bool = False, **options):
     picks = _record(model)
-    cp = hf.apply_context_parallel(model, mesh, layout=layout)
+    cp = hf.apply_context_parallel(model, mesh, layout=layout, **options)
     tokens, positions, labels = _batch()
     shifted = hf.shift_labels(labels)
     tok, pos, lab = shard_batch((tokens, positions, shifted), mesh, layout=layout)
     out = cp(input_ids=tok, position_ids=pos, labels=lab, shift_labels=lab,
-             num_items_in_batch=(shifted != -100).sum(), use_cache=False)
+             num_items_in_batch=(shifted != -100).sum(), use_cache=use_cache)
     out.loss.backward()
     reduce_gradients(cp, mesh)
     loss = out.loss.detach().clone()
@@ -90,7 +93,7 @@ def _cp(model, mesh, layout):
     return cp, loss, logits, grads, picks
 
 
-def _masked(plain, mesh, case: str) -> dict:
+def _masked(plain, mesh, case: str, **options) -> dict:
     """"padded": row 0 left-padded by 5, row 1 right-padded by 3 (labels -100 there), striped; "packed": row 0 two
     documents, row 1 three (position ids that restart), headtail; "documents": documents of unequal lengths (3, 14,
     7 and 10, 5, 9) under layout="documents" (each row in its plan's order, short documents whole on a rank);
@@ -118,7 +121,7 @@ def _masked(plain, mesh, case: str) -> dict:
     want.loss.backward()
     model = copy.deepcopy(plain)
     got_picks = _record(model)
-    cp = hf.apply_context_parallel(model, mesh, layout="documents" if planned else layout)
+    cp = hf.apply_context_parallel(model, mesh, layout="documents" if planned else layout, **options)
     if planned or named_plan:  # the batch's plan, from the full batch: Note [One plan per batch in transformers]
         layout = plan_batch(cp, position_ids=positions, **kw)
         assert padded or named_plan or not torch.equal(layout.order[0], layout.order[1])  # each row its own order
@@ -301,7 +304,69 @@ def _ranks(rank, world):
             m.attention_dropout = 0.1
         out[kind, "dropout"] = _raises(lambda: cp(input_ids=tok, position_ids=pos, use_cache=False),
                                        "config.attention_dropout = 0")
+    _mla_cases(mesh, out)
     return out
+
+
+def _mla_cases(mesh, out: dict) -> None:
+    """Dense MLA with the latents on the wire (Note [MLA latents on the wire] in cp_dtensor/hf/latent.py), in key
+    chunks of 5 tokens and query tiles of 4 (the recomputed expansion runs several chunks a rank): every layout, left and right padding,
+    packed documents, layout="documents" (padded too), eager and activation checkpointing, against CP=1, with
+    kv_exchange="latent" (opt-in); the latent path is the one taken (``mla``); without it the ring; asked for a
+    model, kernel or option it does not serve, refused at the door on every rank."""
+    from cp_dtensor.hf import latent_attend
+    import _conformance as conformance
+
+    latent_attend.key_chunk = lambda *shape: 5  # this rank process only: several key chunks and query tiles
+    latent_attend.query_tile = lambda *shape: 4
+    for kind, impl in [(k, "sdpa") for k in MLA] + [("deepseek_v3", "eager"), ("deepseek_v3", "checkpointing")]:
+        plain, _ = build(kind, MLA[kind])
+        plain.set_attn_implementation("eager" if impl == "eager" else "sdpa")
+        if impl == "checkpointing":  # the backward recomputes each layer: its gather runs again
+            plain.gradient_checkpointing_enable()
+        ref_loss, ref_logits, ref_grads, _ = _plain(copy.deepcopy(plain))
+        for layout in LAYOUTS + ("use_cache",) if impl == "sdpa" else ("headtail",):  # use_cache=True: one forward
+            cached = layout == "use_cache"  # with a fresh cache (its latents handed on), striped
+            cp, loss, logits, grads, _ = _cp(copy.deepcopy(plain), mesh, "striped" if cached else layout, cached,
+                                             kv_exchange="latent")
+            assert cp._cp_dtensor_hf.mla == "latent", cp._cp_dtensor_hf.mla
+            out[kind, impl, layout] = dict(
+                picks=True, loss=abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()),
+                logits=rel_err(logits, ref_logits),
+                grads=sorted(grads) == sorted(ref_grads) and max(rel_err(grads[n], ref_grads[n]) for n in ref_grads))
+            hf.remove_context_parallel(cp)
+            out[kind, impl, layout, "removed"] = "ran" if all("expand_kv" not in vars(m) for m in cp.modules()) \
+                else "left"
+        if impl != "sdpa":
+            continue
+        for case in ("padded", "packed", "documents", "documents padded"):
+            out[kind, case] = _masked(plain, mesh, case, kv_exchange="latent")
+    ring = hf.apply_context_parallel(copy.deepcopy(plain), mesh)  # the default: the ring on the expanded K/V
+    out["mla default", "removed"] = "ran" if "kv_exchange='ring'" in ring._cp_dtensor_hf.mla and all(
+        "expand_kv" not in vars(m) for m in ring.modules()) else "left"
+    latent_door = partial(hf.apply_context_parallel, mesh=mesh, kv_exchange="latent")
+    llama, _ = build("llama", conformance.families()["llama"])
+    out["mla latent", "llama"] = _raises(lambda: latent_door(llama), "has no dense multi-head latent attention")
+    out["mla latent", "dsa"] = _raises(lambda: latent_door(_model("deepseek_v32")), "model_type in ['axk1'")
+    kernel = copy.deepcopy(plain)
+    kernel.config._attn_implementation_internal = "flash_attention_2"  # as loaded with that kernel
+    out["mla latent", "kernel"] = _raises(lambda: latent_door(kernel), "attn_implementation='flash_attention_2'")
+    out["mla latent", "comm_dtype"] = _raises(lambda: latent_door(copy.deepcopy(plain), comm_dtype=torch.bfloat16),
+                                              "comm_dtype=torch.bfloat16")
+    world = mesh.size()
+    for kind in sorted(latent.PROVEN - set(MLA)):  # the other proven families: P = 2 headtail (LongCat, slow: 4 s
+        if kind == "longcat_flash" and world == 2:  # a run), P = 3 every layout they take
+            continue
+        plain, _ = build(kind, conformance.families()[kind])
+        ref_loss, ref_logits, ref_grads, _ = _plain(copy.deepcopy(plain))
+        hybrid = "linear_attention" in (getattr(plain.config, "layer_types", None) or ())
+        for layout in ("headtail",) if world == 2 else ("headtail", "contiguous") if hybrid else LAYOUTS:
+            cp, loss, logits, grads, _ = _cp(copy.deepcopy(plain), mesh, layout, kv_exchange="latent")
+            assert cp._cp_dtensor_hf.mla == "latent", (kind, cp._cp_dtensor_hf.mla)
+            out[kind, "sdpa", layout] = dict(
+                picks=True, loss=abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()),
+                logits=rel_err(logits, ref_logits),
+                grads=sorted(grads) == sorted(ref_grads) and max(rel_err(grads[n], ref_grads[n]) for n in ref_grads))
 
 
 def _generate(model, ids, mask=None):
@@ -517,7 +582,8 @@ def _check(world):
                 assert picks and loss2 <= 1e-3 and logits2 <= 1.5 * logits1 + 1e-2, (key, mode, got[mode])
             continue
         assert got["picks"], (key, "the selected index sets differ from CP=1's")
-        assert got["loss"] <= TOL and got["logits"] <= TOL and got["grads"] is not False and got["grads"] <= TOL, \
+        loss_tol = 1e-6 if key[0] in MLA_PROVEN else TOL  # dense MLA: the loss to 1e-6 (relative)
+        assert got["loss"] <= loss_tol and got["logits"] <= TOL and got["grads"] is not False and got["grads"] <= TOL, \
             (key, got)
 
 
@@ -716,3 +782,63 @@ def test_seen_keys_are_the_keys_a_rank_can_see(case):
         want = torch.stack([torch.stack([allowed[b, lay.order[b].view(world, -1)[r]].any(0) for b in range(B)])
                             for r in range(world)])  # [P, B, N]
         assert torch.equal(got, want), (case, world, "documents")
+
+
+def test_mla_path_names_the_ring_fallback(caplog):
+    """The latent path is opt-in: kv_exchange="latent" takes it for a proven MLA family on sdpa / eager; the door
+    says why not otherwise (the default ring, another kernel, comm_dtype, a family not proven), and
+    kv_exchange="latent" there is refused with the families served."""
+    import logging
+
+    model, _ = build("deepseek_v3", MLA["deepseek_v3"])
+    latent_ = partial(latent.mla_path, kv_exchange="latent")
+    assert latent_(model, {"": "sdpa"}) == latent_(model, {"": "eager"}) == "latent"
+    assert "kv_exchange='ring'" in latent.mla_path(model, {"": "sdpa"})  # the default
+    assert "kv_exchange='allgather'" in latent.mla_path(model, {"": "sdpa"}, kv_exchange="allgather")
+    assert latent.ring_exchange("latent") == "ring" and latent.ring_exchange("allgather") == "allgather"
+    assert "flash_attention_2" in latent_(model, {"": "flash_attention_2"})
+    assert "comm_dtype" in latent.latent_error(model, {"": "sdpa"}, comm_dtype=torch.bfloat16)
+    assert latent.latent_error(model, {"": "sdpa"}) is None
+    with caplog.at_level(logging.INFO, logger="cp_dtensor.hf.latent"):
+        latent.report(model, latent.mla_path(model, {"": "sdpa"}))
+    assert "runs the ring on the expanded K/V" in caplog.text
+    model.config.model_type = "an_mla_family"
+    assert "model_type='an_mla_family'" in latent_(model, {"": "sdpa"})
+    assert "Use kv_exchange='ring'" in latent.latent_error(model, {"": "sdpa"})
+    assert latent_(_model("deepseek_v32"), {"": "sdpa"}) is None  # DSA layers: hf/sparse.py's own path
+    assert "no dense multi-head latent" in latent.latent_error(_model("deepseek_v32"), {"": "sdpa"})
+
+
+def _mla_dynamic_ranks(rank, world, tmp):
+    """dp = 2 x cp = 2: DeepSeek-V3's Trainer on skewed packed rows, layout="documents", on the latent path
+    (static, and dynamic=True: each step planned over the 4 ranks; kv_exchange="latent") and on the ring (the
+    default)."""
+    import test_hf_trainer as trainer_tests
+
+    def model(name):
+        m, _ = build("deepseek_v3", MLA["deepseek_v3"])
+        m.config.use_cache = False
+        return m
+
+    trainer_tests._env(rank, world)
+    trainer_tests._model = model  # this rank process only
+    out = {}
+    for name, dynamic, exchange in (("latent", False, "latent"), ("latent dynamic", True, "latent"),
+                                    ("ring", False, "ring")):
+        run = trainer_tests._skewed_run(tmp, 2, dynamic, kv_exchange=exchange)
+        out[name] = run["losses"] + run["grad_norm"]
+    return out
+
+
+@pytest.mark.skipif(not SLOW, reason="slow tier (CP_DTENSOR_SLOW=1): 4 ranks, three Trainer runs, ~8 s")
+def test_mla_trainer_dynamic_dp2_cp2():
+    """The latent path under the Trainer's layout="documents", static and dynamic=True (the plan over the dp x cp
+    grid, the latent rows exchanged over the flattened mesh): the losses and grad norms the ring logs, within 1e-6."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        got = run_ranks(4, _mla_dynamic_ranks, tmp, timeout=600)
+    for r in got:
+        assert len(r["ring"]) == 6
+        for name in ("latent", "latent dynamic"):
+            assert max(abs(a - b) / abs(b) for a, b in zip(r[name], r["ring"])) <= 1e-6, (name, r)

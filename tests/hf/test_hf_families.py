@@ -72,15 +72,19 @@ def _documents(seed: int, count: int = 12) -> list[dict]:
 
 
 def _train(case: str, out: str, cp: int | None) -> dict:
-    """``case``: a family, fixed rows of N tokens (headtail); "<family> packed": packed documents (striped)."""
-    kind, _, packed = case.partition(" ")
+    """``case``: a family, fixed rows of N tokens (headtail); "<family> packed": packed documents (striped);
+    "<family> latent": multi-head latent attention's latent rows on the wire (kv_exchange="latent", rows)."""
+    kind, _, extra = case.partition(" ")
+    packed, options = extra == "packed", dict(kv_exchange="latent") if extra == "latent" else {}
     args = TrainingArguments(output_dir=out, per_device_train_batch_size=4 if packed else 2, max_steps=2,
                              logging_steps=1, report_to=[], save_strategy="no", learning_rate=1e-2, use_cpu=True,
                              disable_tqdm=True, seed=0, data_seed=0)
     layout = "striped" if packed else "headtail"
-    cls = Trainer if cp is None else with_context_parallel(Trainer, cp_size=cp, layout=layout)
+    cls = Trainer if cp is None else with_context_parallel(Trainer, cp_size=cp, layout=layout, **options)
     data, collator = (_documents(1), DataCollatorWithFlattening()) if packed else (_rows(1), default_data_collator)
     trainer = cls(model=_model(kind, True), args=args, train_dataset=data, data_collator=collator)
+    if options and cp is not None:  # the MLA layers took the latent path
+        assert trainer.model._cp_dtensor_hf.mla == "latent", trainer.model._cp_dtensor_hf.mla
     trainer.train()
     history = trainer.state.log_history
     return {"losses": [h["loss"] for h in history if "loss" in h],
@@ -98,12 +102,12 @@ def _follow(ids, mask, seed: int, n: int):
     return torch.cat([ids, extra], 1), torch.cat([mask, ones], 1)
 
 
-def _turns(kind: str, mesh, world: int, layout: str = "headtail") -> dict:
+def _turns(kind: str, mesh, world: int, layout: str = "headtail", **options) -> dict:
     """Three turns (a short follow-up: pass-Q; a long one: pass-KV) and a chunked prefill, batch 2 with left
     padding: CP's tokens and logits are CP=1's (transformers continuing its own cache)."""
     base = _model(kind, False)
     ref_model = copy.deepcopy(base)
-    model = hf_attention.apply_context_parallel(copy.deepcopy(base), mesh, layout=layout)
+    model = hf_attention.apply_context_parallel(copy.deepcopy(base), mesh, layout=layout, **options)
     ids, mask = _prompt(1, 2, 11, [2, 0], low=3, vocab=V)
     gen = dict(max_new_tokens=3)
     ref, out = _generate(ref_model, ids, mask, **gen), _generate(model, ids, mask, **gen)
@@ -159,7 +163,8 @@ def _cp_ranks(rank: int, world: int, tmp: str, kinds: list[str], trainer: list[s
     for case in trainer:
         out[case] = _train(case, tempfile.mkdtemp(dir=tmp), world)
     for i, kind in enumerate(kinds if turns else ()):  # the caches of both layouts (striped: every other family)
-        out[f"{kind} turns"] = _turns(kind, mesh, world, "striped" if i % 2 else "headtail")
+        options = dict(kv_exchange="latent") if kind in LATENT_TURNS else {}
+        out[f"{kind} turns"] = _turns(kind, mesh, world, "striped" if i % 2 else "headtail", **options)
     out["unproven router loss"] = _unproven_router_loss(mesh)
     return out
 
@@ -198,16 +203,22 @@ def _check(world: int, trainer: list[str], turns: bool) -> None:
     for kind in NAMED:
         for rank in range(world):
             if turns:  # a short turn and decode steps run pass-Q ("decode"), the long turn pass-KV; multi-head
-                # latent attention caches latents and runs every turn pass-Q (Note [Pass-KV turns] in hf/pass_kv.py)
+                # latent attention on the ring (the default) caches latents and runs every turn pass-Q (Note
+                # [Pass-KV turns] in hf/pass_kv.py); with kv_exchange="latent" its pass-KV sends the cached latent
+                # rows (Note [MLA turns] in hf/latent.py), so few bytes that at P = 3 the bytes rule picks it for
+                # the 4-token turn too
                 runs = got[rank][f"{kind} turns"]
-                latent = kind in ("deepseek_v2", "deepseek_v3")
-                assert runs["decode"] > 0 and (runs.get("pass-kv", 0) == 0 if latent else runs["pass-kv"] == 1), (
-                    kind, runs)
+                ring_mla = kind in ("deepseek_v2", "deepseek_v3") and kind not in LATENT_TURNS
+                want = (runs.get("pass-kv", 0) == 0 if ring_mla else runs["pass-kv"] >= 1 if kind in LATENT_TURNS
+                        else runs["pass-kv"] == 1)
+                assert runs["decode"] > 0 and want, (kind, runs)
     assert [r["unproven router loss"] for r in got] == ["refused, then True"] * world
 
 
-# the Trainer's family-specific parts in the default tier: the router losses (their sums all-reduced) and MLA
-DEFAULT_TRAINER = ["deepseek_v3", "qwen2_moe", "minimax_m2", "ernie4_5_moe"]
+# the Trainer's family-specific parts in the default tier: the router losses (their sums all-reduced) and MLA's
+# latent rows (kv_exchange="latent"; DeepSeek-V3 on the ring in the slow tier)
+DEFAULT_TRAINER = ["deepseek_v3 latent", "qwen2_moe", "minimax_m2", "ernie4_5_moe"]
+LATENT_TURNS = ("deepseek_v3",)  # its turns with kv_exchange="latent"; deepseek_v2's on the ring (the default)
 
 
 def test_named_families_turns_and_routed_trainer_cp2():

@@ -319,6 +319,8 @@ def _refusals(rank: int, world: int, out: str) -> list[str]:
     expect("trains without DDP or FSDP", evaluate_first)
     dyn = lambda **kw: hf.with_context_parallel(Trainer, layout="documents", dynamic=True, **kw)  # noqa: E731
     expect("no data-parallel dimension", lambda: build(dyn(cp_size=2)))  # world 2 = cp_size: one replica
+    latent = hf.with_context_parallel(Trainer, cp_size=2, kv_exchange="latent")  # MLA's latent rows: no MLA layer
+    expect("kv_exchange='latent' sends multi-head latent attention's latent rows", lambda: build(latent))
     with pytest.raises(ValueError, match="dynamic=True .* needs layout='documents'; got layout='striped'"):
         hf.with_context_parallel(Trainer, cp_size=2, dynamic=True)
     with pytest.raises(ValueError, match="dynamic=True with sequence_tiling"):
@@ -499,7 +501,7 @@ def test_checkpoint_at_save_steps_resumes_at_another_cp_size(runs):
 
 def test_refusals_raise_on_every_rank(runs):
     cp, _ = runs
-    assert cp[0]["refused"] == cp[1]["refused"] and len(cp[0]["refused"]) == 10, cp[0]["refused"]
+    assert cp[0]["refused"] == cp[1]["refused"] and len(cp[0]["refused"]) == 11, cp[0]["refused"]
 
 
 class _HoleOnReplica1:
@@ -524,10 +526,12 @@ def _skewed(seed: int, count: int = 16) -> list[dict]:
     return [{"input_ids": torch.randint(2, V, (n,), generator=g).tolist()} for n in lengths]
 
 
-def _skewed_run(tmp: str, cp: int | None, dynamic: bool = False, evaluate: bool = False, **kw) -> dict:
+def _skewed_run(tmp: str, cp: int | None, dynamic: bool = False, evaluate: bool = False, kv_exchange: str = "ring",
+                **kw) -> dict:
     """Train on the skewed packed rows (``cp`` None: the unchanged Trainer); with ``evaluate``, eval_strategy every
     2 steps, then evaluate() and predict() on skewed packed rows (a partial last batch: 10 documents, 8 a step)."""
-    cls = Trainer if cp is None else hf.with_context_parallel(Trainer, cp_size=cp, layout="documents", dynamic=dynamic)
+    cls = Trainer if cp is None else hf.with_context_parallel(Trainer, cp_size=cp, layout="documents", dynamic=dynamic,
+                                                              kv_exchange=kv_exchange)
     evals = dict(eval_dataset=_skewed(22, 10), compute_metrics=_metrics) if evaluate else {}
     if evaluate:
         kw.update(eval_strategy="steps", eval_steps=2)

@@ -355,8 +355,15 @@ def _check_hybrid_windowed(rank: int, world: int) -> None:
 
 
 def _check_latent_cache(rank: int, world: int) -> None:
-    """DeepSeek-V3's MLA caches the compressed latent and expands it per forward: a long turn (pass-KV for a model
-    caching its K/V) runs pass-Q on the latent shares and equals CP=1 (it raised a shape error in the ring)."""
+    """DeepSeek-V3's MLA caches the compressed latent and expands it per forward. On the ring (the default) the
+    attention takes the expansion, not what it caches, and a long turn (pass-KV for a model caching its K/V) runs
+    pass-Q on the latent shares; with kv_exchange="latent" the prefill's layers run the latent path and the long
+    turn runs pass-KV on the cached latent rows (Note [MLA turns] in hf/latent.py). Both equal CP=1."""
+    for exchange in ("ring", "latent"):
+        _latent_turn(world, exchange)
+
+
+def _latent_turn(world: int, exchange: str) -> None:
     mesh = init_device_mesh("cpu", (world,))
     cfg = transformers.DeepseekV3Config(vocab_size=V, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
@@ -365,13 +372,21 @@ def _check_latent_cache(rank: int, world: int) -> None:
                                         qk_nope_head_dim=8, v_head_dim=8, head_dim=4)
     torch.manual_seed(0)
     base = transformers.DeepseekV3ForCausalLM(cfg).float().eval()
-    ref_model, model = copy.deepcopy(base), hf.apply_context_parallel(copy.deepcopy(base), mesh)
-    ids, mask = _prompt(8, 2, 6, [0, 2])
-    ref, out = _generate(ref_model, ids, mask, max_new_tokens=2), _generate(model, ids, mask, max_new_tokens=2)
+    ref_model, model = copy.deepcopy(base), hf.apply_context_parallel(copy.deepcopy(base), mesh, kv_exchange=exchange)
+    ids, mask, rows = *_prompt(8, 2, 6, [0, 2]), exchange == "latent"
+    from cp_dtensor.hf import latent
+
+    calls, attend = [], latent.attend
+    latent.attend = lambda *a, **k: calls.append(1) or attend(*a, **k)  # the prefill's layers on the latent path?
+    try:
+        ref, out = _generate(ref_model, ids, mask, max_new_tokens=2), _generate(model, ids, mask, max_new_tokens=2)
+    finally:
+        latent.attend = attend
+    assert len(calls) == (2 if rows else 0), (exchange, calls)
     ids, mask = _follow(out.sequences, mask, 9, 60)  # 60 new after 7 cached: pass-KV by the bytes rule
     out = _generate(model, ids, mask, cache=out.cache, max_new_tokens=2)
     _compare(out, _generate(ref_model, ids, mask, cache=ref.cache, max_new_tokens=2), f"deepseek_v3 P={world} turn 2")
-    assert not out.cache.attends_cached and out.cache.runs["pass-kv"] == 0, out.cache.runs
+    assert out.cache.attends_cached == rows and out.cache.runs["pass-kv"] == int(rows), (exchange, out.cache.runs)
 
 
 def _all(rank: int, world: int, full: bool) -> int:
