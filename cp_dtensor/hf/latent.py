@@ -69,6 +69,7 @@ from ..core.agreement import agree_on_call
 from ..core.plan.layout import global_order
 from .documents import documents_of, plan_error, ring_layout
 from .latent_attend import Masks, latent_attention
+from .pads import latent_pad_error, planned_pad_error
 from .sparse import _order, gather_rows, real_mask, seen_keys
 
 __all__ = ["PROVEN", "enable_latent", "expand_blocks", "latent_error", "mla_layers", "mla_path", "report", "ring_exchange",
@@ -226,13 +227,16 @@ def attend(module: nn.Module, state, query: Tensor, latents, attention_mask, err
     if state.last is None or not _same(state.last[0], key):  # the forward's first layer (or a new call)
         planned = state.layout == "documents" and state.generating is None  # a prefill: striped (ring_layout)
         if err is None and planned:  # Note [A plan fits its batch] in hf/documents.py
-            err = plan_error(state, state.plan, query, pos, attention_mask)
+            err = plan_error(state, state.plan, query, pos, attention_mask) or planned_pad_error(state, attention_mask)
         agree_on_call(err, {"batch": bsz, "tokens": s, "heads": query.shape[1], "latent": kv_nope.shape[-1],
                             "plan key": state.plan.key if planned and err is None else 0}, group,
                       what="cp_dtensor.hf (multi-head latent attention)")
         order = (_order(state, world, n, bsz, query.device) if planned or state.layout != "documents"
                  else global_order(ring_layout(state), world, n).to(query.device).expand(bsz, -1))  # [B, N]
         state.last = (key, (order, _rows(state, derive, pos, attention_mask, use_cache, query, order)))
+        err = None if planned else latent_pad_error(state)  # global facts: every rank alike (Note [Scored pads])
+        if err is not None:
+            raise ValueError(err)
     elif err is not None:  # a later layer's own error: from the model and the call, the same on every rank
         raise ValueError(err)
     order, rows = state.last[1]

@@ -18,7 +18,8 @@ label, hf/attention.py's ``derive_documents``), so the verdict is global and cos
 ``layout="documents"`` (no gather) a scored pad of an eager model without sinks is refused through the plan's
 agreement; a scored right pad there is not detected. DeepSeek Sparse Attention answers a right pad as CP=1 does
 (its rows hold the whole selection), so only its eager left pads are refused, after one all-reduce of a flag in
-the first layer of an eager model's padded forward. Labels of -100 on padding (every padding collator) and
+the first layer of an eager model's padded forward. The MLA latent path (``kv_exchange="latent"``, hf/latent.py) holds
+whole rows too: only its eager left pads are refused, from the ring path's flags (the same gather). Labels of -100 on padding (every padding collator) and
 right padding for the eager families (or SDPA / flash-attention, which give a left pad zero) avoid both.
 """
 
@@ -28,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-__all__ = ["planned_pad_error", "scored_pad_error", "scored_pads", "sparse_pad_error", "uniform_pads"]
+__all__ = ["latent_pad_error", "planned_pad_error", "scored_pad_error", "scored_pads", "sparse_pad_error", "uniform_pads"]
 
 _SCORED = ("shift_labels scores {which} pad token{where} (attention_mask 0, label != -100), {why} Under context "
            "parallelism a pad token's attention output is zero (Note [Scored pads] in cp_dtensor/hf/pads.py), so the "
@@ -73,6 +74,13 @@ def scored_pad_error(state) -> str | None:
     left, right = state.scored_pads or (None, None)
     kind, where = (_RIGHT, right) if right is not None else (_LEFT, left) if state.uniform_pads else (None, None)
     return None if where is None else _message(kind, f" at row {where[0]}, column {where[1]}")
+
+
+def latent_pad_error(state) -> str | None:
+    """The latent path's refusal (hf/latent.py): its right pads see the row's tokens, as at CP=1, so only a scored
+    left pad of an eager model without sinks is refused; from :func:`scored_pads`' global facts."""
+    left = (state.scored_pads or (None, None))[0]
+    return None if left is None or not state.uniform_pads else _message(_LEFT, f" at row {left[0]}, column {left[1]}")
 
 
 def planned_pad_error(state, attention_mask) -> str | None:

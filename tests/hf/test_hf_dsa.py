@@ -337,6 +337,9 @@ def _mla_cases(mesh, out: dict) -> None:
             hf.remove_context_parallel(cp)
             out[kind, impl, layout, "removed"] = "ran" if all("expand_kv" not in vars(m) for m in cp.modules()) \
                 else "left"
+        if impl == "eager":  # a scored left pad, which CP=1's eager path averages over the row: refused (pads.py)
+            out[kind, "eager padded"] = _raises(lambda: _masked(plain, mesh, "padded", kv_exchange="latent"),
+                                                "uniform average")
         if impl != "sdpa":
             continue
         for case in ("padded", "packed", "documents", "documents padded"):
