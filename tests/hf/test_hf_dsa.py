@@ -718,11 +718,13 @@ def test_seen_keys_are_the_keys_a_rank_can_see(case):
         assert torch.equal(got, want), (case, world, "documents")
 
 
-def test_rows_shorter_than_index_topk():
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_rows_shorter_than_index_topk(impl):
     """Note [DSA rows of CP=1's length]: rows of several lengths on one rank, one shorter than index_topk (a dynamic
     Trainer's replica of few tokens beside a longer one): each query's picks are those of the family's indexer on
     its own row alone (CP=1: fewer than index_topk where the row is shorter), the rest of its picks point at columns
-    it cannot see (masked, never sent). Was a shape error in the ranks holding both."""
+    it cannot see (masked, never sent); the mask bool (sdpa) or additive (eager). Was a shape error in the ranks
+    holding both."""
     from cp_dtensor.hf.sparse_rows import by_rows
 
     model = _model("deepseek_v32")
@@ -738,12 +740,14 @@ def test_rows_shorter_than_index_topk():
     real = (col % seg) < torch.tensor(lens)[col // seg]
     allowed = ((col[None, :] <= col[:, None]) & (col[None, :] // seg == col[:, None] // seg) & real[None, :])[None]
 
+    scored = allowed if impl == "sdpa" else torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo().min)
+
     class Keys:  # one rank: the keys are already in global order
         def update_indexer(self, k, layer_idx):
             return k
 
     with torch.no_grad():
-        got = by_rows(layer.indexer, seg, torch.tensor(lens), col[None], hidden, q_resid, (cos, sin), allowed, pos,
+        got = by_rows(layer.indexer, seg, torch.tensor(lens), col[None], hidden, q_resid, (cos, sin), scored, pos,
                       Keys()).long()
         assert got.shape == (1, n, K)
         for r, length in enumerate(lens):
