@@ -22,7 +22,9 @@ the index keys exchanged once (step 1) -- inside that call when the rank's rows 
 Trainer's padding), else before, from a first call that only computes them (rows of several lengths: a
 dynamic batch, whose replicas' rows differ) -- and the picks go back to global positions. Each query's index row is then
 CP=1's, value for value, so ``topk`` picks CP=1's keys, ties included. A CP padding token's own picks come
-from the cut row (nothing attends to it and its labels are ignored).
+from the cut row (nothing attends to it and its labels are ignored). A row shorter than ``index_topk`` gets
+fewer picks (its length, as at CP=1); beside longer rows on the same rank its remaining picks point at a
+column the query cannot see, so they are masked and never sent.
 """
 
 from __future__ import annotations
@@ -91,7 +93,11 @@ def by_rows(indexer: nn.Module, seg: int, lens: Tensor, mine: Tensor, hidden: Te
     cos, sin = position_embeddings
     flat = [x.expand(bsz, s, *x.shape[2:]).reshape(bsz * s, *x.shape[2:])
             for x in (hidden, q_resid, cos, sin, position_ids, scored)]
-    out = None
+    width = min(int(indexer.index_topk), max(lengths))  # a row shorter than index_topk: fewer picks at CP=1
+    out = mine.new_zeros(bsz * s, width)
+    if min(lengths) < width:  # its padded picks point at a column the query cannot see (masked, never sent)
+        unseen = ~flat[-1] if flat[-1].dtype == torch.bool else flat[-1] != 0  # [B * S, N]
+        out[:] = unseen.to(torch.uint8).argmax(-1, keepdim=True)
     for length in lengths:  # one call a row length (no collective inside: the groups differ by rank)
         sel = torch.nonzero(lens[row] == length)[:, 0]  # [Q]: this group's queries
         rows, inv, counts = torch.unique(row[sel], return_inverse=True, return_counts=True)  # its rows
@@ -107,7 +113,5 @@ def by_rows(indexer: nn.Module, seg: int, lens: Tensor, mine: Tensor, hidden: Te
         keys = _Keys(exchange=(cache, grid, filled, rows, seg, length, bsz, s)) if every is None else _Keys(
             every[rows, :length])
         picks = indexer(h, qr, (c, sn), mask, pos, cache=keys)  # [R', M, K]: positions in the row
-        if out is None:
-            out = picks.new_zeros(bsz * s, picks.shape[-1])
-        out[grid[filled]] = (picks + base[grid][..., None].to(picks.dtype))[filled]
+        out[grid[filled], :picks.shape[-1]] = (picks + base[grid][..., None].to(picks.dtype))[filled].to(out.dtype)
     return out.view(bsz, s, -1)

@@ -845,3 +845,43 @@ def test_mla_trainer_dynamic_dp2_cp2():
         assert len(r["ring"]) == 6
         for name in ("latent", "latent dynamic"):
             assert max(abs(a - b) / abs(b) for a, b in zip(r[name], r["ring"])) <= 1e-6, (name, r)
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_rows_shorter_than_index_topk(impl):
+    """Note [DSA rows of CP=1's length]: rows of several lengths on one rank, one shorter than index_topk (a dynamic
+    Trainer's replica of few tokens beside a longer one): each query's picks are those of the family's indexer on
+    its own row alone (CP=1: fewer than index_topk where the row is shorter), the rest of its picks point at columns
+    it cannot see (masked, never sent); the mask bool (sdpa) or additive (eager). Was a shape error in the ranks
+    holding both."""
+    from cp_dtensor.hf.sparse_rows import by_rows
+
+    model = _model("deepseek_v32")
+    layer = sparse.dsa_layers(model)[0]
+    seg, lens = 12, [5, 12, 3]  # three rows end to end (a plan's row_len 12): 5 tokens then CP's padding, 12, 3
+    n = seg * len(lens)
+    torch.manual_seed(3)
+    hidden = torch.randn(1, n, model.config.hidden_size)
+    col = torch.arange(n)
+    pos = (col % seg)[None]
+    cos, sin = model.model.rotary_emb(hidden, pos)
+    q_resid = layer.q_a_layernorm(layer.q_a_proj(hidden))
+    real = (col % seg) < torch.tensor(lens)[col // seg]
+    allowed = ((col[None, :] <= col[:, None]) & (col[None, :] // seg == col[:, None] // seg) & real[None, :])[None]
+
+    scored = allowed if impl == "sdpa" else torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo().min)
+
+    class Keys:  # one rank: the keys are already in global order
+        def update_indexer(self, k, layer_idx):
+            return k
+
+    with torch.no_grad():
+        got = by_rows(layer.indexer, seg, torch.tensor(lens), col[None], hidden, q_resid, (cos, sin), scored, pos,
+                      Keys()).long()
+        assert got.shape == (1, n, K)
+        for r, length in enumerate(lens):
+            sl = slice(r * seg, r * seg + length)
+            want = layer.indexer(hidden[:, sl], q_resid[:, sl], (cos[:, sl], sin[:, sl]),
+                                 torch.ones(length, length, dtype=torch.bool).tril()[None], pos[:, sl]).long()
+            assert torch.equal(got[:, sl, :want.shape[-1]], want + r * seg), (r, length)
+            assert not allowed[:, sl].gather(-1, got[:, sl, want.shape[-1]:]).any(), (r, length)
