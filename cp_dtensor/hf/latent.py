@@ -67,10 +67,10 @@ from torch import Tensor, nn
 
 from ..core.agreement import agree_on_call
 from ..core.plan.layout import global_order
-from .documents import documents_of, plan_error, ring_layout
+from .documents import plan_error, ring_layout
 from .latent_attend import Masks, latent_attention
 from .pads import latent_pad_error, planned_pad_error
-from .sparse import _order, gather_rows, real_mask, seen_keys
+from .sparse import _order, global_rows, seen_keys
 
 __all__ = ["PROVEN", "enable_latent", "expand_blocks", "latent_error", "mla_layers", "mla_path", "report", "ring_exchange",
            "take_handed", "take_latents"]
@@ -189,29 +189,6 @@ def _same(a: tuple, b: tuple) -> bool:
                                     for x, y in zip(a, b))
 
 
-def _rows(state, derive, pos: Tensor, mask, use_cache: bool, probe: Tensor, order: Tensor):
-    """("real", [B, N]) / ("documents", [B, N] ids) / None in global order, by transformers' rules (hf/sparse.py's
-    rows, with the call's ``use_cache``); a bad batch raises on every rank."""
-    b, s = probe.shape[0], probe.shape[2]
-    mask = None if mask is None else mask[:, -s:]
-    group, world = state.mesh.get_group(), state.mesh.size()
-    packed = not (use_cache and state.documents is None)
-    planned = state.layout == "documents" and state.generating is None  # a prefill runs striped (ring_layout)
-    if planned:  # the positions and padding in global order by the plan
-        real = None if mask is None else gather_rows(group, world, mask, order).bool()
-        full, err = documents_of(gather_rows(group, world, pos.expand(b, -1), order), real, packed=packed)
-    else:
-        full, err = derive(state, pos, mask, use_cache, b, probe=probe)
-        real = None
-    if err is not None:
-        raise ValueError(err)
-    if full is None:
-        return None
-    if mask is not None:
-        return "real", real if real is not None else real_mask(group, world, mask, order, b, s, probe.device)
-    return "documents", full if planned else gather_rows(group, world, full, order)
-
-
 def attend(module: nn.Module, state, query: Tensor, latents, attention_mask, err, scaling: float, kwargs,
            derive, version) -> Tensor:
     """The attention function's latent path: query [B, H, S, Dqk] -> [B, S, H, Dv] (Note [MLA latents on the
@@ -233,7 +210,8 @@ def attend(module: nn.Module, state, query: Tensor, latents, attention_mask, err
                       what="cp_dtensor.hf (multi-head latent attention)")
         order = (_order(state, world, n, bsz, query.device) if planned or state.layout != "documents"
                  else global_order(ring_layout(state), world, n).to(query.device).expand(bsz, -1))  # [B, N]
-        state.last = (key, (order, _rows(state, derive, pos, attention_mask, use_cache, query, order)))
+        rows = global_rows(state, derive, pos, attention_mask, query, order, bsz, s, planned=planned, use_cache=use_cache)
+        state.last = (key, (order, rows))
         err = None if planned else latent_pad_error(state)  # global facts: every rank alike (Note [Scored pads])
         if err is not None:
             raise ValueError(err)

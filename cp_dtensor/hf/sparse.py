@@ -72,7 +72,8 @@ from .documents import documents_of, plan_error
 from .pads import sparse_pad_error
 from .sparse_rows import by_rows, row_lengths
 
-__all__ = ["FAMILIES", "dsa_layers", "door_error", "enable_sparse", "exchange_plan", "row_orders", "seen_keys"]
+__all__ = ["FAMILIES", "dsa_layers", "door_error", "enable_sparse", "exchange_plan", "global_rows", "row_orders",
+           "seen_keys"]
 
 FAMILIES = frozenset({"deepseek_v32", "glm_moe_dsa"})
 _KERNELS = ("eager", "sdpa")  # the implementations whose masked path is the dense twin of the selection
@@ -131,7 +132,7 @@ def row_orders(order: Tensor, bsz: int) -> Tensor:
 
 def seen_keys(order: Tensor, world: int, bsz: int, rows) -> Tensor:
     """[P, B, N] bool: the keys (global positions) a query of rank r can see -- causal, and within ``rows``'
-    restriction (``_rows_of``: not padding, or the query's own document). Every other key is masked in each of
+    restriction (``global_rows``: not padding, or the query's own document). Every other key is masked in each of
     the rank's index rows (-inf, or the eager mask's minimum, whatever its value), so it need not travel."""
     order = row_orders(order, bsz)  # [B, N]
     n = order.shape[1]
@@ -227,20 +228,22 @@ def real_mask(group, world: int, attention_mask, order: Tensor, bsz: int, s: int
     return gather_rows(group, world, attention_mask[:, -s:], order).bool()
 
 
-def _rows_of(state, derive, position_ids, attention_mask, probe, order: Tensor) -> tuple[str, Tensor] | None:
+def global_rows(state, derive, position_ids, attention_mask, probe, order: Tensor, b: int, s: int, *, planned: bool,
+                use_cache: bool = False) -> tuple[str, Tensor] | None:
     """What restricts the keys beyond causality, by transformers' rules on the global batch (the same on every
     rank; a bad batch raises on every rank): ("real", [B, N] not padding) with padding in the 2-D mask,
     ("documents", [B, N] document ids) for packed sequences (position ids that restart, no mask, no cache),
-    None for one sequence a row. ``order`` [B, N]: the named layout's, or the batch's plan's."""
-    b, s = probe.shape[:2]
+    None for one sequence a row. ``order`` [B, N]: the named layout's, or the batch's plan's (``planned``);
+    ``probe``: this rank's activations (B x S tokens). DeepSeek Sparse Attention and the MLA latent path
+    (hf/latent.py) read the same rows."""
     mask = None if attention_mask is None else attention_mask[:, -s:]
     group, world = state.mesh.get_group(), state.mesh.size()
-    planned = state.plan is not None or state.layout == "documents"
     if planned:  # the positions and padding put in global order by the plan, the one rule
         real = None if mask is None else gather_rows(group, world, mask, order).bool()
-        full, err = documents_of(gather_rows(group, world, position_ids.expand(b, -1), order), real)
+        packed = not (use_cache and state.documents is None)
+        full, err = documents_of(gather_rows(group, world, position_ids.expand(b, -1), order), real, packed=packed)
     else:  # a named layout: hf/attention.py's gather and rule
-        full, err = derive(state, position_ids, mask, False, b, probe=probe)
+        full, err = derive(state, position_ids, mask, use_cache, b, probe=probe)
         real = None
     if err is not None:
         raise ValueError(err)
@@ -274,7 +277,8 @@ def _forward(module: nn.Module, state, derive, generating, hidden_states: Tensor
                             "plan key": state.plan.key if planned and err is None else 0}, group,
                       what="cp_dtensor.hf (DeepSeek Sparse Attention)")
         order = _order(state, world, n, bsz, hidden_states.device)
-        state.last = (("dsa",), _rows_of(state, derive, position_ids, attention_mask, hidden_states, order),
+        state.last = (("dsa",), global_rows(state, derive, position_ids, attention_mask, hidden_states, order, bsz, s,
+                                            planned=planned),
                       row_lengths(state, order, planned, bsz, s, gather_rows))
         if state.uniform_pads and state.last[1] is not None and state.last[1][0] == "real":  # Note [Scored pads]
             err = sparse_pad_error(state, state.last[1][1], order[:, rank * s:(rank + 1) * s], group)
