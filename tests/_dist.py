@@ -10,10 +10,12 @@ descriptor that dies with the rank.
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import queue
 import tempfile
+import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
@@ -27,6 +29,7 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=60)
 def _worker(rank: int, world: int, init_method: str, timeout: timedelta, fn: Callable, args: tuple,
             results: Any) -> None:
     code = 0
+    faulthandler.enable()  # a crash prints this rank's Python stack to stderr (pytest shows it with the failure)
     try:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world, timeout=timeout)
@@ -49,6 +52,33 @@ def _worker(rank: int, world: int, init_method: str, timeout: timedelta, fn: Cal
 
 class RankFailure(AssertionError):
     pass
+
+
+# A rank's failure closes its sockets, so its peers fail next with one of these: an echo, not the cause.
+_ECHOES = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Timed out waiting")
+
+
+def _failure_report(world: int, failed: dict[int, str], results: Any, procs: list, grace: float = 10.0) -> str:
+    """Every failing rank's traceback, the cause first: the first to arrive may be a peer's echo of it (a
+    rank puts its traceback through the queue's feeder thread while its sockets already close), and a rank
+    killed by a signal (a crash, the OOM killer) sends none, so wait ``grace`` seconds for the others and
+    name the ranks that died silent by their exit codes."""
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and len(failed) < world:
+        try:
+            rank, ok, payload = results.get(timeout=0.2)
+        except queue.Empty:
+            if all(not p.is_alive() for p in procs):
+                break
+            continue
+        if not ok:
+            failed[rank] = payload
+    silent = {r: p.exitcode for r, p in enumerate(procs) if r not in failed and not p.is_alive() and p.exitcode}
+    order = sorted(failed, key=lambda r: (any(e in failed[r] for e in _ECHOES), r))
+    parts = [f"rank {r} of {world} exited with code {code} without a traceback (a signal if negative)"
+             for r, code in sorted(silent.items())]
+    parts += [f"rank {r} of {world} failed:\n{failed[r]}" for r in order]
+    return "\n".join(parts)
 
 
 def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 300.0,
@@ -74,7 +104,7 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 3
                         f"within {timeout:.0f}s"
                     ) from None
                 if not ok:
-                    raise RankFailure(f"rank {rank} of {world} failed:\n{payload}")
+                    raise RankFailure(_failure_report(world, {rank: payload}, results, procs))
                 out[rank] = payload
         finally:
             for p in procs:

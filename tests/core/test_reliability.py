@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import cp_dtensor
 from cp_dtensor.core.plan.layout import shard_tensor
 from cp_dtensor.tools.debug import CommBytes
-from _dist import run_ranks
+from _dist import RankFailure, run_ranks
 from _ref import make_qkv, reference, rel_err
 
 
@@ -271,3 +271,25 @@ def _host_only_agreement(rank, world):
 
 def test_agreement_reads_no_tensor_data_and_uses_a_host_group():
     run_ranks(2, _host_only_agreement)
+
+
+def _cause_then_echo(rank, world, kill):
+    if rank == 0:
+        time.sleep(0.3)  # rank 1 is waiting in the collective by now
+        if kill:
+            os.kill(os.getpid(), 9)  # dies without a traceback, as the OOM killer does
+        raise ValueError("the cause")
+    out = [None] * world
+    dist.all_gather_object(out, rank)  # rank 1: its sockets close under it, an echo of rank 0's failure
+
+
+@pytest.mark.parametrize("kill", [False, True])
+def test_the_launcher_reports_the_cause_first(kill):
+    """tests/_dist.py names every failing rank, the cause before the peers' echoes of it."""
+    with pytest.raises(RankFailure) as info:
+        run_ranks(2, _cause_then_echo, kill)
+    report = str(info.value)
+    first = "rank 0 of 2 exited with code -9" if kill else "rank 0 of 2 failed"
+    assert report.startswith(first), report[:200]
+    assert "ValueError: the cause" in report or kill
+    assert "rank 1 of 2 failed" in report  # the echo is kept, after the cause
