@@ -35,7 +35,7 @@ LAYERS: list[tuple[str, set[str]]] = [
      {"core.attention", "core.batch", "core.dynamic", "dtensor.sdpa", "core.decode", "core"}),
     ("DTensor entry points", {"dtensor.sharding", "dtensor"}),
     ("own models: the SDPA mode's hooks", {"nn.sdpa_mode", "nn"}),
-    ("integrations", {"hf.attention", "hf.cache", "hf.documents", "hf.tiling", "hf.logits", "hf.served", "hf.families", "hf.tiled_families", "hf.generate", "hf.turns", "hf.pass_kv", "hf.linear", "hf.sparse", "hf.latent", "hf.latent_attend", "hf.sparse_rows", "hf.sparse_generate", "hf.sparse_turn", "hf.router", "hf.pads", "hf.state", "hf.trainer", "hf.collator", "hf.grid", "hf",
+    ("integrations", {"hf.attention", "hf.cache", "hf.documents", "hf.tiling", "hf.logits", "hf.served", "hf.families", "hf.tiled_families", "hf.generate", "hf.turns", "hf.pass_kv", "hf.linear", "hf.sparse_attend", "hf.sparse", "hf.latent", "hf.latent_attend", "hf.sparse_rows", "hf.sparse_generate", "hf.sparse_turn", "hf.router", "hf.pads", "hf.state", "hf.trainer", "hf.collator", "hf.grid", "hf",
                       "checkpoint.dcp", "checkpoint"}
      | {f"titan.shared.{m}" for m in ("options", "cpu", "replica", "compile_check", "data", "dynamic", "float8", "heads", "inner", "plan", "tiling")} | {"titan.shared"}
      | {f"titan.v02.{m}" for m in _V02} | {"titan.v02"}

@@ -70,7 +70,8 @@ from ..core.agreement import agree_on_call
 from ..core.plan.layout import global_order
 from .documents import documents_of, plan_error
 from .pads import sparse_pad_error
-from .sparse_rows import by_rows, row_lengths
+from .sparse_attend import attend_picks
+from .sparse_rows import by_rows, index_tiles, row_lengths
 
 __all__ = ["FAMILIES", "dsa_layers", "door_error", "enable_sparse", "exchange_plan", "global_rows", "row_orders",
            "seen_keys"]
@@ -307,8 +308,8 @@ def _forward(module: nn.Module, state, derive, generating, hidden_states: Tensor
             picks = by_rows(module.indexer, seg, lens, mine, hidden_states, q_resid, position_embeddings, scored,
                             position_ids, cache)
         else:
-            picks = module.indexer(hidden_states, q_resid, position_embeddings, scored, position_ids,
-                                   cache=cache)  # [B, S, K] global positions
+            picks = index_tiles(module.indexer, hidden_states, q_resid, position_embeddings, scored, position_ids,
+                                cache)  # [B, S, K] global positions (Note [The DSA indexer in query tiles])
     else:
         if prev_topk_indices is None:
             raise ValueError("Shared DSA layers require top-k indices from a previous full indexer layer.")
@@ -349,8 +350,8 @@ def attend_selected(module: nn.Module, state, query: Tensor, k_pass: Tensor, k_r
     keys ``picks`` [B, T, K] (int64 global columns, indices of ``order``) where ``valid``, its latents
     ``k_pass`` / ``k_rot`` [B, 1, S, R / r] at columns ``order[:, rank * S:(rank + 1) * S]`` (``order``: [N]
     or [B, N], :func:`row_orders`; S = T but in a sharded DSA turn, where the cached share comes first).
-    ``compact``: expand only the table rows some valid pick reads (a turn's long cached share), and attend in
-    query chunks of at most ``_GATHERED`` gathered key numbers. Returns the layer's output [B, T, hidden] (o_proj
+    ``compact``: expand only the table rows some valid pick reads (a turn's long cached share). The attention runs
+    in query chunks of bounded size, forward and backward (Note [DSA attention in query chunks]). Returns the layer's output [B, T, hidden] (o_proj
     applied)."""
     group, rank, world = state.mesh.get_group(), state.mesh.get_local_rank(), state.mesh.size()
     bsz, s, t, dev = query.shape[0], k_pass.shape[2], query.shape[2], query.device
@@ -380,24 +381,9 @@ def attend_selected(module: nn.Module, state, query: Tensor, k_pass: Tensor, k_r
     kp, kr = torch.split(table, [module.kv_lora_rank, module.qk_rope_head_dim], dim=-1)
     keys, values = module.expand_kv(kp[None, None], kr[None, None])  # [1, H, U, D]: the table expanded once
     keys, values = keys[0], values[0]
-    step = t if not compact else max(1, _GATHERED // max(1, keys.shape[0] * slot.shape[-1] * keys.shape[-1] * bsz))
-    out = torch.cat([_over_picks(module, query[:, :, lo:lo + step], keys, values, slot[:, lo:lo + step],
-                                 valid[:, lo:lo + step]) for lo in range(0, t, step)], 1)  # a turn: in query chunks
+    out = attend_picks(query, keys, values, slot, valid, module.scaling)  # [B, T, H, Dv]: Note [DSA attention in
+    # query chunks] in hf/sparse_attend.py
     return module.o_proj(out.reshape(bsz, t, -1).contiguous())
-
-
-_GATHERED = 2**27  # the most key numbers a turn's query chunk gathers ([H, B, T_chunk, K, D])
-
-
-def _over_picks(module: nn.Module, query: Tensor, keys: Tensor, values: Tensor, slot: Tensor, valid: Tensor) -> Tensor:
-    """query [B, H, T, Dqk] over its picks: ``slot`` [B, T, K] rows of the expanded ``keys`` / ``values`` [H, U, D]
-    where ``valid``. Returns [B, T, H, Dv]."""
-    keys, values = keys[:, slot], values[:, slot]  # [H, B, T, K, D]
-    scores = torch.einsum("bhsd,hbskd->bhsk", query, keys) * module.scaling
-    blind = ~valid.any(-1)[:, None, :, None]  # [B, 1, T, 1]: a query that sees no key (left padding) gets 0, as
-    scores = scores.masked_fill(~valid[:, None], float("-inf")).masked_fill(blind, 0.0)  # SDPA's fully masked row
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).masked_fill(blind, 0.0).to(query.dtype)
-    return torch.einsum("bhsk,hbskd->bshd", probs, values)
 
 
 class _Restore:

@@ -57,6 +57,7 @@ from ..core.decode import attend
 from ..core.plan.layout import global_order
 from .documents import ring_layout
 from .sparse import _SEE, _Gathered, attend_selected, project, real_mask, seen_keys
+from .sparse_rows import index_tiles
 from .sparse_turn import STORE as _STORE
 from .sparse_turn import gathers_keys, sharded_forward
 
@@ -139,8 +140,8 @@ def _prefill(module, state, h, position_embeddings, attention_mask, position_ids
         # pad query's own column is its own token's, or a pad query's output no one reads)
         real_full = torch.nn.functional.pad(store["prompt"], (pad, 0), value=False)  # [B, pad + n], global columns
         seen = seen_keys(order, world, bsz, ("real", real_full))
-        picks = module.indexer(h, q_resid, position_embeddings, scored, position_ids,
-                               cache=_Prefill(group, order, rank, seen, pad, store, call.step.keep))  # [B, S, K]
+        picks = index_tiles(module.indexer, h, q_resid, position_embeddings, scored, position_ids,
+                            _Prefill(group, order, rank, seen, pad, store, call.step.keep))  # [B, S, K]
     else:
         picks = prev
     valid = allowed.gather(-1, picks.long())
@@ -234,7 +235,7 @@ def _picks_from_keys(module, state, h, q_resid, position_embeddings, position_id
     scored = allowed
     if state.attn_implementation.get("") == "eager":
         scored = torch.zeros(allowed.shape, dtype=h.dtype, device=dev).masked_fill(~allowed, torch.finfo(h.dtype).min)
-    return module.indexer(h, q_resid, position_embeddings, scored, position_ids, cache=_Row(keys))
+    return index_tiles(module.indexer, h, q_resid, position_embeddings, scored, position_ids, _Row(keys))
 
 
 def _columns(state, layer, bsz: int, dev) -> tuple[Tensor, Tensor, Tensor]:

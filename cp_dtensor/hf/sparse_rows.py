@@ -25,6 +25,22 @@ CP=1's, value for value, so ``topk`` picks CP=1's keys, ties included. A CP padd
 from the cut row (nothing attends to it and its labels are ignored). A row shorter than ``index_topk`` gets
 fewer picks (its length, as at CP=1); beside longer rows on the same rank its remaining picks point at a
 column the query cannot see, so they are masked and never sent.
+
+Note [The DSA indexer in query tiles]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+The family's indexer scores its queries against every key of their rows at once: ``index_n_heads`` ReLU'd
+dot products a (query, key), [B, S, index_n_heads, N] fp32 -- a rank's 4096 queries against N = 16k keys
+with DeepSeek-V3.2's 64 index heads are 17 GB. It runs without gradients, so nothing is kept, but the
+peak is that tensor. ``index_tiles`` calls the same indexer on tiles of the queries instead, each tile's
+scores at most ``_SCORED`` numbers (B * S_tile * index_n_heads * N); when the whole call fits, it is the one
+call it always was (nothing changes at small sizes). Tiled, the index keys are still exchanged once a
+layer: a first call on all the queries with a one-column mask only computes the keys (``_Keys()``: it
+hands back their first column, so that call's scores are [B, S, heads, 1]); the ``cache`` given --
+hf/sparse.py's all_to_all, a sharded turn's all-gather, by_rows' regrouping -- gets them once, as the
+untiled call would have given them; every tile then reads the exchanged keys (``_Keys(keys)``). A
+query's picks depend on its own row only -- its index query, the keys, its mask row -- and ``topk`` runs
+row by row with the same length N, so a tile picks what the whole call picks, ties included (index
+scores ReLU makes exactly 0, checked by tests/hf/test_hf_dsa.py with the bound forced tiny).
 """
 
 from __future__ import annotations
@@ -32,7 +48,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-__all__ = ["by_rows", "row_lengths"]
+__all__ = ["by_rows", "index_tiles", "row_lengths"]
+
+_SCORED = 2**26  # the most index scores one indexer call builds ([B, S_tile, index_n_heads, N] fp32): a memory bound
 
 
 def row_lengths(state, order: Tensor, planned: bool, bsz: int, s: int, gather_rows) -> tuple[int, Tensor]:
@@ -112,6 +130,25 @@ def by_rows(indexer: nn.Module, seg: int, lens: Tensor, mine: Tensor, hidden: Te
             mask = mask & filled[..., None]
         keys = _Keys(exchange=(cache, grid, filled, rows, seg, length, bsz, s)) if every is None else _Keys(
             every[rows, :length])
-        picks = indexer(h, qr, (c, sn), mask, pos, cache=keys)  # [R', M, K]: positions in the row
+        picks = index_tiles(indexer, h, qr, (c, sn), mask, pos, keys)  # [R', M, K]: positions in the row
         out[grid[filled], :picks.shape[-1]] = (picks + base[grid][..., None].to(picks.dtype))[filled].to(out.dtype)
     return out.view(bsz, s, -1)
+
+
+def index_tiles(indexer: nn.Module, hidden: Tensor, q_resid: Tensor, position_embeddings, mask: Tensor,
+                position_ids: Tensor, cache) -> Tensor:
+    """The family's ``indexer`` picks [B, S, K] for queries ``hidden`` [B, S, hidden] against the keys ``cache``
+    hands back ([B, N, D]), on tiles of the queries whose scores fit ``_SCORED``; ``cache.update_indexer`` is
+    called once either way. ``mask`` [B, S, N]: bool or additive. See Note [The DSA indexer in query tiles]."""
+    bsz, s = hidden.shape[:2]
+    step = max(1, _SCORED // max(1, bsz * int(indexer.n_heads) * mask.shape[-1]))
+    if step >= s:  # it fits: the one call
+        return indexer(hidden, q_resid, position_embeddings, mask, position_ids, cache=cache)
+    if not (isinstance(cache, _Keys) and cache.keys is not None):  # the keys computed once, exchanged once
+        grab = _Keys()
+        indexer(hidden, q_resid, position_embeddings, mask[..., :1], position_ids, cache=grab)
+        cache = _Keys(cache.update_indexer(grab.got, indexer.layer_idx))
+    cos, sin = position_embeddings
+    tile = lambda x, lo: x if x.shape[1] == 1 else x[:, lo:lo + step]  # noqa: E731  a broadcast query axis stays
+    return torch.cat([indexer(hidden[:, lo:lo + step], tile(q_resid, lo), (tile(cos, lo), tile(sin, lo)),
+                              tile(mask, lo), tile(position_ids, lo), cache=cache) for lo in range(0, s, step)], 1)

@@ -54,6 +54,7 @@ from ..core.plan.layout import global_order, layout_unit, shard_tensor
 from .cache import ShardedCache, _Step
 from .documents import ring_layout
 from .sparse import _Gathered, attend_selected, project, seen_keys
+from .sparse_rows import index_tiles
 
 __all__ = ["DsaTurnPlan", "dsa_turn_plan", "gathers_keys", "sharded_forward", "sharded_step", "sharded_turn"]
 
@@ -214,7 +215,7 @@ def sharded_forward(module: nn.Module, state, h: Tensor, position_embeddings, po
             scored = torch.zeros(allowed.shape, dtype=h.dtype, device=dev).masked_fill(~allowed,
                                                                                        torch.finfo(h.dtype).min)
         keys = _Keys(state, store[module.layer_idx], turn, order, real, s_max)
-        picks = module.indexer(h, q_resid, position_embeddings, scored, position_ids, cache=keys)  # [B, T_local, K]
+        picks = index_tiles(module.indexer, h, q_resid, position_embeddings, scored, position_ids, keys)  # [B, T_local, K]
         store[module.layer_idx] = torch.cat([store[module.layer_idx], keys.new.index_select(1, keep)], dim=1)
     else:
         picks = prev

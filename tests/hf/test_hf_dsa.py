@@ -22,7 +22,7 @@ transformers.logging.set_verbosity_error()
 from cp_dtensor.core.batch import shard_batch, unshard_batch  # noqa: E402
 from cp_dtensor.doors import reduce_gradients  # noqa: E402
 from cp_dtensor.hf import attention as hf  # noqa: E402
-from cp_dtensor.hf import latent, served, sparse  # noqa: E402
+from cp_dtensor.hf import latent, served, sparse, sparse_attend  # noqa: E402
 from cp_dtensor.hf.documents import plan_batch  # noqa: E402
 from _conformance import build  # noqa: E402
 
@@ -57,12 +57,20 @@ def _batch():
     return tokens, torch.arange(N).expand(B, N), labels
 
 
+_TILING = [False]  # inside a tiled indexer call (_tiny_bounds): its tiles are recorded as one call
+
+
 def _record(model) -> list:
-    """The indexers' top-k outputs, one entry a call (forward hooks)."""
+    """The indexers' top-k outputs, one entry a call (forward hooks; a tiled call's picks once)."""
     picks = []
+
+    def hook(mod, args, kwargs, out):
+        if not _TILING[0]:
+            picks.append(out)
+
     for m in sparse.dsa_layers(model):
         if m.indexer is not None:
-            m.indexer.register_forward_hook(lambda mod, args, kwargs, out: picks.append(out), with_kwargs=True)
+            m.indexer.register_forward_hook(hook, with_kwargs=True)
     return picks
 
 
@@ -254,14 +262,37 @@ def _raises(fn, match: str) -> str:
     return "ran"
 
 
+def _tiny_bounds(on: bool) -> None:
+    """The memory bounds of DSA's attention chunks and indexer tiles forced to one query (on), or put back."""
+    from cp_dtensor.hf import sparse_rows
+
+    def tiled(indexer, *args):  # the training forward's tiled indexer call, recorded as one call (_record)
+        _TILING[0] = True
+        try:
+            out = sparse_rows.index_tiles(indexer, *args)
+        finally:
+            _TILING[0] = False
+        for hook in indexer._forward_hooks.values():
+            hook(indexer, args, {}, out)
+        return out
+
+    if on:
+        _tiny_bounds.saved = sparse_attend._GATHERED, sparse_rows._SCORED
+    sparse_attend._GATHERED, sparse_rows._SCORED = (1, 1) if on else _tiny_bounds.saved
+    sparse.index_tiles = tiled if on else sparse_rows.index_tiles
+
+
 def _ranks(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
     out = {}
-    extra = [("deepseek_v32", "eager"), ("deepseek_v32", "ties"), ("glm_moe_dsa", "checkpointing")]
+    extra = [("deepseek_v32", "eager"), ("deepseek_v32", "ties"), ("glm_moe_dsa", "checkpointing"),
+             ("deepseek_v32", "ties tiles"), ("glm_moe_dsa", "eager tiles")]  # tiles: the memory bounds forced tiny
     for kind, impl in [(k, "sdpa") for k in FAMILIES] + extra:
-        plain = _model(kind, "eager" if impl == "eager" else "sdpa", ties=impl == "ties")
+        plain = _model(kind, "eager" if impl.startswith("eager") else "sdpa", ties=impl.startswith("ties"))
+        if impl.endswith("tiles"):  # one query a chunk and an indexer tile (Notes [DSA attention in query chunks],
+            _tiny_bounds(True)  # [The DSA indexer in query tiles]); the padded and dynamic batches below too
         if impl == "checkpointing":  # the backward recomputes each layer: its gather and exchange run again
             plain.gradient_checkpointing_enable()
         ref_loss, ref_logits, ref_grads, ref_picks = _plain(copy.deepcopy(plain))
@@ -278,6 +309,10 @@ def _ranks(rank, world):
                 else "left"
         if impl == "eager":  # its loss scores a left pad, which CP=1's eager path averages over the row: refused
             out[kind, "eager padded"] = _raises(lambda: _masked(plain, mesh, "padded"), "uniform average")
+        if impl.endswith("tiles"):  # blind rows and masked picks; by_rows' grouped indexer, rows of several lengths
+            out[kind, impl, "padded"] = _masked(_model(kind) if "eager" in impl else plain, mesh, "padded")
+            out[kind, impl, "dynamic"] = _dynamic(plain, world, 1)
+            _tiny_bounds(False)
         if impl != "sdpa":
             continue
         plan = "packed plan" if kind == "deepseek_v32" else "padded plan"  # a named layout's plan: one each
@@ -512,7 +547,11 @@ def _turns(mesh, world: int) -> dict:
                           ref.logits) else float("inf"))
 
     out = {}
-    sparse._GATHERED = 4096  # a sharded turn attends in query chunks of 2 (4 heads x 8 picks x 24 x batch 2 a query)
+    sparse_attend._GATHERED = 4096  # a sharded turn attends in query chunks of 2 (4 heads x 8 picks x 24 x batch 2 a query)
+    if world == 2:  # every indexer call in query tiles of one (Note [The DSA indexer in query tiles]); P = 3: the one call
+        from cp_dtensor.hf import sparse_rows
+
+        sparse_rows._SCORED = 1
     for i, (kind, variant) in enumerate(_TURN_CASES[:len(_TURN_CASES) if world > 2 else 2]):
         layout = ("striped", "headtail", "contiguous", "documents")[i if world > 2 else i % 2]  # documents: the
         # prompt striped, the turns as for every layout
