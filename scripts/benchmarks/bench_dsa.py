@@ -29,6 +29,16 @@ selected latent rows it does not hold: measured on the simulated picks, the busi
 on the sharded turn, and the selected rows alone.
 
     python scripts/benchmarks/bench_dsa.py --turn 32768 4096 131072 4096 131072 512 --world 4
+
+``--memory T K H``: one DSA layer's attention over the picks (step 3, from the expanded table to the output;
+Note [DSA attention in query chunks] in cp_dtensor/hf/sparse_attend.py) for T queries of batch 1, K picks a
+query, H heads (Dqk 192, Dv 128 as DeepSeek-V3.2, bf16, a table of U = 2T rows, picks uniform in the table,
+a tenth of them masked): the bytes autograd keeps for backward (unique storages, counted by a
+saved-tensors hook), the resident peak of forward + backward (``_bench_mem``) and the time -- the plain
+gather of every query's picks at once (what it replaced) against the chunked Function; then the formula at
+DeepSeek-V3.2's sizes.
+
+    python scripts/benchmarks/bench_dsa.py --memory 1024 256 16
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from cp_dtensor.core.plan.layout import global_order  # noqa: E402
 from cp_dtensor.hf.sparse import exchange_plan, seen_keys  # noqa: E402
+from cp_dtensor.hf.sparse_attend import _GATHERED, attend_picks  # noqa: E402
 from cp_dtensor.hf.sparse_turn import dsa_turn_plan  # noqa: E402
 
 LATENT, INDEX_KEY, RING_KV, ROW_ID = (512 + 64) * 2, 128 * 2, 128 * (192 + 128) * 2, 8
@@ -145,6 +156,65 @@ def _turns(args) -> None:
                   f"{time.perf_counter() - t0:.1f} |", flush=True)
 
 
+def _plain_picks(query, keys, values, slot, valid, scaling):
+    """Step 3 as the plain gather of every query's picks at once (what the chunked Function replaced)."""
+    keys, values = keys[:, slot], values[:, slot]  # [H, B, T, K, D]
+    scores = torch.einsum("bhsd,hbskd->bhsk", query, keys) * scaling
+    blind = ~valid.any(-1)[:, None, :, None]
+    scores = scores.masked_fill(~valid[:, None], float("-inf")).masked_fill(blind, 0.0)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).masked_fill(blind, 0.0).to(query.dtype)
+    return torch.einsum("bhsk,hbskd->bshd", probs, values)
+
+
+def _saved_and_peak(fn, inputs, grad) -> tuple[int, int, float]:
+    """(bytes autograd keeps for backward -- unique storages --, resident peak of forward + backward, seconds)."""
+    from _bench_mem import peak_since, reset_peak
+
+    kept = {}
+
+    def pack(x):
+        kept[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+        return x
+
+    q, k, v = (x.detach().requires_grad_() for x in inputs[:3])
+    t0, base = time.perf_counter(), reset_peak()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        out = fn(q, k, v, *inputs[3:])
+    out.backward(grad)
+    return sum(kept.values()), peak_since(base), time.perf_counter() - t0
+
+
+def _memory(t: int, k: int, heads: int) -> None:
+    from _bench_mem import _libc_live_memory
+
+    _libc_live_memory()
+    torch.manual_seed(0)
+    dqk, dv, u, dt = 192, 128, 2 * t, torch.bfloat16
+    query = torch.randn(1, heads, t, dqk, dtype=dt)
+    keys, values = torch.randn(heads, u, dqk, dtype=dt), torch.randn(heads, u, dv, dtype=dt)
+    slot = torch.randint(0, u, (1, t, k))
+    valid = torch.rand(1, t, k) > 0.1
+    grad = torch.randn(1, t, heads, dv, dtype=dt)
+    inputs = (query, keys, values, slot, valid, dqk ** -0.5)
+    plain = _saved_and_peak(_plain_picks, inputs, grad)
+    chunked = _saved_and_peak(attend_picks, inputs, grad)
+    mb = 1 / 2**20
+    print(f"T = {t} queries, K = {k} picks, H = {heads}, Dqk {dqk}, Dv {dv}, bf16, U = {u} table rows; chunk bound "
+          f"_GATHERED = 2**{_GATHERED.bit_length() - 1} key numbers")
+    print("| step 3 | saved for backward MB | fwd+bwd resident peak MB | s |")
+    print("|---|---|---|---|")
+    for name, (kept, peak, sec) in (("plain gather (before)", plain), ("chunked Function (after)", chunked)):
+        print(f"| {name} | {kept * mb:.1f} | {peak * mb:.1f} | {sec:.2f} |")
+    print(f"saved: before / after = {plain[0] / chunked[0]:.1f}x; peak: {plain[1] / chunked[1]:.1f}x")
+    # the formula (bytes, e = 2 bf16): before keeps the gathered keys and values, the probabilities (fp32, bf16), the
+    # masks; after keeps the query, the table, slot and valid, the fp32 lse
+    t, k, heads, u, e = 4096, 2048, 128, 4096 + 12288, 2  # DeepSeek-V3.2, a rank's 4096 queries, 12k received rows
+    before = heads * t * k * (dqk + dv) * e + heads * t * k * (4 + e) + t * k + heads * t * dqk * e
+    after = heads * t * dqk * e + heads * u * (dqk + dv) * e + t * k * 9 + heads * t * 4
+    print(f"DeepSeek-V3.2 (H {heads}, K {k}, T {t} queries of a rank, U {u} table rows, bf16): before about "
+          f"{before / 2**30:.0f} GiB, after {after / 2**30:.2f} GiB ({before / after:.0f}x)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, nargs="+", default=[8192, 16384, 32768])
@@ -158,7 +228,11 @@ def main() -> None:
     parser.add_argument("--turn", type=int, nargs="+", default=None, help="C T pairs: a T-token turn on a C-token "
                         "cache (Note [Sharded DSA turns])")
     parser.add_argument("--topk", type=int, default=2048, help="index_topk of --turn (DeepSeek-V3.2's)")
+    parser.add_argument("--memory", type=int, nargs=3, default=None, metavar=("T", "K", "H"),
+                        help="saved-activation bytes of step 3, the plain gather against the chunked Function")
     args = parser.parse_args()
+    if args.memory:
+        return _memory(*args.memory)
     if args.turn:
         return _turns(args)
     print("| N | P | doc | index_topk | rows not held (max rank) | rows MB | index keys MB | requests MB | ours MB | "
