@@ -39,6 +39,13 @@ gather of every query's picks at once (what it replaced) against the chunked Fun
 DeepSeek-V3.2's sizes.
 
     python scripts/benchmarks/bench_dsa.py --memory 1024 256 16
+
+``--indexer S N H``: the family's indexer (transformers' DeepseekV32Indexer, ``H`` index heads of 128, fp32) for
+S queries at the end of N keys: the resident peak of the one call against query tiles of at most ``_SCORED``
+scores (Note [The DSA indexer in query tiles] in cp_dtensor/hf/sparse_rows.py), and that the picks are the
+same.
+
+    python scripts/benchmarks/bench_dsa.py --indexer 512 8192 32
 """
 
 from __future__ import annotations
@@ -215,6 +222,43 @@ def _memory(t: int, k: int, heads: int) -> None:
           f"{before / 2**30:.0f} GiB, after {after / 2**30:.2f} GiB ({before / after:.0f}x)")
 
 
+def _indexer(s: int, n: int, heads: int) -> None:
+    from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32Config, DeepseekV32Indexer
+
+    from cp_dtensor.hf import sparse_rows
+    from _bench_mem import _libc_live_memory, peak_since, reset_peak
+
+    _libc_live_memory()
+    torch.manual_seed(0)
+    cfg = DeepseekV32Config(hidden_size=256, q_lora_rank=128, index_n_heads=heads, index_head_dim=128,
+                            qk_rope_head_dim=64, index_topk=n // 16)
+    indexer = DeepseekV32Indexer(cfg, 0)
+    hidden, q_resid = torch.randn(1, s, 256), torch.randn(1, s, 128)
+    angle = torch.arange(n - s, n)[None, :, None] * 1e-3 * torch.arange(1, 65)
+    keys = torch.randn(1, n, 128)
+    mask = torch.arange(n)[None, None, :] <= torch.arange(n - s, n)[None, :, None]  # causal: the last S queries
+
+    class Keys:  # the exchanged keys of every column
+        def update_indexer(self, k, layer_idx):
+            return keys
+
+    args = (hidden, q_resid, (angle.cos(), angle.sin()), mask, torch.arange(n - s, n)[None])
+    runs = {}
+    for name, fn in (("one call (before)", lambda: indexer(*args, cache=Keys())),
+                     ("query tiles (after)", lambda: sparse_rows.index_tiles(indexer, *args, Keys()))):
+        t0, base = time.perf_counter(), reset_peak()
+        picks = fn()
+        runs[name] = (picks, peak_since(base), time.perf_counter() - t0)
+    (a, pa, ta), (b, pb, tb) = runs.values()
+    tile = max(1, sparse_rows._SCORED // (heads * n))
+    print(f"S = {s} queries, N = {n} keys, {heads} index heads, index_topk {n // 16}; _SCORED = "
+          f"2**{sparse_rows._SCORED.bit_length() - 1} scores: tiles of {tile} queries")
+    print("| indexer | resident peak MB | s |\n|---|---|---|")
+    for name, (_, peak, sec) in runs.items():
+        print(f"| {name} | {peak / 2**20:.1f} | {sec:.2f} |")
+    print(f"peak: before / after = {pa / pb:.1f}x; picks identical: {torch.equal(a, b)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, nargs="+", default=[8192, 16384, 32768])
@@ -230,7 +274,11 @@ def main() -> None:
     parser.add_argument("--topk", type=int, default=2048, help="index_topk of --turn (DeepSeek-V3.2's)")
     parser.add_argument("--memory", type=int, nargs=3, default=None, metavar=("T", "K", "H"),
                         help="saved-activation bytes of step 3, the plain gather against the chunked Function")
+    parser.add_argument("--indexer", type=int, nargs=3, default=None, metavar=("S", "N", "H"),
+                        help="resident peak of the family's indexer, one call against query tiles")
     args = parser.parse_args()
+    if args.indexer:
+        return _indexer(*args.indexer)
     if args.memory:
         return _memory(*args.memory)
     if args.turn:
