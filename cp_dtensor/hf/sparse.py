@@ -26,7 +26,10 @@ each layer's forward is replaced (the family's own modules do the arithmetic, in
    the rows. Backward sends the rows' gradients back the same way and adds them to the latent's.
 3. **Attention over the selected keys only.** The held and received rows form a table, ``kv_b_proj``
    expands it once, and each query's softmax runs over its ``index_topk`` gathered keys, the picks outside
-   the causal prefix (only when fewer than ``index_topk`` keys exist) masked, as CP=1's mask does.
+   the causal prefix (only when fewer than ``index_topk`` keys exist) masked, as CP=1's mask does -- in
+   query chunks of bounded size whose backward gathers again (Note [DSA attention in query chunks] in
+   hf/sparse_attend.py); the indexer of step 1 likewise runs on query tiles where its scores would not
+   fit a bound (Note [The DSA indexer in query tiles] in hf/sparse_rows.py).
 
 Steps 1-3 read one thing of the layout: each row's global position at each rank's slots (``row_orders``,
 [B, N]) -- a named layout's ``global_order`` for every row, or under ``layout="documents"`` the batch's
