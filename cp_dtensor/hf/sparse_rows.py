@@ -32,7 +32,7 @@ The family's indexer scores its queries against every key of their rows at once:
 dot products a (query, key), [B, S, index_n_heads, N] fp32 -- a rank's 4096 queries against N = 16k keys
 with DeepSeek-V3.2's 64 index heads are 17 GB. It runs without gradients, so nothing is kept, but the
 peak is that tensor. ``index_tiles`` calls the same indexer on tiles of the queries instead, each tile's
-scores at most ``_SCORED`` numbers (B * S_tile * index_n_heads * N); when the whole call fits, it is the one
+scores at most ``_INDEX_SCORES`` numbers (B * S_tile * index_n_heads * N); when the whole call fits, it is the one
 call it always was (nothing changes at small sizes). Tiled, the index keys are still exchanged once a
 layer: a first call on all the queries with a one-column mask only computes the keys (``_Keys()``: it
 hands back their first column, so that call's scores are [B, S, heads, 1]); the ``cache`` given --
@@ -50,7 +50,7 @@ from torch import Tensor, nn
 
 __all__ = ["by_rows", "index_tiles", "row_lengths"]
 
-_SCORED = 2**26  # the most index scores one indexer call builds ([B, S_tile, index_n_heads, N] fp32): a memory bound
+_INDEX_SCORES = 2**26  # the most index scores one indexer call builds ([B, S_tile, index_n_heads, N] fp32): a memory bound
 
 
 def row_lengths(state, order: Tensor, planned: bool, bsz: int, s: int, gather_rows) -> tuple[int, Tensor]:
@@ -138,10 +138,10 @@ def by_rows(indexer: nn.Module, seg: int, lens: Tensor, mine: Tensor, hidden: Te
 def index_tiles(indexer: nn.Module, hidden: Tensor, q_resid: Tensor, position_embeddings, mask: Tensor,
                 position_ids: Tensor, cache) -> Tensor:
     """The family's ``indexer`` picks [B, S, K] for queries ``hidden`` [B, S, hidden] against the keys ``cache``
-    hands back ([B, N, D]), on tiles of the queries whose scores fit ``_SCORED``; ``cache.update_indexer`` is
+    hands back ([B, N, D]), on tiles of the queries whose scores fit ``_INDEX_SCORES``; ``cache.update_indexer`` is
     called once either way. ``mask`` [B, S, N]: bool or additive. See Note [The DSA indexer in query tiles]."""
     bsz, s = hidden.shape[:2]
-    step = max(1, _SCORED // max(1, bsz * int(indexer.n_heads) * mask.shape[-1]))
+    step = max(1, _INDEX_SCORES // max(1, bsz * int(indexer.n_heads) * mask.shape[-1]))
     if step >= s:  # it fits: the one call
         return indexer(hidden, q_resid, position_embeddings, mask, position_ids, cache=cache)
     if not (isinstance(cache, _Keys) and cache.keys is not None):  # the keys computed once, exchanged once

@@ -41,7 +41,7 @@ DeepSeek-V3.2's sizes.
     python scripts/benchmarks/bench_dsa.py --memory 1024 256 16
 
 ``--indexer S N H``: the family's indexer (transformers' DeepseekV32Indexer, ``H`` index heads of 128, fp32) for
-S queries at the end of N keys: the resident peak of the one call against query tiles of at most ``_SCORED``
+S queries at the end of N keys: the resident peak of the one call against query tiles of at most ``_INDEX_SCORES``
 scores (Note [The DSA indexer in query tiles] in cp_dtensor/hf/sparse_rows.py), and that the picks are the
 same.
 
@@ -250,9 +250,9 @@ def _indexer(s: int, n: int, heads: int) -> None:
         picks = fn()
         runs[name] = (picks, peak_since(base), time.perf_counter() - t0)
     (a, pa, ta), (b, pb, tb) = runs.values()
-    tile = max(1, sparse_rows._SCORED // (heads * n))
-    print(f"S = {s} queries, N = {n} keys, {heads} index heads, index_topk {n // 16}; _SCORED = "
-          f"2**{sparse_rows._SCORED.bit_length() - 1} scores: tiles of {tile} queries")
+    tile = max(1, sparse_rows._INDEX_SCORES // (heads * n))
+    print(f"S = {s} queries, N = {n} keys, {heads} index heads, index_topk {n // 16}; _INDEX_SCORES = "
+          f"2**{sparse_rows._INDEX_SCORES.bit_length() - 1} scores: tiles of {tile} queries")
     print("| indexer | resident peak MB | s |\n|---|---|---|")
     for name, (_, peak, sec) in runs.items():
         print(f"| {name} | {peak / 2**20:.1f} | {sec:.2f} |")

@@ -277,8 +277,8 @@ def _tiny_bounds(on: bool) -> None:
         return out
 
     if on:
-        _tiny_bounds.saved = sparse_attend._GATHERED, sparse_rows._SCORED
-    sparse_attend._GATHERED, sparse_rows._SCORED = (1, 1) if on else _tiny_bounds.saved
+        _tiny_bounds.saved = sparse_attend._GATHERED, sparse_rows._INDEX_SCORES
+    sparse_attend._GATHERED, sparse_rows._INDEX_SCORES = (1, 1) if on else _tiny_bounds.saved
     sparse.index_tiles = tiled if on else sparse_rows.index_tiles
 
 
@@ -551,7 +551,7 @@ def _turns(mesh, world: int) -> dict:
     if world == 2:  # every indexer call in query tiles of one (Note [The DSA indexer in query tiles]); P = 3: the one call
         from cp_dtensor.hf import sparse_rows
 
-        sparse_rows._SCORED = 1
+        sparse_rows._INDEX_SCORES = 1
     for i, (kind, variant) in enumerate(_TURN_CASES[:len(_TURN_CASES) if world > 2 else 2]):
         layout = ("striped", "headtail", "contiguous", "documents")[i if world > 2 else i % 2]  # documents: the
         # prompt striped, the turns as for every layout
