@@ -30,17 +30,21 @@ Note [The DSA indexer in query tiles]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 The family's indexer scores its queries against every key of their rows at once: ``index_n_heads`` ReLU'd
 dot products a (query, key), [B, S, index_n_heads, N] fp32 -- a rank's 4096 queries against N = 16k keys
-with DeepSeek-V3.2's 64 index heads are 17 GB. It runs without gradients, so nothing is kept, but the
-peak is that tensor. ``index_tiles`` calls the same indexer on tiles of the queries instead, each tile's
-scores at most ``_INDEX_SCORES`` numbers (B * S_tile * index_n_heads * N); when the whole call fits, it is the one
-call it always was (nothing changes at small sizes). Tiled, the index keys are still exchanged once a
-layer: a first call on all the queries with a one-column mask only computes the keys (``_Keys()``: it
-hands back their first column, so that call's scores are [B, S, heads, 1]); the ``cache`` given --
-hf/sparse.py's all_to_all, a sharded turn's all-gather, by_rows' regrouping -- gets them once, as the
-untiled call would have given them; every tile then reads the exchanged keys (``_Keys(keys)``). A
-query's picks depend on its own row only -- its index query, the keys, its mask row -- and ``topk`` runs
-row by row with the same length N, so a tile picks what the whole call picks, ties included (index
-scores ReLU makes exactly 0, checked by tests/hf/test_hf_dsa.py with the bound forced tiny).
+with DeepSeek-V3.2's 64 index heads are 17 GB (and the ReLU's copy as much again). It runs without
+gradients, so nothing is kept, but the peak is that tensor. ``index_tiles`` calls the same indexer on
+tiles of the queries instead, each tile's scores at most ``_INDEX_SCORES`` numbers (B * S_tile *
+index_n_heads * N; one query a tile at the least; by_rows' groups: their rows x a tile of their columns);
+when the whole call fits, it is the one call it always was (nothing changes at small sizes).
+
+Tiled, the index keys are still exchanged once a layer: a first call on all the queries with a
+one-column mask only computes the keys (``_Keys()``: it hands back their first column, so that call's
+scores are [B, S, heads, 1]; its index queries, S * heads * ``index_head_dim`` numbers, are the largest
+thing it builds); the ``cache`` given -- hf/sparse.py's all_to_all, a prefill's, a sharded turn's
+all-gather, by_rows' regrouping -- gets them once, as the untiled call would have given them; every
+tile then reads the exchanged keys (``_Keys(keys)``). A query's picks depend on its own row only -- its
+index query, the keys, its mask row -- and ``topk`` runs row by row over the same length N, so a tile
+picks what the whole call picks, ties included (index scores ReLU makes exactly 0: tests/hf/test_hf_dsa.py
+checks an all-ties model against CP=1 with the bound forced to one query).
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ from torch import Tensor, nn
 
 __all__ = ["by_rows", "index_tiles", "row_lengths"]
 
-_INDEX_SCORES = 2**26  # the most index scores one indexer call builds ([B, S_tile, index_n_heads, N] fp32): a memory bound
+_INDEX_SCORES = 2**26  # the most index scores one indexer call builds ([B, S_tile, index_n_heads, N] fp32)
 
 
 def row_lengths(state, order: Tensor, planned: bool, bsz: int, s: int, gather_rows) -> tuple[int, Tensor]:
