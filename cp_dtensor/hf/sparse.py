@@ -76,7 +76,7 @@ from .pads import sparse_pad_error
 from .sparse_attend import attend_picks
 from .sparse_rows import by_rows, index_tiles, row_lengths
 
-__all__ = ["FAMILIES", "dsa_layers", "door_error", "enable_sparse", "exchange_plan", "global_rows", "row_orders",
+__all__ = ["FAMILIES", "ddp_error", "dsa_layers", "door_error", "enable_sparse", "exchange_plan", "global_rows", "row_orders",
            "seen_keys"]
 
 FAMILIES = frozenset({"deepseek_v32", "glm_moe_dsa"})
@@ -99,6 +99,21 @@ def door_error(model: nn.Module, layout: str, before: dict) -> str | None:
                 f"parallel path; under CP the selected keys are gathered and attended by cp_dtensor. Load the model "
                 f"with attn_implementation='sdpa' (or 'eager'), then apply context parallelism. {_SEE}")
     return None
+
+
+def ddp_error(model: nn.Module, find_unused: bool, static_graph: bool) -> str | None:
+    """Why DDP cannot wrap this DSA model as the Trainer configured it (None: it can). transformers runs the
+    indexer without gradients, at CP=1 as under CP, so its parameters never get one; DDP without
+    ``find_unused_parameters`` (the Trainer's default with activation checkpointing) then fails at the second step
+    ("Expected to have finished reduction in the prior iteration")."""
+    frozen = [n for n, p in model.named_parameters() if p.requires_grad and ".indexer." in f".{n}"]
+    if not frozen or find_unused or static_graph:
+        return None
+    return (f"{type(model).__name__}'s DeepSeek Sparse Attention indexers never receive a gradient (transformers runs "
+            f"them without gradients, as at CP=1: {len(frozen)} parameters, e.g. {frozen[0]}), and the Trainer's DDP "
+            "runs without find_unused_parameters (ddp_find_unused_parameters=False, or its default with activation "
+            "checkpointing), so the second step would fail. Set TrainingArguments(ddp_find_unused_parameters=True) "
+            "or ddp_static_graph=True, or freeze the indexers (p.requires_grad_(False) for their parameters).")
 
 
 class _Gathered:

@@ -110,6 +110,7 @@ from .collator import META, CollatedBatch, ShardingCollator  # noqa: E402
 from .documents import KWARG, check_model_layout, model_windows  # noqa: E402
 from .grid import dynamic_refusal, move_batches, replica_ring, static_collator  # noqa: E402
 from .latent import latent_error, ring_exchange  # noqa: E402
+from .sparse import ddp_error  # noqa: E402
 from .state import implementations, state_of  # noqa: E402
 
 __all__ = ["ShardingCollator", "with_context_parallel"]
@@ -195,6 +196,14 @@ def _refusal(trainer, options: CPOptions) -> str | None:
         return "train_sampling_strategy='batch_rebalance' counts ranks, not replicas; use 'random' or 'group_by_length'."
     if "inputs" in (args.include_for_metrics or ()):
         return "include_for_metrics=['inputs'] would gather each rank's shard of the inputs; drop 'inputs'."
+    if world > 1 and not trainer.is_fsdp_enabled:  # DDP wraps the model: its find_unused_parameters as the Trainer sets it
+        checkpointing = trainer.model.is_activation_checkpointing or getattr(args, "activation_checkpointing", None) \
+            or args.gradient_checkpointing
+        find_unused = args.ddp_find_unused_parameters
+        error = ddp_error(trainer.model, not checkpointing if find_unused is None else find_unused,
+                          bool(args.ddp_static_graph))
+        if error is not None:
+            return error
     if options.kv_exchange == "latent":  # opt-in: Note [MLA latents on the wire] in hf/latent.py
         error = latent_error(trainer.model, implementations(trainer.model.config), options.comm_dtype)
         if error is not None:

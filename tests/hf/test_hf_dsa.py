@@ -340,7 +340,27 @@ def _ranks(rank, world):
         out[kind, "dropout"] = _raises(lambda: cp(input_ids=tok, position_ids=pos, use_cache=False),
                                        "config.attention_dropout = 0")
     _mla_cases(mesh, out)
+    _trainer_ddp(rank, world, out)
     return out
+
+
+def _trainer_ddp(rank: int, world: int, out: dict) -> None:
+    """The Trainer with activation checkpointing (DDP then runs without find_unused_parameters) on a DSA model,
+    whose indexers never get a gradient: refused on every rank when it is built, not a DDP failure at step 2."""
+    import tempfile
+
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    from cp_dtensor.hf import with_context_parallel
+
+    _env(rank, world)
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=2, max_steps=1, report_to=[],
+                             save_strategy="no", use_cpu=True, disable_tqdm=True, gradient_checkpointing=True)
+    rows = [{"input_ids": list(range(3, 3 + N)), "labels": list(range(3, 3 + N))}] * 4
+    cls = with_context_parallel(Trainer, cp_size=world)
+    out["glm_moe_dsa", "trainer checkpointing"] = _raises(
+        lambda: cls(model=_model("glm_moe_dsa"), args=args, train_dataset=rows, data_collator=default_data_collator),
+        "ddp_find_unused_parameters=True")
 
 
 def _mla_cases(mesh, out: dict) -> None:
@@ -761,13 +781,15 @@ def _trainer_ranks(rank, world, cp: bool) -> dict:
     for kind, packed, layout in [(k, p, "headtail") for k in FAMILIES for p in (False, True)] + [
             ("deepseek_v32", True, "documents"),  # the collator plans each packed batch (layout="documents")
             ("deepseek_v32", "right", "headtail"), ("glm_moe_dsa", "left", "striped"),
-            ("deepseek_v32", "left", "documents")]:  # padded rows (DataCollatorForLanguageModeling)
+            ("deepseek_v32", "left", "documents"),  # padded rows (DataCollatorForLanguageModeling)
+            ("glm_moe_dsa", "checkpointing", "headtail")]:  # the indexers get no gradient: DDP finds them unused
         args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=4, max_steps=3,
                                  logging_steps=1, report_to=[], save_strategy="no", learning_rate=1e-2, use_cpu=True,
-                                 disable_tqdm=True, seed=0, data_seed=0)
+                                 disable_tqdm=True, seed=0, data_seed=0, gradient_checkpointing=packed == "checkpointing",
+                                 ddp_find_unused_parameters=True if packed == "checkpointing" else None)
         cls = with_context_parallel(Trainer, cp_size=world, layout=layout) if cp else Trainer
         data, collator = (docs, DataCollatorWithFlattening()) if packed is True else (rows, default_data_collator)
-        if isinstance(packed, str):
+        if packed in ("left", "right"):
             tokenizer = _tokenizer()
             tokenizer.padding_side = packed
             data, collator = texts, DataCollatorForLanguageModeling(tokenizer, mlm=False)
