@@ -196,12 +196,13 @@ def _refusal(trainer, options: CPOptions) -> str | None:
         return "train_sampling_strategy='batch_rebalance' counts ranks, not replicas; use 'random' or 'group_by_length'."
     if "inputs" in (args.include_for_metrics or ()):
         return "include_for_metrics=['inputs'] would gather each rank's shard of the inputs; drop 'inputs'."
-    if world > 1 and not trainer.is_fsdp_enabled:  # DDP wraps the model: its find_unused_parameters as the Trainer sets it
-        checkpointing = trainer.model.is_activation_checkpointing or getattr(args, "activation_checkpointing", None) \
-            or args.gradient_checkpointing
-        find_unused = args.ddp_find_unused_parameters
-        error = ddp_error(trainer.model, not checkpointing if find_unused is None else find_unused,
-                          bool(args.ddp_static_graph))
+    if world > 1 and not getattr(trainer, "is_fsdp_enabled", False):  # DDP wraps the model: find_unused_parameters
+        find_unused = args.ddp_find_unused_parameters  # as the Trainer sets it (a PreTrainedModel: off when checkpointing)
+        if find_unused is None:
+            checkpointing = getattr(trainer.model, "is_activation_checkpointing", None)
+            find_unused = checkpointing is None or not (checkpointing or getattr(args, "activation_checkpointing", None)
+                                                        or getattr(args, "gradient_checkpointing", None))
+        error = ddp_error(trainer.model, find_unused, bool(getattr(args, "ddp_static_graph", None)))
         if error is not None:
             return error
     if options.kv_exchange == "latent":  # opt-in: Note [MLA latents on the wire] in hf/latent.py
