@@ -31,7 +31,7 @@ GRACE = 10.0  # seconds a failure report waits for the other ranks' tracebacks b
 
 
 def _worker(rank: int, world: int, init_method: str, timeout: timedelta, fn: Callable, args: tuple,
-            results: Any, stacks: str) -> None:
+            results: Any, stacks: str, launched: float) -> None:
     code = 0
     # a crash, or the launcher's SIGUSR1, writes this rank's Python stack here (_report)
     log = open(os.path.join(stacks, f"rank{rank}"), "w")  # noqa: SIM115 -- open until os._exit
@@ -43,7 +43,8 @@ def _worker(rank: int, world: int, init_method: str, timeout: timedelta, fn: Cal
         out = fn(rank, world, *args)
         results.put((rank, True, out))
     except BaseException:  # report everything, including SystemExit from a test helper
-        results.put((rank, False, traceback.format_exc()))
+        # when: of two ranks' tracebacks, the earlier is the cause (a peer's echo follows within milliseconds)
+        results.put((rank, False, f"{traceback.format_exc()}(raised {time.time() - launched:.3f} s after the launch)"))
         code = 1
     finally:
         if dist.is_initialized():
@@ -143,8 +144,9 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 3
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init = f"file://{os.path.join(tmp, 'rendezvous')}"
-        procs = [ctx.Process(target=_worker, args=(r, world, init, collective_timeout, fn, args, results, tmp))
-                 for r in range(world)]
+        launched = time.time()
+        procs = [ctx.Process(target=_worker, args=(r, world, init, collective_timeout, fn, args, results, tmp,
+                                                  launched)) for r in range(world)]
         for p in procs:
             p.start()
         out: dict[int, Any] = {}
