@@ -33,8 +33,9 @@ GRACE = 10.0  # seconds a failure report waits for the other ranks' tracebacks b
 def _worker(rank: int, world: int, init_method: str, timeout: timedelta, fn: Callable, args: tuple,
             results: Any, stacks: str, launched: float) -> None:
     code = 0
-    # a crash, or the launcher's SIGUSR1, writes this rank's Python stack here (_report)
-    log = open(os.path.join(stacks, f"rank{rank}"), "w")  # noqa: SIM115 -- open until os._exit
+    # this rank's stderr (a C++ abort's message) and, on a crash or the launcher's SIGUSR1, its Python stack (_report)
+    log = open(os.path.join(stacks, f"rank{rank}"), "a")  # noqa: SIM115 -- open until os._exit
+    os.dup2(log.fileno(), 2)
     faulthandler.enable(file=log, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)
     try:
@@ -66,12 +67,14 @@ class RankFailure(AssertionError):
 _ECHOES = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Timed out waiting")
 
 # What every rank was doing. A peer's "Connection reset/closed by peer" or "Timed out waiting" says only
-# that another rank stopped answering. So each rank points faulthandler at a file of its own in the run's
-# temp dir: a crash (SIGSEGV, SIGABRT, SIGBUS, ...) writes its Python stack there, and so does SIGUSR1,
-# which the launcher sends to every rank still alive when it gives up on them (a failure elsewhere, or
-# the deadline) before it kills them. The report then holds, per rank: its traceback if it raised; its signal and stack if it
-# died (SIGKILL leaves none: the kernel's OOM killer or another process, dmesg says which); its stack if
-# it was still running (a rank hung in a collective its peers never joined, or one still computing).
+# that another rank stopped answering. So each rank sends its stderr and faulthandler to a file of its own
+# in the run's temp dir: a C++ abort says why there (gloo's "Received data size doesn't match expected
+# size": two ranks in different collectives), a crash (SIGSEGV, SIGABRT, SIGBUS, ...) writes its Python
+# stack there, and so does SIGUSR1, which the launcher sends to every rank still alive when it gives up on
+# them (a failure elsewhere, or the deadline) before it kills them. A rank that dies silently fails the
+# call at once. The report then holds, per rank: its traceback if it raised; its signal, stderr and stack
+# if it died (SIGKILL leaves none: the kernel's OOM killer or another process, dmesg says which); its
+# stack if it was still running (hung in a collective its peers never joined, or still computing).
 
 _KILLED = " (killed from outside: the kernel's OOM killer -- see dmesg -- or another process)"
 
@@ -83,6 +86,11 @@ def _exit(code: int) -> str:
     return f"died of {name}" + (_KILLED if -code == signal.SIGKILL else "")
 
 
+def _read(stacks: str, rank: int) -> str:
+    path = os.path.join(stacks, f"rank{rank}")
+    return open(path, errors="replace").read().rstrip() if os.path.exists(path) else ""
+
+
 def _stacks(stacks: str, procs: list, ranks: list[int], wait: float = 3.0) -> dict[int, str]:
     """The Python stacks of ``ranks`` (alive: asked by SIGUSR1; dead: what a crash wrote), by rank."""
     asked = [r for r in ranks if procs[r].is_alive()]
@@ -91,15 +99,12 @@ def _stacks(stacks: str, procs: list, ranks: list[int], wait: float = 3.0) -> di
             os.kill(procs[r].pid, signal.SIGUSR1)
         except ProcessLookupError:
             pass
-    def read(r: int) -> str:
-        path = os.path.join(stacks, f"rank{r}")
-        return open(path, errors="replace").read() if os.path.exists(path) else ""
-
+    read = lambda r: _read(stacks, r)  # noqa: E731
     deadline = time.monotonic() + wait
     while any(not read(r) for r in asked) and time.monotonic() < deadline:
         time.sleep(0.05)  # faulthandler writes from the signal handler, without the rank's Python
     time.sleep(0.1 if asked else 0)  # the last lines of a long stack
-    return {r: read(r).rstrip() for r in ranks}
+    return {r: read(r) for r in ranks}
 
 
 def _failure_report(world: int, failed: dict[int, str], results: Any, procs: list, stacks: str, done) -> str:
@@ -127,10 +132,11 @@ def _report(world: int, failed: dict[int, str], procs: list, stacks: str, done) 
     stack = _stacks(stacks, procs, silent)
     order = sorted(failed, key=lambda r: (any(e in failed[r] for e in _ECHOES), r))
     dead = [r for r in silent if not procs[r].is_alive() and procs[r].exitcode]
-    parts = [f"rank {r} of {world} {_exit(procs[r].exitcode)} without a traceback; its stack:\n"
+    parts = [f"rank {r} of {world} {_exit(procs[r].exitcode)} without a traceback; its stderr and stack:\n"
              f"{stack[r] or '(none written)'}" for r in dead]
-    parts += [f"rank {r} of {world} failed:\n{failed[r]}" for r in order]
-    parts += [f"rank {r} of {world} was still running; its stack:\n{stack[r] or '(none written)'}"
+    parts += [f"rank {r} of {world} failed:\n{failed[r]}" + (f"\nits stderr:\n{err}" if (err := _read(stacks, r)) else "")
+              for r in order]
+    parts += [f"rank {r} of {world} was still running; its stderr and stack:\n{stack[r] or '(none written)'}"
               for r in silent if procs[r].is_alive()]
     return "\n".join(parts)
 
@@ -138,7 +144,8 @@ def _report(world: int, failed: dict[int, str], procs: list, stacks: str, done) 
 def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 300.0,
               collective_timeout: timedelta = COLLECTIVE_TIMEOUT, start_method: str = "fork") -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return the per-rank results in rank order.
-    ``timeout``: seconds to wait for the next rank's result; ``collective_timeout``: each collective's;
+    ``timeout``: seconds to wait for the next rank's result (a rank that dies silently fails the call at
+    once); ``collective_timeout``: each collective's;
     ``start_method="spawn"`` for a fresh interpreter per rank (then ``fn`` must be importable)."""
     ctx = mp.get_context(start_method)
     results = ctx.Queue()
@@ -151,13 +158,19 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 3
             p.start()
         out: dict[int, Any] = {}
         try:
+            deadline = time.monotonic() + timeout
             while len(out) < world:
-                try:
-                    rank, ok, payload = results.get(timeout=timeout)
+                try:  # in short waits: a rank that dies without a word (a signal) fails the call at once
+                    rank, ok, payload = results.get(timeout=1.0)
                 except queue.Empty:
+                    if any(p.exitcode for r, p in enumerate(procs) if r not in out):  # its queued words came first
+                        raise RankFailure(_failure_report(world, {}, results, procs, tmp, out)) from None
+                    if time.monotonic() < deadline:
+                        continue
                     late = sorted(set(range(world)) - set(out))
                     raise RankFailure(f"ranks {late} of {world} did not finish within {timeout:.0f}s\n"
                                       + _report(world, {}, procs, tmp, out)) from None
+                deadline = time.monotonic() + timeout
                 if not ok:
                     raise RankFailure(_failure_report(world, {rank: payload}, results, procs, tmp, out))
                 out[rank] = payload

@@ -318,6 +318,28 @@ def test_the_launcher_reports_the_cause_first(how, monkeypatch):
         assert "Segmentation fault" in report and "in _rank0_cause" in report, report
     if how == "stuck":
         assert "ValueError: rank 1 fails alone" in report
-        assert "rank 0 of 2 was still running; its stack:" in report and "in _rank0_stuck" in report, report
+        assert "rank 0 of 2 was still running; its stderr and stack:" in report and "in _rank0_stuck" in report, report
     else:
         assert "rank 1 of 2 failed" in report  # the echo is kept, after the cause
+
+
+def _mismatch(rank, world):
+    if rank == 0:  # a collective rank 1 does not join: its 8-byte message arrives where 4 are expected
+        x = torch.zeros(4, dtype=torch.uint8)
+        dist.all_gather([torch.empty_like(x) for _ in range(world)], x)
+        dist.barrier()
+    else:
+        dist.all_gather_object([None] * world, "the call's fingerprint")
+
+
+def test_the_launcher_names_a_collective_mismatch():
+    """Two ranks in different collectives: gloo aborts the rank that receives the larger message (SIGABRT, no
+    Python traceback) and its peer reads "Connection reset by peer". The report names the abort, with gloo's
+    reason from the rank's stderr, at once rather than after the launcher's timeout."""
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run_ranks(2, _mismatch, timeout=120.0)
+    report = str(info.value)
+    assert report.startswith("rank 0 of 2 died of SIGABRT"), report[:300]
+    assert "Received data size doesn't match expected size" in report, report
+    assert time.monotonic() - start < 60  # not the 120 s timeout
