@@ -79,6 +79,10 @@ _ECHOES = ("Connection reset by peer", "Connection closed by peer", "Broken pipe
 _KILLED = " (killed from outside: the kernel's OOM killer -- see dmesg -- or another process)"
 
 
+_MISMATCH = ("\n(the ranks ran different collectives: rerun with TORCH_DISTRIBUTED_DEBUG=DETAIL, and torch names "
+             "each rank's collective and where it was called)")
+
+
 def _exit(code: int) -> str:
     if code >= 0:
         return f"exited with code {code}"
@@ -133,7 +137,8 @@ def _report(world: int, failed: dict[int, str], procs: list, stacks: str, done) 
     order = sorted(failed, key=lambda r: (any(e in failed[r] for e in _ECHOES), r))
     dead = [r for r in silent if not procs[r].is_alive() and procs[r].exitcode]
     parts = [f"rank {r} of {world} {_exit(procs[r].exitcode)} without a traceback; its stderr and stack:\n"
-             f"{stack[r] or '(none written)'}" for r in dead]
+             f"{stack[r] or '(none written)'}" + (_MISMATCH if "doesn't match expected size" in stack[r] else "")
+             for r in dead]
     parts += [f"rank {r} of {world} failed:\n{failed[r]}" + (f"\nits stderr:\n{err}" if (err := _read(stacks, r)) else "")
               for r in order]
     parts += [f"rank {r} of {world} was still running; its stderr and stack:\n{stack[r] or '(none written)'}"

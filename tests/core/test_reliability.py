@@ -341,5 +341,6 @@ def test_the_launcher_names_a_collective_mismatch():
         run_ranks(2, _mismatch, timeout=120.0)
     report = str(info.value)
     assert report.startswith("rank 0 of 2 died of SIGABRT"), report[:300]
-    assert "Received data size doesn't match expected size" in report, report
+    assert "Received data size doesn't match expected size" in report, report  # gloo's reason, from stderr
+    assert "TORCH_DISTRIBUTED_DEBUG=DETAIL" in report  # how to have torch name both collectives
     assert time.monotonic() - start < 60  # not the 120 s timeout
