@@ -17,6 +17,7 @@ import multiprocessing as mp
 import os
 import queue
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -186,4 +187,7 @@ def run_ranks(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 3
                 if p.is_alive():
                     p.kill()
                     p.join()
+        for r in range(world):  # a run that passed: its ranks' stderr where it went before (warnings, progress)
+            if text := _read(tmp, r):
+                print(f"[rank {r} stderr]\n{text}", file=sys.stderr)
     return [out[r] for r in range(world)]
