@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 import os
+import resource
 import tempfile
 import time
 from datetime import timedelta
@@ -17,6 +19,7 @@ from hypothesis import strategies as st
 import cp_dtensor
 from cp_dtensor.core.plan.layout import shard_tensor
 from cp_dtensor.tools.debug import CommBytes
+import _dist
 from _dist import RankFailure, run_ranks
 from _ref import make_qkv, reference, rel_err
 
@@ -273,23 +276,71 @@ def test_agreement_reads_no_tensor_data_and_uses_a_host_group():
     run_ranks(2, _host_only_agreement)
 
 
-def _cause_then_echo(rank, world, kill):
+def _rank0_cause(how):
+    """Rank 0's failure, in a function of its own (the name the report must show)."""
+    time.sleep(0.3)  # rank 1 is waiting in the collective by now
+    if how == "kill":
+        os.kill(os.getpid(), 9)  # dies without a traceback or a stack, as the OOM killer kills
+    if how == "segv":
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file in the checkout
+        ctypes.string_at(0)  # a crash: faulthandler writes the stack
+    raise ValueError("the cause")
+
+
+def _rank0_stuck():
+    while True:  # still computing when its peer fails: the launcher asks it for its stack
+        time.sleep(0.01)
+
+
+def _cause_then_echo(rank, world, how):
     if rank == 0:
-        time.sleep(0.3)  # rank 1 is waiting in the collective by now
-        if kill:
-            os.kill(os.getpid(), 9)  # dies without a traceback, as the OOM killer does
-        raise ValueError("the cause")
+        _rank0_stuck() if how == "stuck" else _rank0_cause(how)
+    if how == "stuck":
+        raise ValueError("rank 1 fails alone")
     out = [None] * world
     dist.all_gather_object(out, rank)  # rank 1: its sockets close under it, an echo of rank 0's failure
 
 
-@pytest.mark.parametrize("kill", [False, True])
-def test_the_launcher_reports_the_cause_first(kill):
-    """tests/_dist.py names every failing rank, the cause before the peers' echoes of it."""
+@pytest.mark.parametrize("how", ["raise", "kill", "segv", "stuck"])
+def test_the_launcher_reports_the_cause_first(how, monkeypatch):
+    """tests/_dist.py names every failing rank, the cause before the peers' echoes of it, with the signal and
+    Python stack of a rank that died and the stack of a rank still running."""
+    monkeypatch.setattr(_dist, "GRACE", 1.0)  # the stuck rank: ask for its stack after 1 s
     with pytest.raises(RankFailure) as info:
-        run_ranks(2, _cause_then_echo, kill)
+        run_ranks(2, _cause_then_echo, how)
     report = str(info.value)
-    first = "rank 0 of 2 exited with code -9" if kill else "rank 0 of 2 failed"
-    assert report.startswith(first), report[:200]
-    assert "ValueError: the cause" in report or kill
-    assert "rank 1 of 2 failed" in report  # the echo is kept, after the cause
+    first = {"raise": "rank 0 of 2 failed", "kill": "rank 0 of 2 died of SIGKILL (killed from outside",
+             "segv": "rank 0 of 2 died of SIGSEGV", "stuck": "rank 1 of 2 failed"}[how]
+    assert report.startswith(first), report[:300]
+    if how == "raise":
+        assert "ValueError: the cause" in report
+    if how == "segv":  # faulthandler's stack, from the rank's file
+        assert "Segmentation fault" in report and "in _rank0_cause" in report, report
+    if how == "stuck":
+        assert "ValueError: rank 1 fails alone" in report
+        assert "rank 0 of 2 was still running; its stderr and stack:" in report and "in _rank0_stuck" in report, report
+    else:
+        assert "rank 1 of 2 failed" in report  # the echo is kept, after the cause
+
+
+def _mismatch(rank, world):
+    if rank == 0:  # a collective rank 1 does not join: its 8-byte message arrives where 4 are expected
+        x = torch.zeros(4, dtype=torch.uint8)
+        dist.all_gather([torch.empty_like(x) for _ in range(world)], x)
+        dist.barrier()
+    else:
+        dist.all_gather_object([None] * world, "the call's fingerprint")
+
+
+def test_the_launcher_names_a_collective_mismatch():
+    """Two ranks in different collectives: gloo aborts the rank that receives the larger message (SIGABRT, no
+    Python traceback) and its peer reads "Connection reset by peer". The report names the abort, with gloo's
+    reason from the rank's stderr, at once rather than after the launcher's timeout."""
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run_ranks(2, _mismatch, timeout=120.0)
+    report = str(info.value)
+    assert report.startswith("rank 0 of 2 died of SIGABRT"), report[:300]
+    assert "Received data size doesn't match expected size" in report, report  # gloo's reason, from stderr
+    assert "TORCH_DISTRIBUTED_DEBUG=DETAIL" in report  # how to have torch name both collectives
+    assert time.monotonic() - start < 60  # not the 120 s timeout
