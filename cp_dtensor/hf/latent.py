@@ -72,7 +72,7 @@ from .latent_attend import Masks, latent_attention
 from .pads import latent_pad_error, planned_pad_error
 from .sparse import _order, global_rows, seen_keys
 
-__all__ = ["PROVEN", "enable_latent", "expand_blocks", "latent_error", "mla_layers", "mla_path", "report", "ring_exchange",
+__all__ = ["EXCHANGES", "PROVEN", "enable_latent", "expand_blocks", "latent_error", "mla_layers", "mla_path", "report", "ring_exchange",
            "take_handed", "take_latents"]
 
 #: the families whose latent path is checked against CP=1 (tests/hf/test_hf_dsa.py's MLA cases; the conformance
@@ -92,9 +92,17 @@ def mla_layers(model: nn.Module) -> list[nn.Module]:
             and hasattr(m, "kv_lora_rank") and not hasattr(m, "indexer")]
 
 
+EXCHANGES = ("ring", "allgather", "latent")  # the transformers door's kv_exchange values
+
+
 def ring_exchange(kv_exchange: str) -> str:
     """The ring's ``kv_exchange`` for a door's: "latent" is the door's own (the MLA layers'); the model's ring
-    calls then run the ring."""
+    calls then run the ring. Another value raises, naming the door's values (the same arguments on every rank:
+    every rank raises alike, before any communication)."""
+    if not isinstance(kv_exchange, str) or kv_exchange not in EXCHANGES:
+        raise ValueError(f"kv_exchange must be one of {', '.join(map(repr, EXCHANGES))} at the transformers door "
+                         f"('latent': multi-head latent attention sends its latent rows, opt-in); got {kv_exchange!r}. "
+                         f"{_SEE}")
     return "ring" if kv_exchange == "latent" else kv_exchange
 
 

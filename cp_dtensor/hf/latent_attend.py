@@ -87,8 +87,14 @@ def _expand(module: nn.Module, rows: Tensor) -> tuple[Tensor, Tensor]:
     return type(module).expand_kv(module, kv_nope[:, None], k_rot[:, None])
 
 
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    """The dtype out, lse and the gradients accumulate in: fp32, float64 for a float64 model (the CPU kernel
+    keeps float64 and hands back a float64 lse)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _scores(query: Tensor, keys: Tensor, scaling: float, allowed: Tensor) -> Tensor:
-    s = torch.matmul(query, keys.transpose(-1, -2)).float() * scaling  # [B, H, T, C]
+    s = torch.matmul(query, keys.transpose(-1, -2)).to(_acc(query.dtype)) * scaling  # [B, H, T, C]
     return s.masked_fill(~allowed[:, None], float("-inf"))
 
 
@@ -109,14 +115,14 @@ class LatentAttention(torch.autograd.Function):
     def forward(ctx, module: nn.Module, masks: Masks, scaling: float, query: Tensor, latents: Tensor, *params):
         bsz, heads, s, _ = query.shape
         step, tiles = _plan(module, query, masks, latents.shape[1])
-        m = query.new_full((bsz, heads, s), float("-inf"), dtype=torch.float32)
+        m = query.new_full((bsz, heads, s), float("-inf"), dtype=_acc(query.dtype))
         l = torch.zeros_like(m)  # noqa: E741
-        acc = None  # [B, H, S, Dv] fp32
+        acc = None  # [B, H, S, Dv] in _acc's dtype
         for lo in range(0, masks.end, step):
             hi = min(lo + step, masks.end)
             keys, values = _expand(module, latents[:, lo:hi])
             if acc is None:
-                acc = query.new_zeros(bsz, heads, s, values.shape[-1], dtype=torch.float32)
+                acc = query.new_zeros(bsz, heads, s, values.shape[-1], dtype=m.dtype)
             for rows, end in tiles:
                 if end <= lo:  # no query of the tile sees a key of the chunk
                     continue
@@ -129,7 +135,7 @@ class LatentAttention(torch.autograd.Function):
                 p = torch.exp(sc - base[..., None])
                 fix = torch.exp(m[:, :, rows] - base)
                 # stable merge: acc * exp(m - m') + p v, l * exp(m - m') + sum p
-                acc[:, :, rows] = acc[:, :, rows] * fix[..., None] + torch.matmul(p.to(values.dtype), values).float()
+                acc[:, :, rows] = acc[:, :, rows] * fix[..., None] + torch.matmul(p.to(values.dtype), values).to(acc.dtype)
                 l[:, :, rows] = l[:, :, rows] * fix + p.sum(-1)
                 m[:, :, rows] = new
         if FUSED:
@@ -149,10 +155,10 @@ class LatentAttention(torch.autograd.Function):
         query, latents, out, lse = ctx.saved_tensors
         module, masks, scaling = ctx.module, ctx.masks, ctx.scaling
         step, tiles = _plan(module, query, masks, latents.shape[1])
-        do = grad_out.float()
-        delta = (do * out.float()).sum(-1)  # [B, H, S]: D = rowsum(dO * out)
+        do = grad_out.to(lse.dtype)
+        delta = (do * out.to(lse.dtype)).sum(-1)  # [B, H, S]: D = rowsum(dO * out)
         base = torch.where(torch.isfinite(lse), lse, 0.0)[..., None]
-        dq = torch.zeros_like(query, dtype=torch.float32)
+        dq = torch.zeros_like(query, dtype=lse.dtype)
         dlat = torch.zeros_like(latents)
         sums: list[Tensor | None] = [None] * len(ctx.params)
         enabled, dtype, dev = ctx.autocast
@@ -162,7 +168,7 @@ class LatentAttention(torch.autograd.Function):
                 rows_ = latents[:, lo:hi].detach().requires_grad_()
                 keys, values = _expand(module, rows_)
             k, v = keys.detach(), values.detach()
-            dk, dv = torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
+            dk, dv = torch.zeros_like(k, dtype=lse.dtype), torch.zeros_like(v, dtype=lse.dtype)
             for rows, end in tiles:
                 if end <= lo:
                     continue
@@ -173,9 +179,9 @@ class LatentAttention(torch.autograd.Function):
                 q = query[:, :, rows]
                 p = torch.exp(_scores(q, k, scaling, masks.chunk(rows, lo, hi)) - base[:, :, rows])  # [B, H, T, C]
                 dv += torch.matmul(p.transpose(-1, -2), do[:, :, rows])
-                ds = p * (torch.matmul(do[:, :, rows], v.float().transpose(-1, -2)) - delta[:, :, rows, None]) * scaling
-                dq[:, :, rows] += torch.matmul(ds, k.float())
-                dk += torch.matmul(ds.transpose(-1, -2), q.float())
+                ds = p * (torch.matmul(do[:, :, rows], v.to(do.dtype).transpose(-1, -2)) - delta[:, :, rows, None]) * scaling
+                dq[:, :, rows] += torch.matmul(ds, k.to(do.dtype))
+                dk += torch.matmul(ds.transpose(-1, -2), q.to(do.dtype))
             got = torch.autograd.grad((keys, values), (rows_, *ctx.params), (dk.to(keys.dtype), dv.to(values.dtype)),
                                       allow_unused=True)
             dlat[:, lo:hi] += got[0]
@@ -190,7 +196,7 @@ def _additive(allowed: Tensor, dtype: torch.dtype) -> Tensor:
 
 def _fused_fwd(query, keys, values, scaling, allowed, rows, acc, lse) -> None:
     """One (query tile, key chunk) through the core's fused kernel, a batch row at a time (each row its own
-    mask), merged into ``acc`` (the normalised out so far, fp32) and ``lse`` (fp32, -inf: no key yet) in place."""
+    mask), merged into ``acc`` (the normalised out so far) and ``lse`` (-inf: no key yet) in place, both in :func:`_acc`'s dtype."""
     for b in range(query.shape[0]):
         a = allowed[b]  # [T, C]
         hit = a.any(-1)  # [T]: the tile's queries with a key in the chunk
@@ -198,8 +204,8 @@ def _fused_fwd(query, keys, values, scaling, allowed, rows, acc, lse) -> None:
             continue
         o, ls = kernel_fwd(query[b:b + 1, :, rows], keys[b:b + 1], values[b:b + 1], False, scaling,
                            _additive(a, query.dtype))
-        ls = ls.float().masked_fill(~hit, float("-inf"))  # a query with no key here: no part of its softmax
-        o = o.float().masked_fill(~hit[:, None], 0.0)
+        ls = ls.to(lse.dtype).masked_fill(~hit, float("-inf"))  # a query with no key here: no part of its softmax
+        o = o.to(acc.dtype).masked_fill(~hit[:, None], 0.0)
         old = lse[b:b + 1, :, rows]
         new = torch.logaddexp(old, ls)
         base = new.masked_fill(new == float("-inf"), 0.0)
@@ -210,7 +216,9 @@ def _fused_fwd(query, keys, values, scaling, allowed, rows, acc, lse) -> None:
 
 def _fused_bwd(grad_out, query, k, v, out, lse, scaling, allowed, rows, dq, dk, dv) -> None:
     """The backward of :func:`_fused_fwd` for one (query tile, key chunk), from the final out and ``lse`` (a
-    row with no key: 0, every score masked): dq, dk, dv (fp32) accumulated in place."""
+    row with no key: 0, every score masked): dq, dk, dv (:func:`_acc`'s dtype) accumulated in place."""
+    if query.device.type != "cpu":  # the CUDA kernels read an fp32 lse (a float64 model runs them in fp32)
+        lse = lse.float()
     for b in range(query.shape[0]):
         a = allowed[b]
         if not bool(a.any()):
@@ -218,9 +226,9 @@ def _fused_bwd(grad_out, query, k, v, out, lse, scaling, allowed, rows, dq, dk, 
         got = kernel_bwd(grad_out[b:b + 1, :, rows], query[b:b + 1, :, rows], k[b:b + 1], v[b:b + 1],
                          out[b:b + 1, :, rows], lse[b:b + 1, :, rows].contiguous(), False, scaling,
                          _additive(a, query.dtype))
-        dq[b:b + 1, :, rows] += got[0].float()
-        dk[b:b + 1] += got[1].float()
-        dv[b:b + 1] += got[2].float()
+        dq[b:b + 1, :, rows] += got[0].to(dq.dtype)
+        dk[b:b + 1] += got[1].to(dk.dtype)
+        dv[b:b + 1] += got[2].to(dv.dtype)
 
 
 def _parameters(module: nn.Module) -> list[Tensor]:

@@ -411,6 +411,18 @@ def _mla_cases(mesh, out: dict) -> None:
     out["mla latent", "kernel"] = _raises(lambda: latent_door(kernel), "attn_implementation='flash_attention_2'")
     out["mla latent", "comm_dtype"] = _raises(lambda: latent_door(copy.deepcopy(plain), comm_dtype=torch.bfloat16),
                                               "comm_dtype=torch.bfloat16")
+    out["mla latent", "typo"] = _raises(lambda: latent_door(copy.deepcopy(plain), kv_exchange="Latent"),
+                                        "one of 'ring', 'allgather', 'latent'")  # the door's values, not the ring's
+    cfg = conformance.tiny_config("deepseek_v3")  # a float64 model (dense: transformers' grouped experts take no
+    cfg.first_k_dense_replace = 2  # float64): the kernels' float64 lse and float64 accumulation
+    torch.manual_seed(0)
+    dense = getattr(transformers, MLA["deepseek_v3"])(cfg).double().train()
+    dense.set_attn_implementation("sdpa")
+    ref_loss, ref_logits, ref_grads, _ = _plain(copy.deepcopy(dense))
+    _, loss, logits, grads, _ = _cp(copy.deepcopy(dense), mesh, "striped", kv_exchange="latent")
+    out["deepseek_v3", "float64"] = dict(
+        picks=True, loss=abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()), logits=rel_err(logits, ref_logits),
+        grads=sorted(grads) == sorted(ref_grads) and max(rel_err(grads[n], ref_grads[n]) for n in ref_grads))
     world = mesh.size()
     for kind in sorted(latent.PROVEN - set(MLA)):  # the other proven families: P = 2 headtail (LongCat, slow: 4 s
         if kind == "longcat_flash" and world == 2:  # a run), P = 3 every layout they take
@@ -644,6 +656,8 @@ def _check(world):
                 assert picks and loss2 <= 1e-3 and logits2 <= 1.5 * logits1 + 1e-2, (key, mode, got[mode])
             continue
         assert got["picks"], (key, "the selected index sets differ from CP=1's")
+        if "float64" in key:  # float64 all through (the loss: transformers' cross-entropy upcasts to fp32 only)
+            assert got["logits"] <= 1e-12 and got["grads"] is not False and got["grads"] <= 1e-12, (key, got)
         loss_tol = 1e-6 if key[0] in MLA_PROVEN else TOL  # dense MLA: the loss to 1e-6 (relative)
         assert got["loss"] <= loss_tol and got["logits"] <= TOL and got["grads"] is not False and got["grads"] <= TOL, \
             (key, got)
@@ -871,6 +885,12 @@ def test_mla_path_names_the_ring_fallback(caplog):
     assert "Use kv_exchange='ring'" in latent.latent_error(model, {"": "sdpa"})
     assert latent_(_model("deepseek_v32"), {"": "sdpa"}) is None  # DSA layers: hf/sparse.py's own path
     assert "no dense multi-head latent" in latent.latent_error(_model("deepseek_v32"), {"": "sdpa"})
+    from transformers import Trainer
+
+    from cp_dtensor.hf import with_context_parallel
+
+    with pytest.raises(ValueError, match="one of 'ring', 'allgather', 'latent' at the transformers door.*got 'Latent'"):
+        with_context_parallel(Trainer, cp_size=2, kv_exchange="Latent")  # the door's values named, not the ring's
 
 
 def _mla_dynamic_ranks(rank, world, tmp):
