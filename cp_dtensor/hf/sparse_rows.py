@@ -95,6 +95,15 @@ class _Keys:
         return self.keys
 
 
+def _exchanged_keys(indexer: nn.Module, hidden: Tensor, q_resid: Tensor, position_embeddings, mask: Tensor,
+                    position_ids: Tensor, cache) -> Tensor:
+    """The index keys ``cache`` hands back for the queries' keys, computed by a call of the ``indexer`` with a
+    one-column mask (``_Keys()`` keeps them), so that ``cache.update_indexer`` -- the exchange -- runs once."""
+    grab = _Keys()
+    indexer(hidden, q_resid, position_embeddings, mask[..., :1], position_ids, cache=grab)
+    return cache.update_indexer(grab.got, indexer.layer_idx)
+
+
 def by_rows(indexer: nn.Module, seg: int, lens: Tensor, mine: Tensor, hidden: Tensor, q_resid: Tensor,
             position_embeddings, scored: Tensor, position_ids: Tensor, cache) -> Tensor:
     """The indexer's picks [B, S, K] (global positions) for this rank's queries ``mine`` [B, S], each query scored
@@ -108,9 +117,7 @@ def by_rows(indexer: nn.Module, seg: int, lens: Tensor, mine: Tensor, hidden: Te
     lengths = torch.unique(lens[row]).tolist()
     every = None  # one length on this rank: the one call exchanges the keys; several: a call that computes them first
     if len(lengths) > 1:  # (either way one exchange a rank, the collective every rank calls once)
-        grab = _Keys()
-        indexer(hidden, q_resid, position_embeddings, scored[..., :1], position_ids, cache=grab)
-        every = cache.update_indexer(grab.got, indexer.layer_idx)  # [B, N, D] in global order
+        every = _exchanged_keys(indexer, hidden, q_resid, position_embeddings, scored, position_ids, cache)
         every = every.reshape(-1, seg, every.shape[-1])  # [R, L, D]: row r = b * N / seg + g // seg
     cos, sin = position_embeddings
     flat = [x.expand(bsz, s, *x.shape[2:]).reshape(bsz * s, *x.shape[2:])
@@ -149,9 +156,7 @@ def index_tiles(indexer: nn.Module, hidden: Tensor, q_resid: Tensor, position_em
     if step >= s:  # it fits: the one call
         return indexer(hidden, q_resid, position_embeddings, mask, position_ids, cache=cache)
     if not (isinstance(cache, _Keys) and cache.keys is not None):  # the keys computed once, exchanged once
-        grab = _Keys()
-        indexer(hidden, q_resid, position_embeddings, mask[..., :1], position_ids, cache=grab)
-        cache = _Keys(cache.update_indexer(grab.got, indexer.layer_idx))
+        cache = _Keys(_exchanged_keys(indexer, hidden, q_resid, position_embeddings, mask, position_ids, cache))
     cos, sin = position_embeddings
     tile = lambda x, lo: x if x.shape[1] == 1 else x[:, lo:lo + step]  # noqa: E731  a broadcast query axis stays
     return torch.cat([indexer(hidden[:, lo:lo + step], tile(q_resid, lo), (tile(cos, lo), tile(sin, lo)),
